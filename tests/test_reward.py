@@ -1,0 +1,228 @@
+"""Tests for reward.py: the math verifier on a table of hand-written cases, and the arith task generator."""
+import random
+import re
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project is flat files, not an installed package
+from reward import LEVELS, arith_problems, extract_answer, load_task, math_equal, math_reward  # noqa: E402
+
+HUGE = "blah 7 " * 30_000 + "\\boxed{42}"  # about 210k chars, answer at the very end
+
+# ----------------------------------------------------------------------------- verifier
+
+# (completion text, gold, strict, expected reward)
+REWARD_CASES = [
+    ("\\boxed{12}", "12", False, 1.0),
+    ("\\boxed{12}", "12", True, 1.0),
+    ("So the total is \\boxed{12}.", "12", True, 1.0),
+    ("The answer is 12.", "12", False, 1.0),  # lenient: last number
+    ("The answer is 12.", "12", True, 0.0),  # strict: no box, no answer
+    ("First \\boxed{7}, wait, no: \\boxed{12}", "12", True, 1.0),  # the last box wins
+    ("First \\boxed{12}, wait, no: \\boxed{7}", "12", True, 0.0),
+    ("\\boxed{12} is wrong, the answer is 13", "12", False, 1.0),  # a box beats any later number
+    ("\\boxed{\\frac{3}{4}}", "0.75", True, 1.0),  # nested braces
+    ("\\boxed{\\dfrac{3}{4}}", "3/4", True, 1.0),
+    ("\\boxed{-\\frac{1}{2}}", "-0.5", True, 1.0),
+    ("\\boxed{\\frac{1}{2}}", "-1/2", True, 0.0),
+    ("\\boxed{1,000}", "1000", True, 1.0),
+    ("\\boxed{3.50}", "3.5", True, 1.0),
+    ("\\boxed{-3}", "-3.0", True, 1.0),
+    ("\\boxed{+4}", "4", True, 1.0),
+    ("\\boxed{$5$}", "5", True, 1.0),
+    ("\\boxed {  5 }", "5", True, 1.0),  # spaces around the brace and inside
+    ("\\boxed{}", "0", False, 0.0),  # an empty box is an answer, and a wrong one
+    ("\\boxed{12", "12", True, 0.0),  # unclosed: no box at all
+    ("\\boxed{12", "12", False, 1.0),  # ... so the lenient fallback reads the number
+    ("\\boxed{7} and then \\boxed{12", "7", True, 1.0),  # the last box that closes
+    ("", "12", False, 0.0),
+    ("", "12", True, 0.0),
+    ("\\boxed{12}", "13", False, 0.0),
+    ("12", "13", False, 0.0),
+    ("He has 1,000 apples", "1000", False, 1.0),
+    ("so 7-2 = 5", "5", False, 1.0),
+    ("it drops to -3.", "-3", False, 1.0),
+    ("half of it, 1/2", "0.5", False, 1.0),
+    ("💥\x00\ufffd{}}}{{\\boxed{\u200b}", "0", False, 0.0),  # unicode garbage
+    ("\\boxed{\u22123}", "-3", True, 1.0),  # unicode minus sign
+    ("no numbers here", "0", False, 0.0),
+    (HUGE, "42", True, 1.0),
+    (HUGE[:-11], "7", False, 1.0),
+]
+
+
+@pytest.mark.parametrize("text, gold, strict, expected", REWARD_CASES)
+def test_math_reward(text, gold, strict, expected):
+    assert math_reward(text, gold, strict=strict) == expected
+
+
+# (pred, gold, expected)
+EQUAL_CASES = [
+    ("12", "12", True),
+    ("1/2", "2/4", True),
+    ("3/4", "0.75", True),
+    ("\\frac{3}{4}", "3/4", True),
+    ("\\tfrac{6}{8}", "0.75", True),
+    ("3.0", "3", True),
+    ("3.", "3", True),
+    ("1,000", "1000", True),
+    ("1,000,000.50", "1000000.5", True),
+    (" 5 ", "5", True),
+    ("\\$5", "5", True),
+    ("-0", "0", True),
+    ("1/0", "0", False),  # no value: compared as strings
+    ("1,00", "100", False),  # not a thousands comma
+    ("12", "-12", False),
+    ("0.333", "1/3", False),  # exact values: no rounding
+    ("x", "x", True),  # not a number: normalised string equality
+    ("\\text{yes}", "\\text{no}", False),
+    (None, "12", False),
+    ("", "", False),  # an empty answer never scores
+    ("9" * 5000, "9" * 5000, True),  # too long for Fraction: falls back to string equality
+]
+
+
+@pytest.mark.parametrize("pred, gold, expected", EQUAL_CASES)
+def test_math_equal(pred, gold, expected):
+    assert math_equal(pred, gold) is expected
+
+
+@pytest.mark.parametrize("text, strict, expected", [
+    ("\\boxed{\\frac{1}{2}}", False, "\\frac{1}{2}"),
+    ("a \\boxed{1} b \\boxed{ 2 } c", True, "2"),
+    ("\\boxed{{1}}", True, "{1}"),
+    ("\\boxed{}", True, ""),
+    ("The answer is 12.", True, None),
+    ("The answer is 12.", False, "12"),
+    ("-7 and then 3.25", False, "3.25"),
+    ("costs 1,250 dollars", False, "1,250"),
+    ("step-3", False, "-3"),
+    ("nothing", False, None),
+    ("\\boxed{12", True, None),
+])
+def test_extract_answer(text, strict, expected):
+    assert extract_answer(text, strict=strict) == expected
+
+
+@pytest.mark.parametrize("text", [
+    HUGE,
+    "\\boxed{" * 30_000,  # many unclosed boxes: quadratic if each were scanned to the end
+    "{" * 100_000 + "}" * 99_999,
+    "1," * 100_000,
+    "9" * 100_000,  # Python refuses int() on more than 4300 digits
+    "1e999999999",  # Fraction would build a huge integer
+    "-" * 100_000 + "1",
+])
+def test_adversarial_inputs_are_fast(text):
+    start = time.perf_counter()
+    for strict in (False, True):
+        assert math_reward(text, "1", strict=strict) in (0.0, 1.0)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_random_garbage_never_raises():
+    rng = random.Random(0)
+    alphabet = list("0123456789.,/-+ ${}\\boxedfrac") + ["\\boxed{", "\\frac{", "\\dfrac", "\u2212", "é", "😀", "\x00"]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(30)))
+        gold = "".join(rng.choice(alphabet) for _ in range(rng.randrange(6)))
+        for strict in (False, True):
+            assert math_reward(text, gold, strict=strict) in (0.0, 1.0)
+        math_equal(text, gold)
+
+# ----------------------------------------------------------------------------- arith task
+
+
+def test_same_arguments_same_problems():
+    assert arith_problems("train", 50, level=3, seed=1) == arith_problems("train", 50, level=3, seed=1)
+
+
+def test_seeds_change_the_problems():
+    a, b = arith_problems("train", 50, level=2, seed=0), arith_problems("train", 50, level=2, seed=1)
+    assert [p.question for p in a] != [p.question for p in b]
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_splits_are_disjoint(level):
+    train = {p.question for seed in (0, 1) for p in arith_problems("train", 300, level=level, seed=seed)}
+    test = {p.question for seed in (0, 1) for p in arith_problems("test", 100, level=level, seed=seed)}
+    assert train and test and not train & test
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_ids_and_questions_are_unique(level):
+    problems = arith_problems("train", 300, level=level)
+    assert len({p.id for p in problems}) == len({p.question for p in problems}) == 300
+    assert all(p.id.startswith(f"arith-L{level}-train-") and p.kind == "math" for p in problems)
+
+
+def test_ids_do_not_depend_on_seed():
+    ids = {p.question: p.id for p in arith_problems("test", 100, level=2, seed=0)}
+    for p in arith_problems("test", 100, level=2, seed=5):
+        assert ids.get(p.question, p.id) == p.id
+
+
+def _size(level: int, split: str) -> int:
+    """How many questions a level holds, read from the error that asking for too many raises."""
+    with pytest.raises(ValueError, match=r"has \d+") as err:
+        arith_problems(split, 10**6, level=level)
+    return int(re.search(r"has (\d+)", str(err.value)).group(1))
+
+
+@lru_cache(maxsize=None)
+def _every_question(level: int) -> dict[str, str]:
+    return {p.question: p.answer for split in ("train", "test") for p in arith_problems(split, _size(level, split), level=level)}
+
+
+def test_level_size_is_enforced():
+    size = _size(1, "test")
+    assert 100 < size < 800
+    assert len({p.question for p in arith_problems("test", size, level=1)}) == size
+
+
+# plain-expression questions, e.g. "What is 37 - 16?", "Compute 4 * 6.", "8 + 9 = ?"
+EXPRESSION = re.compile(r"(?:What is|Compute|Calculate) (\d+(?: [-+*×] \d+)+)[?.]|(\d+ \+ \d+) = \?")
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_answers_of_plain_expressions(level):
+    checked = 0
+    for split in ("train", "test"):
+        for p in arith_problems(split, 100, level=level):
+            m = EXPRESSION.fullmatch(p.question)
+            if m:
+                assert str(eval((m.group(1) or m.group(2)).replace("×", "*"))) == p.answer, p
+                checked += 1
+            assert int(p.answer) >= 0
+    assert checked > 0 or level == 5  # level 5 is all word problems
+
+
+@pytest.mark.parametrize("level, question, answer", [
+    (2, "There are 6 marbles in a box. Sam takes 3 out. How many marbles are left in the box?", "3"),
+    (2, "Subtract 5 from 9.", "4"),
+    (3, "Ben had 72 books. Then Ben found 1 more. How many books does Ben have now?", "73"),
+    (4, "What is the product of 7 and 8?", "56"),
+    (5, "Mia has 5 shells. Mia buys 9 more and then gives 3 to a friend. How many shells does Mia have now?", "11"),
+    (5, "There are 9 marbles in a box. Ivy takes out 5 and then puts in 9. How many marbles are in the box now?", "13"),
+    (5, "Leo has 3 bags with 7 pencils in each bag and 4 more pencils on the table. "
+        "How many pencils does Leo have in total?", "25"),
+])
+def test_known_word_problems(level, question, answer):
+    assert _every_question(level)[question] == answer
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="arith"):
+        load_task("nope", "train", 5, 1, 0)
+    with pytest.raises(ValueError):
+        arith_problems("validation", 5)
+    with pytest.raises(ValueError):
+        arith_problems("train", 5, level=9)
+
+
+def test_load_task_matches_generator():
+    assert load_task("arith", "test", 20, 4, 3) == arith_problems("test", 20, level=4, seed=3)

@@ -1,0 +1,417 @@
+"""Train an LLM workflow end to end with multi-agent GRPO.
+
+    python train.py                                   # Eval-Opt, shared adapter, embedded model
+    python train.py --workflow voting --sharing isolated --steps 20
+    python train.py --model tiny --steps 2 --out runs/smoke
+
+One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
+  1. sample B problems, repeat each G times: B*G episodes;
+  2. run the workflow on every episode (workflows.py); each stage is one
+     batched `generate` under its role's adapter (rollout.py), every call recorded;
+  3. score the final answers (reward.py) and broadcast each episode's outcome
+     to all of its calls;
+  4. group-relative advantages per (problem, slot, workflow step) (grpo.py);
+  5. old log-probs of every call, under the adapter that generated it;
+  6. update: under shared sharing one update of the shared adapter over all
+     calls; under isolated sharing role by role, each role's calls split into
+     mini-batches of a fixed size, so a role with three slots takes about three
+     times as many optimizer steps (as in the paper);
+  7. log; evaluate the whole workflow greedily on held-out problems every
+     `eval_every` steps; checkpoint.
+
+Departures from the paper: the defaults fit a 2-core CPU in about 15 minutes
+(a 135M model, few steps, a higher learning rate than its 2e-5, rank 16);
+sequences whose advantage is zero are not run through the model when the
+KL term is off (their gradient is exactly zero; they still count in the
+loss's denominator, so the update is unchanged).
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from grpo import AGG_MODES, group_advantages, policy_loss
+from lora import (adapter_for, adapter_parameters, inject_lora, load_adapters, save_adapters,
+                  setup_adapters, use_adapter)
+from reward import DEFAULT_LEVEL, TASKS, load_task, math_reward
+from rollout import Call, Rollout, load_policy, sequence_logprobs
+from workflows import ROLES, WORKFLOWS, run_workflow
+
+
+def arg(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Config:
+    # what to train
+    workflow: str = arg("eval_opt", "workflow topology", tuple(WORKFLOWS))
+    sharing: str = arg("shared", "shared: one adapter for all roles; isolated: one per role type",
+                       ("shared", "isolated"))
+    algo: str = arg("grpo", "training algorithm", ("grpo",))
+    model: str = arg("smollm2", "smollm2 (embedded), tiny (random, for tests), or a HF id/path")
+    task: str = arg("arith", "problem set", tuple(TASKS))
+    level: int = arg(DEFAULT_LEVEL, "difficulty level of the arith task (1-5)")
+    n_agents: int = arg(3, "generators in voting, workers in orch_workers")
+    max_rounds: int = arg(2, "eval_opt: most generator turns per episode")
+    # rollout
+    steps: int = arg(12, "training steps")
+    problems_per_step: int = arg(4, "B: distinct problems per step")
+    group_size: int = arg(4, "G: episodes per problem (the GRPO group)")
+    max_new_tokens: int = arg(48, "completion length limit of every call")
+    temperature: float = arg(0.7, "sampling temperature of training rollouts")
+    top_p: float = arg(1.0, "nucleus sampling of training rollouts")
+    strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
+    # optimisation
+    lr: float = arg(2e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)")
+    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    grad_clip: float = arg(1.0, "max gradient norm per optimizer step")
+    minibatch_size: int = arg(16, "calls per optimizer step")
+    micro_batch_size: int = arg(8, "calls per forward pass (memory only; same gradient)")
+    eps_low: float = arg(0.2, "lower clip of the ratio")
+    eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)")
+    loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
+    adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)",
+                         ("slot", "role"))
+    kl_coef: float = arg(0.0, "k3 KL to the base model (adapters off); 0 = off, as in the paper")
+    lora_r: int = arg(16, "LoRA rank (paper: 64)")
+    lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r")
+    # evaluation, logging, checkpoints
+    eval_every: int = arg(0, "evaluate every E steps (0: only before and after training)")
+    eval_problems: int = arg(48, "held-out problems per evaluation")
+    train_problems: int = arg(256, "size of the training pool")
+    log_samples: int = arg(2, "episodes per step written to samples.jsonl")
+    save_every: int = arg(5, "checkpoint every k steps (and at the end)")
+    out: str = arg("runs/default", "run directory")
+    seed: int = arg(0, "seed of problems, sampling and adapters")
+    resume: bool = arg(False, "continue the run in --out from its last checkpoint")
+    device: str = arg("auto", "auto, cpu or cuda")
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(Config):
+        help = f"{f.metadata['help']} (default: {f.default})"
+        if f.type is bool:
+            parser.add_argument(f"--{f.name}", default=f.default, help=help,
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(f"--{f.name}", default=f.default, help=help, type=f.type,
+                                choices=f.metadata["choices"])
+    return Config(**vars(parser.parse_args(argv)))
+
+
+# ----------------------------------------------------------------------------
+# Pieces of one step
+
+
+def rollout_step(model, tok, cfg: Config, problems, greedy: bool) -> tuple[Rollout, list, list[float]]:
+    """Run the workflow once per problem; return the recorder, outcomes and rewards."""
+    rollout = Rollout(model, tok, cfg.sharing, cfg.max_new_tokens, cfg.temperature, cfg.top_p, greedy)
+    outcomes = run_workflow(cfg.workflow, [p.question for p in problems], rollout,
+                            problems[0].kind, cfg.n_agents, cfg.max_rounds)
+    rewards = [math_reward(o.final, p.answer, cfg.strict_answer) for o, p in zip(outcomes, problems)]
+    for call in rollout.calls:
+        call.reward = rewards[call.episode]  # the final outcome, broadcast to every call
+    return rollout, outcomes, rewards
+
+
+def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> float:
+    """Held-out accuracy of the whole workflow, greedy decoding."""
+    rewards = []
+    for i in range(0, len(problems), batch):
+        rewards += rollout_step(model, tok, cfg, problems[i:i + batch], greedy=True)[2]
+    return sum(rewards) / len(rewards)
+
+
+def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
+    """GRPO advantages on every call; returns the share of calls with no signal."""
+    if by == "slot":
+        keys = [(problem_of[c.episode], c.slot, c.turn) for c in calls]
+    else:
+        keys = [(problem_of[c.episode], c.role) for c in calls]
+    adv = group_advantages(torch.tensor([c.reward for c in calls]), keys)
+    for call, a in zip(calls, adv.tolist()):
+        call.advantage = a
+    return sum(a == 0 for a in adv.tolist()) / len(calls)
+
+
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+@torch.no_grad()
+def set_old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, cfg: Config) -> None:
+    with use_adapter(model, adapter):
+        for micro in chunks(calls, cfg.micro_batch_size):
+            logp, mask = sequence_logprobs(model, micro, pad_id, cfg.temperature)
+            for call, row in zip(micro, logp):
+                call.old_logp = row[: len(call.completion_ids)].cpu()
+
+
+def padded(rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), T)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def update_adapter(model, adapter: str, calls: list[Call], optimizer, cfg: Config, pad_id: int,
+                   rng: random.Random) -> dict[str, list[float]]:
+    """One pass over `calls` in mini-batches, one optimizer step each (PPO epochs = 1).
+
+    Each role's part of a mini-batch is back-propagated on its own, so the norm
+    of that role's gradient is measured even when roles share the adapter.
+    """
+    params = adapter_parameters(model, adapter)
+    stats = defaultdict(list)
+    calls = calls[:]
+    rng.shuffle(calls)
+    for mb in chunks(calls, cfg.minibatch_size):
+        optimizer.zero_grad(set_to_none=False)
+        num_seqs = len(mb)
+        num_tokens = sum(len(c.completion_ids) for c in mb)
+        live = mb if cfg.kl_coef > 0 else [c for c in mb if c.advantage != 0]
+        for role in sorted({c.role for c in live}):
+            before = [p.grad.clone() for p in params]
+            for micro in chunks([c for c in live if c.role == role], cfg.micro_batch_size):
+                with use_adapter(model, adapter):
+                    logp, mask = sequence_logprobs(model, micro, pad_id, cfg.temperature)  # (b, T)
+                ref_logp = None
+                if cfg.kl_coef > 0:
+                    with torch.no_grad(), use_adapter(model, None):
+                        ref_logp, _ = sequence_logprobs(model, micro, pad_id, cfg.temperature)
+                old = padded([c.old_logp for c in micro], logp.shape[1]).to(logp.device)  # (b, T)
+                adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
+                loss, st = policy_loss(logp, old, adv, mask, cfg.eps_low, cfg.eps_high, cfg.loss_agg,
+                                       ref_logp, cfg.kl_coef, num_seqs, num_tokens)
+                loss.backward()
+                for k, v in st.items():
+                    stats[f"role/{role}/{k}"].append(v)
+            role_grad = torch.sqrt(sum(((p.grad - b) ** 2).sum() for p, b in zip(params, before)))
+            stats[f"role/{role}/grad_norm"].append(role_grad.item())
+        total = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        stats[f"adapter/{adapter}/grad_norm"].append(total.item())
+        optimizer.step()
+    return stats
+
+
+def step_metrics(calls: list[Call], rewards: list[float], outcomes) -> dict[str, float]:
+    m = {"reward/mean": sum(rewards) / len(rewards),
+         "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes)}
+    for key in ("role", "slot"):
+        groups = defaultdict(list)
+        for c in calls:
+            groups[getattr(c, key)].append(c)
+        for name, cs in groups.items():
+            m[f"{key}/{name}/reward"] = sum(c.reward for c in cs) / len(cs)
+            m[f"{key}/{name}/len"] = sum(len(c.completion_ids) for c in cs) / len(cs)
+            m[f"{key}/{name}/calls"] = len(cs)
+    return m
+
+
+def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float],
+                    episodes: list[int]) -> list[dict]:
+    """Complete episodes for samples.jsonl: every call's prompt and output, the outcome."""
+    rows = []
+    for e in episodes:
+        rows.append({"step": step, "episode": e, "problem": problems[e].id,
+                     "question": problems[e].question, "answer": problems[e].answer,
+                     "final": outcomes[e].final, "reward": rewards[e], "info": outcomes[e].info,
+                     "calls": [{"role": c.role, "slot": c.slot, "turn": c.turn, "prompt": c.prompt,
+                                "output": c.text, "advantage": c.advantage}
+                               for c in calls if c.episode == e]})
+    return rows
+
+
+# ----------------------------------------------------------------------------
+# Files: config, logs, checkpoints (all written atomically)
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: str, rows: list[dict]) -> None:
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def truncate_jsonl(path: str, last_step: int) -> None:
+    """Drop log lines written after the checkpoint we resume from."""
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = [line for line in f if json.loads(line)["step"] <= last_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+
+
+def save_checkpoint(out: str, model, step: int, optimizers: dict, schedulers: dict,
+                    rng: random.Random) -> None:
+    tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_adapters(model, tmp)
+    torch.save({"step": step,
+                "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
+                "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
+                "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "py_rng": rng.getstate()}, os.path.join(tmp, "state.pt"))
+    # Swap directories so a crash leaves either the old or the new checkpoint whole.
+    if os.path.exists(final):
+        os.replace(final, final + ".old")
+    os.replace(tmp, final)
+    shutil.rmtree(final + ".old", ignore_errors=True)
+
+
+def load_checkpoint(out: str, model, optimizers: dict, schedulers: dict, rng: random.Random) -> int:
+    path = os.path.join(out, "ckpt")
+    if not os.path.exists(os.path.join(path, "state.pt")):
+        raise SystemExit(f"--resume: no checkpoint in {path}")
+    load_adapters(model, path, list(optimizers))
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    for k in optimizers:
+        optimizers[k].load_state_dict(state["optimizers"][k])
+        schedulers[k].load_state_dict(state["schedulers"][k])
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    rng.setstate(state["py_rng"])
+    return state["step"]
+
+
+def resolve_resume(cfg: Config) -> Config:
+    """--resume takes the run's saved config; a flag that contradicts it is an error."""
+    saved = Config(**json.load(open(os.path.join(cfg.out, "config.json"))))
+    for f in dataclasses.fields(Config):
+        given, old = getattr(cfg, f.name), getattr(saved, f.name)
+        if f.name != "resume" and given != f.default and given != old:
+            raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
+    return dataclasses.replace(saved, resume=True)
+
+
+def lr_lambda(warmup: int, total: int):
+    def schedule(step: int) -> float:  # step counts training steps already taken
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return schedule
+
+
+# ----------------------------------------------------------------------------
+# Main
+
+
+def main(cfg: Config) -> dict:
+    if cfg.resume:
+        if not os.path.exists(os.path.join(cfg.out, "config.json")):
+            raise SystemExit(f"--resume: no run in {cfg.out}")
+        cfg = resolve_resume(cfg)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    os.makedirs(cfg.out, exist_ok=True)
+    write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg))
+    metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
+
+    # ---- data, model, adapters, optimizers
+    train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
+    test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
+    model, tok = load_policy(cfg.model, device)
+    inject_lora(model, cfg.lora_r, cfg.lora_alpha)
+    names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
+    optimizers, schedulers = {}, {}
+    for name in names:
+        params = adapter_parameters(model, name)
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)  # kept allocated: per-role norms diff it
+        optimizers[name] = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
+            optimizers[name], lr_lambda(cfg.warmup_steps, cfg.steps))
+
+    start = 0
+    if cfg.resume:
+        start = load_checkpoint(cfg.out, model, optimizers, schedulers, rng)
+        truncate_jsonl(metrics_path, start)
+        truncate_jsonl(samples_path, start)
+        acc_before = next(json.loads(l)["eval/accuracy"] for l in open(metrics_path)
+                          if json.loads(l)["step"] == 0)
+        print(f"resuming {cfg.out} at step {start}")
+    else:
+        for path in (metrics_path, samples_path):
+            open(path, "w").close()
+        print(f"evaluating on {len(test_set)} held-out problems ...")
+        acc_before = evaluate(model, tok, cfg, test_set)
+        append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before}])
+        print(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f}")
+
+    acc = acc_before
+    for step in tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps,
+                     desc="train", file=sys.stderr, disable=None):
+        t0 = time.time()
+        # 1-3. problems, rollout, rewards
+        picked = rng.sample(range(len(train_set)), cfg.problems_per_step)
+        problem_of = [i for i in picked for _ in range(cfg.group_size)]
+        problems = [train_set[i] for i in problem_of]
+        model.eval()
+        rollout, outcomes, rewards = rollout_step(model, tok, cfg, problems, greedy=False)
+        calls = rollout.calls
+        t1 = time.time()
+        # 4. advantages
+        no_signal = set_advantages(calls, problem_of, cfg.adv_group)
+        # 5-6. old log-probs and the update, adapter by adapter
+        model.train()
+        stats = defaultdict(list)
+        for name in names:
+            mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
+            set_old_logprobs(model, mine, name, tok.pad_token_id, cfg)
+            for k, v in update_adapter(model, name, mine, optimizers[name], cfg,
+                                       tok.pad_token_id, rng).items():
+                stats[k] += v
+            schedulers[name].step()
+        model.eval()
+        # 7. logs, evaluation, checkpoint
+        m = {"step": step, **step_metrics(calls, rewards, outcomes), "adv/zero_frac": no_signal,
+             "lr": schedulers[names[0]].get_last_lr()[0],
+             "time/rollout": t1 - t0, "time/update": time.time() - t1}
+        m.update({k: sum(v) / len(v) for k, v in stats.items()})
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            acc = evaluate(model, tok, cfg, test_set)
+            m["eval/accuracy"] = acc
+        m["time/step"] = time.time() - t0
+        append_jsonl(metrics_path, [m])
+        seen = list(range(0, len(problems), cfg.group_size))[: cfg.log_samples]
+        append_jsonl(samples_path, episode_samples(step, calls, outcomes, problems, rewards, seen))
+        line = f"step {step}/{cfg.steps} | reward {m['reward/mean']:.3f} | {m['time/step']:.1f}s"
+        if "eval/accuracy" in m:
+            line += f" | eval/accuracy {acc:.3f}"
+        tqdm.write(line)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            save_checkpoint(cfg.out, model, step, optimizers, schedulers, rng)
+
+    print(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
+          f"before {acc_before:.3f} -> after {acc:.3f}  [{len(test_set)} problems, greedy]")
+    return {"before": acc_before, "after": acc}
+
+
+if __name__ == "__main__":
+    main(parse_config())

@@ -1,0 +1,333 @@
+r"""Multi-agent LLM workflows as plain Python: who speaks, with which prompt, in which order.
+
+A workflow turns a batch of questions into one final text per question by calling
+LLM "agents" in stages. Each agent has a *slot* (generator0, evaluator, worker2, ...)
+and a *role type* (generator, evaluator, worker, ...); slots of one role type share
+a prompt and, under IP (one adapter per role type), a LoRA adapter. A workflow never touches
+tensors: it calls a `generate(role, slots, episodes, chats)` callback exactly once
+per stage, and the callback (rollout.py) batches every call of that stage, across
+all episodes and slots, into one model call and records it for training.
+
+Topologies and role contracts follow Paper A (Zeng et al. 2026, "When Does
+Multi-Agent RL Improve LLM Workflows?", arXiv 2605.24202):
+  single        generator                                    final = generator
+  eval_opt      generator -> evaluator -> generator -> ...   final = last generator turn
+  voting        N generators -> aggregator picks \boxed{k}   final = candidate k
+  orch_workers  orchestrator -> N workers -> synthesizer     final = synthesizer
+The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the
+orchestrator lists strategies and never solves.
+
+Departures from the paper:
+  - the prompts are this project's own, short enough for a 135M model;
+  - a verdict without \boxed{} falls back to the last standalone word
+    "correct"/"incorrect"; with neither, the evaluator counts as Incorrect;
+  - eval_opt skips the evaluator after the last generator turn (it could change nothing);
+  - texts passed to a later role keep their head and tail, MAX_FEED_CHARS in all;
+  - info["fallback"] flags any broken answer contract (a cheap role-capture signal).
+
+Exercised by: pytest tests/test_workflows.py, and `python workflows.py voting`,
+which prints every stage's prompts for one question using a canned fake model.
+"""
+import re
+import sys
+from dataclasses import dataclass
+from string import Template
+from typing import Callable
+
+Chat = list[dict[str, str]]  # [{"role": "system", ...}, {"role": "user", ...}]
+GenerateFn = Callable[[str, list[str], list[int], list[Chat]], list[str]]
+
+# A rambling agent must not blow up the next agent's prompt (and its token budget).
+MAX_FEED_CHARS = 1500
+# Given to workers when the orchestrator listed fewer strategies than there are workers.
+DEFAULT_STRATEGY = "Solve it directly, step by step."
+
+# Prompts keyed by (kind, role type). "user" is the first-turn message; the generator
+# also has "refine", its eval_opt turn after an Incorrect verdict. Templates use
+# string.Template ($question) so the braces of \boxed{} need no escaping.
+PROMPTS: dict[tuple[str, str], dict[str, str]] = {
+    ("math", "generator"): {
+        "system": "You are a careful math solver. Solve the problem step by step. "
+                  "End with the final answer in \\boxed{}, for example \\boxed{42}.",
+        "user": "Problem: $question",
+        "refine": "Problem: $question\n\nYour previous solution:\n$solution\n\n"
+                  "A reviewer said it is incorrect:\n$critique\n\n"
+                  "Write a corrected solution. End with the final answer in \\boxed{}.",
+    },
+    ("math", "evaluator"): {
+        "system": "You are a strict math reviewer. Check whether a solution is correct. "
+                  "Do not solve the problem and do not give the answer. Write at most two "
+                  "short sentences, then \\boxed{Correct} or \\boxed{Incorrect}.",
+        "user": "Problem: $question\n\nSolution to check:\n$solution\n\n"
+                "Is it correct? End with \\boxed{Correct} or \\boxed{Incorrect}.",
+    },
+    ("math", "aggregator"): {
+        "system": "You are a judge. You see a problem and $n numbered candidate solutions. "
+                  "Pick the candidate most likely to be correct. Reply only with its "
+                  "number in \\boxed{}, for example \\boxed{2}.",
+        "user": "Problem: $question\n\n$candidates\n\n"
+                "Which candidate is correct? Reply with \\boxed{k}, k from 1 to $n.",
+    },
+    ("math", "orchestrator"): {
+        "system": "You are a planner. Do not solve the problem and do not compute the answer. "
+                  "List up to $n different strategies to solve it, one short sentence each, "
+                  "numbered 1., 2., 3.",
+        "user": "Problem: $question\n\nList up to $n numbered strategies.",
+    },
+    ("math", "worker"): {
+        "system": "You are a math solver. Solve the problem step by step using the given "
+                  "strategy. End with the final answer in \\boxed{}, for example \\boxed{42}.",
+        "user": "Problem: $question\n\nStrategy: $strategy",
+    },
+    ("math", "synthesizer"): {
+        "system": "You are a senior math solver. You see a problem and solutions from other "
+                  "solvers. Check them, decide which answer is right, and explain briefly. "
+                  "End with the final answer in \\boxed{}, for example \\boxed{42}.",
+        "user": "Problem: $question\n\n$solutions\n\n"
+                "What is the correct final answer? End with \\boxed{}.",
+    },
+}
+KINDS = sorted({kind for kind, _ in PROMPTS})
+
+ROLES: dict[str, list[str]] = {
+    "single": ["generator"],
+    "eval_opt": ["generator", "evaluator"],
+    "voting": ["generator", "aggregator"],
+    "orch_workers": ["orchestrator", "worker", "synthesizer"],
+}
+
+
+@dataclass
+class Outcome:
+    final: str  # the text the reward scores (its last \boxed{} is the answer)
+    # What happened, for logs. Every workflow sets "fallback" (a role broke its answer
+    # contract); eval_opt adds "rounds" and "stopped", voting "choice" and "rule",
+    # orch_workers "strategies" (how many were parsed).
+    info: dict
+
+
+# ---------------------------------------------------------------- names and prompts
+
+def slots(name: str, n_agents: int = 3) -> list[str]:
+    """Agent slots of a workflow, in stage order: voting -> generator0..2, aggregator."""
+    check_name(name)
+    if name == "voting":
+        return [f"generator{i}" for i in range(n_agents)] + ["aggregator"]
+    if name == "orch_workers":
+        return ["orchestrator"] + [f"worker{i}" for i in range(n_agents)] + ["synthesizer"]
+    return {"single": ["generator"], "eval_opt": ["generator", "evaluator"]}[name]
+
+
+def role_of(slot: str) -> str:
+    """Role type of a slot: "generator1" -> "generator", "evaluator" -> "evaluator"."""
+    role = re.sub(r"\d+$", "", slot)
+    if role not in {r for roles in ROLES.values() for r in roles}:
+        raise ValueError(f"unknown agent slot {slot!r}")
+    return role
+
+
+def check_name(name: str) -> None:
+    if name not in WORKFLOWS:
+        raise ValueError(f"unknown workflow {name!r}; known: {', '.join(WORKFLOWS)}")
+
+
+def chat(kind: str, role: str, turn: str = "user", **fields: object) -> Chat:
+    """System + user messages for one call; `fields` fill the $placeholders."""
+    templates = PROMPTS[(kind, role)]
+    return [{"role": "system", "content": Template(templates["system"]).substitute(fields)},
+            {"role": "user", "content": Template(templates[turn]).substitute(fields)}]
+
+
+def clip(text: str, limit: int = MAX_FEED_CHARS) -> str:
+    """Keep the head (the approach) and the tail (the answer) of a long text."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return text[:half] + "\n[...]\n" + text[-half:]
+
+
+def numbered(label: str, texts: list[str]) -> str:
+    return "\n\n".join(f"{label} {i}:\n{clip(t)}" for i, t in enumerate(texts, 1))
+
+
+def stage(generate: GenerateFn, role: str, calls: list[tuple[str, int, Chat]]) -> list[str]:
+    """Run one stage: all (slot, episode, chat) calls of one role type in one generate call.
+
+    Workflows list calls episode by episode, slots in order within an episode."""
+    slot_list, episodes, chats = (list(column) for column in zip(*calls))
+    outs = generate(role, slot_list, episodes, chats)
+    if len(outs) != len(chats):
+        raise RuntimeError(f"generate returned {len(outs)} texts for {len(chats)} {role} calls")
+    return list(outs)
+
+
+# ---------------------------------------------------------------- parsing role contracts
+# Each parser returns what it read and the rule that read it, so a drift away from the
+# contract (role capture: an aggregator that writes solutions) shows up in the logs.
+
+def boxed_contents(text: str) -> list[str]:
+    r"""Contents of every \boxed{...} in order, nested braces included."""
+    found = []
+    for m in re.finditer(r"\\boxed\s*\{", text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            found.append(text[m.end():i - 1])
+    return found
+
+
+VERDICT = re.compile(r"\b(incorrect|correct)\b", re.IGNORECASE)
+
+
+def parse_verdict(text: str) -> tuple[bool, str]:
+    """(is_correct, rule): rule "boxed", "word" (last standalone word) or "default" (Incorrect)."""
+    for content in reversed(boxed_contents(text)):
+        words = VERDICT.findall(content)
+        if words:
+            return words[-1].lower() == "correct", "boxed"
+    words = VERDICT.findall(text)
+    if words:
+        return words[-1].lower() == "correct", "word"
+    return False, "default"
+
+
+def parse_choice(text: str, n: int) -> tuple[int, str]:
+    r"""(k, rule), 1 <= k <= n: last valid \boxed{k}, else the first digit 1..n, else 1."""
+    for content in reversed(boxed_contents(text)):
+        if content.strip().isdecimal() and 1 <= int(content.strip()) <= n:
+            return int(content.strip()), "boxed"
+    for m in re.finditer(r"[0-9]", text):
+        if 1 <= int(m.group()) <= n:
+            return int(m.group()), "first_digit"
+    return 1, "default"
+
+
+STRATEGY_LINE = re.compile(r"^[\s#*-]*(?:strategy\s*)?\d+\s*[.):](?!\d)[\s*]*(\S.*)$",
+                           re.IGNORECASE | re.MULTILINE)
+
+
+def parse_strategies(text: str, n: int) -> list[str]:
+    """The first n numbered lines: "1. ...", "2) ...", "Strategy 3: ..."."""
+    return [clip(m.group(1).strip(" *")) for m in STRATEGY_LINE.finditer(text)][:n]
+
+
+# ---------------------------------------------------------------- the workflows
+
+def single(questions: list[str], generate: GenerateFn, kind: str,
+           n_agents: int, max_rounds: int) -> list[Outcome]:
+    calls = [("generator", e, chat(kind, "generator", question=q)) for e, q in enumerate(questions)]
+    return [Outcome(final=out, info={"fallback": False})
+            for out in stage(generate, "generator", calls)]
+
+
+def eval_opt(questions: list[str], generate: GenerateFn, kind: str,
+             n_agents: int, max_rounds: int) -> list[Outcome]:
+    """Generator and evaluator alternate; each episode stops on its own first Correct."""
+    solution, critique = [""] * len(questions), [""] * len(questions)
+    info = [{"rounds": 0, "stopped": False, "fallback": False} for _ in questions]
+    active = list(range(len(questions)))
+    for turn in range(max_rounds):
+        calls = [("generator", e, chat(kind, "generator", "refine" if turn else "user",
+                                       question=questions[e], solution=clip(solution[e]),
+                                       critique=clip(critique[e]))) for e in active]
+        for e, out in zip(active, stage(generate, "generator", calls)):
+            solution[e] = out
+            info[e]["rounds"] += 1
+        if turn == max_rounds - 1:
+            break  # a verdict on the last turn could not change the final answer
+        calls = [("evaluator", e, chat(kind, "evaluator", question=questions[e],
+                                       solution=clip(solution[e]))) for e in active]
+        still_active = []
+        for e, out in zip(active, stage(generate, "evaluator", calls)):
+            correct, rule = parse_verdict(out)
+            critique[e] = out
+            info[e]["fallback"] |= rule != "boxed"
+            info[e]["stopped"] = correct
+            if not correct:
+                still_active.append(e)
+        active = still_active
+        if not active:
+            break
+    return [Outcome(final=s, info=i) for s, i in zip(solution, info)]
+
+
+def voting(questions: list[str], generate: GenerateFn, kind: str,
+           n_agents: int, max_rounds: int) -> list[Outcome]:
+    """N generators answer the same prompt independently; an aggregator picks one."""
+    gen_slots = [f"generator{i}" for i in range(n_agents)]
+    calls = [(s, e, chat(kind, "generator", question=q))
+             for e, q in enumerate(questions) for s in gen_slots]
+    outs = stage(generate, "generator", calls)
+    candidates = [outs[e * n_agents:(e + 1) * n_agents] for e in range(len(questions))]
+    calls = [("aggregator", e, chat(kind, "aggregator", question=q, n=n_agents,
+                                    candidates=numbered("Candidate", candidates[e])))
+             for e, q in enumerate(questions)]
+    outcomes = []
+    for e, out in enumerate(stage(generate, "aggregator", calls)):
+        k, rule = parse_choice(out, n_agents)
+        outcomes.append(Outcome(final=candidates[e][k - 1],
+                                info={"choice": k, "rule": rule, "fallback": rule != "boxed"}))
+    return outcomes
+
+
+def orch_workers(questions: list[str], generate: GenerateFn, kind: str,
+                 n_agents: int, max_rounds: int) -> list[Outcome]:
+    """Orchestrator plans strategies, worker i follows strategy i, a synthesizer answers."""
+    calls = [("orchestrator", e, chat(kind, "orchestrator", question=q, n=n_agents))
+             for e, q in enumerate(questions)]
+    plans = [parse_strategies(out, n_agents) for out in stage(generate, "orchestrator", calls)]
+    strategies = [p + [DEFAULT_STRATEGY] * (n_agents - len(p)) for p in plans]
+    calls = [(f"worker{i}", e, chat(kind, "worker", question=q, strategy=strategies[e][i]))
+             for e, q in enumerate(questions) for i in range(n_agents)]
+    outs = stage(generate, "worker", calls)
+    solutions = [outs[e * n_agents:(e + 1) * n_agents] for e in range(len(questions))]
+    calls = [("synthesizer", e, chat(kind, "synthesizer", question=q,
+                                     solutions=numbered("Solution", solutions[e])))
+             for e, q in enumerate(questions)]
+    return [Outcome(final=out, info={"strategies": len(p), "fallback": len(p) < n_agents})
+            for out, p in zip(stage(generate, "synthesizer", calls), plans)]
+
+
+WORKFLOWS: dict[str, Callable[[list[str], GenerateFn, str, int, int], list[Outcome]]] = {
+    "single": single, "eval_opt": eval_opt, "voting": voting, "orch_workers": orch_workers,
+}
+
+
+def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: str = "math",
+                 n_agents: int = 3, max_rounds: int = 2) -> list[Outcome]:
+    """Run workflow `name` on every question; one Outcome per question (= per episode)."""
+    check_name(name)
+    if kind not in KINDS:
+        raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
+    if n_agents < 1 or max_rounds < 1:
+        raise ValueError(f"need n_agents >= 1 and max_rounds >= 1, got {n_agents}, {max_rounds}")
+    if not questions:
+        return []
+    return WORKFLOWS[name](questions, generate, kind, n_agents, max_rounds)
+
+
+# ---------------------------------------------------------------- demo: python workflows.py NAME
+
+CANNED = {"generator": "2 + 3 = 5, so the answer is \\boxed{5}.",
+          "evaluator": "The arithmetic checks out. \\boxed{Correct}",
+          "aggregator": "\\boxed{2}",
+          "orchestrator": "1. Add the numbers directly.\n2. Count up from the larger number.",
+          "worker": "Following the strategy: 2 + 3 = 5. \\boxed{5}",
+          "synthesizer": "Both solutions agree. \\boxed{5}"}
+
+
+def echo_generate(role: str, slot_list: list[str], episodes: list[int],
+                  chats: list[Chat]) -> list[str]:
+    """A fake model that prints each stage's first prompt and answers from CANNED."""
+    print(f"=== stage: {role} x{len(chats)}  slots {slot_list}  episodes {episodes}")
+    for message in chats[0]:
+        print(f"--- {message['role']}:\n{message['content']}")
+    return [CANNED[role]] * len(chats)
+
+
+if __name__ == "__main__":
+    name = sys.argv[1] if len(sys.argv) > 1 else "voting"
+    for outcome in run_workflow(name, ["What is 2 + 3?"], echo_generate):
+        print(f"=== final: {outcome.final!r}  info: {outcome.info}")
