@@ -1,15 +1,12 @@
 """Tests for reward.py: the math verifier on a table of hand-written cases, and the arith task generator."""
 import random
 import re
-import sys
 import time
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project is flat files, not an installed package
-from reward import LEVELS, arith_problems, extract_answer, load_task, math_equal, math_reward  # noqa: E402
+from reward import LEVELS, arith_problems, extract_answer, load_task, math_equal, math_reward
 
 HUGE = "blah 7 " * 30_000 + "\\boxed{42}"  # about 210k chars, answer at the very end
 

@@ -1,14 +1,11 @@
 """Workflows against a scripted fake model: stage order, batching, prompts, contracts, finals."""
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workflows import (DEFAULT_STRATEGY, MAX_FEED_CHARS, ROLES, WORKFLOWS,  # noqa: E402
+from workflows import (DEFAULT_STRATEGY, MAX_FEED_CHARS, ROLES, WORKFLOWS,
                        Chat, boxed_contents, clip, parse_choice, parse_strategies,
                        parse_verdict, role_of, run_workflow, slots, stage)
 

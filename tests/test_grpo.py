@@ -1,0 +1,84 @@
+"""GRPO against hand-computed numbers."""
+import math
+
+import pytest
+import torch
+
+from grpo import aggregate, group_advantages, masked_mean, policy_loss
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+
+
+def test_masked_mean():
+    assert masked_mean(LOSS, MASK).item() == pytest.approx(10 / 4)
+    assert masked_mean(LOSS, MASK, dim=-1).tolist() == pytest.approx([2.0, 4.0])
+    assert masked_mean(LOSS, torch.zeros_like(MASK)).item() == 0.0  # no division by zero
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 3.0, 0.0])
+    keys = ["a", "a", "a", "a", "b", "b", "c", ("d", 1), ("d", 1)]
+    adv = group_advantages(rewards, keys)
+    s = math.sqrt(4 * 0.25 / 3)  # unbiased std of [1, 0, 0, 1]
+    d = math.sqrt(2 * 1.5 ** 2 / 1)  # unbiased std of [3, 0]
+    expected = [0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s,  # group a
+                0.0, 0.0,                           # b: equal rewards, no signal
+                0.0,                                # c: a group of one, no signal
+                1.5 / d, -1.5 / d]                  # d: tuple keys work
+    assert adv.tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def test_aggregation_modes_by_hand():
+    assert aggregate(LOSS, MASK, "token-mean").item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert aggregate(LOSS, MASK, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(LOSS, MASK, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        aggregate(LOSS, MASK, "mean")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batches_add_up_to_the_mini_batch(mode):
+    whole = aggregate(LOSS, MASK, mode)
+    parts = sum(aggregate(LOSS[i:i + 1], MASK[i:i + 1], mode, num_seqs=2, num_tokens=MASK.sum())
+                for i in range(2))
+    assert parts.item() == pytest.approx(whole.item())
+
+
+def test_clipped_loss_is_plain_policy_gradient_at_ratio_one():
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.0]], requires_grad=True)
+    adv = torch.tensor([0.7, -1.3])
+    loss, stats = policy_loss(logp, logp.detach(), adv, MASK)
+    loss.backward()
+    plain = logp.detach().clone().requires_grad_(True)
+    # REINFORCE with the same seq-mean-token-mean aggregation: -mean_i mean_t A_i log pi
+    ref = -((adv[:, None] * plain * MASK).sum(-1) / MASK.sum(-1)).mean()
+    ref.backward()
+    assert torch.allclose(logp.grad, plain.grad)
+    assert loss.item() == pytest.approx(-(0.7 * 1 + (-1.3) * 1) / 2)  # ratio 1: -mean_i A_i
+    assert stats["clip_frac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
+
+
+def test_clipping_by_hand():
+    # token 1: ratio 1.5 with A > 0 is clipped at 1.28; token 2: ratio 0.5 with A < 0 at 0.8;
+    # token 3: ratio 0.5 with A > 0 is not clipped (min keeps the pessimistic surr1).
+    old = torch.zeros(3, 1)
+    logp = torch.log(torch.tensor([[1.5], [0.5], [0.5]])).requires_grad_(True)
+    adv = torch.tensor([2.0, -1.0, 1.0])
+    loss, stats = policy_loss(logp, old, adv, torch.ones(3, 1), agg="token-mean")
+    assert loss.item() == pytest.approx(-(1.28 * 2.0 + 0.8 * -1.0 + 0.5 * 1.0) / 3)
+    assert stats["clip_frac"] == pytest.approx(2 / 3)
+    loss.backward()
+    grad = logp.grad.squeeze(-1)
+    assert grad[0] == 0 and grad[1] == 0  # clipped tokens pass no gradient
+    assert grad[2].item() == pytest.approx(-0.5 * 1.0 / 3)  # d(-ratio*A/3)/dlogp = -ratio*A/3
+
+
+def test_k3_kl_by_hand():
+    logp = torch.tensor([[-1.0]])
+    ref = torch.tensor([[-2.0]])
+    loss, stats = policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1),
+                              ref_logp=ref, kl_coef=0.5, agg="token-mean")
+    k3 = math.exp(-1.0) - (-1.0) - 1  # exp(ref - logp) - (ref - logp) - 1
+    assert stats["kl_ref"] == pytest.approx(k3)
+    assert loss.item() == pytest.approx(0.5 * k3)

@@ -1,0 +1,150 @@
+"""LoRA: no-op start, gradient routing under shared and isolated sharing, save/load."""
+import torch
+
+from lora import (LoRALinear, adapter_for, adapter_parameters, inject_lora, lora_layers,
+                  load_adapters, save_adapters, set_adapter, setup_adapters, use_adapter)
+from rollout import tiny_model
+
+
+def batch(vocab: int, B: int = 2, T: int = 12) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(1))
+
+
+def randomize(model, name: str, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapter_parameters(model, name):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def test_fresh_adapter_is_bit_identical(tiny):
+    model, tok = tiny
+    ids = batch(len(tok))
+    before = model(ids).logits
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "shared")
+    set_adapter(model, "shared")
+    assert torch.equal(model(ids).logits, before)
+
+
+def test_targets_every_attention_and_mlp_linear(tiny):
+    model, _ = tiny
+    layers = inject_lora(model, r=4, alpha=8)
+    assert len(layers) == 2 * 7  # 2 blocks x (q, k, v, o, gate, up, down)
+    assert all(l.scaling == 2.0 for l in layers)
+
+
+def test_only_adapter_parameters_get_gradients(tiny):
+    model, tok = tiny
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "shared")
+    randomize(model, "shared")  # B != 0, so A gets a gradient too
+    for p in adapter_parameters(model, "shared"):
+        p.requires_grad_(True)
+    with use_adapter(model, "shared"):
+        model(batch(len(tok))).logits.sum().backward()
+    adapter = {id(p) for p in adapter_parameters(model, "shared")}
+    for name, p in model.named_parameters():
+        if id(p) in adapter:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert not p.requires_grad and p.grad is None, name
+
+
+def role_grads(model, tok, sharing: str, roles: list[str], loss_role: str) -> dict[str, float]:
+    """Gradient norm of every adapter after a loss on `loss_role`'s tokens only."""
+    names = setup_adapters(model, roles, sharing)
+    for n in names:
+        randomize(model, n, seed=len(n))
+        for p in adapter_parameters(model, n):
+            p.requires_grad_(True)
+            p.grad = None
+    with use_adapter(model, adapter_for(loss_role, sharing)):
+        model(batch(len(tok))).logits.square().mean().backward()
+    return {n: sum(float(p.grad.norm()) if p.grad is not None else 0.0
+                   for p in adapter_parameters(model, n)) for n in names}
+
+
+def test_isolated_loss_reaches_only_its_role(tiny):
+    model, tok = tiny
+    inject_lora(model, r=4, alpha=8)
+    roles = ["orchestrator", "worker", "synthesizer"]
+    norms = role_grads(model, tok, "isolated", roles, "worker")
+    assert sorted(norms) == sorted(roles)
+    assert norms["worker"] > 0
+    assert norms["orchestrator"] == 0 and norms["synthesizer"] == 0
+
+
+def test_shared_every_role_reaches_the_one_adapter(tiny):
+    for role in ("generator", "aggregator"):
+        model, tok = tiny_model()
+        inject_lora(model, r=4, alpha=8)
+        norms = role_grads(model, tok, "shared", ["generator", "aggregator"], role)
+        assert list(norms) == ["shared"] and norms["shared"] > 0
+
+
+def test_isolated_costs_adapters_not_models(tiny):
+    model, _ = tiny
+    base = sum(p.numel() for p in model.parameters())
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["orchestrator", "worker", "synthesizer"], "isolated")
+    one = sum(p.numel() for p in adapter_parameters(model, "worker"))
+    assert sum(p.numel() for p in model.parameters()) == base + 3 * one
+    assert one < base / 10
+
+
+def test_adapters_off_equals_base(tiny):
+    model, tok = tiny
+    ids = batch(len(tok))
+    before = model(ids).logits
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "isolated")
+    randomize(model, "generator")
+    with use_adapter(model, "generator"):
+        assert not torch.allclose(model(ids).logits, before)
+    with use_adapter(model, None):
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_save_load_round_trip(tiny, tmp_path):
+    model, tok = tiny
+    ids = batch(len(tok))
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator", "evaluator"], "isolated")
+    randomize(model, "generator", 1)
+    randomize(model, "evaluator", 2)
+    save_adapters(model, str(tmp_path))
+    fresh, _ = tiny_model()
+    inject_lora(fresh, r=4, alpha=8)
+    load_adapters(fresh, str(tmp_path), ["generator", "evaluator"])
+    for name in ("generator", "evaluator"):
+        with use_adapter(model, name), use_adapter(fresh, name):
+            assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
+def test_use_adapter_restores_previous_and_rejects_unknown(tiny):
+    model, _ = tiny
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator", "aggregator"], "isolated")
+    set_adapter(model, "generator")
+    with use_adapter(model, "aggregator"):
+        assert all(l.active == "aggregator" for l in lora_layers(model))
+    assert all(l.active == "generator" for l in lora_layers(model))
+    try:
+        set_adapter(model, "critic")
+    except KeyError as e:
+        assert "critic" in str(e)
+    else:
+        raise AssertionError("unknown adapter accepted")
+
+
+def test_lora_linear_matches_formula():
+    base = torch.nn.Linear(5, 3)
+    layer = LoRALinear(base, r=2, alpha=6)
+    layer.add("a")
+    with torch.no_grad():
+        layer.lora_B["a"].fill_(0.5)
+    layer.active = "a"
+    x = torch.randn(4, 5)
+    expected = base(x) + 3.0 * (x @ layer.lora_A["a"].t() @ layer.lora_B["a"].t())
+    assert torch.allclose(layer(x), expected, atol=1e-6)

@@ -1,0 +1,128 @@
+"""Rollout: one generate call per stage, eos cutting, exact log-probs under padding."""
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT
+from lora import inject_lora, setup_adapters
+from rollout import Call, Rollout, cut_at_eos, pack, sequence_logprobs
+from workflows import run_workflow
+
+
+def make_rollout(tiny, sharing="isolated", workflow="voting", **kw) -> Rollout:
+    model, tok = tiny
+    inject_lora(model, r=4, alpha=8)
+    from workflows import ROLES
+    setup_adapters(model, ROLES[workflow], sharing)
+    return Rollout(model, tok, sharing, max_new_tokens=12, **kw)
+
+
+def count_generate(model) -> list[int]:
+    """Wrap model.generate to count its calls and the batch size of each."""
+    sizes, original = [], model.generate
+
+    def counted(*args, **kw):
+        sizes.append(kw["input_ids"].shape[0])
+        return original(*args, **kw)
+    model.generate = counted
+    return sizes
+
+
+def test_one_generate_call_per_stage_whatever_the_slots(tiny):
+    rollout = make_rollout(tiny)
+    sizes = count_generate(rollout.model)
+    run_workflow("voting", ["What is 1 + 2?", "What is 3 + 4?"], rollout, n_agents=3)
+    assert sizes == [6, 2]  # 2 episodes x 3 generators, then 2 aggregators
+    assert [c.slot for c in rollout.calls[:3]] == ["generator0", "generator1", "generator2"]
+    assert {c.turn for c in rollout.calls if c.role == "aggregator"} == {1}
+
+
+def test_orch_workers_three_stages(tiny):
+    rollout = make_rollout(tiny, workflow="orch_workers")
+    sizes = count_generate(rollout.model)
+    run_workflow("orch_workers", ["What is 1 + 2?"] * 4, rollout, n_agents=3)
+    assert sizes == [4, 12, 4]
+
+
+def test_cut_at_first_eos():
+    assert cut_at_eos([5, 6, 2, 7, 2, 2], eos_id=2) == [5, 6, 2]
+    assert cut_at_eos([5, 6, 7], eos_id=2) == [5, 6, 7]
+    assert cut_at_eos([2, 2, 2], eos_id=2) == [2]
+
+
+def test_recorded_completions_end_at_their_first_eos(tiny):
+    rollout = make_rollout(tiny, sharing="shared", workflow="single")
+    eos = rollout.tok.eos_token_id
+    run_workflow("single", ["What is 1 + 2?"] * 16, rollout)
+    assert len(rollout.calls) == 16
+    for c in rollout.calls:
+        assert eos not in c.completion_ids[:-1]
+        assert 1 <= len(c.completion_ids) <= 12
+        # the recorded prompt is the unpadded prompt
+        assert c.prompt_ids == rollout.tok(c.prompt, add_special_tokens=False).input_ids
+
+
+def direct_logprobs(model, call: Call) -> torch.Tensor:
+    """Log-probs of one unpadded sequence, computed the plain way."""
+    ids = torch.tensor([call.prompt_ids + call.completion_ids])
+    logits = model(ids).logits[0]  # (L, V)
+    P = len(call.prompt_ids)
+    # logits at position t predict token t + 1
+    logp = F.log_softmax(logits[P - 1:-1], dim=-1)  # (T, V)
+    return logp.gather(-1, torch.tensor(call.completion_ids).unsqueeze(-1)).squeeze(-1)
+
+
+def fake_call(prompt: list[int], completion: list[int]) -> Call:
+    return Call(0, "generator", "generator", 0, prompt, completion, "", "")
+
+
+def test_logprobs_equal_direct_computation_and_ignore_padding(tiny):
+    model, _ = tiny
+    g = torch.Generator().manual_seed(0)
+    calls = [fake_call(torch.randint(3, 200, (n,), generator=g).tolist(),
+                       torch.randint(3, 200, (m,), generator=g).tolist())
+             for n, m in [(5, 7), (17, 2), (9, 11), (1, 4)]]
+    with torch.no_grad():
+        logp, mask = sequence_logprobs(model, calls, pad_id=2)  # (4, 11)
+        assert mask.sum(1).tolist() == [7, 2, 11, 4]
+        for i, c in enumerate(calls):
+            direct = direct_logprobs(model, c)
+            assert torch.allclose(logp[i, : len(c.completion_ids)], direct, atol=1e-5)
+            alone, _ = sequence_logprobs(model, [c], pad_id=2)  # no padding at all
+            assert torch.allclose(alone[0], direct, atol=1e-5)
+
+
+def test_temperature_scales_logits(tiny):
+    model, _ = tiny
+    c = fake_call([5, 6, 7], [8, 9])
+    with torch.no_grad():
+        hot, _ = sequence_logprobs(model, [c], pad_id=2, temperature=2.0)
+        ids = torch.tensor([c.prompt_ids + c.completion_ids])
+        logits = model(ids).logits[0, 2:4] / 2.0
+        ref = F.log_softmax(logits, -1).gather(-1, torch.tensor([[8], [9]])).squeeze(-1)
+    assert torch.allclose(hot[0], ref, atol=1e-5)
+
+
+def test_pack_layout():
+    ids, attn, cmask = pack([[7, 8], [9]], [[1, 2, 3], [4]], pad_id=0)
+    assert ids.tolist() == [[7, 8, 1, 2, 3], [0, 9, 4, 0, 0]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]]
+    assert cmask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_greedy_rollout_is_deterministic(tiny):
+    rollout = make_rollout(tiny, sharing="shared", workflow="single", greedy=True)
+    a = run_workflow("single", ["What is 1 + 2?", "What is 9 + 9?"], rollout)
+    b = run_workflow("single", ["What is 1 + 2?", "What is 9 + 9?"], rollout)
+    assert [o.final for o in a] == [o.final for o in b]
+
+
+def test_missing_model_offline_is_one_line_error():
+    code = "from rollout import load_policy; load_policy('no-such-org/no-such-model')"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no-such-org/no-such-model" in lines[0] and "smollm2" in lines[0]
