@@ -31,18 +31,20 @@ import json
 import math
 import os
 import random
+import resource
 import shutil
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from tqdm import tqdm
 
 from grpo import AGG_MODES, group_advantages, policy_loss
-from lora import (adapter_for, adapter_parameters, inject_lora, load_adapters, save_adapters,
-                  setup_adapters, use_adapter)
+from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
+                  save_adapters, setup_adapters, use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, math_reward
 from rollout import Call, Rollout, load_policy, sequence_logprobs
 from workflows import ROLES, WORKFLOWS, run_workflow
@@ -73,7 +75,7 @@ class Config:
     top_p: float = arg(1.0, "nucleus sampling of training rollouts")
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
     # optimisation
-    lr: float = arg(2e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)")
+    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)")
     warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step")
@@ -87,6 +89,7 @@ class Config:
     kl_coef: float = arg(0.0, "k3 KL to the base model (adapters off); 0 = off, as in the paper")
     lora_r: int = arg(16, "LoRA rank (paper: 64)")
     lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r")
+    lora_targets: str = arg(",".join(DEFAULT_TARGETS), "comma-separated names of the linear layers to adapt")
     # evaluation, logging, checkpoints
     eval_every: int = arg(0, "evaluate every E steps (0: only before and after training)")
     eval_problems: int = arg(48, "held-out problems per evaluation")
@@ -307,13 +310,19 @@ def resolve_resume(cfg: Config) -> Config:
     return dataclasses.replace(saved, resume=True)
 
 
-def lr_lambda(warmup: int, total: int):
-    def schedule(step: int) -> float:  # step counts training steps already taken
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return schedule
+def peak_memory_mb(device: str) -> float:
+    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then cosine decay to 10 percent; `step` = training steps taken."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min((step - warmup) / max(1, total - warmup), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # ----------------------------------------------------------------------------
@@ -339,7 +348,10 @@ def main(cfg: Config) -> dict:
     except ValueError as e:
         raise SystemExit(f"task {cfg.task}: {e}") from None
     model, tok = load_policy(cfg.model, device)
-    inject_lora(model, cfg.lora_r, cfg.lora_alpha)
+    try:
+        inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
+    except ValueError as e:
+        raise SystemExit(f"--lora_targets: {e}") from None
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     optimizers, schedulers = {}, {}
     for name in names:
@@ -349,7 +361,7 @@ def main(cfg: Config) -> dict:
             p.grad = torch.zeros_like(p)  # kept allocated: per-role norms diff it
         optimizers[name] = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
-            optimizers[name], lr_lambda(cfg.warmup_steps, cfg.steps))
+            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps))
 
     start = 0
     if cfg.resume:
@@ -401,6 +413,7 @@ def main(cfg: Config) -> dict:
             acc = evaluate(model, tok, cfg, test_set)
             m["eval/accuracy"] = acc
         m["time/step"] = time.time() - t0
+        m["mem/peak_mb"] = peak_memory_mb(device)
         append_jsonl(metrics_path, [m])
         seen = list(range(0, len(problems), cfg.group_size))[: cfg.log_samples]
         append_jsonl(samples_path, episode_samples(step, calls, outcomes, problems, rewards, seen))

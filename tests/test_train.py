@@ -61,12 +61,17 @@ def small_config(out: str, **kw) -> train.Config:
     return train.Config(**{**base, **kw})
 
 
-def without_times(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+def without_machine_stats(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows]
+
+
+TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
 
 
 def test_interrupted_then_resumed_run_matches_uninterrupted(tmp_path, monkeypatch):
-    train.main(small_config(str(tmp_path / "straight")))
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2)
+    train.main(small_config(str(tmp_path / "straight"), **toy))
 
     real_rollout, calls = train.rollout_step, []
 
@@ -78,13 +83,14 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(tmp_path, monkeypatc
     monkeypatch.setattr(train, "rollout_step", dies_in_step_3)
     out = str(tmp_path / "resumed")
     with pytest.raises(KeyboardInterrupt):
-        train.main(small_config(out))
+        train.main(small_config(out, **toy))
     monkeypatch.setattr(train, "rollout_step", real_rollout)
     train.main(train.Config(out=out, resume=True))
 
-    straight = without_times(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
-    resumed = without_times(read_jsonl(out + "/metrics.jsonl"))
+    straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
+    resumed = without_machine_stats(read_jsonl(out + "/metrics.jsonl"))
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert any(r.get("role/generator/grad_norm", 0) > 0 for r in straight)  # something was learned
     assert resumed == straight
     assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
 
@@ -102,8 +108,7 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
     The toy task always has the answer 7; the random tiny model says a number whose last
     digit group is 7 a few percent of the time.
     """
-    toy = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
-    monkeypatch.setattr(train, "load_task", lambda *args: toy)
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
     cfg = train.Config(model="tiny", workflow="single", steps=25, problems_per_step=4, group_size=8,
                        max_new_tokens=16, temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=8,
                        minibatch_size=64, eval_problems=4, save_every=100, out=str(tmp_path))
@@ -111,3 +116,11 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
     rewards = [m["reward/mean"] for m in read_jsonl(f"{tmp_path}/metrics.jsonl")[1:]]
     assert sum(rewards[:3]) / 3 < 0.2, rewards
     assert sum(rewards[-5:]) / 5 >= 0.9, rewards
+
+
+def test_learning_rate_schedule_by_hand():
+    assert train.lr_factor(0, warmup=1, total=12) == pytest.approx(0.5)
+    assert train.lr_factor(1, warmup=1, total=12) == pytest.approx(1.0)
+    assert train.lr_factor(12, warmup=1, total=12) == pytest.approx(0.1)
+    assert train.lr_factor(0, warmup=0, total=4) == pytest.approx(1.0)
+    assert train.lr_factor(2, warmup=0, total=4) == pytest.approx(0.1 + 0.9 * 0.5)
