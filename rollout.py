@@ -52,6 +52,8 @@ def load_policy(name: str, device: str = "cpu"):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.generation_config.pad_token_id = tok.pad_token_id
+    # Eval mode for good, training included: dropout would make the old and new
+    # log-probs of the same weights differ, and the ratio would no longer start at 1.
     return model.to(device).eval(), tok
 
 

@@ -42,12 +42,14 @@ from functools import partial
 import torch
 from tqdm import tqdm
 
+from critic import (CRITICS, PER, call_advantages, critic_inputs, critic_key, encode,
+                    explained_variance, normalize, predict_values, setup_critics, update_critic)
 from grpo import AGG_MODES, group_advantages, policy_loss
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
                   save_adapters, setup_adapters, use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, math_reward
 from rollout import Call, Rollout, load_policy, sequence_logprobs
-from workflows import ROLES, WORKFLOWS, run_workflow
+from workflows import ROLES, WORKFLOWS, role_of, run_workflow, slots
 
 
 def arg(default, help: str, choices: tuple | None = None):
@@ -60,7 +62,8 @@ class Config:
     workflow: str = arg("eval_opt", "workflow topology", tuple(WORKFLOWS))
     sharing: str = arg("shared", "shared: one adapter for all roles; isolated: one per role type",
                        ("shared", "isolated"))
-    algo: str = arg("grpo", "training algorithm", ("grpo",))
+    algo: str = arg("grpo", "grpo: group-relative advantages; maac: actor-critic with GAE",
+                    ("grpo", "maac"))
     model: str = arg("smollm2", "smollm2 (embedded), tiny (random, for tests), or a HF id/path")
     task: str = arg("arith", "problem set", tuple(TASKS))
     level: int = arg(DEFAULT_LEVEL, "difficulty level of the arith task (1-5)")
@@ -87,6 +90,19 @@ class Config:
     adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)",
                          ("slot", "role"))
     kl_coef: float = arg(0.0, "k3 KL to the base model (adapters off); 0 = off, as in the paper")
+    # actor-critic (--algo maac, critic.py)
+    critic: str = arg("central", "one critic over the joint history (CoLLM-CC) or one per agent "
+                      "(CoLLM-DC)", CRITICS)
+    critic_per: str = arg("slot", "decentral critics: one per agent slot or per role type", PER)
+    gamma: float = arg(1.0, "discount per agent turn")
+    lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo")
+    critic_lr: float = arg(1e-4, "AdamW learning rate of the critics (adapter and value head)")
+    vf_coef: float = arg(1.0, "value-loss coefficient (critics have their own optimizer, so "
+                         "it only matters against grad_clip)")
+    value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)")
+    norm_adv: bool = arg(False, "normalise actor-critic advantages over the batch")
+    critic_max_tokens: int = arg(768, "a critic reads the last N tokens of its input")
+    # LoRA
     lora_r: int = arg(16, "LoRA rank (paper: 64)")
     lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r")
     lora_targets: str = arg(",".join(DEFAULT_TARGETS), "comma-separated names of the linear layers to adapt")
@@ -133,7 +149,7 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool) -> tuple[Rollo
 def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> float:
     """Held-out accuracy of the whole workflow, greedy decoding."""
     rewards = []
-    for i in range(0, len(problems), batch):
+    for i in tqdm(range(0, len(problems), batch), desc="eval", leave=False, disable=None):
         rewards += rollout_step(model, tok, cfg, problems[i:i + batch], greedy=True)[2]
     return sum(rewards) / len(rewards)
 
@@ -148,6 +164,50 @@ def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
     for call, a in zip(calls, adv.tolist()):
         call.advantage = a
     return sum(a == 0 for a in adv.tolist()) / len(calls)
+
+
+def set_critic_advantages(model, tok, heads, calls: list[Call], cfg: Config):
+    """Actor-critic advantages: each call's critic values its input, GAE runs over
+    each agent's turns. Returns (keys, ids, values, returns) for the critic update."""
+    keys, texts = critic_inputs(calls, cfg.critic, cfg.critic_per)
+    ids = encode(tok, texts, cfg.critic_max_tokens)
+    values = predict_values(model, heads, keys, ids, tok.pad_token_id, cfg.micro_batch_size)  # (N,)
+    adv, returns = call_advantages(calls, values, cfg.gamma, cfg.lam)  # (N,), (N,)
+    if cfg.norm_adv:
+        adv = normalize(adv)
+    for call, a in zip(calls, adv.tolist()):
+        call.advantage = a
+    return keys, ids, values, returns
+
+
+def update_critics(model, heads, batch, optimizers: dict, cfg: Config, pad_id: int,
+                   rng: random.Random) -> dict[str, list[float]]:
+    keys, ids, values, returns = batch
+    stats = defaultdict(list)
+    for name in heads:
+        rows = [i for i, k in enumerate(keys) if k == name]
+        rng.shuffle(rows)
+        for k, v in update_critic(model, heads[name], name, ids, values, returns, optimizers[name],
+                                  cfg.minibatch_size, cfg.micro_batch_size, pad_id, cfg.vf_coef,
+                                  cfg.value_clip or None, cfg.grad_clip, rows).items():
+            stats[f"critic/{k}"] += v
+    return stats
+
+
+def critic_metrics(calls: list[Call], values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+    m = {}
+    ev = explained_variance(values, returns)  # of the values the advantages used
+    if ev == ev:  # nan when every return is equal: nothing to explain, nothing logged
+        m["critic/explained_variance"] = ev
+    for key in ("role", "slot"):
+        groups = defaultdict(list)
+        for i, c in enumerate(calls):
+            groups[getattr(c, key)].append(i)
+        for name, idx in groups.items():
+            m[f"{key}/{name}/value"] = values[idx].mean().item()
+            m[f"{key}/{name}/return"] = returns[idx].mean().item()
+            m[f"{key}/{name}/adv"] = sum(calls[i].advantage for i in idx) / len(idx)
+    return m
 
 
 def chunks(items: list, size: int) -> list[list]:
@@ -265,7 +325,7 @@ def truncate_jsonl(path: str, last_step: int) -> None:
         os.replace(path + ".tmp", path)
 
 
-def save_checkpoint(out: str, model, step: int, optimizers: dict, schedulers: dict,
+def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedulers: dict,
                     rng: random.Random) -> None:
     tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -276,7 +336,8 @@ def save_checkpoint(out: str, model, step: int, optimizers: dict, schedulers: di
                 "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
                 "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "py_rng": rng.getstate()}, os.path.join(tmp, "state.pt"))
+                "py_rng": rng.getstate(),
+                "heads": {k: h.state_dict() for k, h in heads.items()}}, os.path.join(tmp, "state.pt"))
     # Swap directories so a crash leaves either the old or the new checkpoint whole.
     if os.path.exists(final):
         os.replace(final, final + ".old")
@@ -284,7 +345,8 @@ def save_checkpoint(out: str, model, step: int, optimizers: dict, schedulers: di
     shutil.rmtree(final + ".old", ignore_errors=True)
 
 
-def load_checkpoint(out: str, model, optimizers: dict, schedulers: dict, rng: random.Random) -> int:
+def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
+                    rng: random.Random) -> int:
     path = os.path.join(out, "ckpt")
     if not os.path.exists(os.path.join(path, "state.pt")):
         raise SystemExit(f"--resume: no checkpoint in {path}")
@@ -297,6 +359,8 @@ def load_checkpoint(out: str, model, optimizers: dict, schedulers: dict, rng: ra
     if state["cuda_rng"] is not None:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     rng.setstate(state["py_rng"])
+    for k, h in heads.items():
+        h.load_state_dict(state["heads"][k])
     return state["step"]
 
 
@@ -353,19 +417,25 @@ def main(cfg: Config) -> dict:
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
+    heads = {}
+    if cfg.algo == "maac":
+        critic_names = sorted({critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
+                               for s in slots(cfg.workflow, cfg.n_agents)})
+        heads = setup_critics(model, critic_names)  # a fresh adapter and value head per critic
     optimizers, schedulers = {}, {}
-    for name in names:
-        params = adapter_parameters(model, name)
+    for name in names + list(heads):
+        params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads else [])
         for p in params:
             p.requires_grad_(True)
             p.grad = torch.zeros_like(p)  # kept allocated: per-role norms diff it
-        optimizers[name] = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        lr = cfg.critic_lr if name in heads else cfg.lr
+        optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
             optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps))
 
     start = 0
     if cfg.resume:
-        start = load_checkpoint(cfg.out, model, optimizers, schedulers, rng)
+        start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng)
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
         acc_before = next(json.loads(l)["eval/accuracy"] for l in open(metrics_path)
@@ -387,14 +457,16 @@ def main(cfg: Config) -> dict:
         picked = rng.sample(range(len(train_set)), cfg.problems_per_step)
         problem_of = [i for i in picked for _ in range(cfg.group_size)]
         problems = [train_set[i] for i in problem_of]
-        model.eval()
         rollout, outcomes, rewards = rollout_step(model, tok, cfg, problems, greedy=False)
         calls = rollout.calls
         t1 = time.time()
-        # 4. advantages
-        no_signal = set_advantages(calls, problem_of, cfg.adv_group)
+        # 4. advantages: group-relative (GRPO) or from the critics (GAE)
+        if cfg.algo == "grpo":
+            no_signal = set_advantages(calls, problem_of, cfg.adv_group)
+        else:
+            critic_batch = set_critic_advantages(model, tok, heads, calls, cfg)
+            no_signal = sum(c.advantage == 0 for c in calls) / len(calls)
         # 5-6. old log-probs and the update, adapter by adapter
-        model.train()
         stats = defaultdict(list)
         for name in names:
             mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
@@ -403,12 +475,18 @@ def main(cfg: Config) -> dict:
                                        tok.pad_token_id, rng).items():
                 stats[k] += v
             schedulers[name].step()
-        model.eval()
+        if cfg.algo == "maac":  # critic adapters are separate from the actors': order is free
+            stats.update(update_critics(model, heads, critic_batch, optimizers, cfg,
+                                        tok.pad_token_id, rng))
+            for name in heads:
+                schedulers[name].step()
         # 7. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes), "adv/zero_frac": no_signal,
              "lr": schedulers[names[0]].get_last_lr()[0],
              "time/rollout": t1 - t0, "time/update": time.time() - t1}
         m.update({k: sum(v) / len(v) for k, v in stats.items()})
+        if cfg.algo == "maac":
+            m.update(critic_metrics(calls, critic_batch[2], critic_batch[3]))
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             acc = evaluate(model, tok, cfg, test_set)
             m["eval/accuracy"] = acc
@@ -422,7 +500,7 @@ def main(cfg: Config) -> dict:
             line += f" | eval/accuracy {acc:.3f}"
         tqdm.write(line)
         if step % cfg.save_every == 0 or step == cfg.steps:
-            save_checkpoint(cfg.out, model, step, optimizers, schedulers, rng)
+            save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng)
 
     print(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
           f"before {acc_before:.3f} -> after {acc:.3f}  [{len(test_set)} problems, greedy]")

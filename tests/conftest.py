@@ -8,6 +8,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+# The test model is 64 wide: a second thread gains nothing, and on a busy 2-core
+# machine waiting for it can turn milliseconds into seconds.
+torch.set_num_threads(1)
 
 from rollout import tiny_model  # noqa: E402
 

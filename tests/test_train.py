@@ -20,11 +20,17 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+ALGOS = {"grpo": ["--algo", "grpo"],
+         "central": ["--algo", "maac", "--critic", "central"],
+         "decentral": ["--algo", "maac", "--critic", "decentral"]}
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
 @pytest.mark.parametrize("sharing", ["shared", "isolated"])
 @pytest.mark.parametrize("workflow", ["single", "eval_opt", "voting", "orch_workers"])
-def test_smoke_every_workflow_and_sharing(workflow, sharing, tmp_path):
+def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp_path):
     out = str(tmp_path / "run")
-    res = subprocess.run([sys.executable, "train.py", *SMALL, "--workflow", workflow,
+    res = subprocess.run([sys.executable, "train.py", *SMALL, *ALGOS[algo], "--workflow", workflow,
                           "--sharing", sharing, "--out", out],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -42,6 +48,12 @@ def test_smoke_every_workflow_and_sharing(workflow, sharing, tmp_path):
     assert episode["calls"] and {"role", "slot", "prompt", "output"} <= set(episode["calls"][0])
     assert {"final", "reward", "answer"} <= set(episode)
     adapters = ["shared"] if sharing == "shared" else ROLES[workflow]
+    if algo == "central":
+        adapters = adapters + ["critic"]
+        assert "critic/value_loss" in last
+    if algo == "decentral":
+        adapters = adapters + [f"critic-{s}" for s in slots(workflow)]
+        assert "critic/value_loss" in last
     assert sorted(os.listdir(f"{out}/ckpt")) == sorted([f"{a}.safetensors" for a in adapters]
                                                        + ["state.pt"])
 
@@ -68,9 +80,12 @@ def without_machine_stats(rows: list[dict]) -> list[dict]:
 TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
 
 
-def test_interrupted_then_resumed_run_matches_uninterrupted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("algo", [dict(algo="grpo"),
+                                  dict(algo="maac", critic="central", sharing="shared",
+                                       workflow="eval_opt", critic_lr=1e-2)])
+def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
-    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2)
+    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, **algo)
     train.main(small_config(str(tmp_path / "straight"), **toy))
 
     real_rollout, calls = train.rollout_step, []
@@ -91,6 +106,8 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(tmp_path, monkeypatc
     resumed = without_machine_stats(read_jsonl(out + "/metrics.jsonl"))
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert any(r.get("role/generator/grad_norm", 0) > 0 for r in straight)  # something was learned
+    if algo["algo"] == "maac":  # the critic moved too, and its head came back from the checkpoint
+        assert any(abs(r.get("role/generator/value", 0)) > 0 for r in straight)
     assert resumed == straight
     assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
 

@@ -1,0 +1,324 @@
+"""Multi-agent actor-critic: value heads, centralized and decentralized critics, GAE.
+
+A workflow episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM,
+arXiv 2601.21972): every workflow stage is a time step, each agent slot acts at
+some of those steps, and the episode's outcome (1 correct / 0 wrong) is the
+reward of each agent's last turn. A critic V(s) estimates that outcome from
+what it reads before an agent acts, and its errors become the actor's
+advantages in place of GRPO's group means.
+
+Two critics (Paper B):
+  CoLLM-CC, central:   one critic "critic" whose input at step t is the joint
+                       history - every agent's prompt and output before t,
+                       then the prompts of step t, in [slot] blocks. One value
+                       per (episode, step), shared by the agents acting then.
+  CoLLM-DC, decentral: one critic per agent slot ("critic-generator0") or per
+                       role type ("critic-generator") that reads only its
+                       agent's own prompt at its turn.
+A critic is the frozen base model under its own LoRA adapter (lora.py) plus a
+ValueHead, Linear -> tanh -> Linear, read at the last input token. No second
+copy of the base model; the head starts at exactly 0 and the adapter as a
+no-op, so a fresh critic predicts 0 everywhere.
+
+Advantages are GAE (Schulman et al. 2016, arXiv 1506.02438) over each agent's
+own sequence of turns t_1 < t_2 < ... < t_K:
+
+    delta_k = r_k + gamma * V(s_{k+1}) - V(s_k)        V(s_{K+1}) = 0 (terminal)
+    A_k     = sum_l (gamma * lam)^l * delta_{k+l}
+    R_k     = A_k + V(s_k)                             (the critic's target)
+
+lam = 0 gives A_k = delta_k and the one-step TD target r_k + gamma V(s_{k+1})
+of Paper B's public code (OpenMLRL/CoMLRL); lam = 1 gives the Monte-Carlo
+return minus V(s_k). The actor is grpo.policy_loss with each call's advantage
+spread over its tokens; the critic minimises 0.5 (V - R)^2.
+
+Departures from the paper: an agent's "next state" is its own next turn, not
+the next workflow stage, and gamma discounts per agent turn (voting's
+generators act once, so their advantage is R - V(s) whatever lam is); agents
+that act at the same joint step share the central critic's input, and the
+critic fits the mean of their returns; identical prompts of one step
+(voting's generators) are written once, labelled with every slot that saw
+them; an input longer than max_tokens keeps its most recent tokens.
+
+Exercised by: pytest tests/test_critic.py, and
+python train.py --algo maac --critic central   (or --critic decentral)
+"""
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+
+from lora import add_adapter, use_adapter
+from rollout import Call
+
+CRITICS = ("central", "decentral")
+PER = ("slot", "role")
+
+
+# ----------------------------------------------------------------------------
+# The value head and the critic's forward pass
+
+
+class ValueHead(nn.Module):
+    """V(s) from the last token's hidden state: Linear(H, H) -> tanh -> Linear(H, 1)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out = nn.Linear(hidden_size, 1)
+        # A zero output layer makes a fresh critic predict exactly 0, so the first
+        # advantages are plain returns. The dense layer still gets gradient after
+        # the first step, once `out` has moved.
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden: (B, H)
+        return self.out(torch.tanh(self.dense(hidden))).squeeze(-1)  # (B,)
+
+
+def setup_critics(model: nn.Module, names: list[str]) -> nn.ModuleDict:
+    """Add a fresh adapter per critic name to the shared base model; return one head per name."""
+    heads = nn.ModuleDict()
+    for name in names:
+        add_adapter(model, name)
+        heads[name] = ValueHead(model.config.hidden_size)
+    return heads.to(model.device)
+
+
+def left_pad(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids (B, L) and attention_mask (B, L), padded on the left: the last column is real."""
+    L = max(len(ids) for ids in id_lists)
+    ids = torch.full((len(id_lists), L), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(id_lists), L, dtype=torch.long)
+    for i, row in enumerate(id_lists):
+        ids[i, L - len(row):] = torch.tensor(row, dtype=torch.long)
+        attn[i, L - len(row):] = 1
+    return ids, attn
+
+
+def critic_values(model: nn.Module, head: ValueHead, adapter: str,
+                  prompt_id_lists: list[list[int]], pad_id: int) -> torch.Tensor:
+    """V of each input under one critic (adapter + head): (B,). Differentiable."""
+    ids, attn = left_pad(prompt_id_lists, pad_id)  # (B, L), (B, L)
+    ids, attn = ids.to(model.device), attn.to(model.device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L): left padding does not shift positions
+    with use_adapter(model, adapter):
+        # logits_to_keep=1: the LM head runs on one column only; we never use its output.
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                    output_hidden_states=True, logits_to_keep=1)
+    last = out.hidden_states[-1][:, -1]  # (B, H): final layer (after its norm), last real token
+    return head(last.float())  # (B,): the head is fp32 even over a bf16 base
+
+
+@torch.no_grad()
+def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
+                   id_lists: list[list[int]], pad_id: int, batch_size: int = 16) -> torch.Tensor:
+    """Values of every input under its own critic, without gradient: (N,).
+
+    Identical inputs of one critic (the central critic's co-acting agents) run once.
+    """
+    values = torch.zeros(len(keys))
+    for key in sorted(set(keys)):
+        rows = defaultdict(list)  # input ids -> the positions that share them
+        for i, k in enumerate(keys):
+            if k == key:
+                rows[tuple(id_lists[i])].append(i)
+        inputs = list(rows)
+        for start in range(0, len(inputs), batch_size):
+            batch = inputs[start:start + batch_size]
+            v = critic_values(model, heads[key], key, [list(x) for x in batch], pad_id)  # (b,)
+            for x, value in zip(batch, v.tolist()):
+                values[rows[x]] = value
+    return values
+
+
+# ----------------------------------------------------------------------------
+# What each critic reads
+
+
+def critic_key(slot: str, role: str, critic: str, per: str = "slot") -> str:
+    """The critic (= adapter and head name) that scores a call of this slot and role."""
+    if critic == "central":
+        return "critic"
+    if critic != "decentral":
+        raise ValueError(f"unknown critic {critic!r}; choose one of {CRITICS}")
+    if per not in PER:
+        raise ValueError(f"unknown critic grouping {per!r}; choose one of {PER}")
+    return f"critic-{slot if per == 'slot' else role}"
+
+
+def joint_history(episode_calls: list[Call], turn: int) -> str:
+    """The central critic's input at one joint step: all prompts and outputs before
+    `turn`, then the prompts at `turn`, each block labelled with its agent slot(s)."""
+    blocks = []
+    for t in sorted({c.turn for c in episode_calls if c.turn <= turn}):
+        stage = [c for c in episode_calls if c.turn == t]
+        seen_by = defaultdict(list)  # prompt -> slots that saw it (dicts keep stage order)
+        for c in stage:
+            seen_by[c.prompt].append(c.slot)
+        blocks += [f"[{', '.join(slots)}] prompt:\n{prompt}" for prompt, slots in seen_by.items()]
+        if t < turn:
+            blocks += [f"[{c.slot}] output:\n{c.text}" for c in stage]
+    return "\n\n".join(blocks)
+
+
+def local_observation(call: Call) -> str:
+    """A decentral critic's input: only this agent's own prompt at its turn."""
+    return f"[{call.slot}] prompt:\n{call.prompt}"
+
+
+def critic_inputs(calls: list[Call], critic: str, per: str = "slot") -> tuple[list[str], list[str]]:
+    """For every call, the critic that scores it and the text that critic reads."""
+    keys = [critic_key(c.slot, c.role, critic, per) for c in calls]
+    if critic == "decentral":
+        return keys, [local_observation(c) for c in calls]
+    by_episode = defaultdict(list)
+    for c in calls:
+        by_episode[c.episode].append(c)
+    history = {}  # (episode, turn) -> text: co-acting agents share one joint step
+    for c in calls:
+        if (c.episode, c.turn) not in history:
+            history[(c.episode, c.turn)] = joint_history(by_episode[c.episode], c.turn)
+    return keys, [history[(c.episode, c.turn)] for c in calls]
+
+
+def encode(tok, texts: list[str], max_tokens: int) -> list[list[int]]:
+    """Token ids of each text, keeping the last max_tokens (the most recent context)."""
+    rows = tok(texts, add_special_tokens=False).input_ids
+    return [row[-max_tokens:] for row in rows]
+
+
+# ----------------------------------------------------------------------------
+# GAE over each agent's turns
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+        gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns of B sequences of turns, padded on the right: (B, K) each.
+
+    mask[b, k] = 1 for the real turns of sequence b (a prefix); the step after a
+    sequence's last turn is terminal, V = 0. Padded entries come back as 0.
+    """
+    B, K = rewards.shape
+    values = values * mask  # (B, K)
+    next_values = torch.cat([values[:, 1:], values.new_zeros(B, 1)], dim=1)  # (B, K): V(s_{k+1})
+    delta = (rewards + gamma * next_values - values) * mask  # (B, K)
+    advantages = torch.zeros_like(delta)  # (B, K)
+    gae_k = delta.new_zeros(B)  # (B,): A_{k+1}, 0 past the end (padding is a suffix)
+    for k in reversed(range(K)):
+        gae_k = delta[:, k] + gamma * lam * gae_k  # (B,)
+        advantages[:, k] = gae_k
+    returns = (advantages + values) * mask  # (B, K)
+    return advantages, returns
+
+
+def agent_turns(calls: list[Call]) -> list[list[int]]:
+    """Indices into `calls`, one list per (episode, slot), in turn order."""
+    by_agent = defaultdict(list)
+    for i, c in enumerate(calls):
+        by_agent[(c.episode, c.slot)].append(i)
+    return [sorted(idx, key=lambda i: calls[i].turn) for idx in by_agent.values()]
+
+
+def outcome_rewards(calls: list[Call]) -> list[float]:
+    """Per-call rewards: the broadcast outcome on each agent's last turn, 0 before it."""
+    rewards = [0.0] * len(calls)
+    for idx in agent_turns(calls):
+        rewards[idx[-1]] = calls[idx[-1]].reward
+    return rewards
+
+
+def call_advantages(calls: list[Call], values: torch.Tensor, gamma: float, lam: float,
+                    rewards: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns of every call, (N,) each.
+
+    values: (N,) the critic's value of each call's input (central: its joint step;
+    decentral: its own observation); an agent's next value is that of its own next
+    call. rewards: per-call rewards, default outcome_rewards(calls).
+    """
+    rewards = outcome_rewards(calls) if rewards is None else rewards
+    seqs = agent_turns(calls)
+    K = max(len(s) for s in seqs)
+    index = torch.zeros(len(seqs), K, dtype=torch.long)  # (B, K): call index of each turn
+    mask = torch.zeros(len(seqs), K)  # (B, K)
+    for b, s in enumerate(seqs):
+        index[b, : len(s)] = torch.tensor(s)
+        mask[b, : len(s)] = 1
+    r = torch.tensor(rewards, dtype=torch.float32)[index] * mask  # (B, K)
+    v = values.detach().float().cpu()[index]  # (B, K)
+    adv, ret = gae(r, v, mask, gamma, lam)  # (B, K), (B, K)
+    real = mask.bool()
+    advantages, returns = torch.zeros(len(calls)), torch.zeros(len(calls))
+    advantages[index[real]] = adv[real]  # (N,)
+    returns[index[real]] = ret[real]  # (N,)
+    return advantages, returns
+
+
+def normalize(advantages: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(A - mean) / (std + eps) over the batch: (N,) -> (N,)."""
+    return (advantages - advantages.mean()) / (advantages.std(correction=0) + eps)
+
+
+# ----------------------------------------------------------------------------
+# The critic's loss
+
+
+def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
+    """1 - Var(target - pred) / Var(target): 1 is perfect, 0 is no better than the
+    mean, negative is worse. nan when the targets do not vary (nothing to explain);
+    skip such batches when averaging."""
+    var_target = target.var(correction=0)
+    if var_target == 0:
+        return float("nan")
+    return (1 - (target - pred).var(correction=0) / var_target).item()
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """0.5 * mean (V - R)^2, optionally PPO-clipped around the rollout's values: (N,) -> ().
+
+    With clip, V may move at most `clip` from old_values before the loss stops
+    rewarding the move (the max of clipped and unclipped errors, as in PPO2).
+    """
+    v_loss_unclipped = (values - returns) ** 2  # (N,)
+    v_loss = v_loss_unclipped
+    if clip is not None:
+        v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)  # (N,)
+        v_loss_clipped = (v_clipped - returns) ** 2  # (N,)
+        v_loss = torch.max(v_loss_unclipped, v_loss_clipped)
+    loss = 0.5 * v_loss.mean()
+    with torch.no_grad():
+        stats = {
+            "value_loss": loss.item(),
+            "explained_variance": explained_variance(values, returns),
+            "value_mean": values.mean().item(),
+            "return_mean": returns.mean().item(),
+            "clip_frac": ((values - old_values).abs() > clip).float().mean().item()
+                         if clip is not None else 0.0,
+        }
+    return loss, stats
+
+
+def update_critic(model: nn.Module, head: ValueHead, name: str, ids: list[list[int]],
+                  old_values: torch.Tensor, returns: torch.Tensor, optimizer,
+                  minibatch_size: int, micro_batch_size: int, pad_id: int, vf_coef: float,
+                  clip: float | None, grad_clip: float, order: list[int]) -> dict[str, list[float]]:
+    """One pass of critic `name` over its inputs in mini-batches (one optimizer step each).
+
+    ids, old_values (N,), returns (N,): this critic's rows; `order` shuffles them.
+    """
+    params = [p for p in optimizer.param_groups[0]["params"]]
+    stats = defaultdict(list)
+    for start in range(0, len(order), minibatch_size):
+        mb = order[start:start + minibatch_size]
+        optimizer.zero_grad(set_to_none=False)
+        for m in range(0, len(mb), micro_batch_size):
+            micro = mb[m:m + micro_batch_size]
+            v = critic_values(model, head, name, [ids[i] for i in micro], pad_id)  # (b,)
+            loss, st = value_loss(v, old_values[micro].to(v.device), returns[micro].to(v.device), clip)
+            # micro-batches of one mini-batch add up to its mean loss
+            (vf_coef * loss * len(micro) / len(mb)).backward()
+            stats["value_loss"].append(st["value_loss"])
+        stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, grad_clip).item())
+        optimizer.step()
+    return stats

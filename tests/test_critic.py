@@ -1,0 +1,264 @@
+"""Critic: GAE and the value loss by hand, what each critic reads, no-op start, learning."""
+import math
+import random
+
+import pytest
+import torch
+
+import lora
+from critic import (ValueHead, call_advantages, critic_inputs, critic_key, critic_values, encode,
+                    explained_variance, gae, joint_history, local_observation, normalize,
+                    outcome_rewards, predict_values, setup_critics, value_loss)
+from rollout import Call
+
+
+def call(episode: int, slot: str, turn: int, prompt: str, text: str, reward: float = 0.0) -> Call:
+    role = slot.rstrip("0123456789")
+    return Call(episode, role, slot, turn, [], [], prompt, text, reward)
+
+
+# ---------------------------------------------------------------- GAE by hand
+
+# One agent with three turns, outcome 1 at the last: gamma = 0.9.
+R3, V3 = [0.0, 0.0, 1.0], [0.5, 0.2, 0.8]
+# delta_2 = 1 - 0.8 = 0.2;  delta_1 = 0.9 * 0.8 - 0.2 = 0.52;  delta_0 = 0.9 * 0.2 - 0.5 = -0.32
+DELTA3 = [-0.32, 0.52, 0.2]
+
+
+def one(rewards: list[float], values: list[float], gamma: float, lam: float):
+    adv, ret = gae(torch.tensor([rewards]), torch.tensor([values]), torch.ones(1, len(rewards)),
+                   gamma, lam)
+    return adv[0].tolist(), ret[0].tolist()
+
+
+def test_gae_lambda_zero_is_one_step_td():
+    adv, ret = one(R3, V3, gamma=0.9, lam=0.0)
+    assert adv == pytest.approx(DELTA3)
+    assert ret == pytest.approx([0.9 * 0.2, 0.9 * 0.8, 1.0])  # r_k + gamma V(s_{k+1})
+
+
+def test_gae_lambda_one_is_monte_carlo():
+    adv, ret = one(R3, V3, gamma=0.9, lam=1.0)
+    assert ret == pytest.approx([0.81, 0.9, 1.0])  # discounted outcome, whatever V says
+    assert adv == pytest.approx([0.81 - 0.5, 0.9 - 0.2, 1.0 - 0.8])
+    adv, ret = one(R3, V3, gamma=1.0, lam=1.0)
+    assert ret == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_gae_intermediate_lambda_on_sequences_of_different_lengths():
+    pad = 9.0  # padded entries must not leak into anything
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [1.0, pad, pad], [0.5, 1.0, pad]])
+    values = torch.tensor([[0.5, 0.2, 0.8], [0.3, pad, pad], [0.1, 0.4, pad]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.5)  # gamma * lam = 0.45
+    expected = [
+        [-0.32 + 0.45 * (0.52 + 0.45 * 0.2), 0.52 + 0.45 * 0.2, 0.2],  # -0.0455, 0.61, 0.2
+        [1.0 - 0.3, 0.0, 0.0],  # a single turn: R - V
+        # an intermediate reward: delta_1 = 1 - 0.4 = 0.6, delta_0 = 0.5 + 0.9 * 0.4 - 0.1 = 0.76
+        [0.76 + 0.45 * 0.6, 0.6, 0.0],
+    ]
+    for row, exp in zip(adv.tolist(), expected):
+        assert row == pytest.approx(exp)
+    assert ret.tolist()[0] == pytest.approx([-0.0455 + 0.5, 0.61 + 0.2, 1.0])
+    assert ret.tolist()[1] == pytest.approx([1.0, 0.0, 0.0])
+    assert ret.tolist()[2] == pytest.approx([1.03 + 0.1, 1.0, 0.0])
+
+
+def eval_opt_calls() -> list[Call]:
+    """Episode 0 refines once and ends right (1); episode 1 stops after one round, wrong (0)."""
+    return [call(0, "generator", 2, "p", "t", 1.0), call(1, "evaluator", 1, "p", "t", 0.0),
+            call(0, "generator", 0, "p", "t", 1.0), call(0, "evaluator", 1, "p", "t", 1.0),
+            call(1, "generator", 0, "p", "t", 0.0)]
+
+
+def test_outcome_reward_sits_on_each_agents_last_turn():
+    assert outcome_rewards(eval_opt_calls()) == [1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_call_advantages_follow_each_agents_own_turns():
+    calls = eval_opt_calls()
+    values = torch.tensor([0.6, 0.3, 0.2, 0.5, 0.4])
+    adv, ret = call_advantages(calls, values, gamma=1.0, lam=0.0)
+    # episode 0's first generator turn bootstraps from its own next turn (0.6), not the evaluator
+    assert adv.tolist() == pytest.approx([1 - 0.6, 0 - 0.3, 0.6 - 0.2, 1 - 0.5, 0 - 0.4])
+    assert ret.tolist() == pytest.approx([1.0, 0.0, 0.6, 1.0, 0.0])
+    adv, _ = call_advantages(calls, values, gamma=1.0, lam=1.0)
+    assert adv[2].item() == pytest.approx(1 - 0.2)  # Monte Carlo: outcome minus V
+    # a workflow with an intermediate reward of 0.5 on episode 0's first generator turn
+    adv, _ = call_advantages(calls, values, 1.0, 0.0, rewards=[1.0, 0.0, 0.5, 1.0, 0.0])
+    assert adv[2].item() == pytest.approx(0.5 + 0.6 - 0.2)
+
+
+def test_normalize():
+    out = normalize(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    assert out.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert out.std(correction=0).item() == pytest.approx(1.0, rel=1e-5)
+
+
+# ---------------------------------------------------------------- value loss by hand
+
+def test_value_loss_unclipped_by_hand():
+    values = torch.tensor([0.5, 1.0, -0.1])
+    returns = torch.tensor([1.0, 0.0, 0.0])
+    loss, stats = value_loss(values, values, returns)
+    assert loss.item() == pytest.approx(0.5 * (0.25 + 1.0 + 0.01) / 3)
+    assert stats["clip_frac"] == 0.0
+    assert stats["value_mean"] == pytest.approx(1.4 / 3)
+
+
+def test_value_loss_clipped_by_hand():
+    values = torch.tensor([0.5, 1.0, -0.1], requires_grad=True)
+    old = torch.tensor([0.0, 0.9, 0.0])
+    returns = torch.tensor([1.0, 0.0, 0.0])
+    loss, stats = value_loss(values, old, returns, clip=0.2)
+    # first: V moved 0.5 > 0.2, clipped to 0.2, error 0.8^2 = 0.64 > 0.5^2 wins; others unclipped
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 1.0 + 0.01) / 3)
+    assert stats["clip_frac"] == pytest.approx(1 / 3)
+    loss.backward()
+    assert values.grad.tolist() == pytest.approx([0.0, 1.0 / 3, -0.1 / 3])  # clipped: no gradient
+
+
+def test_explained_variance_by_hand():
+    # residual [0, 0, 1]: Var 2/9; target [1, 2, 4]: Var 14/9
+    pred, target = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 4.0])
+    assert explained_variance(pred, target) == pytest.approx(1 - 1 / 7)
+    assert explained_variance(torch.zeros(3), target) == pytest.approx(0.0)
+    assert math.isnan(explained_variance(pred, torch.ones(3)))  # constant targets: undefined
+
+
+# ---------------------------------------------------------------- what each critic reads
+
+def voting_calls() -> list[Call]:
+    """Two voting episodes with distinct texts; the aggregator's prompt lists the candidates."""
+    calls = []
+    for e in range(2):
+        outs = [f"ep{e}-solution-by-gen{i}" for i in range(3)]
+        calls += [call(e, f"generator{i}", 0, f"ep{e}-question", outs[i], 1.0) for i in range(3)]
+        calls.append(call(e, "aggregator", 1, f"ep{e}-pick one of: " + " | ".join(outs),
+                          f"ep{e}-aggregator-choice", 1.0))
+    return calls
+
+
+def test_central_critic_reads_every_agents_history():
+    calls = voting_calls()
+    episode0 = [c for c in calls if c.episode == 0]
+    at_aggregator = joint_history(episode0, 1)
+    for c in episode0[:3]:
+        assert c.prompt in at_aggregator and c.text in at_aggregator
+        assert f"[{c.slot}] output:\n{c.text}" in at_aggregator
+    assert "[generator0, generator1, generator2] prompt:\nep0-question" in at_aggregator
+    assert episode0[3].prompt in at_aggregator  # the acting agent's prompt ...
+    assert episode0[3].text not in at_aggregator  # ... but not what it has yet to say
+    at_start = joint_history(episode0, 0)
+    assert "ep0-question" in at_start and "solution" not in at_start
+
+    keys, texts = critic_inputs(calls, "central")
+    assert keys == ["critic"] * len(calls)
+    assert texts[0] == texts[1] == texts[2] == at_start  # co-acting agents share a joint step
+    assert texts[3] == at_aggregator
+    assert "ep1" not in texts[3] and "ep0" not in texts[7]  # episodes never mix
+
+
+def test_decentral_critic_reads_only_its_own_agent():
+    calls = voting_calls()
+    keys, texts = critic_inputs(calls, "decentral", per="slot")
+    assert keys[:4] == ["critic-generator0", "critic-generator1", "critic-generator2",
+                        "critic-aggregator"]
+    others = [c.text for c in calls]
+    for c, text in zip(calls[:3], texts[:3]):
+        assert text == local_observation(c) and c.prompt in text
+        assert not any(o in text for o in others)  # no agent's output, its own included
+    keys, _ = critic_inputs(calls, "decentral", per="role")
+    assert keys[:4] == ["critic-generator"] * 3 + ["critic-aggregator"]
+    with pytest.raises(ValueError, match="decentral"):
+        critic_key("generator0", "generator", "shared")
+
+
+def test_encode_keeps_the_most_recent_tokens(tiny):
+    _, tok = tiny
+    full = encode(tok, ["Problem: What is 12 + 7? The answer is"], max_tokens=10_000)[0]
+    cut = encode(tok, ["Problem: What is 12 + 7? The answer is"], max_tokens=5)[0]
+    assert len(full) > 5 and cut == full[-5:]
+
+
+# ---------------------------------------------------------------- the critic on the tiny model
+
+def test_value_head_shapes_and_zero_start():
+    head = ValueHead(8)
+    out = head(torch.randn(5, 8))
+    assert out.shape == (5,) and torch.equal(out, torch.zeros(5))
+
+
+def test_fresh_critic_is_a_no_op(tiny):
+    model, tok = tiny
+    lora.inject_lora(model, r=4, alpha=8)
+    lora.setup_adapters(model, ["generator"], "shared")
+    heads = setup_critics(model, ["critic"])
+    ids = encode(tok, ["What is 12 + 7?", "Candidate 1 2 3"], max_tokens=64)
+    values = critic_values(model, heads["critic"], "critic", ids, tok.pad_token_id)
+    assert values.shape == (2,) and torch.equal(values, torch.zeros(2))
+    x = torch.tensor([ids[0]])
+    base = model(x, output_hidden_states=True).hidden_states[-1]
+    with lora.use_adapter(model, "critic"):
+        assert torch.equal(model(x, output_hidden_states=True).hidden_states[-1], base)
+    assert lora.lora_layers(model)[0].active is None  # critic_values restored the adapter
+
+
+def randomize_heads(heads, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+
+
+def test_values_ignore_left_padding_and_batching(tiny):
+    model, tok = tiny
+    lora.inject_lora(model, r=4, alpha=8)
+    heads = setup_critics(model, ["critic-a", "critic-b"])
+    randomize_heads(heads)
+    ids = encode(tok, ["What is 12 + 7?", "the answer", "What is 12 + 7?", "Candidate 1 2 3"], 64)
+    keys = ["critic-a", "critic-a", "critic-a", "critic-b"]
+    alone = torch.cat([critic_values(model, heads[k], k, [x], tok.pad_token_id)
+                       for k, x in zip(keys, ids)])  # (4,), no padding
+    together = predict_values(model, heads, keys, ids, tok.pad_token_id, batch_size=2)  # (4,)
+    assert torch.allclose(together, alone, atol=1e-5)
+    assert together[0] == together[2] and together[0] != together[3]
+
+
+WORDS = "the answer is boxed correct candidate problem solve generator evaluator".split()
+
+
+def toy_batch(tok, rng: random.Random, n: int):
+    """"A ..." is worth 1 and "B ..." 0, then random filler, plus noise on the return."""
+    texts, returns = [], []
+    for _ in range(n):
+        good = rng.random() < 0.5
+        texts.append(("A " if good else "B ") + " ".join(rng.choices(WORDS, k=rng.randint(2, 6))))
+        returns.append(float(good) + rng.gauss(0, 0.1))
+    return encode(tok, texts, max_tokens=32), torch.tensor(returns)
+
+
+def test_critic_learns_a_known_value(tiny):
+    model, tok = tiny
+    lora.inject_lora(model, r=8, alpha=16)
+    heads = setup_critics(model, ["critic"])
+    params = lora.adapter_parameters(model, "critic") + list(heads.parameters())
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    rng = random.Random(0)
+    test_ids, test_returns = toy_batch(tok, rng, 64)
+
+    def held_out_ev() -> float:
+        with torch.no_grad():
+            v = critic_values(model, heads["critic"], "critic", test_ids, tok.pad_token_id)
+        return explained_variance(v, test_returns)
+
+    assert held_out_ev() == pytest.approx(0.0)  # predicts 0 for everything
+    for _ in range(60):
+        ids, returns = toy_batch(tok, rng, 16)
+        values = critic_values(model, heads["critic"], "critic", ids, tok.pad_token_id)
+        loss, _ = value_loss(values, values.detach(), returns, clip=None)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert held_out_ev() > 0.5
+    assert any(p.abs().sum() > 0 for p in lora.adapter_parameters(model, "critic")[1::2])  # B moved
