@@ -43,7 +43,9 @@ them; an input longer than max_tokens keeps its most recent tokens.
 Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
 """
+import random
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -299,15 +301,55 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, stats
 
 
-def update_critic(model: nn.Module, head: ValueHead, name: str, ids: list[list[int]],
-                  old_values: torch.Tensor, returns: torch.Tensor, optimizer,
-                  minibatch_size: int, micro_batch_size: int, pad_id: int, vf_coef: float,
-                  clip: float | None, grad_clip: float, order: list[int]) -> dict[str, list[float]]:
-    """One pass of critic `name` over its inputs in mini-batches (one optimizer step each).
+# ----------------------------------------------------------------------------
+# One training step of the critics (train.py calls these three)
 
-    ids, old_values (N,), returns (N,): this critic's rows; `order` shuffles them.
-    """
-    params = [p for p in optimizer.param_groups[0]["params"]]
+
+@dataclass
+class CriticBatch:
+    """What the critics saw at rollout time, one entry per call."""
+    keys: list[str]          # which critic scores the call
+    ids: list[list[int]]     # that critic's input tokens
+    values: torch.Tensor     # (N,) V(s) at rollout time (the "old" values)
+    returns: torch.Tensor    # (N,) GAE returns, the regression targets
+
+
+def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[Call],
+                      critic: str, per: str, max_tokens: int, gamma: float, lam: float,
+                      normalize_advantages: bool, batch_size: int) -> CriticBatch:
+    """Value every call's input with its critic, then set call.advantage by GAE."""
+    keys, texts = critic_inputs(calls, critic, per)
+    ids = encode(tok, texts, max_tokens)
+    values = predict_values(model, heads, keys, ids, tok.pad_token_id, batch_size)  # (N,)
+    adv, returns = call_advantages(calls, values, gamma, lam)  # (N,), (N,)
+    if normalize_advantages:
+        adv = normalize(adv)
+    for call, a in zip(calls, adv.tolist()):
+        call.advantage = a
+    return CriticBatch(keys, ids, values, returns)
+
+
+def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, optimizers: dict,
+                   rng: random.Random, pad_id: int, minibatch_size: int, micro_batch_size: int,
+                   vf_coef: float, clip: float | None, grad_clip: float) -> dict[str, list[float]]:
+    """One pass of every critic over its own rows, in mini-batches (one step each)."""
+    stats = defaultdict(list)
+    for name in heads:
+        rows = [i for i, k in enumerate(batch.keys) if k == name]
+        rng.shuffle(rows)
+        for k, v in update_critic(model, heads[name], name, batch, optimizers[name], rows,
+                                  pad_id, minibatch_size, micro_batch_size, vf_coef, clip,
+                                  grad_clip).items():
+            stats[f"critic/{k}"] += v
+    return stats
+
+
+def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
+                  order: list[int], pad_id: int, minibatch_size: int, micro_batch_size: int,
+                  vf_coef: float, clip: float | None, grad_clip: float) -> dict[str, list[float]]:
+    """One pass of critic `name` over the rows `order` of the batch."""
+    params = optimizer.param_groups[0]["params"]
+    ids, old_values, returns = batch.ids, batch.values, batch.returns
     stats = defaultdict(list)
     for start in range(0, len(order), minibatch_size):
         mb = order[start:start + minibatch_size]
@@ -322,3 +364,21 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, ids: list[list[i
         stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, grad_clip).item())
         optimizer.step()
     return stats
+
+
+def critic_metrics(calls: list[Call], batch: CriticBatch) -> dict[str, float]:
+    """Explained variance of the rollout values, and values, returns and advantages
+    per role and per slot."""
+    m = {}
+    ev = explained_variance(batch.values, batch.returns)
+    if ev == ev:  # nan when every return is equal: nothing to explain, nothing logged
+        m["critic/explained_variance"] = ev
+    for key in ("role", "slot"):
+        groups = defaultdict(list)
+        for i, c in enumerate(calls):
+            groups[getattr(c, key)].append(i)
+        for name, idx in groups.items():
+            m[f"{key}/{name}/value"] = batch.values[idx].mean().item()
+            m[f"{key}/{name}/return"] = batch.returns[idx].mean().item()
+            m[f"{key}/{name}/adv"] = sum(calls[i].advantage for i in idx) / len(idx)
+    return m

@@ -24,12 +24,20 @@ advantage 0 instead of dividing by ~eps. The KL term to the reference policy
 is off by default, as in the paper; when on it is the k3 estimator
 (Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model.
 
+The update (`policy_update`) is shared by GRPO and the actor of the
+actor-critic (critic.py): one pass over the calls in mini-batches, one
+optimizer step each (one PPO epoch, as in the paper).
+
 Exercised by: pytest tests/test_grpo.py
 """
+import random
 from collections import defaultdict
 from typing import Hashable
 
 import torch
+
+from lora import adapter_parameters, use_adapter
+from rollout import Call, sequence_logprobs
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -108,3 +116,72 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             "kl_ref": masked_mean(kl, mask).item(),
         }
     return loss, stats
+
+
+# ----------------------------------------------------------------------------
+# The update: old log-probs, then one pass of mini-batches
+
+
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+@torch.no_grad()
+def set_old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temperature: float,
+                     micro_batch_size: int) -> None:
+    """pi_old of every completion token, under the adapter that generated it."""
+    with use_adapter(model, adapter):
+        for micro in chunks(calls, micro_batch_size):
+            logp, _ = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
+            for call, row in zip(micro, logp):
+                call.old_logp = row[: len(call.completion_ids)].cpu()  # (T_i,)
+
+
+def padded(rows: list[torch.Tensor], T: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), T)  # (b, T)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
+                  pad_id: int, temperature: float, minibatch_size: int, micro_batch_size: int,
+                  eps_low: float, eps_high: float, agg: str, kl_coef: float,
+                  grad_clip: float) -> dict[str, list[float]]:
+    """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
+
+    Each role's part of a mini-batch is back-propagated on its own, so the norm
+    of that role's gradient is measured even when roles share the adapter.
+    When the KL term is off, calls with advantage 0 are skipped: their gradient
+    is exactly 0, and they still count in the denominators.
+    """
+    params = adapter_parameters(model, adapter)
+    stats = defaultdict(list)
+    calls = calls[:]
+    rng.shuffle(calls)
+    for mb in chunks(calls, minibatch_size):
+        optimizer.zero_grad(set_to_none=False)
+        num_seqs, num_tokens = len(mb), sum(len(c.completion_ids) for c in mb)
+        live = mb if kl_coef > 0 else [c for c in mb if c.advantage != 0]
+        for role in sorted({c.role for c in live}):
+            before = [p.grad.clone() for p in params]
+            for micro in chunks([c for c in live if c.role == role], micro_batch_size):
+                with use_adapter(model, adapter):
+                    logp, mask = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
+                ref_logp = None
+                if kl_coef > 0:
+                    with torch.no_grad(), use_adapter(model, None):  # the base model
+                        ref_logp, _ = sequence_logprobs(model, micro, pad_id, temperature)
+                old = padded([c.old_logp for c in micro], logp.shape[1]).to(logp.device)  # (b, T)
+                adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
+                loss, st = policy_loss(logp, old, adv, mask, eps_low, eps_high, agg,
+                                       ref_logp, kl_coef, num_seqs, num_tokens)
+                loss.backward()
+                for k, v in st.items():
+                    stats[f"role/{role}/{k}"].append(v)
+            role_grad = torch.sqrt(sum(((p.grad - b) ** 2).sum() for p, b in zip(params, before)))
+            stats[f"role/{role}/grad_norm"].append(role_grad.item())
+        total = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        stats[f"adapter/{adapter}/grad_norm"].append(total.item())
+        optimizer.step()
+    return stats

@@ -42,13 +42,13 @@ from functools import partial
 import torch
 from tqdm import tqdm
 
-from critic import (CRITICS, PER, call_advantages, critic_inputs, critic_key, encode,
-                    explained_variance, normalize, predict_values, setup_critics, update_critic)
-from grpo import AGG_MODES, group_advantages, policy_loss
+from critic import (CRITICS, PER, critic_advantages, critic_key, critic_metrics, setup_critics,
+                    update_critics)
+from grpo import AGG_MODES, group_advantages, policy_update, set_old_logprobs
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
-                  save_adapters, setup_adapters, use_adapter)
+                  save_adapters, setup_adapters)
 from reward import DEFAULT_LEVEL, TASKS, load_task, math_reward
-from rollout import Call, Rollout, load_policy, sequence_logprobs
+from rollout import Call, Rollout, load_policy
 from workflows import ROLES, WORKFLOWS, role_of, run_workflow, slots
 
 
@@ -164,110 +164,6 @@ def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
     for call, a in zip(calls, adv.tolist()):
         call.advantage = a
     return sum(a == 0 for a in adv.tolist()) / len(calls)
-
-
-def set_critic_advantages(model, tok, heads, calls: list[Call], cfg: Config):
-    """Actor-critic advantages: each call's critic values its input, GAE runs over
-    each agent's turns. Returns (keys, ids, values, returns) for the critic update."""
-    keys, texts = critic_inputs(calls, cfg.critic, cfg.critic_per)
-    ids = encode(tok, texts, cfg.critic_max_tokens)
-    values = predict_values(model, heads, keys, ids, tok.pad_token_id, cfg.micro_batch_size)  # (N,)
-    adv, returns = call_advantages(calls, values, cfg.gamma, cfg.lam)  # (N,), (N,)
-    if cfg.norm_adv:
-        adv = normalize(adv)
-    for call, a in zip(calls, adv.tolist()):
-        call.advantage = a
-    return keys, ids, values, returns
-
-
-def update_critics(model, heads, batch, optimizers: dict, cfg: Config, pad_id: int,
-                   rng: random.Random) -> dict[str, list[float]]:
-    keys, ids, values, returns = batch
-    stats = defaultdict(list)
-    for name in heads:
-        rows = [i for i, k in enumerate(keys) if k == name]
-        rng.shuffle(rows)
-        for k, v in update_critic(model, heads[name], name, ids, values, returns, optimizers[name],
-                                  cfg.minibatch_size, cfg.micro_batch_size, pad_id, cfg.vf_coef,
-                                  cfg.value_clip or None, cfg.grad_clip, rows).items():
-            stats[f"critic/{k}"] += v
-    return stats
-
-
-def critic_metrics(calls: list[Call], values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
-    m = {}
-    ev = explained_variance(values, returns)  # of the values the advantages used
-    if ev == ev:  # nan when every return is equal: nothing to explain, nothing logged
-        m["critic/explained_variance"] = ev
-    for key in ("role", "slot"):
-        groups = defaultdict(list)
-        for i, c in enumerate(calls):
-            groups[getattr(c, key)].append(i)
-        for name, idx in groups.items():
-            m[f"{key}/{name}/value"] = values[idx].mean().item()
-            m[f"{key}/{name}/return"] = returns[idx].mean().item()
-            m[f"{key}/{name}/adv"] = sum(calls[i].advantage for i in idx) / len(idx)
-    return m
-
-
-def chunks(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-@torch.no_grad()
-def set_old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, cfg: Config) -> None:
-    with use_adapter(model, adapter):
-        for micro in chunks(calls, cfg.micro_batch_size):
-            logp, mask = sequence_logprobs(model, micro, pad_id, cfg.temperature)
-            for call, row in zip(micro, logp):
-                call.old_logp = row[: len(call.completion_ids)].cpu()
-
-
-def padded(rows: list[torch.Tensor], T: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), T)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-
-
-def update_adapter(model, adapter: str, calls: list[Call], optimizer, cfg: Config, pad_id: int,
-                   rng: random.Random) -> dict[str, list[float]]:
-    """One pass over `calls` in mini-batches, one optimizer step each (PPO epochs = 1).
-
-    Each role's part of a mini-batch is back-propagated on its own, so the norm
-    of that role's gradient is measured even when roles share the adapter.
-    """
-    params = adapter_parameters(model, adapter)
-    stats = defaultdict(list)
-    calls = calls[:]
-    rng.shuffle(calls)
-    for mb in chunks(calls, cfg.minibatch_size):
-        optimizer.zero_grad(set_to_none=False)
-        num_seqs = len(mb)
-        num_tokens = sum(len(c.completion_ids) for c in mb)
-        live = mb if cfg.kl_coef > 0 else [c for c in mb if c.advantage != 0]
-        for role in sorted({c.role for c in live}):
-            before = [p.grad.clone() for p in params]
-            for micro in chunks([c for c in live if c.role == role], cfg.micro_batch_size):
-                with use_adapter(model, adapter):
-                    logp, mask = sequence_logprobs(model, micro, pad_id, cfg.temperature)  # (b, T)
-                ref_logp = None
-                if cfg.kl_coef > 0:
-                    with torch.no_grad(), use_adapter(model, None):
-                        ref_logp, _ = sequence_logprobs(model, micro, pad_id, cfg.temperature)
-                old = padded([c.old_logp for c in micro], logp.shape[1]).to(logp.device)  # (b, T)
-                adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
-                loss, st = policy_loss(logp, old, adv, mask, cfg.eps_low, cfg.eps_high, cfg.loss_agg,
-                                       ref_logp, cfg.kl_coef, num_seqs, num_tokens)
-                loss.backward()
-                for k, v in st.items():
-                    stats[f"role/{role}/{k}"].append(v)
-            role_grad = torch.sqrt(sum(((p.grad - b) ** 2).sum() for p, b in zip(params, before)))
-            stats[f"role/{role}/grad_norm"].append(role_grad.item())
-        total = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        stats[f"adapter/{adapter}/grad_norm"].append(total.item())
-        optimizer.step()
-    return stats
 
 
 def step_metrics(calls: list[Call], rewards: list[float], outcomes) -> dict[str, float]:
@@ -464,20 +360,26 @@ def main(cfg: Config) -> dict:
         if cfg.algo == "grpo":
             no_signal = set_advantages(calls, problem_of, cfg.adv_group)
         else:
-            critic_batch = set_critic_advantages(model, tok, heads, calls, cfg)
+            critic_batch = critic_advantages(model, tok, heads, calls, cfg.critic, cfg.critic_per,
+                                             cfg.critic_max_tokens, cfg.gamma, cfg.lam,
+                                             cfg.norm_adv, cfg.micro_batch_size)
             no_signal = sum(c.advantage == 0 for c in calls) / len(calls)
         # 5-6. old log-probs and the update, adapter by adapter
         stats = defaultdict(list)
         for name in names:
             mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
-            set_old_logprobs(model, mine, name, tok.pad_token_id, cfg)
-            for k, v in update_adapter(model, name, mine, optimizers[name], cfg,
-                                       tok.pad_token_id, rng).items():
+            set_old_logprobs(model, mine, name, tok.pad_token_id, cfg.temperature,
+                             cfg.micro_batch_size)
+            for k, v in policy_update(model, name, mine, optimizers[name], rng, tok.pad_token_id,
+                                      cfg.temperature, cfg.minibatch_size, cfg.micro_batch_size,
+                                      cfg.eps_low, cfg.eps_high, cfg.loss_agg, cfg.kl_coef,
+                                      cfg.grad_clip).items():
                 stats[k] += v
             schedulers[name].step()
         if cfg.algo == "maac":  # critic adapters are separate from the actors': order is free
-            stats.update(update_critics(model, heads, critic_batch, optimizers, cfg,
-                                        tok.pad_token_id, rng))
+            stats.update(update_critics(model, heads, critic_batch, optimizers, rng,
+                                        tok.pad_token_id, cfg.minibatch_size, cfg.micro_batch_size,
+                                        cfg.vf_coef, cfg.value_clip or None, cfg.grad_clip))
             for name in heads:
                 schedulers[name].step()
         # 7. logs, evaluation, checkpoint
@@ -486,7 +388,7 @@ def main(cfg: Config) -> dict:
              "time/rollout": t1 - t0, "time/update": time.time() - t1}
         m.update({k: sum(v) / len(v) for k, v in stats.items()})
         if cfg.algo == "maac":
-            m.update(critic_metrics(calls, critic_batch[2], critic_batch[3]))
+            m.update(critic_metrics(calls, critic_batch))
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             acc = evaluate(model, tok, cfg, test_set)
             m["eval/accuracy"] = acc
