@@ -149,6 +149,7 @@ class Call:
     completion_ids: list[int]  # (T_i,) up to and including the first eos
     prompt: str
     text: str                # completion decoded without special tokens
+    problem: str = ""        # id of the episode's problem, set by the trainer
     reward: float = 0.0      # the episode's outcome, broadcast to every call
     advantage: float = 0.0
     old_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,)

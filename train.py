@@ -96,7 +96,7 @@ class Config:
     critic_per: str = arg("slot", "decentral critics: one per agent slot or per role type", PER)
     gamma: float = arg(1.0, "discount per agent turn")
     lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo")
-    critic_lr: float = arg(1e-4, "AdamW learning rate of the critics (adapter and value head)")
+    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)")
     vf_coef: float = arg(1.0, "value-loss coefficient (critics have their own optimizer, so "
                          "it only matters against grad_clip)")
     value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)")
@@ -142,6 +142,7 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool) -> tuple[Rollo
                             problems[0].kind, cfg.n_agents, cfg.max_rounds)
     rewards = [math_reward(o.final, p.answer, cfg.strict_answer) for o, p in zip(outcomes, problems)]
     for call in rollout.calls:
+        call.problem = problems[call.episode].id
         call.reward = rewards[call.episode]  # the final outcome, broadcast to every call
     return rollout, outcomes, rewards
 

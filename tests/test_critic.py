@@ -14,7 +14,7 @@ from rollout import Call
 
 def call(episode: int, slot: str, turn: int, prompt: str, text: str, reward: float = 0.0) -> Call:
     role = slot.rstrip("0123456789")
-    return Call(episode, role, slot, turn, [], [], prompt, text, reward)
+    return Call(episode, role, slot, turn, [], [], prompt, text, reward=reward)
 
 
 # ---------------------------------------------------------------- GAE by hand
