@@ -11,6 +11,9 @@ from conftest import ROOT
 from reward import Problem
 from workflows import ROLES, slots
 
+# One thread: the test model is tiny, and on a busy 2-core machine two threads
+# waiting on each other turn seconds into minutes.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 SMALL = ["--model", "tiny", "--steps", "1", "--problems_per_step", "2", "--group_size", "2",
          "--eval_problems", "2", "--max_new_tokens", "8", "--lora_r", "4"]
 
@@ -32,7 +35,7 @@ def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp
     out = str(tmp_path / "run")
     res = subprocess.run([sys.executable, "train.py", *SMALL, *ALGOS[algo], "--workflow", workflow,
                           "--sharing", sharing, "--out", out],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "before" in res.stdout and "after" in res.stdout
     assert json.load(open(f"{out}/config.json"))["workflow"] == workflow
@@ -61,7 +64,7 @@ def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp
 def test_bad_input_is_a_one_line_error(tmp_path):
     for flags, words in [(["--workflow", "chain"], "chain"), (["--task", "nope"], "nope")]:
         res = subprocess.run([sys.executable, "train.py", *SMALL, *flags, "--out", str(tmp_path)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+                             cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
         assert res.returncode != 0 and words in res.stderr
         assert "Traceback" not in res.stderr
 
