@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from lora import add_adapter, use_adapter
-from rollout import Call
+from rollout import Call, token_batches
 
 CRITICS = ("central", "decentral")
 PER = ("slot", "role")
@@ -330,7 +330,7 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
 
 
 def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, optimizers: dict,
-                   rng: random.Random, pad_id: int, minibatch_size: int, micro_batch_size: int,
+                   rng: random.Random, pad_id: int, minibatch_size: int, micro_batch_tokens: int,
                    vf_coef: float, clip: float | None, grad_clip: float) -> dict[str, list[float]]:
     """One pass of every critic over its own rows, in mini-batches (one step each)."""
     stats = defaultdict(list)
@@ -338,14 +338,14 @@ def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, o
         rows = [i for i, k in enumerate(batch.keys) if k == name]
         rng.shuffle(rows)
         for k, v in update_critic(model, heads[name], name, batch, optimizers[name], rows,
-                                  pad_id, minibatch_size, micro_batch_size, vf_coef, clip,
+                                  pad_id, minibatch_size, micro_batch_tokens, vf_coef, clip,
                                   grad_clip).items():
             stats[f"critic/{k}"] += v
     return stats
 
 
 def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
-                  order: list[int], pad_id: int, minibatch_size: int, micro_batch_size: int,
+                  order: list[int], pad_id: int, minibatch_size: int, micro_batch_tokens: int,
                   vf_coef: float, clip: float | None, grad_clip: float) -> dict[str, list[float]]:
     """One pass of critic `name` over the rows `order` of the batch."""
     params = optimizer.param_groups[0]["params"]
@@ -354,8 +354,8 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
     for start in range(0, len(order), minibatch_size):
         mb = order[start:start + minibatch_size]
         optimizer.zero_grad(set_to_none=False)
-        for m in range(0, len(mb), micro_batch_size):
-            micro = mb[m:m + micro_batch_size]
+        for idx in token_batches([(len(ids[i]), 0) for i in mb], micro_batch_tokens):
+            micro = [mb[j] for j in idx]
             v = critic_values(model, head, name, [ids[i] for i in micro], pad_id)  # (b,)
             loss, st = value_loss(v, old_values[micro].to(v.device), returns[micro].to(v.device), clip)
             # micro-batches of one mini-batch add up to its mean loss

@@ -37,7 +37,7 @@ from typing import Hashable
 import torch
 
 from lora import adapter_parameters, use_adapter
-from rollout import Call, sequence_logprobs
+from rollout import Call, sequence_logprobs, token_batches
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -126,12 +126,17 @@ def chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
+    sizes = [(len(c.prompt_ids), len(c.completion_ids)) for c in calls]
+    return [[calls[i] for i in idx] for idx in token_batches(sizes, max_tokens)]
+
+
 @torch.no_grad()
 def set_old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temperature: float,
-                     micro_batch_size: int) -> None:
+                     micro_batch_tokens: int) -> None:
     """pi_old of every completion token, under the adapter that generated it."""
     with use_adapter(model, adapter):
-        for micro in chunks(calls, micro_batch_size):
+        for micro in micro_batches(calls, micro_batch_tokens):
             logp, _ = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
             for call, row in zip(micro, logp):
                 call.old_logp = row[: len(call.completion_ids)].cpu()  # (T_i,)
@@ -145,7 +150,7 @@ def padded(rows: list[torch.Tensor], T: int) -> torch.Tensor:
 
 
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
-                  pad_id: int, temperature: float, minibatch_size: int, micro_batch_size: int,
+                  pad_id: int, temperature: float, minibatch_size: int, micro_batch_tokens: int,
                   eps_low: float, eps_high: float, agg: str, kl_coef: float,
                   grad_clip: float) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
@@ -165,7 +170,7 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
         live = mb if kl_coef > 0 else [c for c in mb if c.advantage != 0]
         for role in sorted({c.role for c in live}):
             before = [p.grad.clone() for p in params]
-            for micro in chunks([c for c in live if c.role == role], micro_batch_size):
+            for micro in micro_batches([c for c in live if c.role == role], micro_batch_tokens):
                 with use_adapter(model, adapter):
                     logp, mask = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
                 ref_logp = None

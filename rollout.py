@@ -186,6 +186,24 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
     return ids, attn, cmask
 
 
+def token_batches(sizes: list[tuple[int, int]], max_tokens: int) -> list[list[int]]:
+    """Split rows into consecutive micro-batches whose padded size fits max_tokens.
+
+    sizes[i] = (prompt tokens, completion tokens) of row i; a micro-batch of b
+    rows costs b * (longest prompt + longest completion) positions (see `pack`).
+    Bounding positions rather than rows bounds activation memory whatever the
+    mix of short and long calls; a row longer than the budget goes alone.
+    """
+    batches, current, P, T = [], [], 0, 0
+    for i, (p, t) in enumerate(sizes):
+        if current and (len(current) + 1) * (max(P, p) + max(T, t)) > max_tokens:
+            batches.append(current)
+            current, P, T = [], 0, 0
+        current.append(i)
+        P, T = max(P, p), max(T, t)
+    return batches + [current] if current else batches
+
+
 def completion_logits(model, ids: torch.Tensor, attn: torch.Tensor, T: int) -> torch.Tensor:
     """Logits that predict the T completion columns: (B, T, V)."""
     # Positions follow the mask, so left padding does not shift them.

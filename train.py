@@ -83,7 +83,7 @@ class Config:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step")
     minibatch_size: int = arg(16, "calls per optimizer step")
-    micro_batch_size: int = arg(8, "calls per forward pass (memory only; same gradient)")
+    micro_batch_tokens: int = arg(2048, "padded tokens per forward pass (memory only; same gradient)")
     eps_low: float = arg(0.2, "lower clip of the ratio")
     eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
@@ -363,23 +363,23 @@ def main(cfg: Config) -> dict:
         else:
             critic_batch = critic_advantages(model, tok, heads, calls, cfg.critic, cfg.critic_per,
                                              cfg.critic_max_tokens, cfg.gamma, cfg.lam,
-                                             cfg.norm_adv, cfg.micro_batch_size)
+                                             cfg.norm_adv, batch_size=8)
             no_signal = sum(c.advantage == 0 for c in calls) / len(calls)
         # 5-6. old log-probs and the update, adapter by adapter
         stats = defaultdict(list)
         for name in names:
             mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
             set_old_logprobs(model, mine, name, tok.pad_token_id, cfg.temperature,
-                             cfg.micro_batch_size)
+                             cfg.micro_batch_tokens)
             for k, v in policy_update(model, name, mine, optimizers[name], rng, tok.pad_token_id,
-                                      cfg.temperature, cfg.minibatch_size, cfg.micro_batch_size,
+                                      cfg.temperature, cfg.minibatch_size, cfg.micro_batch_tokens,
                                       cfg.eps_low, cfg.eps_high, cfg.loss_agg, cfg.kl_coef,
                                       cfg.grad_clip).items():
                 stats[k] += v
             schedulers[name].step()
         if cfg.algo == "maac":  # critic adapters are separate from the actors': order is free
             stats.update(update_critics(model, heads, critic_batch, optimizers, rng,
-                                        tok.pad_token_id, cfg.minibatch_size, cfg.micro_batch_size,
+                                        tok.pad_token_id, cfg.minibatch_size, cfg.micro_batch_tokens,
                                         cfg.vf_coef, cfg.value_clip or None, cfg.grad_clip))
             for name in heads:
                 schedulers[name].step()

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from conftest import ROOT
 from lora import inject_lora, setup_adapters
-from rollout import Call, Rollout, cut_at_eos, load_policy, pack, sequence_logprobs
+from rollout import (Call, Rollout, cut_at_eos, load_policy, pack, sequence_logprobs,
+                     token_batches)
 from workflows import run_workflow
 
 
@@ -143,3 +144,10 @@ def test_embedded_model_loads_and_answers():
     setup_adapters(model, ["generator"], "shared")
     (out,) = rollout("generator", ["generator"], [0], [[{"role": "user", "content": "What is 2 + 3?"}]])
     assert "5" in out
+
+
+def test_token_batches_bound_padded_positions():
+    sizes = [(10, 5), (10, 5), (100, 50), (3, 1), (2, 2), (1, 1)]
+    # 2 x 15 = 30 fits 40; a 150-position row goes alone; then 3 x (3 + 2) = 15 fits
+    assert token_batches(sizes, 40) == [[0, 1], [2], [3, 4, 5]]
+    assert sum(token_batches(sizes, 10**6), []) == list(range(6))
