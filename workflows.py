@@ -86,6 +86,48 @@ PROMPTS: dict[tuple[str, str], dict[str, str]] = {
         "user": "Problem: $question\n\n$solutions\n\n"
                 "What is the correct final answer? End with \\boxed{}.",
     },
+    # Code: the reward runs the last ```python block of the final text against hidden tests.
+    ("code", "generator"): {
+        "system": "You are a careful Python programmer. Solve the task with complete, runnable Python "
+                  "code, imports included. Write all of it in one block that starts with ```python "
+                  "and ends with ```.",
+        "user": "Task:\n$question",
+        "refine": "Task:\n$question\n\nYour previous solution:\n$solution\n\n"
+                  "A reviewer said it is incorrect:\n$critique\n\n"
+                  "Write a corrected solution in one ```python block.",
+    },
+    ("code", "evaluator"): {
+        "system": "You are a strict code reviewer. Check whether a Python solution solves the task. "
+                  "Do not write any code and do not fix the solution. Write at most two short "
+                  "sentences, then \\boxed{Correct} or \\boxed{Incorrect}.",
+        "user": "Task:\n$question\n\nSolution to check:\n$solution\n\n"
+                "Is it correct? End with \\boxed{Correct} or \\boxed{Incorrect}.",
+    },
+    ("code", "aggregator"): {
+        "system": "You are a judge. You see a programming task and $n numbered candidate solutions. "
+                  "Pick the candidate most likely to pass all the tests. Reply only with its "
+                  "number in \\boxed{}, for example \\boxed{2}.",
+        "user": "Task:\n$question\n\n$candidates\n\n"
+                "Which candidate is correct? Reply with \\boxed{k}, k from 1 to $n.",
+    },
+    ("code", "orchestrator"): {
+        "system": "You are a planner. Do not write code and do not solve the task. "
+                  "List up to $n different approaches to solve it, one short sentence each, "
+                  "numbered 1., 2., 3.",
+        "user": "Task:\n$question\n\nList up to $n numbered approaches.",
+    },
+    ("code", "worker"): {
+        "system": "You are a Python programmer. Solve the task using the given approach. Write "
+                  "complete, runnable Python code in one block that starts with ```python and ends with ```.",
+        "user": "Task:\n$question\n\nApproach: $strategy",
+    },
+    ("code", "synthesizer"): {
+        "system": "You are a senior Python programmer. You see a task and solutions from other "
+                  "programmers. Check them, then write the final, correct solution: complete, "
+                  "runnable Python code in one block that starts with ```python and ends with ```.",
+        "user": "Task:\n$question\n\n$solutions\n\n"
+                "Write the final solution in one ```python block.",
+    },
 }
 KINDS = sorted({kind for kind, _ in PROMPTS})
 

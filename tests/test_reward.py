@@ -88,6 +88,88 @@ def test_math_equal(pred, gold, expected):
     assert math_equal(pred, gold) is expected
 
 
+# The stronger verifier: values, LaTeX wrappers, units, and symbolic equality (pred, gold, expected).
+VALUE_CASES = [
+    ("12,345", "12345", True),
+    ("1\\,000", "1000", True),  # LaTeX thin space as a thousands separator
+    ("\\$1,000", "1000", True),
+    ("0.50", "\\frac{1}{2}", True),
+    ("\\dfrac{3}{4}", "0.75", True),
+    ("\\frac12", "0.5", True),
+    ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}", True),
+    ("2\\sqrt{3}", "\\sqrt{12}", True),
+    ("\\sqrt2", "\\sqrt{2}", True),
+    ("\\sqrt[3]{8}", "2", True),
+    ("\\sqrt{2}", "1.41", False),  # no rounding
+    ("-\\frac{\\sqrt{3}}{2}", "-0.8660254037844386", True),
+    ("50\\%", "50", True),
+    ("50%", "0.5", True),
+    ("0.5", "50\\%", True),
+    ("5%", "50", False),
+    ("90^\\circ", "90", True),
+    ("90^{\\circ}", "90", True),
+    ("45°", "45", True),
+    ("\\text{7 apples}", "7", True),
+    ("7 apples", "7", True),
+    ("12 \\text{ cm}", "12", True),
+    ("7 apples", "8", False),
+    ("$x = 5$", "5", True),
+    ("\\left( 3 \\right)", "3", True),
+    ("2x+2", "2(x+1)", True),
+    ("x^2+2x+1", "(x+1)^2", True),
+    ("x^2", "x^3", False),
+    ("\\frac{1}{2}x", "\\frac{x}{2}", True),
+    ("3\\pi", "\\pi \\cdot 3", True),
+    ("\\pi", "3.14", False),
+    ("2^{10}", "1024", True),
+    ("2^{0.5}", "\\sqrt{2}", True),
+    ("\\sqrt{-4}", "2i", True),
+    ("12 - 3", "9", True),
+    ("x", "y", False),
+    ("\\text{yes}", "\\text{no}", False),
+    ("no", "on", False),  # words are not products of letters
+    ("(1,2)", "(1, 2)", True),  # tuples: normalised string equality only
+    ("(1,2)", "(2,1)", False),
+    ("\\frac{1}{0}", "0", False),
+    ("0/0", "0", False),
+    ("9^{9^{9}}", "9^{9^9}", False),  # a power tower is never evaluated: only identical strings match
+    ("9^{9^{9}}", "9^{9^{9}}", True),
+    ("10^{100}", "1" + "0" * 100, False),  # too long for the symbolic step
+    ("__import__('os').system('true')", "0", False),  # only numbers, letters and operators reach sympy
+    ("\\frac{\\frac{\\frac{1}{2}}{2}}{2}", "0.125", True),
+    ("\\frac{{{{1}}}}{8}", "0.125", True),
+    ("\\frac{1}{", "1", False),
+    ("\\sqrt[3]{", "1", False),
+    ("{" * 5000 + "1" + "}" * 5000, "1", False),
+    ("(" * 30 + "1" + ")" * 30, "1", True),
+    ("x" * 100_000, "x", False),
+    ("1" + "+1" * 39, "40", True),
+    ("", "0", False),
+]
+
+
+@pytest.mark.parametrize("pred, gold, expected", VALUE_CASES)
+def test_math_equal_by_value(pred, gold, expected):
+    start = time.perf_counter()
+    assert math_equal(pred, gold) is expected
+    assert math_equal(gold, pred) is expected  # symmetric
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("text, gold, expected", [
+    ("\\boxed{}", "0", 0.0),
+    ("\\boxed{1} \\boxed{2} \\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0),
+    ("\\boxed{\\text{5 apples}}", "5", 1.0),
+    ("\\boxed{\\boxed{7}}", "7", 1.0),
+    ("\\boxed{" + "{" * 3000 + "7" + "}" * 3000 + "}", "7", 0.0),
+    ("$\\boxed{25\\%}$", "25", 1.0),
+])
+def test_math_reward_adversarial(text, gold, expected):
+    start = time.perf_counter()
+    assert math_reward(text, gold, strict=True) == expected
+    assert time.perf_counter() - start < 1.0
+
+
 @pytest.mark.parametrize("text, strict, expected", [
     ("\\boxed{\\frac{1}{2}}", False, "\\frac{1}{2}"),
     ("a \\boxed{1} b \\boxed{ 2 } c", True, "2"),

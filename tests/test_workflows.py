@@ -4,7 +4,6 @@ from typing import Callable
 
 import pytest
 
-
 from workflows import (DEFAULT_STRATEGY, MAX_FEED_CHARS, ROLES, WORKFLOWS,
                        Chat, boxed_contents, clip, parse_choice, parse_strategies,
                        parse_verdict, role_of, run_workflow, slots, stage)

@@ -1,0 +1,280 @@
+"""Tests for the code reward: hostile programs score 0 within their time bound and leave no process
+behind; correct programs score 1 in every test format; scoring runs in parallel and never raises."""
+import json
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+
+import pytest
+
+from reward import (Problem, code_reward, extract_code, run_code, sandbox, score,
+                    score_batch)
+
+TIMEOUT = 2.0  # per program; hostile programs that must be killed take this long
+SLACK = 2.0  # start-up and clean-up on a busy 2-core machine
+TAG = "31.4159"  # argument of the `sleep` processes that hostile programs try to leave behind
+ROOT = sandbox(isolate=False).own_uid  # each run under its own uid: only when the trainer is root
+ISOLATED = bool(sandbox().prefix)
+
+ADD = Problem("add", "", "", kind="code", entry_point="add", test_format="assert", tests=(
+    "def check(candidate):\n"
+    "    assert candidate(2, 3) == 5\n"
+    "    assert abs(candidate(0.5, 0.25) - 0.75) < 1e-9\n\n"
+    "check(add)\n"))
+STDIO = Problem("sum", "", "", kind="code", test_format="stdio", tests=json.dumps(
+    [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6"}]))
+HALF = Problem("half", "", "", kind="code", entry_point="half", test_format="assert",  # with a prompt helper
+               setup='import math\n\ndef twice(x):\n    return 2 * x\n\ndef half(x):\n    """twice(half(x)) == x"""\n',
+               tests=("import math\n\ndef check(candidate):\n    assert math.isclose(twice(candidate(3.0)), 3.0)\n"
+                      "    assert math.fabs(twice(candidate(5.0)) - 5.0) < 1e-9\n\ncheck(half)\n"))
+CALL = Problem("call", "", "", kind="code", test_format="call", entry_point="add", tests=json.dumps(
+    [{"input": [2, 3], "output": [5]}, {"input": [[1], [2]], "output": [[1, 2]]}]))
+
+
+def call_problem(name: str, output: object) -> Problem:
+    """A problem whose only test expects `name()` to return `output` (which never enters the sandbox)."""
+    return Problem(name, "", "", kind="code", test_format="call", entry_point=name,
+                   tests=json.dumps([{"input": [], "output": [output]}]))
+
+
+def survivors(marker: str) -> list[str]:
+    """Live processes of one run: its marker in their environment, or the tagged `sleep` in their command line."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue  # a zombie is dead: it only waits to be reaped
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"SANDBOX_RUN={marker}".encode() in environ or TAG in cmd:
+            found.append(f"{pid} {cmd[:60]}")
+    return found
+
+
+def check_hostile(code: str, problem: Problem = ADD, isolate: bool = True, bound: float = 1.0) -> float:
+    start = time.monotonic()
+    result = run_code(code, problem, timeout=TIMEOUT, isolate=isolate)
+    elapsed = time.monotonic() - start
+    assert not result.passed, result
+    assert elapsed < bound + SLACK, (elapsed, result)
+    assert result.marker and survivors(result.marker) == []
+    return elapsed
+
+
+# (name, code, problem, expected seconds: 1 for a quick failure, TIMEOUT when it must be killed)
+HOSTILE = [
+    ("infinite loop", "while True:\n    pass\n", ADD, TIMEOUT),
+    ("sleep forever", "import time\ntime.sleep(1000)\n", ADD, TIMEOUT),
+    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+     ADD, TIMEOUT),
+    ("memory bomb", "x = []\nwhile True:\n    x.append(bytearray(1 << 26))\n", ADD, TIMEOUT),
+    ("huge output", "while True:\n    print('x' * 100000)\n", ADD, 1),
+    ("recursion bomb", "import sys\nsys.setrecursionlimit(10**8)\ndef add(a, b):\n    return add(a, b)\n",
+     ADD, TIMEOUT),
+    ("sys.exit(0) before the tests", "import sys\nsys.exit(0)\n", ADD, 1),
+    ("os._exit(0) before the tests", "import os\nos._exit(0)\n", ADD, 1),
+    ("os._exit(0) inside the function", "import os\ndef add(a, b):\n    os._exit(0)\n", ADD, 1),
+    ("SystemExit in finally", "def add(a, b):\n    try:\n        return 0\n    finally:\n        raise SystemExit(0)\n",
+     ADD, 1),
+    ("atexit tricks", "import atexit, os\natexit.register(print, 'all tests passed')\n"
+     "atexit.register(os._exit, 0)\ndef add(a, b):\n    return 0\n", ADD, 1),
+    ("exec another program that exits 0",
+     "import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'print(1)'])\n", ADD, 1),
+    ("fake success output", "import os\nfor fd in range(1, 64):\n    try:\n"
+     "        os.write(fd, b'0123456789abcdef0123456789abcdef 1\\nPASSED 1/1\\n')\n    except OSError:\n        pass\n"
+     "def add(a, b):\n    return 0\n", ADD, 1),
+    ("patched builtins", "import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.all = lambda *a: True\n"
+     "builtins.print = lambda *a, **k: None\ndef add(a, b):\n    return a + b if type(a) is int else 0.0\n", ADD, 1),
+    ("object equal to everything", "class Yes:\n    __eq__ = __lt__ = lambda self, other: True\n"
+     "    __sub__ = __abs__ = lambda self, *other: self\n    __hash__ = object.__hash__\n"
+     "def add(a, b):\n    return Yes()\n", ADD, 1),
+    ("int subclass equal to everything", "class Int(int):\n    __eq__ = lambda self, other: True\n"
+     "    __hash__ = int.__hash__\ndef add(a, b):\n    return Int(0) if type(a) is int else a + b\n", ADD, 1),
+    ("patched assert helpers", "import math\nmath.isclose = lambda *a, **k: True\nmath.fabs = lambda x: 0.0\n"
+     "def half(x):\n    return 0.0\n", HALF, 1),
+    ("assert helpers patched during a call", "def half(x):\n    import math\n    math.fabs = lambda v: 0.0\n"
+     "    return 1.5 if x == 3.0 else 0.0\n", HALF, 1),  # right once, then math.fabs would hide the error
+    ("redefined prompt helper", "def twice(x):\n    return x\ndef half(x):\n    return x\n", HALF, 1),
+    ("patched harness", "import __main__\n__main__.plain = lambda *a: True\nclass Yes:\n"
+     "    __eq__ = lambda self, other: True\n    __hash__ = object.__hash__\n"
+     "def add(a, b):\n    __main__.plain = lambda *a: True\n    return Yes() if type(a) is int else a + b\n", ADD, 1),
+    ("replaced AssertionError", "import builtins\nbuiltins.AssertionError = type('No', (Exception,), {})\n"
+     "def add(a, b):\n    return 0\n", ADD, 1),
+    ("closed descriptors", "import os\nos.closerange(3, 4096)\ndef add(a, b):\n    return 0\n", ADD, 1),
+    ("signal tampering", "import signal\nfor s in (signal.SIGTERM, signal.SIGALRM, signal.SIGXCPU, signal.SIGINT,"
+     " signal.SIGHUP, signal.SIGUSR1):\n    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass\n", ADD, TIMEOUT),
+    ("stopping its own group", "import os, signal\nos.kill(0, signal.SIGSTOP)\ndef add(a, b):\n    return 0\n",
+     ADD, TIMEOUT),
+    ("killing its parent", "import os, signal\nfor sig in (signal.SIGKILL, signal.SIGTERM):\n    try:\n"
+     "        os.kill(os.getppid(), sig)\n    except OSError:\n        pass\ndef add(a, b):\n    return 0\n", ADD, 1),
+    ("killing every process it may", "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n"
+     "    pass\ndef add(a, b):\n    return 0\n", ADD, 1),
+    ("daemon that outlives the run", "import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+     f"        os.execv('/bin/sleep', ['sleep', '{TAG}'])\n    os._exit(0)\n"
+     "if os.fork() == 0:\n    os.setsid()\n    import time\n    time.sleep(60)\n    os._exit(0)\n"
+     "def add(a, b):\n    return 0\n", ADD, 1),
+    ("stdin program that exits early", "import sys\nsys.exit(0)\n", STDIO, 1),
+    ("stdin program that reads the disk for answers",
+     "import os\nseen = 0\nfor top in ('.', '..', '/tmp', os.path.expanduser('~')):\n"
+     "    for d, _, names in os.walk(top):\n        for n in names:\n            seen += 1\n"
+     "            if seen > 3000:\n                break\n            try:\n"
+     "                text = open(os.path.join(d, n), errors='ignore').read(200).strip()\n"
+     "            except OSError:\n                continue\n"
+     "            if len(text) == 16 and all(c in '0123456789abcdef' for c in text):\n"
+     "                print(text)\n                raise SystemExit(0)\nprint('0')\n", None, 1),
+]
+
+
+@pytest.mark.parametrize("name, code, problem, seconds", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_program_scores_zero(name, code, problem, seconds):
+    if name.startswith("killing") and not (ROOT or ISOLATED):
+        pytest.skip("here the run could kill the test process itself: it shares its user and pid space")
+    if problem is None:  # the expected answer is random, so only a leak could print it
+        problem = Problem("secret", "", "", kind="code", test_format="stdio",
+                          tests=json.dumps([{"input": "what is the secret?\n", "output": secrets.token_hex(8)}]))
+    check_hostile(code, problem, bound=seconds)
+
+
+@pytest.mark.parametrize("name", ["fork bomb", "daemon that outlives the run", "killing its parent"])
+def test_hostile_without_namespaces(name):
+    """Without namespaces the fresh uid, the rlimits and the clean-up still hold."""
+    if not ROOT:
+        pytest.skip("without namespaces only a root trainer can give the run its own uid")
+    _, code, problem, seconds = next(h for h in HOSTILE if h[0] == name)
+    check_hostile(code, problem, isolate=False, bound=seconds)
+
+
+def test_files_outside_its_directory_are_safe():
+    if not ROOT:
+        pytest.skip("the run writes as the trainer's user when the trainer is not root")
+    target = tempfile.mkdtemp()
+    try:
+        os.chmod(target, 0o755)
+        with open(f"{target}/keep.txt", "w") as f:
+            f.write("original")
+        code = (f"import os, shutil\nfor act in (lambda: open('{target}/keep.txt', 'w').write('gone'),\n"
+                f"            lambda: os.remove('{target}/keep.txt'), lambda: open('{target}/new.txt', 'w'),\n"
+                f"            lambda: shutil.rmtree('{target}')):\n    try:\n        act()\n    except OSError:\n"
+                "        pass\ndef add(a, b):\n    return 0\n")
+        for isolate in (True, False):
+            check_hostile(code, isolate=isolate)
+        assert os.listdir(target) == ["keep.txt"] and open(f"{target}/keep.txt").read() == "original"
+    finally:
+        shutil.rmtree(target)
+
+
+LEAK = ("import glob, os\ndef leak():\n    if 'TRAINER_SECRET' in os.environ:\n"
+        "        return os.environ['TRAINER_SECRET']\n"
+        "    for path in glob.glob('/proc/*/environ'):\n        try:\n            data = open(path, 'rb').read()\n"
+        "        except OSError:\n            continue\n        for item in data.split(b'\\0'):\n"
+        "            if item.startswith(b'TRAINER_SECRET='):\n                return item.split(b'=', 1)[1].decode()\n"
+        "    return 'not found'\n")
+
+
+def test_trainer_environment_is_invisible(monkeypatch):
+    secret = secrets.token_hex(8)
+    monkeypatch.setenv("TRAINER_SECRET", secret)
+    problem = call_problem("leak", secret)
+    # the probe works: it does find a variable that the sandbox has
+    assert run_code(LEAK.replace("TRAINER_SECRET", "PATH"), call_problem("leak", "/usr/bin:/bin"), TIMEOUT).passed
+    for isolate in (True, False) if ROOT else (True,):
+        if not ISOLATED and not ROOT:
+            pytest.skip("neither namespaces nor a separate uid here: /proc shows the trainer's environment")
+        check_hostile(LEAK, problem, isolate=isolate)
+
+
+def test_network_is_blocked():
+    if not ISOLATED:
+        pytest.skip("no network namespace on this machine: the sandbox can reach the network")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        code = ("import socket\ndef ping():\n    try:\n"
+                f"        address = ('127.0.0.1', {listener.getsockname()[1]})\n"
+                "        socket.create_connection(address, timeout=1).sendall(b'hi')\n"
+                "        return 'connected'\n    except OSError:\n        return 'blocked'\n")
+        check_hostile(code, call_problem("ping", "connected"))
+        listener.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+        # what is left without namespaces: the same program gets through
+        assert run_code(code, call_problem("ping", "connected"), TIMEOUT, isolate=False).passed
+        listener.accept()[0].close()
+
+
+# ----------------------------------------------------------------------------- correct programs
+
+@pytest.mark.parametrize("problem, code", [
+    (ADD, "def add(a, b):\n    return a + b\n"),
+    (HALF, "def half(x):\n    return x / 2\n"),
+    (STDIO, "a, b = map(int, input().split())\nprint(a + b)\n"),
+    (STDIO, "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nsys.stdout.write(f'{a + b}\\n')\nexit(0)\n"),
+    (STDIO, "print(sum(map(int, open(0).read().split())))\n"),
+    (CALL, "def add(a, b):\n    return a + b\n"),
+    (CALL, "class Solution:\n    def add(self, a, b):\n        return a + b\n"),
+], ids=["assert", "assert-with-prompt-helpers", "stdio-input", "stdio-buffer-exit", "stdio-open0", "call",
+        "call-Solution"])
+def test_correct_programs_score_one(problem, code):
+    for isolate in (True, False):
+        result = run_code(code, problem, timeout=5, isolate=isolate)
+        assert result.passed, result
+        assert survivors(result.marker) == []
+
+
+@pytest.mark.parametrize("problem, code, reason", [
+    (ADD, "def add(a, b):\n    return a - b\n", "no proof of success"),
+    (ADD, "def add(a, b) return", "no proof of success"),
+    (STDIO, "print(5)\n", "wrong output on test 1"),
+    (STDIO, "print(1 / 0)\n", "failed test 0"),
+    (CALL, "def add(a, b):\n    return 5\n", "wrong result on test 1"),
+    (CALL, "def plus(a, b):\n    return a + b\n", "no proof of success"),
+    (Problem("empty", "", "", kind="code", test_format="stdio", tests="[]"), "print(1)\n", "no tests"),
+    (Problem("empty", "", "", kind="code", test_format="assert", entry_point="f"), "def f():\n    pass\n", "no tests"),
+])
+def test_wrong_programs_score_zero(problem, code, reason):
+    assert run_code(code, problem, timeout=5).reason == reason
+
+
+def test_extract_code():
+    assert extract_code("x\n```python\na = 1\n```\ntext\n```py\nb = 2\n```\n```text\nno\n```") == "b = 2\n"
+    assert extract_code("```\nc = 3\n```") == "c = 3\n"
+    assert extract_code("```cpp\nint x;\n```") is None
+    assert extract_code("no code at all") is None
+    assert extract_code("```python\nunfinished") is None
+    start = time.perf_counter()
+    assert extract_code("```" + "a" * 100_000) is None and extract_code("```\n" * 30_001) == ""
+    assert time.perf_counter() - start < 1.0
+
+
+def test_score_dispatches_and_never_raises():
+    good = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
+    assert score(ADD, good) == 1.0 and score(ADD, "def add(a, b): return a + b") == 0.0  # no fence, no reward
+    assert score(Problem("m", "2+2?", "4"), "so \\boxed{4}") == 1.0
+    broken = Problem("b", "", "", kind="code", test_format="stdio", tests="not json")
+    weird = Problem("w", "", "", kind="code", test_format="unknown", tests="[]")
+    for problem in (broken, weird, ADD):
+        for text in (good, "", "```python\n\0\x00\n```", "```python\n" + "(" * 10_000 + "\n```", None):
+            assert score(problem, text, timeout=TIMEOUT) in (0.0, 1.0)
+    assert code_reward("```python\nimport os\nos._exit(0)\n```", ADD) == 0.0
+
+
+def test_score_batch_runs_in_parallel():
+    slow = "```python\nimport time\ntime.sleep(0.8)\ndef add(a, b):\n    return a + b\n```"
+    problems, texts = [ADD] * 4 + [Problem("m", "", "3")], [slow] * 4 + ["\\boxed{3}"]
+    start = time.monotonic()
+    assert score_batch(problems, texts, workers=2, timeout=5) == [1.0] * 5
+    two = time.monotonic() - start
+    start = time.monotonic()
+    assert score_batch(problems, texts, workers=4, timeout=5) == [1.0] * 5
+    four = time.monotonic() - start
+    assert two >= 1.6 and four < two  # 2 workers: two rounds of 0.8 s; 4 workers: one round
+    with pytest.raises(ValueError):
+        score_batch([ADD], [])
