@@ -238,12 +238,10 @@ class Rollout:
     """The `generate` callback of workflows.py: one batched model call per stage."""
 
     def __init__(self, model, tok, sharing: str, max_new_tokens: int = 64,
-                 temperature: float = 0.7, top_p: float = 1.0, greedy: bool = False,
-                 max_new_tokens_by_role: dict[str, int] | None = None):
+                 temperature: float = 0.7, top_p: float = 1.0, greedy: bool = False):
         self.model, self.tok, self.sharing = model, tok, sharing
         self.max_new_tokens, self.temperature, self.top_p, self.greedy = (
             max_new_tokens, temperature, top_p, greedy)
-        self.max_new_tokens_by_role = max_new_tokens_by_role or {}
         self.calls: list[Call] = []
         self.stages = 0  # one per generate call; also the `turn` of its calls
 
@@ -258,7 +256,7 @@ class Rollout:
             do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
         with use_adapter(model, adapter_for(role, self.sharing)):
             out = model.generate(input_ids=ids, attention_mask=attn,
-                                 max_new_tokens=self.max_new_tokens_by_role.get(role, self.max_new_tokens),
+                                 max_new_tokens=self.max_new_tokens,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                  **sampling)  # (B, P + T)
         texts = []

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import train
 from conftest import ROOT
@@ -144,3 +145,13 @@ def test_learning_rate_schedule_by_hand():
     assert train.lr_factor(12, warmup=1, total=12) == pytest.approx(0.1)
     assert train.lr_factor(0, warmup=0, total=4) == pytest.approx(1.0)
     assert train.lr_factor(2, warmup=0, total=4) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_isolated_roles_take_optimizer_steps_in_proportion_to_their_calls(tmp_path):
+    """Voting, B=2, G=4: 24 generator calls and 8 aggregator calls in mini-batches of 8."""
+    out = str(tmp_path / "run")
+    train.main(small_config(out, steps=1, problems_per_step=2, group_size=4, minibatch_size=8,
+                            eval_problems=1))
+    state = torch.load(f"{out}/ckpt/state.pt", weights_only=False)
+    steps = {name: int(opt["state"][0]["step"]) for name, opt in state["optimizers"].items()}
+    assert steps == {"generator": 3, "aggregator": 1}
