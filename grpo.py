@@ -113,6 +113,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             "clip_frac": masked_mean((surr2 < surr1).float(), mask).item(),
             "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask).item(),  # KL(old || new), 2nd order
             "ratio_mean": masked_mean(ratio, mask).item(),
+            "chi2": (masked_mean(ratio ** 2, mask) - 1).item(),  # E[rho^2] - 1 over tokens
+            "ppl": torch.exp(-masked_mean(logp, mask, dim=-1)).mean().item(),  # mean over sequences
             "kl_ref": masked_mean(kl, mask).item(),
         }
     return loss, stats
@@ -137,7 +139,7 @@ def set_old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temper
     """pi_old of every completion token, under the adapter that generated it."""
     with use_adapter(model, adapter):
         for micro in micro_batches(calls, micro_batch_tokens):
-            logp, _ = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
+            logp, _, _ = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
             for call, row in zip(micro, logp):
                 call.old_logp = row[: len(call.completion_ids)].cpu()  # (T_i,)
 
@@ -149,18 +151,61 @@ def padded(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     return out
 
 
+def flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])  # (n_params,)
+
+
+def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
+    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine.
+
+    Paper A's gradient amplification: N same-role slots that see the same prompt
+    and the same broadcast reward push in one direction. kappa is 1 for
+    orthogonal gradients and sqrt(N) for identical ones (the role's step is
+    then sqrt(N) times what N independent slots would give).
+    """
+    g = torch.stack(grads)  # (N, n_params)
+    kappa = (g.sum(0).norm() / g.norm(dim=1).square().sum().sqrt()).item()
+    unit = g / g.norm(dim=1, keepdim=True)  # (N, n_params)
+    cos = unit @ unit.t()  # (N, N)
+    N = len(grads)
+    coherence = ((cos.sum() - cos.diagonal().sum()) / (N * (N - 1))).item()
+    return kappa, coherence
+
+
+def gradient_stats(slot_grads: dict[str, torch.Tensor], role_of: dict[str, str]) -> dict[str, float]:
+    """Per slot and per role gradient norms, kappa and coherence of same-role
+    slots, and each role's share of the adapter's gradient mass."""
+    stats, role_grads = {}, defaultdict(list)
+    for slot, g in slot_grads.items():
+        stats[f"slot/{slot}/grad_norm"] = g.norm().item()
+        if g.norm() > 0:
+            role_grads[role_of[slot]].append(g)
+    role_norms = {role: torch.stack(gs).sum(0).norm().item() for role, gs in role_grads.items()}
+    for role, gs in role_grads.items():
+        stats[f"role/{role}/grad_norm"] = role_norms[role]
+        if len(gs) > 1:
+            stats[f"role/{role}/kappa"], stats[f"role/{role}/coherence"] = amplification(gs)
+    if len(role_norms) > 1:  # roles that share one adapter
+        total = sum(role_norms.values())
+        for role, norm in role_norms.items():
+            stats[f"role/{role}/grad_share"] = norm / total
+    return stats
+
+
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
                   pad_id: int, temperature: float, minibatch_size: int, micro_batch_tokens: int,
                   eps_low: float, eps_high: float, agg: str, kl_coef: float,
                   grad_clip: float) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
 
-    Each role's part of a mini-batch is back-propagated on its own, so the norm
-    of that role's gradient is measured even when roles share the adapter.
-    When the KL term is off, calls with advantage 0 are skipped: their gradient
-    is exactly 0, and they still count in the denominators.
+    Each agent slot's part of a mini-batch is back-propagated on its own, so the
+    gradient of every slot and role is measured even when they share the
+    adapter (see gradient_stats). When the KL term is off, calls with advantage
+    0 are skipped: their gradient is exactly 0, and they still count in the
+    denominators.
     """
     params = adapter_parameters(model, adapter)
+    theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)
     calls = calls[:]
     rng.shuffle(calls)
@@ -168,25 +213,32 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
         optimizer.zero_grad(set_to_none=False)
         num_seqs, num_tokens = len(mb), sum(len(c.completion_ids) for c in mb)
         live = mb if kl_coef > 0 else [c for c in mb if c.advantage != 0]
-        for role in sorted({c.role for c in live}):
-            before = [p.grad.clone() for p in params]
-            for micro in micro_batches([c for c in live if c.role == role], micro_batch_tokens):
+        slot_grads, role_of = {}, {c.slot: c.role for c in live}
+        for slot in sorted(role_of):
+            before = flat_grad(params)
+            for micro in micro_batches([c for c in live if c.slot == slot], micro_batch_tokens):
                 with use_adapter(model, adapter):
-                    logp, mask = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
+                    logp, mask, entropy = sequence_logprobs(model, micro, pad_id, temperature,
+                                                            with_entropy=True)  # (b, T) each
                 ref_logp = None
                 if kl_coef > 0:
                     with torch.no_grad(), use_adapter(model, None):  # the base model
-                        ref_logp, _ = sequence_logprobs(model, micro, pad_id, temperature)
+                        ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, temperature)
                 old = padded([c.old_logp for c in micro], logp.shape[1]).to(logp.device)  # (b, T)
                 adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
                 loss, st = policy_loss(logp, old, adv, mask, eps_low, eps_high, agg,
                                        ref_logp, kl_coef, num_seqs, num_tokens)
                 loss.backward()
+                st["entropy"] = masked_mean(entropy, mask).item()
                 for k, v in st.items():
-                    stats[f"role/{role}/{k}"].append(v)
-            role_grad = torch.sqrt(sum(((p.grad - b) ** 2).sum() for p, b in zip(params, before)))
-            stats[f"role/{role}/grad_norm"].append(role_grad.item())
+                    stats[f"role/{role_of[slot]}/{k}"].append(v)
+                    stats[f"slot/{slot}/{k}"].append(v)
+            slot_grads[slot] = flat_grad(params) - before  # this slot's loss alone
+        for k, v in gradient_stats(slot_grads, role_of).items():
+            stats[k].append(v)
         total = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
         optimizer.step()
+    theta_after = torch.cat([p.detach().reshape(-1) for p in params])
+    stats[f"adapter/{adapter}/update_norm"].append((theta_after - theta_before).norm().item())
     return stats

@@ -221,13 +221,20 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
 
 
-def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float = 1.0):
-    """Per-token log-probs of the calls' completions: (B, T) and the mask (B, T)."""
+def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float = 1.0,
+                      with_entropy: bool = False):
+    """Per-token log-probs of the calls' completions (B, T), the mask (B, T), and
+    with_entropy the entropy of each next-token distribution (B, T), else None."""
     ids, attn, cmask = pack([c.prompt_ids for c in calls], [c.completion_ids for c in calls], pad_id)
     T = cmask.shape[1]
     logits = completion_logits(model, ids.to(model.device), attn.to(model.device), T)
     logp = token_logprobs(logits, ids[:, -T:].to(model.device), temperature)  # (B, T)
-    return logp, cmask.to(logp.device)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            all_logp = F.log_softmax(logits / temperature, dim=-1)  # (B, T, V)
+            entropy = -(all_logp.exp() * all_logp).sum(-1)  # (B, T)
+    return logp, cmask.to(logp.device), entropy
 
 
 # ----------------------------------------------------------------------------

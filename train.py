@@ -175,14 +175,17 @@ def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
 def step_metrics(calls: list[Call], rewards: list[float], outcomes) -> dict[str, float]:
     m = {"reward/mean": sum(rewards) / len(rewards),
          "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes)}
+    all_tokens = sum(len(c.completion_ids) for c in calls)
     for key in ("role", "slot"):
         groups = defaultdict(list)
         for c in calls:
             groups[getattr(c, key)].append(c)
         for name, cs in groups.items():
+            tokens = sum(len(c.completion_ids) for c in cs)
             m[f"{key}/{name}/reward"] = sum(c.reward for c in cs) / len(cs)
-            m[f"{key}/{name}/len"] = sum(len(c.completion_ids) for c in cs) / len(cs)
+            m[f"{key}/{name}/len"] = tokens / len(cs)
             m[f"{key}/{name}/calls"] = len(cs)
+            m[f"{key}/{name}/token_share"] = tokens / all_tokens
     return m
 
 

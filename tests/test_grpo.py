@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from grpo import aggregate, group_advantages, masked_mean, policy_loss
+from grpo import (aggregate, amplification, gradient_stats, group_advantages, masked_mean,
+                  policy_loss)
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -82,3 +83,36 @@ def test_k3_kl_by_hand():
     k3 = math.exp(-1.0) - (-1.0) - 1  # exp(ref - logp) - (ref - logp) - 1
     assert stats["kl_ref"] == pytest.approx(k3)
     assert loss.item() == pytest.approx(0.5 * k3)
+
+
+def test_chi2_and_perplexity_by_hand():
+    old = torch.zeros(2, 2)
+    logp = torch.log(torch.tensor([[2.0, 0.5], [1.0, 1.0]]))  # ratios, since old log-probs are 0
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    _, stats = policy_loss(logp, old, torch.zeros(2), mask)
+    assert stats["chi2"] == pytest.approx((4 + 0.25 + 1) / 3 - 1)
+    # exp(-token mean log-prob) per sequence: exp(-(log 2 + log 0.5) / 2) = 1 and exp(0) = 1
+    assert stats["ppl"] == pytest.approx(1.0)
+
+
+def test_amplification_identical_and_orthogonal():
+    g = torch.tensor([3.0, 4.0, 0.0])
+    kappa, coherence = amplification([g, g, g])
+    assert kappa == pytest.approx(math.sqrt(3)) and coherence == pytest.approx(1.0)
+    kappa, coherence = amplification([torch.eye(3)[i] * (i + 1) for i in range(3)])
+    assert kappa == pytest.approx(1.0) and coherence == pytest.approx(0.0)
+    kappa, coherence = amplification([g, -g])  # opposed slots cancel
+    assert kappa == pytest.approx(0.0) and coherence == pytest.approx(-1.0)
+
+
+def test_gradient_stats_shares_and_roles():
+    grads = {"generator0": torch.tensor([1.0, 0.0]), "generator1": torch.tensor([1.0, 0.0]),
+             "aggregator": torch.tensor([0.0, 3.0])}
+    roles = {"generator0": "generator", "generator1": "generator", "aggregator": "aggregator"}
+    stats = gradient_stats(grads, roles)
+    assert stats["role/generator/grad_norm"] == pytest.approx(2.0)  # the sum of its slots' gradients
+    assert stats["role/generator/kappa"] == pytest.approx(math.sqrt(2))
+    assert stats["role/generator/grad_share"] == pytest.approx(2 / 5)
+    assert stats["role/aggregator/grad_share"] == pytest.approx(3 / 5)
+    assert "role/aggregator/kappa" not in stats  # one slot: nothing to be coherent with
+    assert stats["slot/aggregator/grad_norm"] == pytest.approx(3.0)

@@ -88,12 +88,12 @@ def test_logprobs_equal_direct_computation_and_ignore_padding(tiny):
                        torch.randint(3, 200, (m,), generator=g).tolist())
              for n, m in [(5, 7), (17, 2), (9, 11), (1, 4)]]
     with torch.no_grad():
-        logp, mask = sequence_logprobs(model, calls, pad_id=2)  # (4, 11)
+        logp, mask, _ = sequence_logprobs(model, calls, pad_id=2)  # (4, 11)
         assert mask.sum(1).tolist() == [7, 2, 11, 4]
         for i, c in enumerate(calls):
             direct = direct_logprobs(model, c)
             assert torch.allclose(logp[i, : len(c.completion_ids)], direct, atol=1e-5)
-            alone, _ = sequence_logprobs(model, [c], pad_id=2)  # no padding at all
+            alone, _, _ = sequence_logprobs(model, [c], pad_id=2)  # no padding at all
             assert torch.allclose(alone[0], direct, atol=1e-5)
 
 
@@ -101,11 +101,14 @@ def test_temperature_scales_logits(tiny):
     model, _ = tiny
     c = fake_call([5, 6, 7], [8, 9])
     with torch.no_grad():
-        hot, _ = sequence_logprobs(model, [c], pad_id=2, temperature=2.0)
+        hot, _, ent = sequence_logprobs(model, [c], pad_id=2, temperature=2.0,
+                                        with_entropy=True)
         ids = torch.tensor([c.prompt_ids + c.completion_ids])
         logits = model(ids).logits[0, 2:4] / 2.0
         ref = F.log_softmax(logits, -1).gather(-1, torch.tensor([[8], [9]])).squeeze(-1)
     assert torch.allclose(hot[0], ref, atol=1e-5)
+    p = F.softmax(logits, -1)
+    assert torch.allclose(ent[0], -(p * p.log()).sum(-1), atol=1e-5)
 
 
 def test_pack_layout():
