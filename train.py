@@ -50,7 +50,7 @@ from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora,
                   save_adapters, setup_adapters)
 from reward import CODE_TIMEOUT, DEFAULT_LEVEL, TASKS, load_task, score_batch
 from rollout import Call, Rollout, load_policy
-from workflows import ROLES, WORKFLOWS, role_of, run_workflow, slots
+from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
 
 
 def arg(default, help: str, choices: tuple | None = None):
@@ -173,7 +173,7 @@ def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
     return sum(a == 0 for a in adv.tolist()) / len(calls)
 
 
-def step_metrics(calls: list[Call], rewards: list[float], outcomes) -> dict[str, float]:
+def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: int) -> dict[str, float]:
     m = {"reward/mean": sum(rewards) / len(rewards),
          "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes)}
     all_tokens = sum(len(c.completion_ids) for c in calls)
@@ -187,6 +187,18 @@ def step_metrics(calls: list[Call], rewards: list[float], outcomes) -> dict[str,
             m[f"{key}/{name}/len"] = tokens / len(cs)
             m[f"{key}/{name}/calls"] = len(cs)
             m[f"{key}/{name}/token_share"] = tokens / all_tokens
+    # role capture shows in outputs: contract adherence, and likeness to the other roles
+    texts = defaultdict(list)
+    for c in calls:
+        texts[c.role].append(c.text)
+    for role, outs in texts.items():
+        kept = [adherence(role, t, n_agents) for t in outs]
+        if kept[0] is not None:
+            m[f"role/{role}/adherence"] = sum(kept) / len(kept)
+        for other in texts:
+            if other != role:
+                # symmetric: logged under both roles so that each role's keys are complete
+                m[f"role/{role}/sim/{other}"] = similarity(outs, texts[other])
     return m
 
 
@@ -395,7 +407,7 @@ def main(cfg: Config) -> dict:
             for name in heads:
                 schedulers[name].step()
         # 8. logs, evaluation, checkpoint
-        m = {"step": step, **step_metrics(calls, rewards, outcomes), "adv/zero_frac": no_signal,
+        m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents), "adv/zero_frac": no_signal,
              "lr": schedulers[names[0]].get_last_lr()[0],
              "time/rollout": t1 - t0, "time/update": time.time() - t1}
         m.update({k: sum(v) / len(v) for k, v in stats.items()})
