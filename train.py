@@ -88,7 +88,7 @@ class Config:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step")
     minibatch_size: int = arg(16, "calls per optimizer step")
-    micro_batch_tokens: int = arg(2048, "padded tokens per forward pass (memory only; same gradient)")
+    micro_batch_tokens: int = arg(1024, "padded tokens per forward pass (memory only; same gradient)")
     eps_low: float = arg(0.2, "lower clip of the ratio")
     eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
