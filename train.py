@@ -346,7 +346,7 @@ def main(cfg: Config) -> dict:
         params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads else [])
         for p in params:
             p.requires_grad_(True)
-            p.grad = torch.zeros_like(p)  # kept allocated: per-role norms diff it
+            p.grad = torch.zeros_like(p)  # kept allocated: per-slot gradients are differences of it
         lr = cfg.critic_lr if name in heads else cfg.lr
         optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
