@@ -26,7 +26,11 @@ is off by default, as in the paper; when on it is the k3 estimator
 
 The update (`policy_update`) is shared by GRPO and the actor of the
 actor-critic (critic.py): one pass over the calls in mini-batches, one
-optimizer step each (one PPO epoch, as in the paper).
+optimizer step each (one PPO epoch, as in the paper). It measures each slot's
+gradient (gradient_stats: Paper A's amplification factor kappa and each role's
+gradient share) and carries Paper A's mitigations: role-balanced or
+1/multiplicity loss weights (loss_weight), coherence damping (damped_step) and
+a KL anchor per role.
 
 Exercised by: pytest tests/test_grpo.py
 """
@@ -40,6 +44,7 @@ from lora import adapter_parameters, use_adapter
 from rollout import Call, sequence_logprobs, token_batches
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+BALANCE = ("none", "role", "multiplicity")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -192,17 +197,65 @@ def gradient_stats(slot_grads: dict[str, torch.Tensor], role_of: dict[str, str])
     return stats
 
 
+def loss_weight(mb: list[Call], role: str, balance: str) -> tuple[float, int, int]:
+    """Scale and denominators (sequences, tokens) of one role's loss in a mini-batch.
+
+    none: every call counts alike, so a role's weight is its share of calls or tokens;
+    role: each role's loss is averaged over its own calls, then roles are averaged
+          (the shared-adapter fix for role capture);
+    multiplicity: the loss of a role with N slots in the mini-batch is scaled by 1/N
+          (the isolated-adapter fix for amplification). Under AdamW a constant
+          scale of an adapter's whole loss mostly cancels: it acts through the
+          gradient clip and against other roles sharing the adapter.
+    """
+    mine = [c for c in mb if c.role == role] if balance == "role" else mb
+    scale = 1.0
+    if balance == "role":
+        scale = 1 / len({c.role for c in mb})
+    elif balance == "multiplicity":
+        scale = 1 / len({c.slot for c in mb if c.role == role})
+    return scale, len(mine), sum(len(c.completion_ids) for c in mine)
+
+
+def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float,
+                beta: float = 0.9) -> float:
+    """Coherence damping (Paper A): scale the step by 1 - damping * max(0, cos(g, EMA(g))).
+
+    A gradient that keeps pointing where the recent ones pointed is the
+    signature of amplification; its step is shortened through the learning
+    rate, since AdamW would undo a scaled gradient. `ema` holds EMA(g) across
+    steps (checkpointed by train.py). Returns the factor applied.
+    """
+    g = flat_grad(params)  # (n_params,)
+    factor = 1.0
+    if "g" in ema:
+        cos = torch.nn.functional.cosine_similarity(g, ema["g"], dim=0).item()
+        factor = 1 - damping * max(0.0, cos)
+        ema["g"] = beta * ema["g"] + (1 - beta) * g
+    else:
+        ema["g"] = g.clone()
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    return factor
+
+
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
                   pad_id: int, temperature: float, minibatch_size: int, micro_batch_tokens: int,
-                  eps_low: float, eps_high: float, agg: str, kl_coef: float,
-                  grad_clip: float) -> dict[str, list[float]]:
+                  eps_low: float, eps_high: float, agg: str, kl_coef: dict[str, float],
+                  grad_clip: float, balance: str = "none", per_slot: bool = True,
+                  damping: float = 0.0, ema: dict | None = None) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
 
-    Each agent slot's part of a mini-batch is back-propagated on its own, so the
-    gradient of every slot and role is measured even when they share the
-    adapter (see gradient_stats). When the KL term is off, calls with advantage
-    0 are skipped: their gradient is exactly 0, and they still count in the
-    denominators.
+    kl_coef: the KL anchor's weight per role. With `per_slot`, each agent slot's
+    part of a mini-batch is back-propagated on its own, so the gradient of every
+    slot and role is measured even when they share the adapter (gradient_stats);
+    without it, calls are grouped by role only (cheaper, same update). A call
+    with advantage 0 and no KL term is skipped: its gradient is exactly 0, and
+    it still counts in the denominators.
     """
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
@@ -211,34 +264,54 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     rng.shuffle(calls)
     for mb in chunks(calls, minibatch_size):
         optimizer.zero_grad(set_to_none=False)
-        num_seqs, num_tokens = len(mb), sum(len(c.completion_ids) for c in mb)
-        live = mb if kl_coef > 0 else [c for c in mb if c.advantage != 0]
-        slot_grads, role_of = {}, {c.slot: c.role for c in live}
-        for slot in sorted(role_of):
-            before = flat_grad(params)
-            for micro in micro_batches([c for c in live if c.slot == slot], micro_batch_tokens):
-                with use_adapter(model, adapter):
-                    logp, mask, entropy = sequence_logprobs(model, micro, pad_id, temperature,
-                                                            with_entropy=True)  # (b, T) each
-                ref_logp = None
-                if kl_coef > 0:
-                    with torch.no_grad(), use_adapter(model, None):  # the base model
-                        ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, temperature)
-                old = padded([c.old_logp for c in micro], logp.shape[1]).to(logp.device)  # (b, T)
-                adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
-                loss, st = policy_loss(logp, old, adv, mask, eps_low, eps_high, agg,
-                                       ref_logp, kl_coef, num_seqs, num_tokens)
-                loss.backward()
-                st["entropy"] = masked_mean(entropy, mask).item()
+        live = [c for c in mb if c.advantage != 0 or kl_coef.get(c.role, 0) > 0]
+        group_grads, role_of = {}, {}
+        by = "slot" if per_slot else "role"
+        for group in sorted({getattr(c, by) for c in live}):
+            mine = [c for c in live if getattr(c, by) == group]
+            role = role_of[group] = mine[0].role
+            scale, num_seqs, num_tokens = loss_weight(mb, role, balance)
+            before = flat_grad(params) if per_slot else None
+            for micro in micro_batches(mine, micro_batch_tokens):
+                st = micro_loss_backward(model, adapter, micro, pad_id, temperature, eps_low,
+                                         eps_high, agg, kl_coef.get(role, 0.0), num_seqs,
+                                         num_tokens, scale, with_entropy=per_slot)
                 for k, v in st.items():
-                    stats[f"role/{role_of[slot]}/{k}"].append(v)
-                    stats[f"slot/{slot}/{k}"].append(v)
-            slot_grads[slot] = flat_grad(params) - before  # this slot's loss alone
-        for k, v in gradient_stats(slot_grads, role_of).items():
-            stats[k].append(v)
+                    stats[f"role/{role}/{k}"].append(v)
+                    if per_slot:
+                        stats[f"slot/{group}/{k}"].append(v)
+            if per_slot:
+                group_grads[group] = flat_grad(params) - before  # this slot's loss alone
+        if per_slot:
+            for k, v in gradient_stats(group_grads, role_of).items():
+                stats[k].append(v)
         total = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
-        optimizer.step()
+        if damping > 0:
+            stats[f"adapter/{adapter}/damping"].append(damped_step(optimizer, params, ema, damping))
+        else:
+            optimizer.step()
     theta_after = torch.cat([p.detach().reshape(-1) for p in params])
     stats[f"adapter/{adapter}/update_norm"].append((theta_after - theta_before).norm().item())
     return stats
+
+
+def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, temperature: float,
+                        eps_low: float, eps_high: float, agg: str, kl_coef: float, num_seqs: int,
+                        num_tokens: int, scale: float, with_entropy: bool) -> dict[str, float]:
+    """Forward one micro-batch under `adapter`, back-propagate its scaled loss, return stats."""
+    with use_adapter(model, adapter):
+        logp, mask, entropy = sequence_logprobs(model, micro, pad_id, temperature,
+                                                with_entropy=with_entropy)  # (b, T) each
+    ref_logp = None
+    if kl_coef > 0:
+        with torch.no_grad(), use_adapter(model, None):  # the base model
+            ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, temperature)
+    old = padded([c.old_logp for c in micro], logp.shape[1]).to(logp.device)  # (b, T)
+    adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
+    loss, st = policy_loss(logp, old, adv, mask, eps_low, eps_high, agg,
+                           ref_logp, kl_coef, num_seqs, num_tokens)
+    (scale * loss).backward()
+    if with_entropy:
+        st["entropy"] = masked_mean(entropy, mask).item()
+    return st

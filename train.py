@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from critic import (CRITICS, PER, critic_advantages, critic_key, critic_metrics, setup_critics,
                     update_critics)
-from grpo import AGG_MODES, group_advantages, policy_update, set_old_logprobs
+from grpo import AGG_MODES, BALANCE, group_advantages, policy_update, set_old_logprobs
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
                   save_adapters, setup_adapters)
 from reward import CODE_TIMEOUT, DEFAULT_LEVEL, TASKS, load_task, score_batch
@@ -95,6 +95,15 @@ class Config:
     adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)",
                          ("slot", "role"))
     kl_coef: float = arg(0.0, "k3 KL to the base model (adapters off); 0 = off, as in the paper")
+    # mitigations of Paper A's failure modes (see diagnose.py)
+    balance: str = arg("none", "loss weight of each role: none; role = every role weighs the same "
+                       "(role capture, shared); multiplicity = 1/N for N same-role slots "
+                       "(amplification, isolated)", BALANCE)
+    one_step: bool = arg(False, "one optimizer step per adapter per training step, whatever its "
+                         "number of calls (isolated: one per role)")
+    damping: float = arg(0.0, "coherence damping: scale each step by 1 - damping * max(0, "
+                         "cos(g, EMA(g))); 0 = off")
+    role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (others use kl_coef)")
     # actor-critic (--algo maac, critic.py)
     critic: str = arg("central", "one critic over the joint history (CoLLM-CC) or one per agent "
                       "(CoLLM-DC)", CRITICS)
@@ -113,6 +122,8 @@ class Config:
     lora_targets: str = arg(",".join(DEFAULT_TARGETS), "comma-separated names of the linear layers to adapt")
     # evaluation, logging, checkpoints
     eval_every: int = arg(0, "evaluate every E steps (0: only before and after training)")
+    diag_every: int = arg(1, "per-slot gradients (kappa, shares), entropy and output similarity "
+                          "every k steps (0: never)")
     eval_problems: int = arg(48, "held-out problems per evaluation")
     train_problems: int = arg(256, "size of the training pool")
     log_samples: int = arg(2, "episodes per step written to samples.jsonl")
@@ -173,7 +184,8 @@ def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
     return sum(a == 0 for a in adv.tolist()) / len(calls)
 
 
-def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: int) -> dict[str, float]:
+def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: int,
+                 diag: bool) -> dict[str, float]:
     m = {"reward/mean": sum(rewards) / len(rewards),
          "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes)}
     all_tokens = sum(len(c.completion_ids) for c in calls)
@@ -196,10 +208,25 @@ def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: in
         if kept[0] is not None:
             m[f"role/{role}/adherence"] = sum(kept) / len(kept)
         for other in texts:
-            if other != role:
+            if diag and other != role:
                 # symmetric: logged under both roles so that each role's keys are complete
                 m[f"role/{role}/sim/{other}"] = similarity(outs, texts[other])
     return m
+
+
+def kl_coefs(cfg: Config) -> dict[str, float]:
+    """--kl_coef for every role of the workflow, overridden per role by --role_kl."""
+    coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
+    for item in filter(None, cfg.role_kl.split(",")):
+        role, _, value = item.partition("=")
+        if role.strip() not in coefs:
+            raise SystemExit(f"--role_kl: {role.strip()!r} is not a role of {cfg.workflow} "
+                             f"({', '.join(coefs)})")
+        try:
+            coefs[role.strip()] = float(value)
+        except ValueError:
+            raise SystemExit(f"--role_kl: {item!r} is not role=number") from None
+    return coefs
 
 
 def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float],
@@ -244,7 +271,7 @@ def truncate_jsonl(path: str, last_step: int) -> None:
 
 
 def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedulers: dict,
-                    rng: random.Random) -> None:
+                    rng: random.Random, emas: dict) -> None:
     tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -255,7 +282,8 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
                 "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "py_rng": rng.getstate(),
-                "heads": {k: h.state_dict() for k, h in heads.items()}}, os.path.join(tmp, "state.pt"))
+                "heads": {k: h.state_dict() for k, h in heads.items()},
+                "emas": emas}, os.path.join(tmp, "state.pt"))
     # Swap directories so a crash leaves either the old or the new checkpoint whole.
     if os.path.exists(final):
         os.replace(final, final + ".old")
@@ -264,7 +292,7 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
 
 
 def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
-                    rng: random.Random) -> int:
+                    rng: random.Random, emas: dict) -> int:
     path = os.path.join(out, "ckpt")
     if not os.path.exists(os.path.join(path, "state.pt")):
         raise SystemExit(f"--resume: no checkpoint in {path}")
@@ -279,6 +307,7 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     rng.setstate(state["py_rng"])
     for k, h in heads.items():
         h.load_state_dict(state["heads"][k])
+    emas.update(state["emas"])
     return state["step"]
 
 
@@ -352,9 +381,11 @@ def main(cfg: Config) -> dict:
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
             optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps))
 
+    kl = kl_coefs(cfg)
+    emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
     start = 0
     if cfg.resume:
-        start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng)
+        start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng, emas)
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
         acc_before = next(json.loads(l)["eval/accuracy"] for l in open(metrics_path)
@@ -388,15 +419,17 @@ def main(cfg: Config) -> dict:
                                              cfg.norm_adv, batch_size=8)
             no_signal = sum(c.advantage == 0 for c in calls) / len(calls)
         # 5-6. old log-probs and the update, adapter by adapter
+        diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
         stats = defaultdict(list)
         for name in names:
             mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
             set_old_logprobs(model, mine, name, tok.pad_token_id, cfg.temperature,
                              cfg.micro_batch_tokens)
             for k, v in policy_update(model, name, mine, optimizers[name], rng, tok.pad_token_id,
-                                      cfg.temperature, cfg.minibatch_size, cfg.micro_batch_tokens,
-                                      cfg.eps_low, cfg.eps_high, cfg.loss_agg, cfg.kl_coef,
-                                      cfg.grad_clip).items():
+                                      cfg.temperature, len(mine) if cfg.one_step else cfg.minibatch_size,
+                                      cfg.micro_batch_tokens, cfg.eps_low, cfg.eps_high,
+                                      cfg.loss_agg, kl, cfg.grad_clip, cfg.balance, diag,
+                                      cfg.damping, emas[name]).items():
                 stats[k] += v
             schedulers[name].step()
         # 7. maac: the critics (their adapters are separate from the actors': order is free)
@@ -407,7 +440,8 @@ def main(cfg: Config) -> dict:
             for name in heads:
                 schedulers[name].step()
         # 8. logs, evaluation, checkpoint
-        m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents), "adv/zero_frac": no_signal,
+        m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
+             "adv/zero_frac": no_signal,
              "lr": schedulers[names[0]].get_last_lr()[0],
              "time/rollout": t1 - t0, "time/update": time.time() - t1}
         m.update({k: sum(v) / len(v) for k, v in stats.items()})
@@ -426,7 +460,7 @@ def main(cfg: Config) -> dict:
             line += f" | eval/accuracy {acc:.3f}"
         tqdm.write(line)
         if step % cfg.save_every == 0 or step == cfg.steps:
-            save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng)
+            save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng, emas)
 
     print(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
           f"before {acc_before:.3f} -> after {acc:.3f}  [{len(test_set)} problems, greedy]")

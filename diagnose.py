@@ -1,0 +1,379 @@
+"""Diagnose a multi-agent training run: Paper A's two failure mechanisms, measured and named.
+
+    python diagnose.py runs/a runs/b              # report.md and plots of these runs
+    python diagnose.py --reproduce                # the small grid on the embedded model, then the report
+    python diagnose.py --probe runs/a/ckpt        # kappa, coherence and gradient shares on one batch
+
+Paper A (Zeng et al. 2026, arXiv 2605.24202) finds that multi-agent RL on one
+base model fails in two ways, one per way of sharing the LoRA policy:
+
+- gradient amplification (isolated adapters): N same-role slots see the same
+  prompt and the same broadcast reward, so their gradients point the same way;
+  kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2) nears sqrt(N) (grpo.amplification),
+  the role's adapter takes N times the optimizer steps, the update norm
+  spikes and accuracy drops;
+- role capture (one shared adapter): the role with the most tokens or calls
+  owns most of the gradient, and the other roles drift towards its behaviour:
+  their contract adherence falls and their outputs start to look like the
+  dominant role's (workflows.adherence, workflows.similarity).
+
+train.py logs every signal used here (metrics.jsonl); this file reads the
+logs, plots them side by side and applies three detectors with explicit
+thresholds. The thresholds are choices of this project, not the paper's.
+
+Exercised by: pytest tests/test_diagnose.py
+"""
+import argparse
+import json
+import math
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: files only
+import matplotlib.pyplot as plt  # noqa: E402
+
+from workflows import ROLES, role_of, slots  # noqa: E402
+
+CLIFF = 0.10  # accuracy peak minus final that counts as a cliff
+KAPPA_FRAC = 0.8  # kappa >= 0.8 sqrt(N) counts as "near sqrt(N)"
+SPIKE = 2.0  # an update norm >= 2x the median of the earlier steps is a spike
+DROP = 0.10  # a fall of reward (mean of the next 2 steps) or accuracy after the spike
+SHARE = 0.70  # a role owning this share of a shared adapter's gradient dominates it
+ADHERENCE_FALL = 0.20  # first-third minus last-third adherence of the captured role
+SIM_RISE = 0.05  # last-third minus first-third similarity to the dominant role
+
+# figure name -> regex over metric keys; the groups name the line
+PLOTS = {
+    "accuracy": r"eval/accuracy", "reward": r"reward/mean",
+    "grad_norm": r"role/(\w+)/grad_norm", "update_norm": r"adapter/([\w-]+)/update_norm",
+    "kappa": r"role/(\w+)/kappa", "coherence": r"role/(\w+)/coherence",
+    "grad_share": r"role/(\w+)/grad_share", "ppl": r"role/(\w+)/ppl", "chi2": r"role/(\w+)/chi2",
+    "entropy": r"role/(\w+)/entropy", "adherence": r"role/(\w+)/adherence",
+    "similarity": r"role/(\w+)/sim/(\w+)", "length": r"role/(\w+)/len",
+}
+
+
+# ----------------------------------------------------------------------------
+# Reading runs
+
+
+def load_run(run_dir: str) -> tuple[dict, list[dict]]:
+    """A run's config and its metrics rows (step 0 holds the accuracy before training)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise SystemExit(f"{run_dir}: no metrics.jsonl (not a train.py run directory)")
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(path) as f:
+        return config, [json.loads(line) for line in f if line.strip()]
+
+
+def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in rows if key in r]
+
+
+def thirds(values: list[float]) -> tuple[float, float]:
+    """Mean of the first and of the last third (at least one value each)."""
+    k = max(1, len(values) // 3)
+    return statistics.mean(values[:k]), statistics.mean(values[-k:])
+
+
+def multiplicity(config: dict) -> dict[str, int]:
+    """Slots per role type: voting with 3 agents -> generator 3, aggregator 1."""
+    counts = {}
+    for s in slots(config["workflow"], config.get("n_agents", 3)):
+        counts[role_of(s)] = counts.get(role_of(s), 0) + 1
+    return counts
+
+
+# ----------------------------------------------------------------------------
+# Detectors: each returns findings, one line of evidence each
+
+
+def find_cliff(rows: list[dict], threshold: float = CLIFF) -> list[str]:
+    acc = series(rows, "eval/accuracy")
+    if len(acc) < 2:
+        return []
+    peak_step, peak = max(acc, key=lambda sv: sv[1])
+    final_step, final = acc[-1]
+    if peak - final < threshold:
+        return []
+    return [f"accuracy cliff: held-out accuracy peaked at {peak:.3f} at step {peak_step} and "
+            f"ended at {final:.3f} at step {final_step} (-{peak - final:.3f})"]
+
+
+def find_amplification(config: dict, rows: list[dict]) -> list[str]:
+    """kappa near sqrt(N) on a role with N > 1 slots, then an update-norm spike, then a drop."""
+    found = []
+    for role, n in multiplicity(config).items():
+        if n < 2:
+            continue
+        bound = math.sqrt(n)
+        adapter = "shared" if config["sharing"] == "shared" else role
+        updates = series(rows, f"adapter/{adapter}/update_norm")
+        rewards = dict(series(rows, "reward/mean"))
+        acc = series(rows, "eval/accuracy")
+        for step, kappa in series(rows, f"role/{role}/kappa"):
+            if kappa < KAPPA_FRAC * bound:
+                continue
+            for i, (s, u) in enumerate(updates):
+                earlier = [v for _, v in updates[:i]]
+                if not step <= s <= step + 2 or len(earlier) < 2 or u < SPIKE * statistics.median(earlier):
+                    continue
+                drop = reward_drop(rewards, s) or accuracy_drop(acc, s)
+                if drop:
+                    found.append(f"gradient amplification: {role} (N={n}) has kappa {kappa:.2f} "
+                                 f"(sqrt(N) = {bound:.2f}) at step {step}, the {adapter} update "
+                                 f"norm spikes to {u:.3g} ({u / statistics.median(earlier):.1f}x "
+                                 f"the median before) at step {s}, then {drop}")
+                    return found  # the first episode is the one to read
+    return found
+
+
+def reward_drop(rewards: dict[int, float], step: int) -> str | None:
+    before = [rewards[s] for s in (step - 1, step) if s in rewards]
+    after = [rewards[s] for s in (step + 1, step + 2) if s in rewards]
+    if before and after and statistics.mean(before) - statistics.mean(after) >= DROP:
+        return (f"the training reward falls from {statistics.mean(before):.3f} to "
+                f"{statistics.mean(after):.3f}")
+    return None
+
+
+def accuracy_drop(acc: list[tuple[int, float]], step: int) -> str | None:
+    before = [v for s, v in acc if s <= step]
+    after = [(s, v) for s, v in acc if s > step]
+    if before and after and before[-1] - after[-1][1] >= DROP:
+        return f"held-out accuracy falls from {before[-1]:.3f} to {after[-1][1]:.3f} at step {after[-1][0]}"
+    return None
+
+
+def find_capture(config: dict, rows: list[dict]) -> list[str]:
+    """Under one shared adapter: a dominant gradient share, and another role drifting to it."""
+    if config["sharing"] != "shared" or len(ROLES[config["workflow"]]) < 2:
+        return []
+    found = []
+    roles = ROLES[config["workflow"]]
+    for dominant in roles:
+        shares = [v for _, v in series(rows, f"role/{dominant}/grad_share")]
+        if not shares or statistics.mean(shares) < SHARE:
+            continue
+        for role in roles:
+            if role == dominant:
+                continue
+            evidence = []
+            adherence = series(rows, f"role/{role}/adherence")
+            if len(adherence) >= 2:
+                first, last = thirds([v for _, v in adherence])
+                if first - last >= ADHERENCE_FALL:
+                    evidence.append(f"its adherence falls from {first:.2f} to {last:.2f} "
+                                    f"(steps {adherence[0][0]}-{adherence[-1][0]})")
+            sim = series(rows, f"role/{role}/sim/{dominant}")
+            if len(sim) >= 2:
+                first, last = thirds([v for _, v in sim])
+                if last - first >= SIM_RISE:
+                    evidence.append(f"its similarity to {dominant} rises from {first:.2f} to {last:.2f}")
+            if evidence:
+                found.append(f"role capture: {dominant} holds {statistics.mean(shares):.0%} of the "
+                             f"shared gradient on average, and {role} drifts: " + "; ".join(evidence))
+    return found
+
+
+def findings(config: dict, rows: list[dict]) -> list[str]:
+    return find_cliff(rows) + find_amplification(config, rows) + find_capture(config, rows)
+
+
+# ----------------------------------------------------------------------------
+# Report: a table per run, the findings, and one plot per signal
+
+
+def run_name(run_dir: str) -> str:
+    return os.path.basename(os.path.normpath(run_dir))
+
+
+LINESTYLES = ("-", "--", ":", "-.")  # one per run, so runs stay apart when roles share colours
+
+
+def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
+    """One PNG per signal with a line per (run, role); returns the files written."""
+    written = []
+    for name, pattern in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, (run, rows) in enumerate(runs.items()):
+            keys = sorted({k for r in rows for k in r if re.fullmatch(pattern, k)})
+            for key in keys:
+                label = "/".join([run, *re.fullmatch(pattern, key).groups()])
+                xs, ys = zip(*series(rows, key))
+                ax.plot(xs, ys, LINESTYLES[i % len(LINESTYLES)], marker="o", markersize=3, label=label)
+        if not ax.lines:
+            plt.close(fig)
+            continue
+        ax.set_xlabel("step")
+        ax.set_title(name)
+        ax.legend(fontsize=7)
+        path = os.path.join(out, f"{name}.png")
+        fig.savefig(path, dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def summary(config: dict, rows: list[dict]) -> dict[str, str]:
+    """One table row: what ran, accuracy before/peak/final, and the mean of each role signal."""
+    acc = [v for _, v in series(rows, "eval/accuracy")]
+    row = {"workflow": config["workflow"], "sharing": config["sharing"], "algo": config["algo"],
+           "steps": str(max(r["step"] for r in rows)),
+           "accuracy": " / ".join(f"{a:.3f}" for a in (acc[0], max(acc), acc[-1])) if acc else "-"}
+    for signal in ("kappa", "grad_share", "adherence"):
+        parts = []
+        for role in ROLES[config["workflow"]]:
+            values = [v for _, v in series(rows, f"role/{role}/{signal}")]
+            if values:
+                parts.append(f"{role} {statistics.mean(values):.2f}")
+        row[signal] = ", ".join(parts) or "-"
+    return row
+
+
+def report(run_dirs: list[str], out: str) -> str:
+    """Write report.md and the plots into `out`; return the report's path."""
+    os.makedirs(out, exist_ok=True)
+    runs, lines = {}, ["# Diagnosis", ""]
+    table = []
+    for d in run_dirs:
+        config, rows = load_run(d)
+        runs[run_name(d)] = rows
+        table.append({"run": run_name(d), **summary(config, rows)})
+    header = list(table[0])
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r[h] for h in header) + " |" for r in table]
+    lines += ["", "accuracy: before / peak / final (greedy, held-out); kappa, grad_share, "
+              "adherence: means over the logged steps, per role.", "", "## Findings", ""]
+    for d in run_dirs:
+        config, rows = load_run(d)
+        found = findings(config, rows)
+        lines += [f"- **{run_name(d)}**: " + ("; ".join(found) if found else "nothing detected")]
+    lines += ["", f"Thresholds: cliff {CLIFF}, kappa >= {KAPPA_FRAC} sqrt(N), update spike {SPIKE}x, "
+              f"drop {DROP}, dominant share {SHARE}, adherence fall {ADHERENCE_FALL}, "
+              f"similarity rise {SIM_RISE}.", "", "## Plots", ""]
+    lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plot(runs, out)]
+    path = os.path.join(out, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------
+# The reproduction grid and the probe (both drive train.py)
+
+GRID = [("single", "shared"), ("eval_opt", "shared"), ("eval_opt", "isolated"),
+        ("voting", "shared"), ("voting", "isolated")]
+# On the 2-core CPU the grid fits in about an hour (see README); flags after these override.
+GRID_FLAGS = ["--steps", "8", "--eval_every", "4", "--eval_problems", "32"]
+
+
+def finished(run_dir: str) -> bool:
+    """A grid run counts as done when its log reaches the configured last step."""
+    try:
+        config, rows = load_run(run_dir)
+    except (SystemExit, OSError):
+        return False
+    return bool(rows) and rows[-1]["step"] == config["steps"] and "eval/accuracy" in rows[-1]
+
+
+def reproduce(out: str, train_flags: list[str]) -> str:
+    """Train every grid cell with train.py (skipping finished ones), then write the report."""
+    run_dirs = []
+    for workflow, sharing in GRID:
+        run_dir = os.path.join(out, f"{workflow}-{sharing}")
+        run_dirs.append(run_dir)
+        if finished(run_dir):
+            print(f"{run_dir}: already finished")
+            continue
+        resume = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt", "state.pt")) else []
+        cmd = [sys.executable, "train.py", "--workflow", workflow, "--sharing", sharing,
+               *GRID_FLAGS, *train_flags, "--out", run_dir, *resume]
+        print(" ".join(cmd[1:]), flush=True)
+        t0 = time.time()
+        if subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__))).returncode != 0:
+            raise SystemExit(f"{run_dir}: train.py failed (see its output above)")
+        print(f"{run_dir}: {time.time() - t0:.0f} s", flush=True)
+    return report(run_dirs, out)
+
+
+def probe(ckpt: str, problems: int) -> dict[str, float]:
+    """kappa, coherence and gradient shares of one fresh sampled batch, without a step."""
+    import torch
+
+    import train  # train.py does not import this file, so the import is one-way
+    from grpo import policy_update, set_old_logprobs
+    from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
+
+    run_dir = os.path.dirname(os.path.normpath(ckpt))
+    if not os.path.exists(os.path.join(ckpt, "state.pt")):
+        raise SystemExit(f"--probe: {ckpt} is not a checkpoint (no state.pt)")
+    cfg = train.Config(**json.load(open(os.path.join(run_dir, "config.json"))))
+    model, tok = train.load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu")
+    inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
+    names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
+    load_adapters(model, ckpt, names)
+    torch.manual_seed(cfg.seed + 1)  # a batch the run did not train on, the same every time
+    pool = train.load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
+    problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
+    rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[i] for i in problem_of], greedy=False)
+    train.set_advantages(rollout.calls, problem_of, cfg.adv_group)
+    result = {"reward/mean": sum(rewards) / len(rewards)}
+    for name in names:
+        mine = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
+        set_old_logprobs(model, mine, name, tok.pad_token_id, cfg.temperature, cfg.micro_batch_tokens)
+        frozen = torch.optim.SGD(adapter_parameters(model, name), lr=0.0)  # measure, do not move
+        for p in adapter_parameters(model, name):
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)
+        stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id,
+                              cfg.temperature, max(1, len(mine)), cfg.micro_batch_tokens,
+                              cfg.eps_low, cfg.eps_high, cfg.loss_agg, train.kl_coefs(cfg),
+                              float("inf"))
+        result.update({k: v[0] for k, v in stats.items()
+                       if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="With --reproduce, unknown flags go to train.py "
+                                            "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
+    parser.add_argument("runs", nargs="*", help="train.py run directories")
+    parser.add_argument("--out", default=None, help="where report.md and the plots go "
+                        "(default: the run directory, or the runs' common parent)")
+    parser.add_argument("--reproduce", action="store_true", help="train the grid, then report")
+    parser.add_argument("--probe", metavar="CHECKPOINT", help="a run's ckpt directory")
+    parser.add_argument("--probe_problems", type=int, default=4, help="problems in the probe batch")
+    args, train_flags = parser.parse_known_args(argv)
+    if train_flags and not args.reproduce:
+        parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
+    if args.probe:
+        result = probe(args.probe, args.probe_problems)
+        for k, v in result.items():
+            print(f"{k:40s} {v:.4f}")
+        with open(os.path.join(os.path.dirname(os.path.normpath(args.probe)), "probe.json"), "w") as f:
+            json.dump(result, f, indent=2)
+    elif args.reproduce:
+        t0 = time.time()
+        path = reproduce(args.out or "runs/reproduce", train_flags)
+        print(f"{path} ({time.time() - t0:.0f} s in all)")
+    elif args.runs:
+        out = args.out or (args.runs[0] if len(args.runs) == 1 else os.path.commonpath(
+            [os.path.abspath(r) for r in args.runs]))
+        print(report(args.runs, out))
+    else:
+        parser.error("give run directories, --reproduce or --probe CHECKPOINT")
+
+
+if __name__ == "__main__":
+    main()

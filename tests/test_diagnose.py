@@ -1,0 +1,278 @@
+"""Diagnostics and mitigations: the detectors on synthetic runs, kappa and the fixes on the tiny model."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import diagnose
+import train
+from grpo import damped_step, loss_weight, policy_update, set_old_logprobs
+from lora import add_adapter, adapter_parameters, inject_lora
+from reward import Problem
+from rollout import Call, Rollout
+from workflows import run_workflow
+
+# ----------------------------------------------------------------------------
+# The detectors, on run directories written here
+
+
+def write_run(path, config: dict, rows: list[dict]) -> str:
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"algo": "grpo", "n_agents": 3, **config}, f)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+def healthy_rows(roles: list[str], steps: int = 9) -> list[dict]:
+    """Accuracy and reward rise, adherence holds, shares stay balanced, update norms flat."""
+    rows = [{"step": 0, "eval/accuracy": 0.30}]
+    for s in range(1, steps + 1):
+        row = {"step": s, "reward/mean": 0.3 + 0.03 * s}
+        for role in roles:
+            row.update({f"role/{role}/grad_norm": 0.5, f"role/{role}/grad_share": 1 / len(roles),
+                        f"role/{role}/adherence": 0.8, f"role/{role}/ppl": 2.0,
+                        f"adapter/{role}/update_norm": 0.1})
+            row.update({f"role/{role}/sim/{o}": 0.1 for o in roles if o != role})
+        if s % 3 == 0:
+            row["eval/accuracy"] = 0.30 + 0.05 * s / 3
+        rows.append(row)
+    return rows
+
+
+def captured_rows() -> list[dict]:
+    """Eval-Opt on one shared adapter: the generator takes 90 % of the gradient, the
+    evaluator stops giving verdicts and starts writing solutions; accuracy peaks and falls."""
+    rows = healthy_rows(["generator", "evaluator"])
+    for r in rows[1:]:
+        s = r["step"]
+        r.update({"role/generator/grad_share": 0.9, "role/evaluator/grad_share": 0.1,
+                  "role/evaluator/adherence": max(0.0, 0.9 - 0.12 * s),
+                  "role/evaluator/sim/generator": 0.05 + 0.05 * s})
+    accuracy = {3: 0.55, 6: 0.40, 9: 0.25}
+    for r in rows:
+        if r["step"] in accuracy:
+            r["eval/accuracy"] = accuracy[r["step"]]
+    return rows
+
+
+def amplified_rows() -> list[dict]:
+    """Voting, isolated: the three generators' gradients align at step 5 (kappa 1.7 of
+    sqrt(3) = 1.73), the generator's update norm jumps, and reward falls after it."""
+    rows = healthy_rows(["generator", "aggregator"])
+    for r in rows[1:]:
+        r["role/generator/kappa"] = 1.7 if r["step"] == 5 else 1.05
+    rows[5]["adapter/generator/update_norm"] = 0.5
+    rows[6]["reward/mean"] = rows[7]["reward/mean"] = 0.1
+    return rows
+
+
+def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
+    bad = write_run(tmp_path / "captured", {"workflow": "eval_opt", "sharing": "shared"}, captured_rows())
+    good = write_run(tmp_path / "healthy", {"workflow": "eval_opt", "sharing": "shared"},
+                     healthy_rows(["generator", "evaluator"]))
+    path = diagnose.report([bad, good], str(tmp_path / "out"))
+    text = open(path).read()
+    captured_line = next(l for l in text.splitlines() if l.startswith("- **captured**"))
+    assert "accuracy cliff" in captured_line and "peaked at 0.550 at step 3" in captured_line
+    assert "role capture: generator holds 90%" in captured_line and "evaluator drifts" in captured_line
+    assert "- **healthy**: nothing detected" in text
+    for name in ("accuracy", "grad_share", "adherence", "similarity", "ppl"):
+        png = tmp_path / "out" / f"{name}.png"
+        assert png.exists() and png.stat().st_size > 1000
+        assert f"]({name}.png)" in text
+
+
+def test_amplification_needs_kappa_near_sqrt_n_a_spike_and_a_drop(tmp_path):
+    config = {"workflow": "voting", "sharing": "isolated"}
+    found = diagnose.findings(config, amplified_rows())
+    assert len(found) == 1 and "gradient amplification: generator (N=3)" in found[0]
+    assert "kappa 1.70" in found[0] and "at step 5" in found[0] and "reward falls" in found[0]
+    no_spike = amplified_rows()
+    no_spike[5]["adapter/generator/update_norm"] = 0.1
+    assert diagnose.findings(config, no_spike) == []
+    incoherent = amplified_rows()
+    incoherent[5]["role/generator/kappa"] = 1.1
+    assert diagnose.findings(config, incoherent) == []
+
+
+def test_capture_is_only_looked_for_on_a_shared_adapter():
+    assert diagnose.find_capture({"workflow": "eval_opt", "sharing": "isolated"}, captured_rows()) == []
+    assert diagnose.find_capture({"workflow": "eval_opt", "sharing": "shared"}, captured_rows())
+
+
+def test_diagnose_rejects_a_directory_that_is_not_a_run(tmp_path):
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        diagnose.main([str(tmp_path)])
+
+
+# ----------------------------------------------------------------------------
+# Loss weights and coherence damping, by hand
+
+
+def call(role: str, slot: str, tokens: int) -> Call:
+    return Call(episode=0, role=role, slot=slot, turn=0, prompt_ids=[1],
+                completion_ids=[2] * tokens, prompt="", text="")
+
+
+def test_loss_weight_by_hand():
+    mb = [call("generator", f"generator{i}", 4) for i in range(3)] + [call("aggregator", "aggregator", 2)]
+    assert loss_weight(mb, "generator", "none") == (1.0, 4, 14)
+    assert loss_weight(mb, "generator", "role") == (0.5, 3, 12)  # two roles, each averaged alone
+    assert loss_weight(mb, "aggregator", "role") == (0.5, 1, 2)
+    assert loss_weight(mb, "generator", "multiplicity") == (pytest.approx(1 / 3), 4, 14)
+    assert loss_weight(mb, "aggregator", "multiplicity") == (1.0, 4, 14)
+
+
+def test_damped_step_by_hand():
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    ema = {}
+    w.grad = torch.tensor([1.0, 0.0])
+    assert damped_step(opt, [w], ema, damping=0.5) == 1.0  # no history yet: a full step
+    assert w.tolist() == [-1.0, 0.0]
+    w.grad = torch.tensor([2.0, 0.0])  # the same direction again: cos 1, step halved
+    assert damped_step(opt, [w], ema, damping=0.5) == pytest.approx(0.5)
+    assert w.tolist() == pytest.approx([-2.0, 0.0])
+    assert ema["g"].tolist() == pytest.approx([0.9 * 1 + 0.1 * 2, 0.0])
+    w.grad = torch.tensor([-1.0, 0.0])  # against the history: no damping (max(0, cos))
+    assert damped_step(opt, [w], ema, damping=0.5) == 1.0
+    assert opt.param_groups[0]["lr"] == 1.0  # the schedule's learning rate is untouched
+
+
+# ----------------------------------------------------------------------------
+# Kappa and the mitigations on the tiny model
+
+
+def with_adapters(tiny):
+    """The tiny model with isolated generator and aggregator adapters whose B is not 0, so that
+    every LoRA weight gets a gradient."""
+    model, tok = tiny
+    inject_lora(model, r=4, alpha=8)
+    torch.manual_seed(0)
+    for name in ("generator", "aggregator"):
+        add_adapter(model, name)
+        for p in adapter_parameters(model, name):
+            torch.nn.init.normal_(p, std=0.05)
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)
+    return model, tok
+
+
+def voting_calls(tiny, episodes: int, reward_of, seed: int = 0) -> list[Call]:
+    """One question, `episodes` Voting episodes of one-token outputs (isolated adapters); each
+    episode's reward, `reward_of(its generator calls)`, is broadcast to all of its calls."""
+    model, tok = tiny
+    torch.manual_seed(seed)
+    rollout = Rollout(model, tok, "isolated", max_new_tokens=1, temperature=1.0)
+    run_workflow("voting", ["Say one word."] * episodes, rollout, "math")
+    for e in range(episodes):
+        reward = reward_of([c for c in rollout.calls if c.episode == e and c.role == "generator"])
+        for c in rollout.calls:
+            if c.episode == e:
+                c.reward = reward
+    train.set_advantages(rollout.calls, [0] * episodes, "slot")
+    return rollout.calls
+
+
+def measure(tiny, calls: list[Call], adapter: str, balance: str = "none") -> dict[str, float]:
+    """Per-slot gradient statistics of one mini-batch of all `calls`, without moving the adapter."""
+    model, tok = tiny
+    set_old_logprobs(model, calls, adapter, tok.pad_token_id, 1.0, 4096)
+    frozen = torch.optim.SGD(adapter_parameters(model, adapter), lr=0.0)
+    stats = policy_update(model, adapter, calls, frozen, random.Random(0), tok.pad_token_id, 1.0,
+                          len(calls), 4096, 0.2, 0.28, "seq-mean-token-mean", {}, float("inf"), balance)
+    return {k: v[0] for k, v in stats.items() if len(v) == 1}
+
+
+def test_same_prompt_and_broadcast_reward_amplify_same_role_gradients(tiny):
+    """Paper A's mechanism: three generator slots see one prompt and one reward that depends on all
+    of them, so each slot's gradient carries the same direction; kappa = |sum g| / sqrt(sum |g|^2)
+    rises well above 1 (sqrt(3) = 1.73 at most). Control: a coin-flip reward, unrelated to the
+    outputs. The slots' gradients are then uncorrelated in expectation; one-token outputs give
+    them few directions, so one batch is noisy and the control averages four."""
+    def share_of_even_tokens(gens):
+        return sum(c.completion_ids[:1] != [] and c.completion_ids[0] % 2 == 0 for c in gens) / len(gens)
+    tiny = with_adapters(tiny)
+    gens = [c for c in voting_calls(tiny, 96, share_of_even_tokens) if c.role == "generator"]
+    coherent = measure(tiny, gens, "generator")
+    assert coherent["role/generator/kappa"] > 1.4 and coherent["role/generator/coherence"] > 0.5, coherent
+    control = []
+    for seed in range(4):
+        coin = random.Random(seed + 1)
+        gens = [c for c in voting_calls(tiny, 96, lambda _: float(coin.random() < 0.5), seed)
+                if c.role == "generator"]
+        control.append(measure(tiny, gens, "generator"))
+    assert sum(c["role/generator/kappa"] for c in control) / 4 < 1.25, control
+    assert sum(c["role/generator/coherence"] for c in control) / 4 < 0.3, control
+
+
+def test_role_balance_reweights_the_gradient_shares_by_hand(tiny):
+    """Shared adapter, 3 generator calls per aggregator call. Without balancing, a role's gradient
+    is its part of the mini-batch mean; with --balance role each role's loss is averaged alone and
+    halved, so role r's gradient is scaled by N / (2 N_r): shares move towards the aggregator."""
+    tiny = with_adapters(tiny)
+    calls = voting_calls(tiny, 24, lambda gens: float(sum(gens[0].completion_ids) % 2 == 0))
+    for c in calls:  # one shared adapter: measure everything under "generator"'s weights
+        c.slot = c.slot if c.role == "generator" else "aggregator"
+    plain = measure(tiny, calls, "generator", "none")
+    balanced = measure(tiny, calls, "generator", "role")
+    n = len(calls)
+    n_role = {r: sum(c.role == r for c in calls) for r in ("generator", "aggregator")}
+    expected = {r: plain[f"role/{r}/grad_norm"] * n / (2 * n_role[r]) for r in n_role}
+    for r in n_role:
+        assert balanced[f"role/{r}/grad_norm"] == pytest.approx(expected[r], rel=1e-4)
+        assert balanced[f"role/{r}/grad_share"] == pytest.approx(expected[r] / sum(expected.values()), rel=1e-4)
+    assert balanced["role/aggregator/grad_share"] > plain["role/aggregator/grad_share"]
+
+
+def odd_length_wins(problems, texts, *args) -> list[float]:
+    return [float(len(t) % 2) for t in texts]
+
+
+TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
+
+
+def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens_it(tmp_path, monkeypatch):
+    """Same data and learning rate: Voting's generator adapter gets three slots' calls, so three
+    times the optimizer steps and a larger update than the single agent's; --one_step removes it."""
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(train, "score_batch", odd_length_wins)  # reward contrast in every group
+    norms = {}
+    for name, kw in [("single", dict(workflow="single")), ("voting", dict(workflow="voting")),
+                     ("one_step", dict(workflow="voting", one_step=True))]:
+        out = str(tmp_path / name)
+        cfg = train.Config(model="tiny", sharing="isolated", steps=1, problems_per_step=4, group_size=8,
+                           max_new_tokens=16, temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=4,
+                           minibatch_size=16, eval_problems=1, out=out, **kw)
+        train.main(cfg)
+        last = [json.loads(l) for l in open(f"{out}/metrics.jsonl")][-1]
+        norms[name] = last["adapter/generator/update_norm"]
+    assert norms["voting"] > 1.5 * norms["single"], norms
+    assert norms["one_step"] < 1.1 * norms["single"], norms
+
+
+def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(train, "score_batch", odd_length_wins)
+    out = str(tmp_path / "run")
+    train.main(train.Config(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2,
+                            group_size=8, max_new_tokens=16, temperature=1.0, lora_r=4,
+                            eval_problems=1, out=out))
+    diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4"])
+    result = json.load(open(f"{out}/probe.json"))
+    assert {"reward/mean", "slot/generator0/grad_norm", "role/aggregator/grad_norm"} <= set(result)
+    assert 0 < result["role/generator/kappa"] <= 3 ** 0.5 + 1e-6
+    assert "role/generator" in capsys.readouterr().out
+
+
+def test_role_kl_names_must_be_roles_of_the_workflow():
+    assert train.kl_coefs(train.Config(workflow="voting", kl_coef=0.01, role_kl="aggregator=0.1")) == \
+        {"generator": 0.01, "aggregator": 0.1}
+    with pytest.raises(SystemExit, match="'evaluator' is not a role of voting"):
+        train.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
+    with pytest.raises(SystemExit, match="not role=number"):
+        train.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
