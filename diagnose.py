@@ -24,6 +24,7 @@ thresholds. The thresholds are choices of this project, not the paper's.
 Exercised by: pytest tests/test_diagnose.py
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -110,30 +111,24 @@ def find_cliff(rows: list[dict], threshold: float = CLIFF) -> list[str]:
 
 
 def find_amplification(config: dict, rows: list[dict]) -> list[str]:
-    """kappa near sqrt(N) on a role with N > 1 slots, then an update-norm spike, then a drop."""
+    """kappa near sqrt(N) on a role with N > 1 slots, an update-norm spike within two steps,
+    then a drop of reward or accuracy. Reports the first such episode per role."""
     found = []
+    rewards, acc = dict(series(rows, "reward/mean")), series(rows, "eval/accuracy")
     for role, n in multiplicity(config).items():
-        if n < 2:
-            continue
-        bound = math.sqrt(n)
         adapter = "shared" if config["sharing"] == "shared" else role
         updates = series(rows, f"adapter/{adapter}/update_norm")
-        rewards = dict(series(rows, "reward/mean"))
-        acc = series(rows, "eval/accuracy")
-        for step, kappa in series(rows, f"role/{role}/kappa"):
-            if kappa < KAPPA_FRAC * bound:
-                continue
-            for i, (s, u) in enumerate(updates):
-                earlier = [v for _, v in updates[:i]]
-                if not step <= s <= step + 2 or len(earlier) < 2 or u < SPIKE * statistics.median(earlier):
-                    continue
-                drop = reward_drop(rewards, s) or accuracy_drop(acc, s)
-                if drop:
-                    found.append(f"gradient amplification: {role} (N={n}) has kappa {kappa:.2f} "
-                                 f"(sqrt(N) = {bound:.2f}) at step {step}, the {adapter} update "
-                                 f"norm spikes to {u:.3g} ({u / statistics.median(earlier):.1f}x "
-                                 f"the median before) at step {s}, then {drop}")
-                    return found  # the first episode is the one to read
+        coherent = [(s, k) for s, k in series(rows, f"role/{role}/kappa") if k >= KAPPA_FRAC * math.sqrt(n)]
+        for (step, kappa), (i, (s, u)) in itertools.product(coherent, enumerate(updates)):
+            base = statistics.median([v for _, v in updates[:i]]) if i >= 2 else math.inf
+            drop = step <= s <= step + 2 and u >= SPIKE * base and (
+                reward_drop(rewards, s) or accuracy_drop(acc, s))
+            if drop:
+                found.append(f"gradient amplification: {role} (N={n}) has kappa {kappa:.2f} "
+                             f"(sqrt(N) = {math.sqrt(n):.2f}) at step {step}, the {adapter} update "
+                             f"norm spikes to {u:.3g} ({u / base:.1f}x the median before) at step "
+                             f"{s}, then {drop}")
+                break
     return found
 
 
@@ -243,25 +238,21 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
 def report(run_dirs: list[str], out: str) -> str:
     """Write report.md and the plots into `out`; return the report's path."""
     os.makedirs(out, exist_ok=True)
-    runs, lines = {}, ["# Diagnosis", ""]
-    table = []
-    for d in run_dirs:
-        config, rows = load_run(d)
-        runs[run_name(d)] = rows
-        table.append({"run": run_name(d), **summary(config, rows)})
+    runs = {run_name(d): load_run(d) for d in run_dirs}  # name -> (config, rows)
+    table = [{"run": name, **summary(config, rows)} for name, (config, rows) in runs.items()]
     header = list(table[0])
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = ["# Diagnosis", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r[h] for h in header) + " |" for r in table]
     lines += ["", "accuracy: before / peak / final (greedy, held-out); kappa, grad_share, "
               "adherence: means over the logged steps, per role.", "", "## Findings", ""]
-    for d in run_dirs:
-        config, rows = load_run(d)
+    for name, (config, rows) in runs.items():
         found = findings(config, rows)
-        lines += [f"- **{run_name(d)}**: " + ("; ".join(found) if found else "nothing detected")]
+        lines.append(f"- **{name}**: " + ("; ".join(found) if found else "nothing detected"))
     lines += ["", f"Thresholds: cliff {CLIFF}, kappa >= {KAPPA_FRAC} sqrt(N), update spike {SPIKE}x, "
               f"drop {DROP}, dominant share {SHARE}, adherence fall {ADHERENCE_FALL}, "
               f"similarity rise {SIM_RISE}.", "", "## Plots", ""]
-    lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plot(runs, out)]
+    plots = plot({name: rows for name, (_, rows) in runs.items()}, out)
+    lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
     path = os.path.join(out, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

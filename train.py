@@ -17,7 +17,8 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   6. update: under shared sharing one update of the shared adapter over all
      calls; under isolated sharing role by role, each role's calls split into
      mini-batches of a fixed size, so a role with three slots takes about three
-     times as many optimizer steps (as in the paper);
+     times as many optimizer steps (as in the paper); --balance, --one_step,
+     --damping and --role_kl are Paper A's mitigations (README, diagnose.py);
   7. maac only: one pass of each critic over its inputs (value loss);
   8. log; evaluate the whole workflow greedily on held-out problems every
      `eval_every` steps; checkpoint.
