@@ -298,7 +298,10 @@ def reproduce(out: str, train_flags: list[str]) -> str:
 
 
 def probe(ckpt: str, problems: int) -> dict[str, float]:
-    """kappa, coherence and gradient shares of one fresh sampled batch, without a step."""
+    """kappa, coherence and gradient shares of one fresh sampled batch, without a step.
+
+    Advantages are group-relative (GRPO) whatever the run's algorithm: the probe asks how
+    the slots' policy gradients line up, not what a critic would make of them."""
     import torch
 
     import train  # train.py does not import this file, so the import is one-way

@@ -260,13 +260,13 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)
+    by = "slot" if per_slot else "role"
     calls = calls[:]
     rng.shuffle(calls)
     for mb in chunks(calls, minibatch_size):
         optimizer.zero_grad(set_to_none=False)
         live = [c for c in mb if c.advantage != 0 or kl_coef.get(c.role, 0) > 0]
         group_grads, role_of = {}, {}
-        by = "slot" if per_slot else "role"
         for group in sorted({getattr(c, by) for c in live}):
             mine = [c for c in live if getattr(c, by) == group]
             role = role_of[group] = mine[0].role
