@@ -278,3 +278,37 @@ def test_score_batch_runs_in_parallel():
     assert two >= 1.6 and four < two  # 2 workers: two rounds of 0.8 s; 4 workers: one round
     with pytest.raises(ValueError):
         score_batch([ADD], [])
+
+
+def test_training_goes_on_when_generated_code_misbehaves(tmp_path, monkeypatch):
+    """A train.py run on a code task whose final answers include an infinite loop, a fork bomb,
+    killing the parent, an early exit and a flood of output: every step completes, and the one
+    correct program per group is the only reward, so the policy still gets a gradient."""
+    import dataclasses
+
+    import train
+    fence = "```python\n{}\n```"
+    programs = [fence.format(code) for code in (
+        "def add(a, b):\n    return a + b", "while True:\n    pass",
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "import os\nwhile True:\n    os.fork()",
+        "import sys\nsys.exit(0)", "print('x' * 10**9)")]
+    real_workflow = train.run_workflow
+
+    def hostile_finals(*args, **kw):
+        outcomes = real_workflow(*args, **kw)
+        for e, outcome in enumerate(outcomes):
+            outcome.final = programs[e % len(programs)]
+        return outcomes
+    monkeypatch.setattr(train, "run_workflow", hostile_finals)
+    problems = [dataclasses.replace(ADD, id=f"add{i}", question="Write add(a, b).") for i in range(8)]
+    monkeypatch.setattr(train, "load_task", lambda name, split, n, *args: problems[:n])
+    out = str(tmp_path / "run")
+    train.main(train.Config(model="tiny", workflow="single", steps=2, problems_per_step=2,
+                            group_size=len(programs), max_new_tokens=8, lora_r=4, code_timeout=TIMEOUT,
+                            eval_problems=2, out=out))
+    rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["eval/accuracy"] == 0.5  # two greedy episodes: the correct program, the loop
+    for r in rows[1:]:
+        assert r["reward/mean"] == pytest.approx(1 / len(programs))
+        assert r["role/generator/grad_norm"] > 0
