@@ -424,7 +424,8 @@ def main(cfg: Config) -> dict:
         stats = defaultdict(list)
         for name in names:
             mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
-            set_old_logprobs(model, mine, name, tok.pad_token_id, cfg.temperature,
+            live = [c for c in mine if c.advantage != 0 or kl[c.role] > 0]  # the update skips the rest
+            set_old_logprobs(model, live, name, tok.pad_token_id, cfg.temperature,
                              cfg.micro_batch_tokens)
             for k, v in policy_update(model, name, mine, optimizers[name], rng, tok.pad_token_id,
                                       cfg.temperature, len(mine) if cfg.one_step else cfg.minibatch_size,
