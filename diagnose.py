@@ -98,7 +98,10 @@ def multiplicity(config: dict) -> dict[str, int]:
 # Detectors: each returns findings, one line of evidence each
 
 
-def find_cliff(rows: list[dict], threshold: float = CLIFF) -> list[str]:
+def find_cliff(rows: list[dict], threshold: float = CLIFF, n_problems: int = 0) -> list[str]:
+    """Held-out accuracy peak minus final >= threshold. With the evaluation's size, the
+    finding also says whether the drop exceeds two standard errors of the difference of
+    two accuracies (unpaired, so an overestimate: both use the same problems)."""
     acc = series(rows, "eval/accuracy")
     if len(acc) < 2:
         return []
@@ -106,8 +109,13 @@ def find_cliff(rows: list[dict], threshold: float = CLIFF) -> list[str]:
     final_step, final = acc[-1]
     if peak - final < threshold:
         return []
-    return [f"accuracy cliff: held-out accuracy peaked at {peak:.3f} at step {peak_step} and "
-            f"ended at {final:.3f} at step {final_step} (-{peak - final:.3f})"]
+    line = (f"accuracy cliff: held-out accuracy peaked at {peak:.3f} at step {peak_step} and "
+            f"ended at {final:.3f} at step {final_step} (-{peak - final:.3f})")
+    if n_problems:
+        se = math.sqrt((peak * (1 - peak) + final * (1 - final)) / n_problems)
+        line += (f", {'more' if peak - final > 2 * se else 'less'} than two standard errors "
+                 f"({2 * se:.3f} at {n_problems} problems)")
+    return [line]
 
 
 def find_amplification(config: dict, rows: list[dict]) -> list[str]:
@@ -181,7 +189,8 @@ def find_capture(config: dict, rows: list[dict]) -> list[str]:
 
 
 def findings(config: dict, rows: list[dict]) -> list[str]:
-    return find_cliff(rows) + find_amplification(config, rows) + find_capture(config, rows)
+    return (find_cliff(rows, CLIFF, config.get("eval_problems", 0)) + find_amplification(config, rows)
+            + find_capture(config, rows))
 
 
 # ----------------------------------------------------------------------------

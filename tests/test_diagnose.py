@@ -71,13 +71,16 @@ def amplified_rows() -> list[dict]:
 
 
 def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
-    bad = write_run(tmp_path / "captured", {"workflow": "eval_opt", "sharing": "shared"}, captured_rows())
+    bad = write_run(tmp_path / "captured", {"workflow": "eval_opt", "sharing": "shared", "eval_problems": 200},
+                    captured_rows())
     good = write_run(tmp_path / "healthy", {"workflow": "eval_opt", "sharing": "shared"},
                      healthy_rows(["generator", "evaluator"]))
     path = diagnose.report([bad, good], str(tmp_path / "out"))
     text = open(path).read()
     captured_line = next(l for l in text.splitlines() if l.startswith("- **captured**"))
     assert "accuracy cliff" in captured_line and "peaked at 0.550 at step 3" in captured_line
+    # 0.55 -> 0.25 at 200 problems: 2 SE = 2 sqrt((0.55*0.45 + 0.25*0.75) / 200) = 0.093
+    assert "more than two standard errors (0.093 at 200 problems)" in captured_line
     assert "role capture: generator holds 90%" in captured_line and "evaluator drifts" in captured_line
     assert "- **healthy**: nothing detected" in text
     for name in ("accuracy", "grad_share", "adherence", "similarity", "ppl"):
