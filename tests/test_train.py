@@ -84,7 +84,7 @@ def without_machine_stats(rows: list[dict]) -> list[dict]:
 TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
 
 
-@pytest.mark.parametrize("algo", [dict(algo="grpo"),
+@pytest.mark.parametrize("algo", [dict(algo="grpo", damping=0.5),
                                   dict(algo="maac", critic="central", sharing="shared",
                                        workflow="eval_opt", critic_lr=1e-2)])
 def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monkeypatch):
