@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import matplotlib
 
@@ -88,10 +89,7 @@ def thirds(values: list[float]) -> tuple[float, float]:
 
 def multiplicity(config: dict) -> dict[str, int]:
     """Slots per role type: voting with 3 agents -> generator 3, aggregator 1."""
-    counts = {}
-    for s in slots(config["workflow"], config.get("n_agents", 3)):
-        counts[role_of(s)] = counts.get(role_of(s), 0) + 1
-    return counts
+    return dict(Counter(role_of(s) for s in slots(config["workflow"], config.get("n_agents", 3))))
 
 
 # ----------------------------------------------------------------------------
