@@ -97,23 +97,34 @@ def multiplicity(config: dict) -> dict[str, int]:
 
 
 def find_cliff(rows: list[dict], threshold: float = CLIFF, n_problems: int = 0) -> list[str]:
-    """Held-out accuracy peak minus final >= threshold. With the evaluation's size, the
-    finding also says whether the drop exceeds two standard errors of the difference of
-    two accuracies (unpaired, so an overestimate: both use the same problems)."""
+    """Held-out accuracy peak minus final >= threshold (a cliff), else the deepest fall on the
+    way >= threshold (a dip). With the evaluation's size, the finding says whether the fall
+    exceeds two standard errors of the difference of two accuracies (unpaired, so an
+    overestimate: both use the same problems)."""
     acc = series(rows, "eval/accuracy")
     if len(acc) < 2:
         return []
     peak_step, peak = max(acc, key=lambda sv: sv[1])
     final_step, final = acc[-1]
-    if peak - final < threshold:
+    if peak - final >= threshold:
+        line = (f"accuracy cliff: held-out accuracy peaked at {peak:.3f} at step {peak_step} and "
+                f"ended at {final:.3f} at step {final_step} (-{peak - final:.3f})")
+        return [line + noise(peak, final, n_problems)]
+    # no cliff at the end; the deepest fall on the way (a high, then a later low) may still be one
+    (high_step, high), (low_step, low) = max(itertools.combinations(acc, 2), key=lambda p: p[0][1] - p[1][1])
+    if high - low < threshold:
         return []
-    line = (f"accuracy cliff: held-out accuracy peaked at {peak:.3f} at step {peak_step} and "
-            f"ended at {final:.3f} at step {final_step} (-{peak - final:.3f})")
-    if n_problems:
-        se = math.sqrt((peak * (1 - peak) + final * (1 - final)) / n_problems)
-        line += (f", {'more' if peak - final > 2 * se else 'less'} than two standard errors "
-                 f"({2 * se:.3f} at {n_problems} problems)")
-    return [line]
+    line = (f"accuracy dip: held-out accuracy fell from {high:.3f} at step {high_step} to {low:.3f} "
+            f"at step {low_step} (-{high - low:.3f}) and ended at {final:.3f}")
+    return [line + noise(high, low, n_problems)]
+
+
+def noise(a: float, b: float, n_problems: int) -> str:
+    """Whether a fall from accuracy a to b exceeds two standard errors of the difference."""
+    if not n_problems:
+        return ""
+    se = math.sqrt((a * (1 - a) + b * (1 - b)) / n_problems)
+    return f", {'more' if a - b > 2 * se else 'less'} than two standard errors ({2 * se:.3f} at {n_problems} problems)"
 
 
 def find_amplification(config: dict, rows: list[dict]) -> list[str]:

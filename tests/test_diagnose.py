@@ -102,6 +102,15 @@ def test_amplification_needs_kappa_near_sqrt_n_a_spike_and_a_drop(tmp_path):
     assert diagnose.findings(config, incoherent) == []
 
 
+def test_a_fall_and_partial_recovery_is_a_dip():
+    rows = [{"step": s, "eval/accuracy": a} for s, a in [(0, 0.47), (4, 0.22), (8, 0.41)]]
+    # 2 SE = 2 sqrt((0.47*0.53 + 0.22*0.78) / 32) = 2 sqrt(0.4207 / 32) = 0.229
+    assert diagnose.find_cliff(rows, 0.1, 32) == [
+        "accuracy dip: held-out accuracy fell from 0.470 at step 0 to 0.220 at step 4 (-0.250) and "
+        "ended at 0.410, more than two standard errors (0.229 at 32 problems)"]
+    assert diagnose.find_cliff(rows, 0.3, 32) == []
+
+
 def test_capture_is_only_looked_for_on_a_shared_adapter():
     assert diagnose.find_capture({"workflow": "eval_opt", "sharing": "isolated"}, captured_rows()) == []
     assert diagnose.find_capture({"workflow": "eval_opt", "sharing": "shared"}, captured_rows())
