@@ -168,33 +168,37 @@ def accuracy_drop(acc: list[tuple[int, float]], step: int) -> str | None:
 
 def find_capture(config: dict, rows: list[dict]) -> list[str]:
     """Under one shared adapter: a dominant gradient share, and another role drifting to it."""
-    if config["sharing"] != "shared" or len(ROLES[config["workflow"]]) < 2:
+    roles = ROLES[config["workflow"]]
+    if config["sharing"] != "shared" or len(roles) < 2:
         return []
     found = []
-    roles = ROLES[config["workflow"]]
     for dominant in roles:
         shares = [v for _, v in series(rows, f"role/{dominant}/grad_share")]
         if not shares or statistics.mean(shares) < SHARE:
             continue
         for role in roles:
-            if role == dominant:
-                continue
-            evidence = []
-            adherence = series(rows, f"role/{role}/adherence")
-            if len(adherence) >= 2:
-                first, last = thirds([v for _, v in adherence])
-                if first - last >= ADHERENCE_FALL:
-                    evidence.append(f"its adherence falls from {first:.2f} to {last:.2f} "
-                                    f"(steps {adherence[0][0]}-{adherence[-1][0]})")
-            sim = series(rows, f"role/{role}/sim/{dominant}")
-            if len(sim) >= 2:
-                first, last = thirds([v for _, v in sim])
-                if last - first >= SIM_RISE:
-                    evidence.append(f"its similarity to {dominant} rises from {first:.2f} to {last:.2f}")
+            evidence = drift(rows, role, dominant) if role != dominant else []
             if evidence:
                 found.append(f"role capture: {dominant} holds {statistics.mean(shares):.0%} of the "
                              f"shared gradient on average, and {role} drifts: " + "; ".join(evidence))
     return found
+
+
+def drift(rows: list[dict], role: str, dominant: str) -> list[str]:
+    """Evidence that `role` leaves its contract for `dominant`'s behaviour, first third vs last."""
+    evidence = []
+    adherence = series(rows, f"role/{role}/adherence")
+    if len(adherence) >= 2:
+        first, last = thirds([v for _, v in adherence])
+        if first - last >= ADHERENCE_FALL:
+            evidence.append(f"its adherence falls from {first:.2f} to {last:.2f} "
+                            f"(steps {adherence[0][0]}-{adherence[-1][0]})")
+    sim = series(rows, f"role/{role}/sim/{dominant}")
+    if len(sim) >= 2:
+        first, last = thirds([v for _, v in sim])
+        if last - first >= SIM_RISE:
+            evidence.append(f"its similarity to {dominant} rises from {first:.2f} to {last:.2f}")
+    return evidence
 
 
 def findings(config: dict, rows: list[dict]) -> list[str]:
