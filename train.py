@@ -347,6 +347,9 @@ def main(cfg: Config) -> dict:
             raise SystemExit(f"--resume: no run in {cfg.out}")
         cfg = resolve_resume(cfg)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    kl = kl_coefs(cfg)
+    if not 0 <= cfg.damping <= 1:
+        raise SystemExit(f"--damping {cfg.damping}: must be between 0 and 1")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     # ---- data, model, adapters, optimizers
@@ -382,7 +385,6 @@ def main(cfg: Config) -> dict:
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
             optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps))
 
-    kl = kl_coefs(cfg)
     emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
     start = 0
     if cfg.resume:
