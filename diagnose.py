@@ -15,11 +15,12 @@ base model fails in two ways, one per way of sharing the LoRA policy:
 - role capture (one shared adapter): the role with the most tokens or calls
   owns most of the gradient, and the other roles drift towards its behaviour:
   their contract adherence falls and their outputs start to look like the
-  dominant role's (workflows.adherence, workflows.similarity).
+  dominant role's (`adherence`, `similarity`).
 
-train.py logs every signal used here (metrics.jsonl); this file reads the
-logs, plots them side by side and applies three detectors with explicit
-thresholds. The thresholds are choices of this project, not the paper's.
+train.py logs every signal used here (metrics.jsonl), the output ones with
+this file's `adherence` and `similarity`; this file reads the logs, plots
+them side by side and applies three detectors with explicit thresholds. The
+thresholds are choices of this project, not the paper's.
 
 Exercised by: pytest tests/test_diagnose.py
 """
@@ -36,12 +37,7 @@ import sys
 import time
 from collections import Counter
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: files only
-import matplotlib.pyplot as plt  # noqa: E402
-
-from workflows import ROLES, role_of, slots  # noqa: E402
+from workflows import ROLES, VERDICT, boxed_contents, parse_choice, parse_strategies, role_of, slots
 
 CLIFF = 0.10  # accuracy peak minus final that counts as a cliff
 KAPPA_FRAC = 0.8  # kappa >= 0.8 sqrt(N) counts as "near sqrt(N)"
@@ -60,6 +56,44 @@ PLOTS = {
     "entropy": r"role/(\w+)/entropy", "adherence": r"role/(\w+)/adherence",
     "similarity": r"role/(\w+)/sim/(\w+)", "length": r"role/(\w+)/len",
 }
+
+
+# ----------------------------------------------------------------------------
+# Output signals that train.py logs every step: contract adherence, cross-role similarity
+# Role capture (Paper A) shows in outputs before it shows in losses: an evaluator
+# that starts solving, an aggregator that writes essays instead of \boxed{k}.
+
+SHORT_VERDICT = 300  # characters: "at most two short sentences, then the verdict"
+SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
+
+
+def adherence(role: str, text: str, n: int = 3) -> bool | None:
+    """Does this output keep its role's contract? None for free-form roles.
+
+    evaluator: a boxed verdict, no other boxed answer, short;
+    aggregator: a valid \boxed{k}, short; orchestrator: numbered strategies and
+    no boxed answer (it must not solve)."""
+    if role == "evaluator":
+        boxed = boxed_contents(text)
+        only_verdicts = all(VERDICT.fullmatch(b.strip()) for b in boxed)
+        return bool(boxed) and only_verdicts and len(text) <= SHORT_VERDICT
+    if role == "aggregator":
+        return parse_choice(text, n)[1] == "boxed" and len(text) <= SHORT_CHOICE
+    if role == "orchestrator":
+        return bool(parse_strategies(text, n)) and not boxed_contents(text)
+    return None
+
+
+def ngrams(text: str, n: int = 3) -> set[tuple[str, ...]]:
+    words = text.lower().split()
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def similarity(texts_a: list[str], texts_b: list[str], n: int = 3) -> float:
+    """Jaccard overlap of the word n-grams of two sets of outputs: 0 disjoint, 1 same."""
+    a = set().union(*(ngrams(t, n) for t in texts_a)) if texts_a else set()
+    b = set().union(*(ngrams(t, n) for t in texts_b)) if texts_b else set()
+    return len(a & b) / len(a | b) if a | b else 0.0
 
 
 # ----------------------------------------------------------------------------
@@ -219,6 +253,9 @@ LINESTYLES = ("-", "--", ":", "-.")  # one per run, so runs stay apart when role
 
 def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
     """One PNG per signal with a line per (run, role); returns the files written."""
+    import matplotlib  # here, not at the top: train.py imports this file for its signals
+    matplotlib.use("Agg")  # headless: files only
+    import matplotlib.pyplot as plt
     written = []
     for name, pattern in PLOTS.items():
         fig, ax = plt.subplots(figsize=(7, 4))

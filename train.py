@@ -46,12 +46,13 @@ from tqdm import tqdm
 
 from critic import (CRITICS, PER, critic_advantages, critic_key, critic_metrics, setup_critics,
                     update_critics)
+from diagnose import adherence, similarity
 from grpo import AGG_MODES, BALANCE, group_advantages, policy_update, set_old_logprobs
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
                   save_adapters, setup_adapters)
 from reward import CODE_TIMEOUT, DEFAULT_LEVEL, TASKS, load_task, score_batch
 from rollout import Call, Rollout, load_policy
-from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
+from workflows import ROLES, WORKFLOWS, role_of, run_workflow, slots
 
 
 def arg(default, help: str, choices: tuple | None = None):

@@ -7,12 +7,45 @@ import pytest
 import torch
 
 import diagnose
+from diagnose import adherence, similarity
 import train
 from grpo import damped_step, loss_weight, policy_update, set_old_logprobs
 from lora import add_adapter, adapter_parameters, inject_lora
 from reward import Problem
 from rollout import Call, Rollout
 from workflows import run_workflow
+
+# ----------------------------------------------------------------------------
+# The output signals
+
+@pytest.mark.parametrize("role, text, expected", [
+    ("evaluator", r"The sum is right. \boxed{Correct}", True),
+    ("evaluator", r"\boxed{Incorrect}", True),
+    ("evaluator", r"It should be 3 + 4 = 7, so \boxed{7}. \boxed{Incorrect}", False),  # solved it
+    ("evaluator", "Looks correct to me.", False),  # no boxed verdict
+    ("evaluator", "x" * 400 + r" \boxed{Correct}", False),  # an essay, not a verdict
+    ("aggregator", r"\boxed{2}", True),
+    ("aggregator", r"Candidate 2. \boxed{2}", True),
+    ("aggregator", r"\boxed{7}", False),  # not a candidate of three
+    ("aggregator", "Candidate 2 is right because " + "it adds up " * 10 + r"\boxed{2}", False),
+    ("aggregator", "2", False),
+    ("orchestrator", "1. Add the tens.\n2. Count on.", True),
+    ("orchestrator", "1. Add: 3 + 4 = 7.\n" + r"\boxed{7}", False),  # solved it
+    ("orchestrator", "Just add them.", False),
+    ("generator", r"\boxed{7}", None),
+    ("synthesizer", "anything", None),
+])
+def test_adherence_table(role: str, text: str, expected: bool | None) -> None:
+    assert adherence(role, text, 3) is expected
+
+
+def test_similarity() -> None:
+    a = ["the answer is seven because three plus four"]
+    assert similarity(a, a) == 1.0
+    assert similarity(a, ["completely different words go here now"]) == 0.0
+    assert 0 < similarity(a, ["so the answer is seven"]) < 1
+    assert similarity([], a) == 0.0 and similarity(["too short"], ["too short"]) == 0.0
+
 
 # ----------------------------------------------------------------------------
 # The detectors, on run directories written here

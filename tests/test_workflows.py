@@ -4,7 +4,7 @@ from typing import Callable
 
 import pytest
 
-from workflows import (DEFAULT_STRATEGY, MAX_FEED_CHARS, ROLES, WORKFLOWS, adherence, similarity,
+from workflows import (DEFAULT_STRATEGY, MAX_FEED_CHARS, ROLES, WORKFLOWS,
                        Chat, boxed_contents, clip, parse_choice, parse_strategies,
                        parse_verdict, role_of, run_workflow, slots, stage)
 
@@ -278,34 +278,3 @@ def test_parse_strategies(text: str, expected: list[str]) -> None:
 def test_boxed_contents_handles_nesting() -> None:
     text = r"a \boxed{\frac{1}{2}} b \boxed{3} c \boxed{open"
     assert boxed_contents(text) == [r"\frac{1}{2}", "3"]
-
-
-# ---------------------------------------------------------------- contract adherence
-
-@pytest.mark.parametrize("role, text, expected", [
-    ("evaluator", r"The sum is right. \boxed{Correct}", True),
-    ("evaluator", r"\boxed{Incorrect}", True),
-    ("evaluator", r"It should be 3 + 4 = 7, so \boxed{7}. \boxed{Incorrect}", False),  # solved it
-    ("evaluator", "Looks correct to me.", False),  # no boxed verdict
-    ("evaluator", "x" * 400 + r" \boxed{Correct}", False),  # an essay, not a verdict
-    ("aggregator", r"\boxed{2}", True),
-    ("aggregator", r"Candidate 2. \boxed{2}", True),
-    ("aggregator", r"\boxed{7}", False),  # not a candidate of three
-    ("aggregator", "Candidate 2 is right because " + "it adds up " * 10 + r"\boxed{2}", False),
-    ("aggregator", "2", False),
-    ("orchestrator", "1. Add the tens.\n2. Count on.", True),
-    ("orchestrator", "1. Add: 3 + 4 = 7.\n" + r"\boxed{7}", False),  # solved it
-    ("orchestrator", "Just add them.", False),
-    ("generator", r"\boxed{7}", None),
-    ("synthesizer", "anything", None),
-])
-def test_adherence_table(role: str, text: str, expected: bool | None) -> None:
-    assert adherence(role, text, 3) is expected
-
-
-def test_similarity() -> None:
-    a = ["the answer is seven because three plus four"]
-    assert similarity(a, a) == 1.0
-    assert similarity(a, ["completely different words go here now"]) == 0.0
-    assert 0 < similarity(a, ["so the answer is seven"]) < 1
-    assert similarity([], a) == 0.0 and similarity(["too short"], ["too short"]) == 0.0
