@@ -363,7 +363,7 @@ def probe(ckpt: str, problems: int) -> dict[str, float]:
     the slots' policy gradients line up, not what a critic would make of them."""
     import torch
 
-    import train  # train.py does not import this file, so the import is one-way
+    import train  # here, not at the top: train.py imports this file for its signals
     from grpo import policy_update, set_old_logprobs
     from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 
