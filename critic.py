@@ -306,6 +306,23 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 @dataclass
+class CriticSettings:
+    """Everything the critics read besides the model, the calls and their optimizers."""
+    critic: str = "central"          # one of CRITICS
+    per: str = "slot"                # decentral critics: one per slot or per role type (PER)
+    max_tokens: int = 768            # a critic reads the last max_tokens of its input
+    gamma: float = 1.0               # discount per agent turn
+    lam: float = 0.95                # GAE lambda
+    normalize_advantages: bool = False  # (A - mean) / std over the batch
+    predict_batch: int = 8           # inputs per forward pass when predicting values
+    minibatch_size: int = 16         # rows per optimizer step of a critic
+    micro_batch_tokens: int = 1024   # padded tokens per forward pass (memory only)
+    vf_coef: float = 1.0             # value-loss coefficient
+    value_clip: float | None = None  # PPO-style clip of each value's move (None = off)
+    grad_clip: float = 1.0           # max gradient norm per optimizer step
+
+
+@dataclass
 class CriticBatch:
     """What the critics saw at rollout time, one entry per call."""
     keys: list[str]          # which critic scores the call
@@ -315,14 +332,13 @@ class CriticBatch:
 
 
 def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[Call],
-                      critic: str, per: str, max_tokens: int, gamma: float, lam: float,
-                      normalize_advantages: bool, batch_size: int) -> CriticBatch:
+                      s: CriticSettings) -> CriticBatch:
     """Value every call's input with its critic, then set call.advantage by GAE."""
-    keys, texts = critic_inputs(calls, critic, per)
-    ids = encode(tok, texts, max_tokens)
-    values = predict_values(model, heads, keys, ids, tok.pad_token_id, batch_size)  # (N,)
-    adv, returns = call_advantages(calls, values, gamma, lam)  # (N,), (N,)
-    if normalize_advantages:
+    keys, texts = critic_inputs(calls, s.critic, s.per)
+    ids = encode(tok, texts, s.max_tokens)
+    values = predict_values(model, heads, keys, ids, tok.pad_token_id, s.predict_batch)  # (N,)
+    adv, returns = call_advantages(calls, values, s.gamma, s.lam)  # (N,), (N,)
+    if s.normalize_advantages:
         adv = normalize(adv)
     for call, a in zip(calls, adv.tolist()):
         call.advantage = a
@@ -330,38 +346,36 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
 
 
 def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, optimizers: dict,
-                   rng: random.Random, pad_id: int, minibatch_size: int, micro_batch_tokens: int,
-                   vf_coef: float, clip: float | None, grad_clip: float) -> dict[str, list[float]]:
+                   rng: random.Random, pad_id: int, s: CriticSettings) -> dict[str, list[float]]:
     """One pass of every critic over its own rows, in mini-batches (one step each)."""
     stats = defaultdict(list)
     for name in heads:
         rows = [i for i, k in enumerate(batch.keys) if k == name]
         rng.shuffle(rows)
         for k, v in update_critic(model, heads[name], name, batch, optimizers[name], rows,
-                                  pad_id, minibatch_size, micro_batch_tokens, vf_coef, clip,
-                                  grad_clip).items():
+                                  pad_id, s).items():
             stats[f"critic/{k}"] += v
     return stats
 
 
 def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
-                  order: list[int], pad_id: int, minibatch_size: int, micro_batch_tokens: int,
-                  vf_coef: float, clip: float | None, grad_clip: float) -> dict[str, list[float]]:
+                  order: list[int], pad_id: int, s: CriticSettings) -> dict[str, list[float]]:
     """One pass of critic `name` over the rows `order` of the batch."""
     params = optimizer.param_groups[0]["params"]
     ids, old_values, returns = batch.ids, batch.values, batch.returns
     stats = defaultdict(list)
-    for start in range(0, len(order), minibatch_size):
-        mb = order[start:start + minibatch_size]
+    for start in range(0, len(order), s.minibatch_size):
+        mb = order[start:start + s.minibatch_size]
         optimizer.zero_grad(set_to_none=False)
-        for idx in token_batches([(len(ids[i]), 0) for i in mb], micro_batch_tokens):
+        for idx in token_batches([(len(ids[i]), 0) for i in mb], s.micro_batch_tokens):
             micro = [mb[j] for j in idx]
             v = critic_values(model, head, name, [ids[i] for i in micro], pad_id)  # (b,)
-            loss, st = value_loss(v, old_values[micro].to(v.device), returns[micro].to(v.device), clip)
+            loss, st = value_loss(v, old_values[micro].to(v.device), returns[micro].to(v.device),
+                                  s.value_clip)
             # micro-batches of one mini-batch add up to its mean loss
-            (vf_coef * loss * len(micro) / len(mb)).backward()
+            (s.vf_coef * loss * len(micro) / len(mb)).backward()
             stats["value_loss"].append(st["value_loss"])
-        stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, grad_clip).item())
+        stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, s.grad_clip).item())
         optimizer.step()
     return stats
 

@@ -15,16 +15,18 @@ base model fails in two ways, one per way of sharing the LoRA policy:
 - role capture (one shared adapter): the role with the most tokens or calls
   owns most of the gradient, and the other roles drift towards its behaviour:
   their contract adherence falls and their outputs start to look like the
-  dominant role's (`adherence`, `similarity`).
+  dominant role's (workflows.adherence, workflows.similarity).
 
-train.py logs every signal used here (metrics.jsonl), the output ones with
-this file's `adherence` and `similarity`; this file reads the logs, plots
-them side by side and applies three detectors with explicit thresholds. The
-thresholds are choices of this project, not the paper's.
+train.py logs every signal used here (metrics.jsonl); this file reads the
+logs, plots them side by side and applies three detectors with explicit
+thresholds. The thresholds are choices of this project, not the paper's. It
+sits on top of the project: it imports train.py (the grid and the probe drive
+it) and nothing imports it.
 
 Exercised by: pytest tests/test_diagnose.py
 """
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -37,7 +39,18 @@ import sys
 import time
 from collections import Counter
 
-from workflows import ROLES, VERDICT, boxed_contents, parse_choice, parse_strategies, role_of, slots
+import matplotlib
+import torch
+
+matplotlib.use("Agg")  # headless: the plots are files
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+import train
+from grpo import policy_update, set_old_logprobs
+from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
+from reward import load_task
+from rollout import load_policy
+from workflows import ROLES, role_of, slots
 
 CLIFF = 0.10  # accuracy peak minus final that counts as a cliff
 KAPPA_FRAC = 0.8  # kappa >= 0.8 sqrt(N) counts as "near sqrt(N)"
@@ -56,44 +69,6 @@ PLOTS = {
     "entropy": r"role/(\w+)/entropy", "adherence": r"role/(\w+)/adherence",
     "similarity": r"role/(\w+)/sim/(\w+)", "length": r"role/(\w+)/len",
 }
-
-
-# ----------------------------------------------------------------------------
-# Output signals that train.py logs every step: contract adherence, cross-role similarity
-# Role capture (Paper A) shows in outputs before it shows in losses: an evaluator
-# that starts solving, an aggregator that writes essays instead of \boxed{k}.
-
-SHORT_VERDICT = 300  # characters: "at most two short sentences, then the verdict"
-SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
-
-
-def adherence(role: str, text: str, n: int = 3) -> bool | None:
-    """Does this output keep its role's contract? None for free-form roles.
-
-    evaluator: a boxed verdict, no other boxed answer, short;
-    aggregator: a valid \boxed{k}, short; orchestrator: numbered strategies and
-    no boxed answer (it must not solve)."""
-    if role == "evaluator":
-        boxed = boxed_contents(text)
-        only_verdicts = all(VERDICT.fullmatch(b.strip()) for b in boxed)
-        return bool(boxed) and only_verdicts and len(text) <= SHORT_VERDICT
-    if role == "aggregator":
-        return parse_choice(text, n)[1] == "boxed" and len(text) <= SHORT_CHOICE
-    if role == "orchestrator":
-        return bool(parse_strategies(text, n)) and not boxed_contents(text)
-    return None
-
-
-def ngrams(text: str, n: int = 3) -> set[tuple[str, ...]]:
-    words = text.lower().split()
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
-
-
-def similarity(texts_a: list[str], texts_b: list[str], n: int = 3) -> float:
-    """Jaccard overlap of the word n-grams of two sets of outputs: 0 disjoint, 1 same."""
-    a = set().union(*(ngrams(t, n) for t in texts_a)) if texts_a else set()
-    b = set().union(*(ngrams(t, n) for t in texts_b)) if texts_b else set()
-    return len(a & b) / len(a | b) if a | b else 0.0
 
 
 # ----------------------------------------------------------------------------
@@ -253,9 +228,6 @@ LINESTYLES = ("-", "--", ":", "-.")  # one per run, so runs stay apart when role
 
 def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
     """One PNG per signal with a line per (run, role); returns the files written."""
-    import matplotlib  # here, not at the top: train.py imports this file for its signals
-    matplotlib.use("Agg")  # headless: files only
-    import matplotlib.pyplot as plt
     written = []
     for name, pattern in PLOTS.items():
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -361,22 +333,16 @@ def probe(ckpt: str, problems: int) -> dict[str, float]:
 
     Advantages are group-relative (GRPO) whatever the run's algorithm: the probe asks how
     the slots' policy gradients line up, not what a critic would make of them."""
-    import torch
-
-    import train  # here, not at the top: train.py imports this file for its signals
-    from grpo import policy_update, set_old_logprobs
-    from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
-
     run_dir = os.path.dirname(os.path.normpath(ckpt))
     if not os.path.exists(os.path.join(ckpt, "state.pt")):
         raise SystemExit(f"--probe: {ckpt} is not a checkpoint (no state.pt)")
     cfg = train.Config(**json.load(open(os.path.join(run_dir, "config.json"))))
-    model, tok = train.load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu")
     inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     load_adapters(model, ckpt, names)
     torch.manual_seed(cfg.seed + 1)  # a batch the run did not train on, the same every time
-    pool = train.load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
+    pool = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
     problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
     rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[i] for i in problem_of], greedy=False)
     train.set_advantages(rollout.calls, problem_of, cfg.adv_group)
@@ -388,10 +354,10 @@ def probe(ckpt: str, problems: int) -> dict[str, float]:
         for p in adapter_parameters(model, name):
             p.requires_grad_(True)
             p.grad = torch.zeros_like(p)
-        stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id,
-                              cfg.temperature, max(1, len(mine)), cfg.micro_batch_tokens,
-                              cfg.eps_low, cfg.eps_high, cfg.loss_agg, train.kl_coefs(cfg),
-                              float("inf"))
+        # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
+        settings = dataclasses.replace(train.update_settings(cfg), one_step=True, grad_clip=float("inf"),
+                                       balance="none", damping=0.0)
+        stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id, settings)
         result.update({k: v[0] for k, v in stats.items()
                        if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
     return result

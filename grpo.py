@@ -36,7 +36,8 @@ Exercised by: pytest tests/test_grpo.py
 """
 import random
 from collections import defaultdict
-from typing import Hashable
+from dataclasses import dataclass, field
+from typing import Hashable, NamedTuple
 
 import torch
 
@@ -91,13 +92,13 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str,
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
-                agg: str = "seq-mean-token-mean", ref_logp: torch.Tensor | None = None,
-                kl_coef: float = 0.0, num_seqs: int | None = None,
-                num_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate loss over completion tokens.
+                ref_logp: torch.Tensor | None = None,
+                kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped surrogate per completion token, plus kl_coef * k3 to the reference.
 
     logp, old_logp, ref_logp, mask: (B, T); advantages: (B,), one per sequence,
-    spread over its tokens.
+    spread over its tokens. Returns the per-token loss (B, T), for `aggregate` to
+    reduce, and the statistics over the masked tokens.
     """
     adv = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = logp - old_logp  # (B, T)
@@ -105,13 +106,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
     pg_loss = -torch.min(surr1, surr2)  # (B, T)
-    per_token = pg_loss
+    loss = pg_loss
     kl = torch.zeros_like(logp)
     if ref_logp is not None and kl_coef > 0:
         log_ref_ratio = ref_logp - logp
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 >= 0, unbiased for KL(pi || ref)
-        per_token = pg_loss + kl_coef * kl
-    loss = aggregate(per_token, mask, agg, num_seqs, num_tokens)
+        loss = pg_loss + kl_coef * kl
     with torch.no_grad():
         stats = {
             "pg_loss": masked_mean(pg_loss, mask).item(),
@@ -197,8 +197,15 @@ def gradient_stats(slot_grads: dict[str, torch.Tensor], role_of: dict[str, str])
     return stats
 
 
-def loss_weight(mb: list[Call], role: str, balance: str) -> tuple[float, int, int]:
-    """Scale and denominators (sequences, tokens) of one role's loss in a mini-batch.
+class LossWeight(NamedTuple):
+    """How much one role's calls weigh in a mini-batch's loss (see loss_weight)."""
+    scale: float     # multiplies the role's aggregated loss
+    num_seqs: int    # denominator of the seq-mean modes
+    num_tokens: int  # denominator of token-mean
+
+
+def loss_weight(mb: list[Call], role: str, balance: str) -> LossWeight:
+    """Scale and denominators of one role's loss in a mini-batch.
 
     none: every call counts alike, so a role's weight is its share of calls or tokens;
     role: each role's loss is averaged over its own calls, then roles are averaged
@@ -214,7 +221,7 @@ def loss_weight(mb: list[Call], role: str, balance: str) -> tuple[float, int, in
         scale = 1 / len({c.role for c in mb})
     elif balance == "multiplicity":
         scale = 1 / len({c.slot for c in mb if c.role == role})
-    return scale, len(mine), sum(len(c.completion_ids) for c in mine)
+    return LossWeight(scale, len(mine), sum(len(c.completion_ids) for c in mine))
 
 
 def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float,
@@ -243,19 +250,33 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
     return factor
 
 
+@dataclass
+class UpdateSettings:
+    """Everything one policy update reads besides the model and the calls (train.py's Config)."""
+    temperature: float = 1.0         # of the sampler: log-probs are of logits / temperature
+    minibatch_size: int = 16         # calls per optimizer step
+    one_step: bool = False           # one optimizer step over all of the adapter's calls
+    micro_batch_tokens: int = 1024   # padded tokens per forward pass (memory only)
+    eps_low: float = 0.2             # the clip range of the ratio: [1 - eps_low, 1 + eps_high]
+    eps_high: float = 0.28
+    agg: str = "seq-mean-token-mean"  # loss aggregation, one of AGG_MODES
+    kl_coef: dict[str, float] = field(default_factory=dict)  # KL anchor weight per role (0 if absent)
+    grad_clip: float = 1.0           # max gradient norm per optimizer step
+    balance: str = "none"            # role weights, one of BALANCE (loss_weight)
+    damping: float = 0.0             # coherence damping, 0 = off (damped_step)
+
+
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
-                  pad_id: int, temperature: float, minibatch_size: int, micro_batch_tokens: int,
-                  eps_low: float, eps_high: float, agg: str, kl_coef: dict[str, float],
-                  grad_clip: float, balance: str = "none", per_slot: bool = True,
-                  damping: float = 0.0, ema: dict | None = None) -> dict[str, list[float]]:
+                  pad_id: int, s: UpdateSettings, per_slot: bool = True,
+                  ema: dict | None = None) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
 
-    kl_coef: the KL anchor's weight per role. With `per_slot`, each agent slot's
-    part of a mini-batch is back-propagated on its own, so the gradient of every
-    slot and role is measured even when they share the adapter (gradient_stats);
-    without it, calls are grouped by role only (cheaper, same update). A call
-    with advantage 0 and no KL term is skipped: its gradient is exactly 0, and
-    it still counts in the denominators.
+    With `per_slot`, each agent slot's part of a mini-batch is back-propagated on
+    its own, so the gradient of every slot and role is measured even when they
+    share the adapter (gradient_stats); without it, calls are grouped by role only
+    (cheaper, same update). A call with advantage 0 and no KL term is skipped: its
+    gradient is exactly 0, and it still counts in the denominators. `ema` holds
+    the gradient EMA of --damping across steps.
     """
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
@@ -263,19 +284,17 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     by = "slot" if per_slot else "role"
     calls = calls[:]
     rng.shuffle(calls)
-    for mb in chunks(calls, minibatch_size):
+    for mb in chunks(calls, max(1, len(calls)) if s.one_step else s.minibatch_size):
         optimizer.zero_grad(set_to_none=False)
-        live = [c for c in mb if c.advantage != 0 or kl_coef.get(c.role, 0) > 0]
+        live = [c for c in mb if c.advantage != 0 or s.kl_coef.get(c.role, 0) > 0]
         group_grads, role_of = {}, {}
         for group in sorted({getattr(c, by) for c in live}):
             mine = [c for c in live if getattr(c, by) == group]
             role = role_of[group] = mine[0].role
-            scale, num_seqs, num_tokens = loss_weight(mb, role, balance)
+            weight = loss_weight(mb, role, s.balance)
             before = flat_grad(params) if per_slot else None
-            for micro in micro_batches(mine, micro_batch_tokens):
-                st = micro_loss_backward(model, adapter, micro, pad_id, temperature, eps_low,
-                                         eps_high, agg, kl_coef.get(role, 0.0), num_seqs,
-                                         num_tokens, scale, with_entropy=per_slot)
+            for micro in micro_batches(mine, s.micro_batch_tokens):
+                st = micro_loss_backward(model, adapter, micro, pad_id, s, weight, with_entropy=per_slot)
                 for k, v in st.items():
                     stats[f"role/{role}/{k}"].append(v)
                     if per_slot:
@@ -285,10 +304,10 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
         if per_slot:
             for k, v in gradient_stats(group_grads, role_of).items():
                 stats[k].append(v)
-        total = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
-        if damping > 0:
-            stats[f"adapter/{adapter}/damping"].append(damped_step(optimizer, params, ema, damping))
+        if s.damping > 0:
+            stats[f"adapter/{adapter}/damping"].append(damped_step(optimizer, params, ema, s.damping))
         else:
             optimizer.step()
     theta_after = torch.cat([p.detach().reshape(-1) for p in params])
@@ -296,22 +315,23 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     return stats
 
 
-def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, temperature: float,
-                        eps_low: float, eps_high: float, agg: str, kl_coef: float, num_seqs: int,
-                        num_tokens: int, scale: float, with_entropy: bool) -> dict[str, float]:
-    """Forward one micro-batch under `adapter`, back-propagate its scaled loss, return stats."""
+def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: UpdateSettings,
+                        weight: LossWeight, with_entropy: bool) -> dict[str, float]:
+    """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its
+    weighted loss, return its statistics."""
+    kl_coef = s.kl_coef.get(micro[0].role, 0.0)
     with use_adapter(model, adapter):
-        logp, mask, entropy = sequence_logprobs(model, micro, pad_id, temperature,
+        logp, mask, entropy = sequence_logprobs(model, micro, pad_id, s.temperature,
                                                 with_entropy=with_entropy)  # (b, T) each
     ref_logp = None
     if kl_coef > 0:
         with torch.no_grad(), use_adapter(model, None):  # the base model
-            ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, temperature)
-    old = padded([c.old_logp for c in micro], logp.shape[1]).to(logp.device)  # (b, T)
+            ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, s.temperature)
+    old_logp = padded([c.old_logp for c in micro], logp.shape[1]).to(logp.device)  # (b, T)
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
-    loss, st = policy_loss(logp, old, adv, mask, eps_low, eps_high, agg,
-                           ref_logp, kl_coef, num_seqs, num_tokens)
-    (scale * loss).backward()
+    per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef)
+    loss = aggregate(per_token, mask, s.agg, weight.num_seqs, weight.num_tokens)
+    (weight.scale * loss).backward()
     if with_entropy:
         st["entropy"] = masked_mean(entropy, mask).item()
     return st

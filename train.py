@@ -44,15 +44,15 @@ from functools import partial
 import torch
 from tqdm import tqdm
 
-from critic import (CRITICS, PER, critic_advantages, critic_key, critic_metrics, setup_critics,
-                    update_critics)
-from diagnose import adherence, similarity
-from grpo import AGG_MODES, BALANCE, group_advantages, policy_update, set_old_logprobs
+from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
+                    setup_critics, update_critics)
+from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, policy_update, set_old_logprobs
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
                   save_adapters, setup_adapters)
-from reward import CODE_TIMEOUT, DEFAULT_LEVEL, TASKS, load_task, score_batch
+from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
 from rollout import Call, Rollout, load_policy
-from workflows import ROLES, WORKFLOWS, role_of, run_workflow, slots
+from sandbox import CODE_TIMEOUT
+from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
 
 
 def arg(default, help: str, choices: tuple | None = None):
@@ -231,6 +231,36 @@ def kl_coefs(cfg: Config) -> dict[str, float]:
     return coefs
 
 
+def update_settings(cfg: Config) -> UpdateSettings:
+    """What grpo.policy_update reads, from the config (the same for every adapter)."""
+    return UpdateSettings(cfg.temperature, cfg.minibatch_size, cfg.one_step, cfg.micro_batch_tokens,
+                          cfg.eps_low, cfg.eps_high, cfg.loss_agg, kl_coefs(cfg), cfg.grad_clip,
+                          cfg.balance, cfg.damping)
+
+
+def critic_settings(cfg: Config) -> CriticSettings:
+    """What critic.py's critic_advantages and update_critics read, from the config."""
+    return CriticSettings(cfg.critic, cfg.critic_per, cfg.critic_max_tokens, cfg.gamma, cfg.lam,
+                          cfg.norm_adv, 8, cfg.minibatch_size, cfg.micro_batch_tokens,
+                          cfg.vf_coef, cfg.value_clip or None, cfg.grad_clip)
+
+
+def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, dict]:
+    """AdamW and the warmup-cosine schedule for every adapter, and for every critic
+    (its adapter and value head)."""
+    optimizers, schedulers = {}, {}
+    for name in names + list(heads):
+        params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads else [])
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)  # kept allocated: per-slot gradients are differences of it
+        lr = cfg.critic_lr if name in heads else cfg.lr
+        optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+        schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
+            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps))
+    return optimizers, schedulers
+
+
 def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float],
                     episodes: list[int]) -> list[dict]:
     """Complete episodes for samples.jsonl: every call's prompt and output, the outcome."""
@@ -348,7 +378,7 @@ def main(cfg: Config) -> dict:
             raise SystemExit(f"--resume: no run in {cfg.out}")
         cfg = resolve_resume(cfg)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    kl = kl_coefs(cfg)
+    update, critics = update_settings(cfg), critic_settings(cfg)  # the former checks --role_kl
     if not 0 <= cfg.damping <= 1:
         raise SystemExit(f"--damping {cfg.damping}: must be between 0 and 1")
     torch.manual_seed(cfg.seed)
@@ -375,16 +405,7 @@ def main(cfg: Config) -> dict:
         critic_names = sorted({critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
                                for s in slots(cfg.workflow, cfg.n_agents)})
         heads = setup_critics(model, critic_names)  # a fresh adapter and value head per critic
-    optimizers, schedulers = {}, {}
-    for name in names + list(heads):
-        params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads else [])
-        for p in params:
-            p.requires_grad_(True)
-            p.grad = torch.zeros_like(p)  # kept allocated: per-slot gradients are differences of it
-        lr = cfg.critic_lr if name in heads else cfg.lr
-        optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-        schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
-            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps))
+    optimizers, schedulers = make_optimizers(model, cfg, names, heads)
 
     emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
     start = 0
@@ -418,30 +439,24 @@ def main(cfg: Config) -> dict:
         if cfg.algo == "grpo":
             no_signal = set_advantages(calls, problem_of, cfg.adv_group)
         else:
-            critic_batch = critic_advantages(model, tok, heads, calls, cfg.critic, cfg.critic_per,
-                                             cfg.critic_max_tokens, cfg.gamma, cfg.lam,
-                                             cfg.norm_adv, batch_size=8)
+            critic_batch = critic_advantages(model, tok, heads, calls, critics)
             no_signal = sum(c.advantage == 0 for c in calls) / len(calls)
         # 5-6. old log-probs and the update, adapter by adapter
         diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
         stats = defaultdict(list)
         for name in names:
             mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
-            live = [c for c in mine if c.advantage != 0 or kl[c.role] > 0]  # the update skips the rest
-            set_old_logprobs(model, live, name, tok.pad_token_id, cfg.temperature,
-                             cfg.micro_batch_tokens)
+            # the update skips calls with no advantage and no KL term: so does the old-log-prob pass
+            live = [c for c in mine if c.advantage != 0 or update.kl_coef[c.role] > 0]
+            set_old_logprobs(model, live, name, tok.pad_token_id, cfg.temperature, cfg.micro_batch_tokens)
             for k, v in policy_update(model, name, mine, optimizers[name], rng, tok.pad_token_id,
-                                      cfg.temperature, len(mine) if cfg.one_step else cfg.minibatch_size,
-                                      cfg.micro_batch_tokens, cfg.eps_low, cfg.eps_high,
-                                      cfg.loss_agg, kl, cfg.grad_clip, cfg.balance, diag,
-                                      cfg.damping, emas[name]).items():
+                                      update, per_slot=diag, ema=emas[name]).items():
                 stats[k] += v
             schedulers[name].step()
         # 7. maac: the critics (their adapters are separate from the actors': order is free)
         if cfg.algo == "maac":
-            stats.update(update_critics(model, heads, critic_batch, optimizers, rng,
-                                        tok.pad_token_id, cfg.minibatch_size, cfg.micro_batch_tokens,
-                                        cfg.vf_coef, cfg.value_clip or None, cfg.grad_clip))
+            stats.update(update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id,
+                                        critics))
             for name in heads:
                 schedulers[name].step()
         # 8. logs, evaluation, checkpoint

@@ -255,6 +255,44 @@ def parse_strategies(text: str, n: int) -> list[str]:
     return [clip(m.group(1).strip(" *")) for m in STRATEGY_LINE.finditer(text)][:n]
 
 
+# ---------------------------------------------------------------- role-capture signals
+# Role capture (Paper A) shows in outputs before it shows in losses: an evaluator that
+# starts solving, an aggregator that writes essays instead of \boxed{k}. train.py logs
+# both signals every step; diagnose.py reads them.
+
+SHORT_VERDICT = 300  # characters: "at most two short sentences, then the verdict"
+SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
+
+
+def adherence(role: str, text: str, n: int = 3) -> bool | None:
+    r"""Does this output keep its role's contract? None for free-form roles.
+
+    evaluator: a boxed verdict, no other boxed answer, short;
+    aggregator: a valid \boxed{k}, short; orchestrator: numbered strategies and
+    no boxed answer (it must not solve)."""
+    if role == "evaluator":
+        boxed = boxed_contents(text)
+        only_verdicts = all(VERDICT.fullmatch(b.strip()) for b in boxed)
+        return bool(boxed) and only_verdicts and len(text) <= SHORT_VERDICT
+    if role == "aggregator":
+        return parse_choice(text, n)[1] == "boxed" and len(text) <= SHORT_CHOICE
+    if role == "orchestrator":
+        return bool(parse_strategies(text, n)) and not boxed_contents(text)
+    return None
+
+
+def ngrams(text: str, n: int = 3) -> set[tuple[str, ...]]:
+    words = text.lower().split()
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def similarity(texts_a: list[str], texts_b: list[str], n: int = 3) -> float:
+    """Jaccard overlap of the word n-grams of two sets of outputs: 0 disjoint, 1 same."""
+    a = set().union(*(ngrams(t, n) for t in texts_a)) if texts_a else set()
+    b = set().union(*(ngrams(t, n) for t in texts_b)) if texts_b else set()
+    return len(a & b) / len(a | b) if a | b else 0.0
+
+
 # ---------------------------------------------------------------- the workflows
 
 def single(questions: list[str], generate: GenerateFn, kind: str,

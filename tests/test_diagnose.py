@@ -7,13 +7,12 @@ import pytest
 import torch
 
 import diagnose
-from diagnose import adherence, similarity
 import train
-from grpo import damped_step, loss_weight, policy_update, set_old_logprobs
+from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_old_logprobs
 from lora import add_adapter, adapter_parameters, inject_lora
 from reward import Problem
 from rollout import Call, Rollout
-from workflows import run_workflow
+from workflows import adherence, run_workflow, similarity
 
 # ----------------------------------------------------------------------------
 # The output signals
@@ -228,8 +227,9 @@ def measure(tiny, calls: list[Call], adapter: str, balance: str = "none") -> dic
     model, tok = tiny
     set_old_logprobs(model, calls, adapter, tok.pad_token_id, 1.0, 4096)
     frozen = torch.optim.SGD(adapter_parameters(model, adapter), lr=0.0)
-    stats = policy_update(model, adapter, calls, frozen, random.Random(0), tok.pad_token_id, 1.0,
-                          len(calls), 4096, 0.2, 0.28, "seq-mean-token-mean", {}, float("inf"), balance)
+    settings = UpdateSettings(temperature=1.0, one_step=True, micro_batch_tokens=4096,
+                              grad_clip=float("inf"), balance=balance)
+    stats = policy_update(model, adapter, calls, frozen, random.Random(0), tok.pad_token_id, settings)
     return {k: v[0] for k, v in stats.items() if len(v) == 1}
 
 

@@ -49,7 +49,8 @@ def test_micro_batches_add_up_to_the_mini_batch(mode):
 def test_clipped_loss_is_plain_policy_gradient_at_ratio_one():
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.0]], requires_grad=True)
     adv = torch.tensor([0.7, -1.3])
-    loss, stats = policy_loss(logp, logp.detach(), adv, MASK)
+    per_token, stats = policy_loss(logp, logp.detach(), adv, MASK)
+    loss = aggregate(per_token, MASK, "seq-mean-token-mean")
     loss.backward()
     plain = logp.detach().clone().requires_grad_(True)
     # REINFORCE with the same seq-mean-token-mean aggregation: -mean_i mean_t A_i log pi
@@ -66,7 +67,8 @@ def test_clipping_by_hand():
     old = torch.zeros(3, 1)
     logp = torch.log(torch.tensor([[1.5], [0.5], [0.5]])).requires_grad_(True)
     adv = torch.tensor([2.0, -1.0, 1.0])
-    loss, stats = policy_loss(logp, old, adv, torch.ones(3, 1), agg="token-mean")
+    per_token, stats = policy_loss(logp, old, adv, torch.ones(3, 1))
+    loss = aggregate(per_token, torch.ones(3, 1), "token-mean")
     assert loss.item() == pytest.approx(-(1.28 * 2.0 + 0.8 * -1.0 + 0.5 * 1.0) / 3)
     assert stats["clip_frac"] == pytest.approx(2 / 3)
     loss.backward()
@@ -78,8 +80,8 @@ def test_clipping_by_hand():
 def test_k3_kl_by_hand():
     logp = torch.tensor([[-1.0]])
     ref = torch.tensor([[-2.0]])
-    loss, stats = policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1),
-                              ref_logp=ref, kl_coef=0.5, agg="token-mean")
+    per_token, stats = policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1), ref_logp=ref, kl_coef=0.5)
+    loss = aggregate(per_token, torch.ones(1, 1), "token-mean")
     k3 = math.exp(-1.0) - (-1.0) - 1  # exp(ref - logp) - (ref - logp) - 1
     assert stats["kl_ref"] == pytest.approx(k3)
     assert loss.item() == pytest.approx(0.5 * k3)

@@ -1,17 +1,21 @@
 """Tests for the code reward: hostile programs score 0 within their time bound and leave no process
 behind; correct programs score 1 in every test format; scoring runs in parallel and never raises."""
+import ast
 import json
 import os
 import secrets
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 
 import pytest
 
-from reward import (Problem, code_reward, extract_code, run_code, sandbox, score,
-                    score_batch)
+from conftest import ROOT as ROOT_DIR
+from reward import Problem, code_reward, extract_code, score, score_batch
+from sandbox import harness_source, plain, run_code, sandbox
 
 TIMEOUT = 2.0  # per program; hostile programs that must be killed take this long
 SLACK = 2.0  # start-up and clean-up on a busy 2-core machine
@@ -312,3 +316,58 @@ def test_training_goes_on_when_generated_code_misbehaves(tmp_path, monkeypatch):
     for r in rows[1:]:
         assert r["reward/mean"] == pytest.approx(1 / len(programs))
         assert r["role/generator/grad_norm"] > 0
+
+
+# ----------------------------------------------------------------------------
+# The harness as Python: the pieces that run inside the sandbox, tested in this process
+
+
+def test_sandbox_file_is_python_3_8():
+    """The sandbox may run this file with the system python3, which can be older than ours."""
+    ast.parse(harness_source(), feature_version=(3, 8))
+    with pytest.raises(SyntaxError):  # the check does see newer syntax
+        ast.parse("match x:\n    case 1:\n        pass\n", feature_version=(3, 8))
+
+
+def test_plain_accepts_builtin_data_only():
+    assert plain([1, 2.5, "a", b"b", None, True, (3, {4: [5]}), frozenset({6})])
+    assert not plain(type("Liar", (), {"__eq__": lambda self, other: True})())
+    assert not plain([1, type("Int", (int,), {})(2)])  # a subclass can override __eq__
+    assert not plain({"k": object()})
+
+
+CHEAT = """
+import builtins, math, sys
+sys.path.insert(0, sys.argv[1])
+from sandbox import checked, snapshot
+
+
+def cheat(x):
+    math.isclose = lambda *a, **k: True
+    builtins.abs = lambda v: 0
+    return x * 2
+
+
+def main():  # locals: the restore puts every module's globals back, this script's too
+    real_isclose, real_abs = math.isclose, builtins.abs
+    saved = snapshot()
+    assert checked(cheat, saved, 21) == 42
+    assert math.isclose is real_isclose and builtins.abs is real_abs, "not restored"
+    try:
+        checked(lambda: object(), saved)
+        raise AssertionError("an object passed as plain data")
+    except TypeError as e:
+        assert "plain data" in str(e)
+    print("ok")
+
+
+main()
+"""
+
+
+def test_checked_undoes_what_the_candidate_patched():
+    """After each call of the candidate, every module's attributes come back. In a fresh
+    interpreter, as in the sandbox: the restore touches every loaded module."""
+    res = subprocess.run([sys.executable, "-I", "-S", "-c", CHEAT, ROOT_DIR], capture_output=True, text=True,
+                         timeout=60)
+    assert res.stdout.strip() == "ok", res.stderr[-2000:]
