@@ -16,9 +16,9 @@ The layers, strongest first:
     killed; then any process left with the run's uid or marker.
 sandbox() finds, once per process, the strongest combination in which a known-good program passes here.
 
-The harness is the second half of this file. Each run gets a read-only copy of the file next to its
+The harness is the second half of this file. Each run gets a read-only copy of that half next to its
 working directory (so the sandboxed process needs no read access to the project) and runs it as
-`python -I -S sandbox.py <report fd>`, with the code, the tests and a random nonce on stdin; the harness writes "<nonce> <tests passed>" to an inherited file
+`python -I -S harness.py <report fd>`, with the code, the tests and a random nonce on stdin; the harness writes "<nonce> <tests passed>" to an inherited file
 after the last test returns, and the verdict needs that line and exit status 0. Expected outputs of
 stdin/stdout and function-call tests never enter the sandbox: the trainer compares the outputs itself.
 So early exits, fake output, atexit or signal tricks earn nothing. Assert-style tests run in the
@@ -26,7 +26,7 @@ candidate's interpreter: after each call of the candidate the harness puts back 
 attributes (builtins, math.isclose, its own helpers), the tests use the prompt's helpers rather than the
 candidate's versions, and a result that is not plain data (an object whose __eq__ always says yes) fails.
 Because the sandbox may run it with another interpreter (the system python3, when a fresh uid cannot
-read the trainer's), the file keeps to the standard library and to Python 3.8 syntax.
+read the trainer's), the harness keeps to the standard library and to Python 3.8 syntax.
 
 What is left: without namespaces the network is open, and a non-root trainer's code runs as the
 trainer's user; world-readable files stay readable; disk use is capped per file only; code that inspects
@@ -35,15 +35,10 @@ malicious code.
 
     pytest tests/test_sandbox.py
 """
-from __future__ import annotations  # annotations stay strings: the harness may run on Python 3.8
-
-import ast
-import builtins
 import functools
 import json
 import math
 import os
-import resource
 import secrets
 import shutil
 import signal
@@ -52,16 +47,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import types
 from contextlib import suppress
 from dataclasses import dataclass
 from types import SimpleNamespace
-
-try:
-    from typing import Protocol
-except ImportError:  # pragma: no cover - Python < 3.8 never runs this file
-    Protocol = object
+from typing import Protocol
 
 CODE_TIMEOUT = 6.0  # wall-clock seconds per program, all its tests together
 MEMORY_BYTES = 1 << 30  # address space of each process
@@ -82,6 +71,15 @@ class CodeTests(Protocol):
 # ----------------------------------------------------------------------------- the trainer's side
 
 
+@dataclass
+class CodeResult:
+    passed: bool  # every test ran and passed
+    reason: str  # "passed", "no proof of success", "timeout", "wrong output on test 3", ...
+    seconds: float
+    output: str = ""  # head of the program's stdout and stderr
+    marker: str = ""  # every process of the run has SANDBOX_RUN=<marker> in its environment
+
+
 def run_code(code: str, problem: CodeTests, timeout: float = CODE_TIMEOUT, isolate: bool = True) -> CodeResult:
     """Run code against all the tests of a code problem in the sandbox; never raises.
     isolate=False skips the namespaces (the rlimits, the fresh uid and the clean-up remain)."""
@@ -92,15 +90,6 @@ def run_code(code: str, problem: CodeTests, timeout: float = CODE_TIMEOUT, isola
     except Exception as e:  # a broken problem or an exhausted machine: no reward, and training goes on
         verdict, output = f"sandbox error: {type(e).__name__}: {e}"[:300], ""
     return CodeResult(verdict == "passed", verdict, time.monotonic() - start, output, marker)
-
-
-@dataclass
-class CodeResult:
-    passed: bool  # every test ran and passed
-    reason: str  # "passed", "no proof of success", "timeout", "wrong output on test 3", ...
-    seconds: float
-    output: str = ""  # head of the program's stdout and stderr
-    marker: str = ""  # every process of the run has SANDBOX_RUN=<marker> in its environment
 
 
 @dataclass(frozen=True)
@@ -157,7 +146,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str
         for i, case in enumerate(cases if fmt == "stdio" else []):
             with open(f"{work}/in{i}.txt", "w") as f:  # inputs only: expected outputs stay in this process
                 f.write(case["input"])
-        harness = os.path.join(top, "sandbox.py")  # a copy the run can read, in a directory it cannot write
+        harness = os.path.join(top, "harness.py")  # a copy the run can read, in a directory it cannot write
         with open(harness, "w") as f:
             f.write(harness_source())
         os.chmod(harness, 0o444)
@@ -276,17 +265,23 @@ def _fresh_uid() -> int:
     return uid
 
 
+HARNESS_START = "# " + "-" * 77 + " the harness (inside the sandbox)\n"
+
+
 @functools.lru_cache(maxsize=None)
 def harness_source() -> str:
-    """This file's source, read once: each run gets a copy to execute."""
+    """The harness part of this file, read once: each run gets a copy to execute."""
     with open(os.path.abspath(__file__)) as f:
-        return f.read()
+        source = f.read()
+    return source[source.index(HARNESS_START):]
 
 
 # ----------------------------------------------------------------------------- the harness (inside the sandbox)
-# Runs as `python -I -S sandbox.py <report fd>` (a copy of this file): reads its job (code, tests, nonce, limits, uid) from
-# stdin, applies the limits, drops to the uid, runs the tests, then writes "<nonce> <tests passed>" to the
-# report fd and exits 0. Any failure exits 1 with no such line.
+# Runs as `python -I -S harness.py <report fd>`, a copy of this part of the file alone, with these imports
+# and nothing of the trainer's side above. It reads its job (code, tests, nonce, limits, uid) from stdin,
+# applies the limits, drops to the uid, runs the tests, then writes "<nonce> <tests passed>" to the report
+# fd and exits 0. Any failure exits 1 with no such line. It may run on the system python3: Python 3.8 syntax.
+import ast, builtins, functools, json, os, resource, sys, traceback, types  # noqa: E401, E402, F811
 
 # Captured when the harness starts, before any candidate code can patch the originals.
 write, exit_, settrace, setprofile = os.write, os._exit, sys.settrace, sys.setprofile
@@ -414,7 +409,7 @@ def harness(report):
 
 
 
-if __name__ == "__main__":  # inside the sandbox: python -I -S sandbox.py <report fd>
+if __name__ == "__main__":  # inside the sandbox: python -I -S harness.py <report fd>
     try:
         harness(int(sys.argv[1]))
     except BaseException:
