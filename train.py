@@ -155,11 +155,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 def rollout_step(model, tok, cfg: Config, problems, greedy: bool) -> tuple[Rollout, list, list[float]]:
     """Run the workflow once per problem; return the recorder, outcomes and rewards."""
-    rollout = Rollout(model, tok, cfg.sharing, cfg.max_new_tokens, cfg.temperature, cfg.top_p, greedy)
-    outcomes = run_workflow(cfg.workflow, [p.question for p in problems], rollout,
-                            problems[0].kind, cfg.n_agents, cfg.max_rounds)
-    rewards = score_batch(problems, [o.final for o in outcomes], cfg.strict_answer,
-                          cfg.code_workers, cfg.code_timeout)
+    rollout = Rollout(model, tok, cfg.sharing, max_new_tokens=cfg.max_new_tokens,
+                      temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy)
+    outcomes = run_workflow(cfg.workflow, [p.question for p in problems], rollout, kind=problems[0].kind,
+                            n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)
+    rewards = score_batch(problems, [o.final for o in outcomes], strict=cfg.strict_answer,
+                          workers=cfg.code_workers, timeout=cfg.code_timeout)
     for call in rollout.calls:
         call.problem = problems[call.episode].id
         call.reward = rewards[call.episode]  # the final outcome, broadcast to every call
@@ -233,16 +234,19 @@ def kl_coefs(cfg: Config) -> dict[str, float]:
 
 def update_settings(cfg: Config) -> UpdateSettings:
     """What grpo.policy_update reads, from the config (the same for every adapter)."""
-    return UpdateSettings(cfg.temperature, cfg.minibatch_size, cfg.one_step, cfg.micro_batch_tokens,
-                          cfg.eps_low, cfg.eps_high, cfg.loss_agg, kl_coefs(cfg), cfg.grad_clip,
-                          cfg.balance, cfg.damping)
+    return UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
+                          one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
+                          eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
+                          kl_coef=kl_coefs(cfg), grad_clip=cfg.grad_clip, balance=cfg.balance,
+                          damping=cfg.damping)
 
 
 def critic_settings(cfg: Config) -> CriticSettings:
     """What critic.py's critic_advantages and update_critics read, from the config."""
-    return CriticSettings(cfg.critic, cfg.critic_per, cfg.critic_max_tokens, cfg.gamma, cfg.lam,
-                          cfg.norm_adv, 8, cfg.minibatch_size, cfg.micro_batch_tokens,
-                          cfg.vf_coef, cfg.value_clip or None, cfg.grad_clip)
+    return CriticSettings(critic=cfg.critic, per=cfg.critic_per, max_tokens=cfg.critic_max_tokens,
+                          gamma=cfg.gamma, lam=cfg.lam, normalize_advantages=cfg.norm_adv,
+                          minibatch_size=cfg.minibatch_size, micro_batch_tokens=cfg.micro_batch_tokens,
+                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None, grad_clip=cfg.grad_clip)
 
 
 def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, dict]:
@@ -378,7 +382,8 @@ def main(cfg: Config) -> dict:
             raise SystemExit(f"--resume: no run in {cfg.out}")
         cfg = resolve_resume(cfg)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    update, critics = update_settings(cfg), critic_settings(cfg)  # the former checks --role_kl
+    update = update_settings(cfg)  # stops here on a bad --role_kl
+    critics = critic_settings(cfg)
     if not 0 <= cfg.damping <= 1:
         raise SystemExit(f"--damping {cfg.damping}: must be between 0 and 1")
     torch.manual_seed(cfg.seed)

@@ -274,7 +274,7 @@ def test_role_balance_reweights_the_gradient_shares_by_hand(tiny):
     assert balanced["role/aggregator/grad_share"] > plain["role/aggregator/grad_share"]
 
 
-def odd_length_wins(problems, texts, *args) -> list[float]:
+def odd_length_wins(problems, texts, **settings) -> list[float]:
     return [float(len(t) % 2) for t in texts]
 
 
