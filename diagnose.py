@@ -3,6 +3,7 @@
     python diagnose.py runs/a runs/b              # report.md and plots of these runs
     python diagnose.py --reproduce                # the small grid on the embedded model, then the report
     python diagnose.py --probe runs/a/ckpt        # kappa, coherence and gradient shares on one batch
+    python diagnose.py --watch runs/a "What is 7 + 5?"   # every call of the trained workflow, printed
 
 Paper A (Zeng et al. 2026, arXiv 2605.24202) finds that multi-agent RL on one
 base model fails in two ways, one per way of sharing the LoRA policy:
@@ -48,9 +49,9 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import train
 from grpo import policy_update, set_old_logprobs
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
-from reward import load_task
-from rollout import load_policy
-from workflows import ROLES, role_of, slots
+from reward import KINDS, load_task
+from rollout import Rollout, load_policy
+from workflows import ROLES, role_of, run_workflow, slots
 
 CLIFF = 0.10  # accuracy peak minus final that counts as a cliff
 KAPPA_FRAC = 0.8  # kappa >= 0.8 sqrt(N) counts as "near sqrt(N)"
@@ -328,19 +329,25 @@ def reproduce(out: str, train_flags: list[str]) -> str:
     return report(run_dirs, out)
 
 
-def probe(ckpt: str, problems: int) -> dict[str, float]:
-    """kappa, coherence and gradient shares of one fresh sampled batch, without a step.
-
-    Advantages are group-relative (GRPO) whatever the run's algorithm: the probe asks how
-    the slots' policy gradients line up, not what a critic would make of them."""
+def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
+    """The run's config, its model and tokenizer, and its adapters as saved in checkpoint `ckpt`."""
     run_dir = os.path.dirname(os.path.normpath(ckpt))
     if not os.path.exists(os.path.join(ckpt, "state.pt")):
-        raise SystemExit(f"--probe: {ckpt} is not a checkpoint (no state.pt)")
+        raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
     cfg = train.Config(**json.load(open(os.path.join(run_dir, "config.json"))))
     model, tok = load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu")
     inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     load_adapters(model, ckpt, names)
+    return cfg, model, tok, names
+
+
+def probe(ckpt: str, problems: int) -> dict[str, float]:
+    """kappa, coherence and gradient shares of one fresh sampled batch, without a step.
+
+    Advantages are group-relative (GRPO) whatever the run's algorithm: the probe asks how
+    the slots' policy gradients line up, not what a critic would make of them."""
+    cfg, model, tok, names = trained_model(ckpt)
     torch.manual_seed(cfg.seed + 1)  # a batch the run did not train on, the same every time
     pool = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
     problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
@@ -363,6 +370,25 @@ def probe(ckpt: str, problems: int) -> dict[str, float]:
     return result
 
 
+def watch(run_dir: str, question: str, sample: bool = False, seed: int = 0) -> str:
+    """Run a trained workflow on one question and print every call: stage, slot, adapter,
+    prompt (as the model saw it, chat template included) and output. Returns the final text."""
+    cfg, model, tok, _ = trained_model(os.path.join(run_dir, "ckpt"))
+    torch.manual_seed(seed)
+    rollout = Rollout(model, tok, cfg.sharing, max_new_tokens=cfg.max_new_tokens,
+                      temperature=cfg.temperature, top_p=cfg.top_p, greedy=not sample)
+    outcome = run_workflow(cfg.workflow, [question], rollout, kind=KINDS[cfg.task],
+                           n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)[0]
+    decoding = f"sampled at temperature {cfg.temperature}, seed {seed}" if sample else "greedy"
+    print(f"{cfg.workflow}, {cfg.sharing} adapters, from {run_dir}/ckpt; {decoding}")
+    for call in rollout.calls:
+        print(f"\n=== stage {call.turn + 1}: {call.slot} (adapter {adapter_for(call.role, cfg.sharing)})")
+        print(f"--- prompt:\n{call.prompt}")
+        print(f"--- output:\n{call.text}")
+    print(f"\n=== final answer:\n{outcome.final}\n=== info: {outcome.info}")
+    return outcome.final
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      epilog="With --reproduce, unknown flags go to train.py "
@@ -373,10 +399,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reproduce", action="store_true", help="train the grid, then report")
     parser.add_argument("--probe", metavar="CHECKPOINT", help="a run's ckpt directory")
     parser.add_argument("--probe_problems", type=int, default=4, help="problems in the probe batch")
+    parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"),
+                        help="print every call of the run's trained workflow on one question")
+    parser.add_argument("--sample", action="store_true", help="--watch: sample at the run's "
+                        "temperature instead of greedy decoding")
+    parser.add_argument("--seed", type=int, default=0, help="--watch --sample: the sampling seed")
     args, train_flags = parser.parse_known_args(argv)
     if train_flags and not args.reproduce:
         parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
-    if args.probe:
+    if args.watch:
+        watch(*args.watch, sample=args.sample, seed=args.seed)
+    elif args.probe:
         result = probe(args.probe, args.probe_problems)
         for k, v in result.items():
             print(f"{k:40s} {v:.4f}")
@@ -391,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
             [os.path.abspath(r) for r in args.runs]))
         print(report(args.runs, out))
     else:
-        parser.error("give run directories, --reproduce or --probe CHECKPOINT")
+        parser.error("give run directories, --reproduce, --probe CHECKPOINT or --watch RUN QUESTION")
 
 
 if __name__ == "__main__":

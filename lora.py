@@ -13,11 +13,14 @@ With no adapter active the model is exactly the base model, which is the
 reference policy for the optional KL term.
 
 Departures from loralib: no mixin classes and no merging; several adapters per
-layer with one active at a time, switched for the whole model at once.
+layer with one active at a time, switched for the whole model at once. Adapters
+are saved in Hugging Face PEFT's LoRA format, one directory per adapter.
 
 Exercised by: pytest tests/test_lora.py
 """
+import json
 import math
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -35,7 +38,7 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, r: int, alpha: float):
         super().__init__()
         self.base = base
-        self.r, self.scaling = r, alpha / r
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
         self.lora_A = nn.ParameterDict()  # name -> (r, in)
         self.lora_B = nn.ParameterDict()  # name -> (out, r)
         self.active: str | None = None
@@ -134,13 +137,24 @@ def setup_adapters(model: nn.Module, roles: list[str], sharing: str) -> list[str
     return names
 
 
+# ----------------------------------------------------------------------------
+# Saving and loading, in Hugging Face PEFT's LoRA format
+# One directory per adapter: adapter_config.json and adapter_model.safetensors, with
+# PEFT's key names, so that peft.PeftModel.from_pretrained(base, directory) and
+# serving engines that read PEFT adapters load it. PEFT's LoRA computes the same
+# W x + (lora_alpha / r) B A x with no dropout at inference.
+
+PEFT_PREFIX = "base_model.model."  # PeftModel wraps the model as base_model.model
+
+
 def adapter_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
-    """A flat state dict of one adapter, keyed by the wrapped layer's module path."""
+    """One adapter's tensors under PEFT's key names, e.g.
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: (r, in)."""
     state = {}
     for path, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            state[f"{path}.A"] = module.lora_A[name].detach().cpu().clone()
-            state[f"{path}.B"] = module.lora_B[name].detach().cpu().clone()
+            state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = module.lora_A[name].detach().cpu().clone()
+            state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = module.lora_B[name].detach().cpu().clone()
     return state
 
 
@@ -151,16 +165,43 @@ def load_adapter_state(model: nn.Module, name: str, state: dict[str, torch.Tenso
     with torch.no_grad():
         for path, module in model.named_modules():
             if isinstance(module, LoRALinear):
-                module.lora_A[name].copy_(state[f"{path}.A"])
-                module.lora_B[name].copy_(state[f"{path}.B"])
+                for key, param in ((f"{PEFT_PREFIX}{path}.lora_A.weight", module.lora_A[name]),
+                                   (f"{PEFT_PREFIX}{path}.lora_B.weight", module.lora_B[name])):
+                    if key not in state or state[key].shape != param.shape:
+                        raise ValueError(f"adapter {name!r}: no tensor {key} of shape {tuple(param.shape)}")
+                    param.copy_(state[key])
+
+
+def peft_config(model: nn.Module) -> dict:
+    """adapter_config.json of any adapter of this model (rank, alpha and targets are shared).
+    The base model is where transformers loaded it from: a hub id, or a local directory."""
+    layers = dict((path, m) for path, m in model.named_modules() if isinstance(m, LoRALinear))
+    first = next(iter(layers.values()))
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": getattr(model, "name_or_path", ""),
+            "r": first.r, "lora_alpha": first.alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": sorted({path.rsplit(".", 1)[-1] for path in layers}),
+            "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}
 
 
 def save_adapters(model: nn.Module, directory: str) -> None:
-    """One safetensors file per adapter: DIR/<name>.safetensors."""
+    """DIR/<name>/adapter_config.json and DIR/<name>/adapter_model.safetensors per adapter."""
+    config = json.dumps(peft_config(model), indent=2)
     for name in adapter_names(model):
-        save_file(adapter_state(model, name), f"{directory}/{name}.safetensors")
+        os.makedirs(os.path.join(directory, name), exist_ok=True)
+        with open(os.path.join(directory, name, "adapter_config.json"), "w") as f:
+            f.write(config)
+        save_file(adapter_state(model, name), os.path.join(directory, name, "adapter_model.safetensors"))
 
 
 def load_adapters(model: nn.Module, directory: str, names: list[str]) -> None:
+    """Load the adapters `names` from DIR/<name>/ (PEFT format) or, as saved before that
+    format, from DIR/<name>.safetensors with keys <module path>.A and <module path>.B."""
     for name in names:
-        load_adapter_state(model, name, load_file(f"{directory}/{name}.safetensors"))
+        path = os.path.join(directory, name, "adapter_model.safetensors")
+        if os.path.exists(path):
+            load_adapter_state(model, name, load_file(path))
+        else:
+            old = load_file(os.path.join(directory, f"{name}.safetensors"))
+            load_adapter_state(model, name, {
+                PEFT_PREFIX + key[:-2] + (".lora_A.weight" if key.endswith(".A") else ".lora_B.weight"): t
+                for key, t in old.items()})

@@ -335,6 +335,9 @@ TASKS: dict[str, Callable[..., list[Problem]]] = {
 }
 
 
+KINDS = {"arith": "math", "humaneval": "code", "dapo_math": "math", "deepcoder": "code"}  # task -> verifier
+
+
 def load_task(name: str, split: str, n: int, level: int, seed: int) -> list[Problem]:
     """Problems of a named task; the one entry point the trainer uses."""
     if name not in TASKS:

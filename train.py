@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
@@ -311,14 +312,15 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
     tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_adapters(model, tmp)
+    save_adapters(model, tmp)  # one PEFT LoRA directory per adapter, critics' included
+    for name, head in heads.items():  # a critic's directory also holds its value head
+        save_file(head.state_dict(), os.path.join(tmp, name, "value_head.safetensors"))
     torch.save({"step": step,
                 "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
                 "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
                 "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "py_rng": rng.getstate(),
-                "heads": {k: h.state_dict() for k, h in heads.items()},
                 "emas": emas}, os.path.join(tmp, "state.pt"))
     # Swap directories so a crash leaves either the old or the new checkpoint whole.
     if os.path.exists(final):
@@ -341,8 +343,9 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     if state["cuda_rng"] is not None:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     rng.setstate(state["py_rng"])
-    for k, h in heads.items():
-        h.load_state_dict(state["heads"][k])
+    for k, h in heads.items():  # checkpoints from before the PEFT layout kept heads in state.pt
+        head_file = os.path.join(path, k, "value_head.safetensors")
+        h.load_state_dict(load_file(head_file) if os.path.exists(head_file) else state["heads"][k])
     emas.update(state["emas"])
     return state["step"]
 

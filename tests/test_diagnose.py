@@ -12,7 +12,7 @@ from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_ol
 from lora import add_adapter, adapter_parameters, inject_lora
 from reward import Problem
 from rollout import Call, Rollout
-from workflows import adherence, run_workflow, similarity
+from workflows import adherence, role_of, run_workflow, similarity, slots
 
 # ----------------------------------------------------------------------------
 # The output signals
@@ -321,3 +321,27 @@ def test_role_kl_names_must_be_roles_of_the_workflow():
         train.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
     with pytest.raises(SystemExit, match="not role=number"):
         train.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
+
+
+@pytest.mark.parametrize("workflow,sharing", [("single", "shared"), ("eval_opt", "isolated"),
+                                              ("voting", "isolated"), ("orch_workers", "shared")])
+def test_watch_prints_every_call_of_a_trained_workflow(workflow, sharing, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    train.main(train.Config(model="tiny", workflow=workflow, sharing=sharing, steps=1, problems_per_step=1,
+                            group_size=2, max_new_tokens=6, lora_r=4, eval_problems=1, out=out))
+    capsys.readouterr()
+    final = diagnose.watch(out, "What is 2 + 3?")
+    printed = capsys.readouterr().out
+    stages = [line for line in printed.splitlines() if line.startswith("=== stage")]
+    for slot in slots(workflow):
+        adapter = "shared" if sharing == "shared" else role_of(slot)
+        assert any(f": {slot} (adapter {adapter})" in line for line in stages), (slot, stages)
+    assert printed.count("--- prompt:") == printed.count("--- output:") == len(stages)
+    assert "What is 2 + 3?" in printed and f"=== final answer:\n{final}" in printed
+
+
+def test_watch_needs_a_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    train.main(train.Config(model="tiny", workflow="single", steps=0, eval_problems=1, lora_r=4, out=out))
+    with pytest.raises(SystemExit, match="no state.pt"):
+        diagnose.main(["--watch", out, "What is 2 + 3?"])

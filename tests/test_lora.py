@@ -1,5 +1,10 @@
 """LoRA: no-op start, gradient routing under shared and isolated sharing, save/load."""
+import json
+import os
+
+import pytest
 import torch
+from safetensors.torch import save_file
 
 from lora import (LoRALinear, adapter_for, adapter_parameters, inject_lora, lora_layers,
                   load_adapters, save_adapters, set_adapter, setup_adapters, use_adapter)
@@ -114,12 +119,68 @@ def test_save_load_round_trip(tiny, tmp_path):
     randomize(model, "generator", 1)
     randomize(model, "evaluator", 2)
     save_adapters(model, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["evaluator", "generator"]
+    assert sorted(os.listdir(tmp_path / "generator")) == ["adapter_config.json", "adapter_model.safetensors"]
     fresh, _ = tiny_model()
     inject_lora(fresh, r=4, alpha=8)
     load_adapters(fresh, str(tmp_path), ["generator", "evaluator"])
     for name in ("generator", "evaluator"):
         with use_adapter(model, name), use_adapter(fresh, name):
             assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
+def test_adapters_saved_in_the_former_layout_still_load(tiny, tmp_path):
+    """Before the PEFT layout: DIR/<name>.safetensors with keys <module path>.A and .B."""
+    model, tok = tiny
+    ids = batch(len(tok))
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "shared")
+    randomize(model, "shared", 3)
+    old = {}
+    for path, layer in model.named_modules():
+        if isinstance(layer, LoRALinear):
+            old[f"{path}.A"], old[f"{path}.B"] = layer.lora_A["shared"], layer.lora_B["shared"]
+    save_file({k: v.detach().clone() for k, v in old.items()}, str(tmp_path / "shared.safetensors"))
+    fresh, _ = tiny_model()
+    inject_lora(fresh, r=4, alpha=8)
+    load_adapters(fresh, str(tmp_path), ["shared"])
+    with use_adapter(model, "shared"), use_adapter(fresh, "shared"):
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
+def test_a_saved_adapter_of_another_rank_is_refused(tiny, tmp_path):
+    model, _ = tiny
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "shared")
+    save_adapters(model, str(tmp_path))
+    other, _ = tiny_model()
+    inject_lora(other, r=2, alpha=8)
+    with pytest.raises(ValueError, match="shape"):
+        load_adapters(other, str(tmp_path), ["shared"])
+
+
+@pytest.mark.parametrize("sharing", ["shared", "isolated"])
+def test_peft_loads_each_saved_adapter_with_the_same_logits(tiny, tmp_path, sharing):
+    """Hugging Face PEFT reads the saved directories as its own LoRA adapters."""
+    import peft  # a test dependency only: the project never imports it
+    model, tok = tiny
+    ids = batch(len(tok))
+    inject_lora(model, r=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"))
+    names = setup_adapters(model, ["generator", "evaluator"], sharing)
+    for i, name in enumerate(names):
+        randomize(model, name, i + 1)
+    save_adapters(model, str(tmp_path))
+    for name in names:
+        config = json.load(open(tmp_path / name / "adapter_config.json"))
+        assert config["r"] == 4 and config["lora_alpha"] == 8
+        assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+        base, _ = tiny_model()  # the same random weights as `model`'s base
+        theirs = peft.PeftModel.from_pretrained(base.eval(), str(tmp_path / name))
+        with use_adapter(model, name), torch.no_grad():
+            ours = model(ids).logits
+            assert torch.allclose(theirs(input_ids=ids).logits, ours, atol=1e-4)
+        with theirs.disable_adapter(), torch.no_grad():  # and the adapter does change the logits
+            assert not torch.allclose(theirs(input_ids=ids).logits, ours, atol=1e-2)
 
 
 def test_use_adapter_restores_previous_and_rejects_unknown(tiny):

@@ -1,15 +1,21 @@
 """train.py end to end on the tiny model: every workflow x sharing, resume, learning."""
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+import diagnose
 import train
 from conftest import ROOT
+from lora import use_adapter
 from reward import Problem
+from rollout import tiny_model
 from workflows import ROLES, slots
 
 # One thread: the test model is tiny, and on a busy 2-core machine two threads
@@ -58,8 +64,10 @@ def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp
     if algo == "decentral":
         adapters = adapters + [f"critic-{s}" for s in slots(workflow)]
         assert "critic/value_loss" in last
-    assert sorted(os.listdir(f"{out}/ckpt")) == sorted([f"{a}.safetensors" for a in adapters]
-                                                       + ["state.pt"])
+    assert sorted(os.listdir(f"{out}/ckpt")) == sorted(adapters + ["state.pt"])
+    for a in adapters:  # a PEFT LoRA directory each; a critic's also holds its value head
+        files = ["adapter_config.json", "adapter_model.safetensors"]
+        assert sorted(os.listdir(f"{out}/ckpt/{a}")) == files + (["value_head.safetensors"] if "critic" in a else [])
 
 
 def test_bad_input_is_a_one_line_error(tmp_path):
@@ -84,14 +92,8 @@ def without_machine_stats(rows: list[dict]) -> list[dict]:
 TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
 
 
-@pytest.mark.parametrize("algo", [dict(algo="grpo", damping=0.5),
-                                  dict(algo="maac", critic="central", sharing="shared",
-                                       workflow="eval_opt", critic_lr=1e-2)])
-def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
-    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, **algo)
-    train.main(small_config(str(tmp_path / "straight"), **toy))
-
+def killed_in_step_3(cfg: train.Config, monkeypatch) -> None:
+    """Run `cfg` and kill it in its third step, after the checkpoint of step 2 (save_every 2)."""
     real_rollout, calls = train.rollout_step, []
 
     def dies_in_step_3(*args, **kw):
@@ -100,10 +102,21 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monk
             raise KeyboardInterrupt
         return real_rollout(*args, **kw)
     monkeypatch.setattr(train, "rollout_step", dies_in_step_3)
-    out = str(tmp_path / "resumed")
     with pytest.raises(KeyboardInterrupt):
-        train.main(small_config(out, **toy))
+        train.main(cfg)
     monkeypatch.setattr(train, "rollout_step", real_rollout)
+
+
+@pytest.mark.parametrize("algo", [dict(algo="grpo", damping=0.5),
+                                  dict(algo="maac", critic="central", sharing="shared",
+                                       workflow="eval_opt", critic_lr=1e-2)])
+def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, **algo)
+    train.main(small_config(str(tmp_path / "straight"), **toy))
+
+    out = str(tmp_path / "resumed")
+    killed_in_step_3(small_config(out, **toy), monkeypatch)
     train.main(train.Config(out=out, resume=True))
 
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
@@ -114,6 +127,39 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monk
         assert any(abs(r.get("role/generator/value", 0)) > 0 for r in straight)
     assert resumed == straight
     assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
+
+
+def to_former_layout(ckpt: str) -> None:
+    """Rewrite a checkpoint as this project saved them before the PEFT layout: <name>.safetensors
+    with keys <module path>.A and .B, and the critics' value heads inside state.pt."""
+    state = torch.load(f"{ckpt}/state.pt", weights_only=False)
+    state["heads"] = {}
+    for name in [n for n in os.listdir(ckpt) if os.path.isdir(f"{ckpt}/{n}")]:
+        peft_keys = load_file(f"{ckpt}/{name}/adapter_model.safetensors")
+        save_file({k.removeprefix("base_model.model.").replace(".lora_A.weight", ".A").replace(".lora_B.weight", ".B"): v
+                   for k, v in peft_keys.items()}, f"{ckpt}/{name}.safetensors")
+        if os.path.exists(f"{ckpt}/{name}/value_head.safetensors"):
+            state["heads"][name] = load_file(f"{ckpt}/{name}/value_head.safetensors")
+        shutil.rmtree(f"{ckpt}/{name}")
+    torch.save(state, f"{ckpt}/state.pt")
+
+
+def test_a_checkpoint_in_the_former_layout_resumes_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, critic_lr=1e-2, algo="maac", critic="decentral",
+               workflow="eval_opt", sharing="isolated")
+    train.main(small_config(str(tmp_path / "straight"), **toy))
+    out = str(tmp_path / "old")
+    killed_in_step_3(small_config(out, **toy), monkeypatch)
+    to_former_layout(f"{out}/ckpt")
+    assert sorted(os.listdir(f"{out}/ckpt")) == ["critic-evaluator.safetensors", "critic-generator.safetensors",
+                                                  "evaluator.safetensors", "generator.safetensors", "state.pt"]
+    train.main(train.Config(out=out, resume=True))
+    straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
+    resumed = without_machine_stats(read_jsonl(out + "/metrics.jsonl"))
+    assert any(abs(r.get("role/generator/value", 0)) > 0 for r in straight)  # the critics moved
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert resumed == straight
 
 
 def test_resume_rejects_a_contradicting_flag(tmp_path):
@@ -155,3 +201,35 @@ def test_isolated_roles_take_optimizer_steps_in_proportion_to_their_calls(tmp_pa
     state = torch.load(f"{out}/ckpt/state.pt", weights_only=False)
     steps = {name: int(opt["state"][0]["step"]) for name, opt in state["optimizers"].items()}
     assert steps == {"generator": 3, "aggregator": 1}
+
+
+def readme_python_block(containing: str) -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)
+    return next(b for b in blocks if containing in b)
+
+
+@pytest.mark.parametrize("sharing", ["shared", "isolated"])
+def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, monkeypatch):
+    """The README's PEFT snippet, run as written on a trained run's adapters, gives our logits."""
+    import peft  # noqa: F401  a test dependency: fail here, not inside the snippet, if it is missing
+    base_dir = str(tmp_path / "base")  # a base model that transformers can load by path, as PEFT needs
+    model, tok = tiny_model()
+    model.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+    # rewards that vary inside every group, so that every adapter moves
+    monkeypatch.setattr(train, "score_batch", lambda problems, texts, **kw: [len(t) % 2 for t in texts])
+    out = str(tmp_path / "run")
+    train.main(small_config(out, model=base_dir, workflow="voting", sharing=sharing, steps=1,
+                            max_new_tokens=16, temperature=1.0, lr=1e-2))
+    cfg, ours, _, names = diagnose.trained_model(f"{out}/ckpt")
+    ids = torch.randint(0, len(tok), (2, 12), generator=torch.Generator().manual_seed(1))
+    snippet = readme_python_block("PeftModel.from_pretrained")
+    for name in names:
+        namespace = {}
+        exec(snippet.replace("runs/default/ckpt/shared", f"{out}/ckpt/{name}"), namespace)
+        with torch.no_grad(), use_adapter(ours, name):
+            expected = ours(ids).logits
+            assert torch.allclose(namespace["model"](input_ids=ids).logits, expected, atol=1e-4)
+        with torch.no_grad(), use_adapter(ours, None):  # the trained adapter is not a no-op
+            assert not torch.allclose(ours(ids).logits, expected, atol=1e-3)
