@@ -61,14 +61,21 @@ SHARE = 0.70  # a role owning this share of a shared adapter's gradient dominate
 ADHERENCE_FALL = 0.20  # first-third minus last-third adherence of the captured role
 SIM_RISE = 0.05  # last-third minus first-third similarity to the dominant role
 
-# figure name -> regex over metric keys; the groups name the line
+# figure name -> (regex over metric keys, y-axis label); the regex's groups name the line
 PLOTS = {
-    "accuracy": r"eval/accuracy", "reward": r"reward/mean",
-    "grad_norm": r"role/(\w+)/grad_norm", "update_norm": r"adapter/([\w-]+)/update_norm",
-    "kappa": r"role/(\w+)/kappa", "coherence": r"role/(\w+)/coherence",
-    "grad_share": r"role/(\w+)/grad_share", "ppl": r"role/(\w+)/ppl", "chi2": r"role/(\w+)/chi2",
-    "entropy": r"role/(\w+)/entropy", "adherence": r"role/(\w+)/adherence",
-    "similarity": r"role/(\w+)/sim/(\w+)", "length": r"role/(\w+)/len",
+    "accuracy": (r"eval/accuracy", "held-out accuracy (fraction of problems, greedy)"),
+    "reward": (r"reward/mean", "training reward (mean outcome, 0-1)"),
+    "grad_norm": (r"role/(\w+)/grad_norm", "gradient L2 norm of the role's loss"),
+    "update_norm": (r"adapter/([\w-]+)/update_norm", "L2 norm of the adapter's change in the step"),
+    "kappa": (r"role/(\w+)/kappa", "kappa = |sum g_i| / sqrt(sum |g_i|^2) (1 to sqrt(N))"),
+    "coherence": (r"role/(\w+)/coherence", "mean pairwise cosine of slot gradients"),
+    "grad_share": (r"role/(\w+)/grad_share", "share of the shared adapter's gradient (0-1)"),
+    "ppl": (r"role/(\w+)/ppl", "training perplexity (exp of -mean log-prob)"),
+    "chi2": (r"role/(\w+)/chi2", "chi2 = E[ratio^2] - 1 over tokens"),
+    "entropy": (r"role/(\w+)/entropy", "next-token entropy (nats)"),
+    "adherence": (r"role/(\w+)/adherence", "outputs that keep the role's contract (fraction)"),
+    "similarity": (r"role/(\w+)/sim/(\w+)", "word-trigram Jaccard overlap of two roles' outputs"),
+    "length": (r"role/(\w+)/len", "completion length (tokens per call)"),
 }
 
 
@@ -230,7 +237,7 @@ LINESTYLES = ("-", "--", ":", "-.")  # one per run, so runs stay apart when role
 def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
     """One PNG per signal with a line per (run, role); returns the files written."""
     written = []
-    for name, pattern in PLOTS.items():
+    for name, (pattern, ylabel) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(7, 4))
         for i, (run, rows) in enumerate(runs.items()):
             keys = sorted({k for r in rows for k in r if re.fullmatch(pattern, k)})
@@ -241,7 +248,8 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
         if not ax.lines:
             plt.close(fig)
             continue
-        ax.set_xlabel("step")
+        ax.set_xlabel("training step")
+        ax.set_ylabel(ylabel, fontsize=8)
         ax.set_title(name)
         ax.legend(fontsize=7)
         path = os.path.join(out, f"{name}.png")
@@ -318,9 +326,10 @@ def reproduce(out: str, train_flags: list[str]) -> str:
         if finished(run_dir):
             print(f"{run_dir}: already finished")
             continue
-        resume = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt", "state.pt")) else []
+        # an interrupted cell continues from its checkpoint; one killed before its first starts over
+        again = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt", "state.pt")) else ["--overwrite"]
         cmd = [sys.executable, "train.py", "--workflow", workflow, "--sharing", sharing,
-               *GRID_FLAGS, *train_flags, "--out", run_dir, *resume]
+               *GRID_FLAGS, *train_flags, "--out", run_dir, *again]
         print(" ".join(cmd[1:]), flush=True)
         t0 = time.time()
         if subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__))).returncode != 0:

@@ -25,7 +25,9 @@ Exercised by: pytest tests/test_rollout.py
 import importlib.util
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -244,18 +246,19 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
 class Rollout:
     """The `generate` callback of workflows.py: one batched model call per stage."""
 
-    def __init__(self, model, tok, sharing: str, max_new_tokens: int = 64,
-                 temperature: float = 0.7, top_p: float = 1.0, greedy: bool = False):
+    def __init__(self, model, tok, sharing: str, max_new_tokens: int = 64, temperature: float = 0.7,
+                 top_p: float = 1.0, greedy: bool = False, progress: Callable[[str], None] | None = None):
         self.model, self.tok, self.sharing = model, tok, sharing
         self.max_new_tokens, self.temperature, self.top_p, self.greedy = (
             max_new_tokens, temperature, top_p, greedy)
+        self.progress = progress  # told of every finished stage: a stage can take minutes on a CPU
         self.calls: list[Call] = []
         self.stages = 0  # one per generate call; also the `turn` of its calls
 
     @torch.no_grad()
     def __call__(self, role: str, slots: list[str], episodes: list[int],
                  chats: list[list[dict[str, str]]]) -> list[str]:
-        tok, model = self.tok, self.model
+        tok, model, start = self.tok, self.model, time.time()
         prompts = [chat_text(tok, c) for c in chats]
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         ids, attn = enc.input_ids.to(model.device), enc.attention_mask.to(model.device)
@@ -275,4 +278,6 @@ class Rollout:
             self.calls.append(Call(episodes[i], role, slots[i], self.stages, prompt_ids,
                                    completion, prompts[i], text))
         self.stages += 1
+        if self.progress:
+            self.progress(f"stage {self.stages} {role} x{len(chats)}: {time.time() - start:.0f}s")
         return texts

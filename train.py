@@ -60,6 +60,13 @@ def arg(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+# --help shows the Config in these groups; each group starts at the field named here.
+SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation",
+            "balance": "mitigations of Paper A's failure modes (README, diagnose.py)",
+            "critic": "actor-critic (--algo maac, critic.py)", "lora_r": "LoRA",
+            "eval_every": "evaluation, logging, checkpoints", "device": "machine"}
+
+
 @dataclass
 class Config:
     # what to train
@@ -80,8 +87,8 @@ class Config:
     steps: int = arg(12, "training steps")
     problems_per_step: int = arg(4, "B: distinct problems per step")
     group_size: int = arg(4, "G: episodes per problem (the GRPO group)")
-    max_new_tokens: int = arg(0, "completion length limit of every call; 0 = 48 for math, "
-                              "320 for code")
+    max_new_tokens: int = arg(0, "completion length limit of every call; 0 = chosen by the task's "
+                              "kind: 48 tokens for math, 320 for code (room for a whole function)")
     temperature: float = arg(0.7, "sampling temperature of training rollouts")
     top_p: float = arg(1.0, "nucleus sampling of training rollouts")
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
@@ -106,7 +113,7 @@ class Config:
                          "number of calls (isolated: one per role)")
     damping: float = arg(0.0, "coherence damping: scale each step by 1 - damping * max(0, "
                          "cos(g, EMA(g))); 0 = off")
-    role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (others use kl_coef)")
+    role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
     # actor-critic (--algo maac, critic.py)
     critic: str = arg("central", "one critic over the joint history (CoLLM-CC) or one per agent "
                       "(CoLLM-DC)", CRITICS)
@@ -124,40 +131,92 @@ class Config:
     lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r")
     lora_targets: str = arg(",".join(DEFAULT_TARGETS), "comma-separated names of the linear layers to adapt")
     # evaluation, logging, checkpoints
-    eval_every: int = arg(0, "evaluate every E steps (0: only before and after training)")
+    eval_every: int = arg(6, "evaluate every E steps, and before and after training (0: only "
+                          "before and after)")
     diag_every: int = arg(1, "per-slot gradients (kappa, shares), entropy and output similarity "
                           "every k steps (0: never)")
     eval_problems: int = arg(48, "held-out problems per evaluation")
     train_problems: int = arg(256, "size of the training pool")
     log_samples: int = arg(2, "episodes per step written to samples.jsonl")
-    save_every: int = arg(5, "checkpoint every k steps (and at the end)")
+    save_every: int = arg(1, "checkpoint every k steps (and at the end): a killed run loses at "
+                          "most k steps")
     out: str = arg("runs/default", "run directory")
     seed: int = arg(0, "seed of problems, sampling and adapters")
     resume: bool = arg(False, "continue the run in --out from its last checkpoint")
+    overwrite: bool = arg(False, "start over in an --out that already holds a run (deletes it)")
+    # machine
     device: str = arg("auto", "auto, cpu or cuda")
+    threads: int = arg(0, "CPU threads of torch; 0 = the cores this process may use, less the "
+                       "load of other processes, re-chosen every step (on a shared CPU, threads "
+                       "that wait for each other's cores turn seconds into minutes)")
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    group = parser
     for f in dataclasses.fields(Config):
-        help = f"{f.metadata['help']} (default: {f.default})"
+        if f.name in SECTIONS:
+            group = parser.add_argument_group(SECTIONS[f.name])
+        shown = "none" if f.default == "" else str(f.default).replace(",", ", ")  # wrap between names
+        help = f"{f.metadata['help']} (default: {shown})"
         if f.type is bool:
-            parser.add_argument(f"--{f.name}", default=f.default, help=help,
-                                action=argparse.BooleanOptionalAction)
+            group.add_argument(f"--{f.name}", default=f.default, help=help,
+                               action=argparse.BooleanOptionalAction)
         else:
-            parser.add_argument(f"--{f.name}", default=f.default, help=help, type=f.type,
-                                choices=f.metadata["choices"])
+            group.add_argument(f"--{f.name}", default=f.default, help=help, type=f.type,
+                               choices=f.metadata["choices"])
     return Config(**vars(parser.parse_args(argv)))
+
+
+def check_numbers(cfg: Config) -> None:
+    """Every numeric flag in its range, before any file or model is touched."""
+    rules = [("steps", cfg.steps >= 0, ">= 0"), ("problems_per_step", cfg.problems_per_step >= 1, ">= 1"),
+             ("group_size", cfg.group_size >= (2 if cfg.algo == "grpo" else 1),
+              ">= 2 with --algo grpo (a group of one has no contrast: every advantage is 0)"
+              if cfg.algo == "grpo" else ">= 1"),
+             ("max_new_tokens", cfg.max_new_tokens >= 0, ">= 0"), ("temperature", cfg.temperature > 0, "> 0"),
+             ("top_p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("lr", cfg.lr > 0, "> 0"),
+             ("warmup_steps", cfg.warmup_steps >= 0, ">= 0"), ("weight_decay", cfg.weight_decay >= 0, ">= 0"),
+             ("grad_clip", cfg.grad_clip > 0, "> 0"), ("minibatch_size", cfg.minibatch_size >= 1, ">= 1"),
+             ("micro_batch_tokens", cfg.micro_batch_tokens >= 1, ">= 1"),
+             ("eps_low", 0 <= cfg.eps_low < 1, "in [0, 1)"), ("eps_high", cfg.eps_high >= 0, ">= 0"),
+             ("kl_coef", cfg.kl_coef >= 0, ">= 0"), ("damping", 0 <= cfg.damping <= 1, "in [0, 1]"),
+             ("gamma", 0 <= cfg.gamma <= 1, "in [0, 1]"), ("lam", 0 <= cfg.lam <= 1, "in [0, 1]"),
+             ("critic_lr", cfg.critic_lr > 0, "> 0"), ("vf_coef", cfg.vf_coef >= 0, ">= 0"),
+             ("value_clip", cfg.value_clip >= 0, ">= 0"), ("critic_max_tokens", cfg.critic_max_tokens >= 1, ">= 1"),
+             ("lora_r", cfg.lora_r >= 1, ">= 1"), ("lora_alpha", cfg.lora_alpha > 0, "> 0"),
+             ("n_agents", cfg.n_agents >= 1, ">= 1"), ("max_rounds", cfg.max_rounds >= 1, ">= 1"),
+             ("code_workers", cfg.code_workers >= 1, ">= 1"), ("code_timeout", cfg.code_timeout > 0, "> 0"),
+             ("eval_every", cfg.eval_every >= 0, ">= 0"), ("diag_every", cfg.diag_every >= 0, ">= 0"),
+             ("eval_problems", cfg.eval_problems >= 1, ">= 1"), ("train_problems", cfg.train_problems >= 1, ">= 1"),
+             ("log_samples", cfg.log_samples >= 0, ">= 0"), ("save_every", cfg.save_every >= 1, ">= 1"),
+             ("threads", cfg.threads >= 0, ">= 0")]
+    for flag, ok, requirement in rules:
+        if not ok:
+            raise SystemExit(f"--{flag} {getattr(cfg, flag)}: must be {requirement}")
 
 
 # ----------------------------------------------------------------------------
 # Pieces of one step
 
 
-def rollout_step(model, tok, cfg: Config, problems, greedy: bool) -> tuple[Rollout, list, list[float]]:
-    """Run the workflow once per problem; return the recorder, outcomes and rewards."""
+def log(line: str) -> None:
+    """One line of the run's log, above the progress bar on a terminal, plain in a file."""
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()  # a redirected log shows each line as it happens
+
+
+def log_stage(label: str, message: str) -> None:
+    log(f"{label} | {message}")
+
+
+def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
+                 label: str = "rollout") -> tuple[Rollout, list, list[float]]:
+    """Run the workflow once per problem; return the recorder, outcomes and rewards.
+    Each finished stage is logged, prefixed by `label`."""
     rollout = Rollout(model, tok, cfg.sharing, max_new_tokens=cfg.max_new_tokens,
-                      temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy)
+                      temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy,
+                      progress=partial(log_stage, label))
     outcomes = run_workflow(cfg.workflow, [p.question for p in problems], rollout, kind=problems[0].kind,
                             n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)
     rewards = score_batch(problems, [o.final for o in outcomes], strict=cfg.strict_answer,
@@ -171,8 +230,9 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool) -> tuple[Rollo
 def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> float:
     """Held-out accuracy of the whole workflow, greedy decoding."""
     rewards = []
-    for i in tqdm(range(0, len(problems), batch), desc="eval", leave=False, disable=None):
-        rewards += rollout_step(model, tok, cfg, problems[i:i + batch], greedy=True)[2]
+    for i in range(0, len(problems), batch):
+        label = f"eval problems {i + 1}-{min(i + batch, len(problems))}/{len(problems)}"
+        rewards += rollout_step(model, tok, cfg, problems[i:i + batch], greedy=True, label=label)[2]
     return sum(rewards) / len(rewards)
 
 
@@ -350,14 +410,81 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     return state["step"]
 
 
+# Flags that say where and how a run is executed, not what it is: --resume may change them.
+NOT_THE_RUN = ("out", "resume", "overwrite", "threads")
+
+
 def resolve_resume(cfg: Config) -> Config:
-    """--resume takes the run's saved config; a flag that contradicts it is an error."""
+    """--resume takes the run's saved config; a flag that contradicts it is an error. The run
+    lives wherever --out now points, however that path is spelled."""
     saved = Config(**json.load(open(os.path.join(cfg.out, "config.json"))))
     for f in dataclasses.fields(Config):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
-        if f.name != "resume" and given != f.default and given != old:
+        if f.name not in NOT_THE_RUN and given != f.default and given != old:
             raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
-    return dataclasses.replace(saved, resume=True)
+    return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "ckpt", "ckpt.tmp", "ckpt.old")
+
+
+def check_run_dir(cfg: Config) -> list[str]:
+    """The run files already in --out; a directory that holds a run is never overwritten
+    implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise SystemExit(f"--out {cfg.out} is a file, not a directory")
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out, f))]
+    if held and not cfg.overwrite:
+        raise SystemExit(f"--out {cfg.out} already holds a run: add --resume to continue it, --overwrite "
+                         "to start it over, or choose another --out")
+    return held
+
+
+def start_run_dir(cfg: Config, held: list[str]) -> None:
+    """Clear the old run's own files (--overwrite; nothing else in the directory), write the config."""
+    for f in held:
+        path = os.path.join(cfg.out, f)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    os.makedirs(cfg.out, exist_ok=True)
+    write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg))
+
+
+def pick_threads(requested: int, own_load: float) -> int:
+    """Torch's CPU threads: --threads, else the cores this process may use less what other
+    processes keep busy (the 1-minute load average minus this process's own share of it).
+    Threads of one matmul wait for each other, so a thread whose core is taken stalls them all."""
+    if requested:
+        return requested
+    cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    others = max(0.0, os.getloadavg()[0] - own_load)
+    return max(1, min(cores, round(cores - others)))
+
+
+def eval_steps(cfg: Config) -> list[int]:
+    """The steps after which the workflow is evaluated (step 0 = before training)."""
+    return [0] + [s for s in range(1, cfg.steps + 1) if (cfg.eval_every and s % cfg.eval_every == 0)
+                  or s == cfg.steps]
+
+
+def plan(cfg: Config, device: str) -> str:
+    """The first line of a run: what it will do."""
+    evals = ", ".join(map(str, eval_steps(cfg)))
+    return (f"{cfg.workflow} with {'one shared adapter' if cfg.sharing == 'shared' else 'one adapter per role'}"
+            f", {cfg.algo}, model {cfg.model} on {device} ({torch.get_num_threads()} threads), task {cfg.task}: "
+            f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; greedy "
+            f"evaluation on {cfg.eval_problems} held-out problems at steps {evals}; a checkpoint every "
+            f"{cfg.save_every} step(s) in {cfg.out}. Time: estimated after the step-0 evaluation.")
+
+
+def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float], step: int) -> float:
+    """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
+    evaluation: its episodes cost what evaluation episodes cost, and the update as much again),
+    plus the evaluations still to come."""
+    per_episode = eval_seconds / cfg.eval_problems
+    step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
+                 else 2 * per_episode * cfg.problems_per_step * cfg.group_size)
+    evals_left = sum(1 for s in eval_steps(cfg) if s > step)
+    return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
 
 
 def peak_memory_mb(device: str) -> float:
@@ -380,33 +507,39 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 def main(cfg: Config) -> dict:
+    # ---- settings: everything is checked before a file or the model is touched
     if cfg.resume:
         if not os.path.exists(os.path.join(cfg.out, "config.json")):
             raise SystemExit(f"--resume: no run in {cfg.out}")
         cfg = resolve_resume(cfg)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    check_numbers(cfg)
     update = update_settings(cfg)  # stops here on a bad --role_kl
     critics = critic_settings(cfg)
-    if not 0 <= cfg.damping <= 1:
-        raise SystemExit(f"--damping {cfg.damping}: must be between 0 and 1")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    torch.set_num_threads(pick_threads(cfg.threads, own_load=0.0))
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    # ---- data, model, adapters, optimizers
+    # ---- data, model, run directory, adapters, optimizers
     try:
         train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
         test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
     except ValueError as e:
         raise SystemExit(f"task {cfg.task}: {e}") from None
+    if cfg.problems_per_step > len(train_set):
+        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} training pool "
+                         f"holds {len(train_set)} problems")
     if cfg.max_new_tokens == 0:  # code needs room for a whole function
         cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
-    os.makedirs(cfg.out, exist_ok=True)
-    write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg))
-    metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
+    held = [] if cfg.resume else check_run_dir(cfg)
+    log(plan(cfg, device))
     model, tok = load_policy(cfg.model, device)
     try:
-        inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
+        inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
+    if not cfg.resume:  # only now that the model loaded: a failed launch leaves --out untouched
+        start_run_dir(cfg, held)
+    metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     heads = {}
     if cfg.algo == "maac":
@@ -417,22 +550,27 @@ def main(cfg: Config) -> dict:
 
     emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
     start = 0
+    t_eval = time.time()
     if cfg.resume:
         start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng, emas)
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
-        acc_before = next(json.loads(l)["eval/accuracy"] for l in open(metrics_path)
-                          if json.loads(l)["step"] == 0)
-        print(f"resuming {cfg.out} at step {start}")
+        accuracies = [row["eval/accuracy"] for row in map(json.loads, open(metrics_path))
+                      if "eval/accuracy" in row]
+        acc_before, acc = accuracies[0], accuracies[-1]  # step 0, and the last evaluation kept
+        log(f"resuming {cfg.out} at step {start}")
     else:
         for path in (metrics_path, samples_path):
             open(path, "w").close()
-        print(f"evaluating on {len(test_set)} held-out problems ...")
-        acc_before = evaluate(model, tok, cfg, test_set)
+        log(f"evaluating on {len(test_set)} held-out problems ...")
+        acc_before = acc = evaluate(model, tok, cfg, test_set)
         append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before}])
-        print(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f}")
+        log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | {time.time() - t_eval:.0f}s | "
+            f"the whole run: about {estimate_minutes(cfg, time.time() - t_eval, [], 0):.0f} min")
+    eval_seconds = time.time() - t_eval  # resumed: a guess from what loading took, until the next one
 
-    acc = acc_before
+    step_seconds = []  # training time of each step, evaluation excluded: for the estimate
+    cpu_before = time.process_time()
     for step in tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps,
                      desc="train", file=sys.stderr, disable=None):
         t0 = time.time()
@@ -440,7 +578,8 @@ def main(cfg: Config) -> dict:
         picked = rng.sample(range(len(train_set)), cfg.problems_per_step)
         problem_of = [i for i in picked for _ in range(cfg.group_size)]
         problems = [train_set[i] for i in problem_of]
-        rollout, outcomes, rewards = rollout_step(model, tok, cfg, problems, greedy=False)
+        rollout, outcomes, rewards = rollout_step(model, tok, cfg, problems, greedy=False,
+                                                  label=f"step {step} rollout")
         calls = rollout.calls
         t1 = time.time()
         # 4. advantages: group-relative (GRPO) or from the critics (GAE)
@@ -453,6 +592,7 @@ def main(cfg: Config) -> dict:
         diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
         stats = defaultdict(list)
         for name in names:
+            t_name = time.time()
             mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
             # the update skips calls with no advantage and no KL term: so does the old-log-prob pass
             live = [c for c in mine if c.advantage != 0 or update.kl_coef[c.role] > 0]
@@ -461,6 +601,8 @@ def main(cfg: Config) -> dict:
                                       update, per_slot=diag, ema=emas[name]).items():
                 stats[k] += v
             schedulers[name].step()
+            log(f"step {step} update | {name}: {len(live)} of {len(mine)} calls with signal, "
+                f"{time.time() - t_name:.0f}s")
         # 7. maac: the critics (their adapters are separate from the actors': order is free)
         if cfg.algo == "maac":
             stats.update(update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id,
@@ -475,8 +617,11 @@ def main(cfg: Config) -> dict:
         m.update({k: sum(v) / len(v) for k, v in stats.items()})
         if cfg.algo == "maac":
             m.update(critic_metrics(calls, critic_batch))
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+        step_seconds.append(time.time() - t0)
+        if step in eval_steps(cfg):
+            t_eval = time.time()
             acc = evaluate(model, tok, cfg, test_set)
+            eval_seconds = time.time() - t_eval
             m["eval/accuracy"] = acc
         m["time/step"] = time.time() - t0
         m["mem/peak_mb"] = peak_memory_mb(device)
@@ -486,12 +631,18 @@ def main(cfg: Config) -> dict:
         line = f"step {step}/{cfg.steps} | reward {m['reward/mean']:.3f} | {m['time/step']:.1f}s"
         if "eval/accuracy" in m:
             line += f" | eval/accuracy {acc:.3f}"
-        tqdm.write(line)
+        if step < cfg.steps:
+            line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
+        log(line)
         if step % cfg.save_every == 0 or step == cfg.steps:
             save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng, emas)
+        # the next step's threads: this process's own load is its CPU time over the step's wall time
+        own_load = (time.process_time() - cpu_before) / (time.time() - t0)
+        torch.set_num_threads(pick_threads(cfg.threads, own_load))
+        cpu_before = time.process_time()
 
-    print(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
-          f"before {acc_before:.3f} -> after {acc:.3f}  [{len(test_set)} problems, greedy]")
+    log(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
+        f"before {acc_before:.3f} -> after {acc:.3f}  [{len(test_set)} problems, greedy]")
     return {"before": acc_before, "after": acc}
 
 

@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 # The test model is 64 wide: a second thread gains nothing, and on a busy 2-core
 # machine waiting for it can turn milliseconds into seconds.
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # and train.py's automatic choice stays at one too
 
 from rollout import tiny_model  # noqa: E402
 

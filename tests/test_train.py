@@ -233,3 +233,88 @@ def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, m
             assert torch.allclose(namespace["model"](input_ids=ids).logits, expected, atol=1e-4)
         with torch.no_grad(), use_adapter(ours, None):  # the trained adapter is not a no-op
             assert not torch.allclose(ours(ids).logits, expected, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------
+# A new user's first hour: help, progress, bad numbers, run directories, checkpoints
+
+
+def test_help_is_grouped_and_shows_defaults_whole(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_config(["--help"])
+    text = capsys.readouterr().out
+    for title in train.SECTIONS.values():
+        assert f"\n{title}:\n" in text, title
+    role_kl = text[text.index("\n  --role_kl"):text.index("\n  --critic ")]
+    assert "(default: none)" in role_kl
+    for target in train.Config().lora_targets.split(","):
+        assert target in text  # never cut in two by the line wrapping
+    max_new = text[text.index("\n  --max_new_tokens"):text.index("\n  --temperature")]
+    assert "48" in max_new and "320" in max_new
+
+
+@pytest.mark.parametrize("flags,words", [(["--steps", "-1"], "--steps -1: must be >= 0"),
+                                         (["--group_size", "1"], "--group_size 1: must be >= 2 with --algo grpo"),
+                                         (["--group_size", "0", "--algo", "maac"], "--group_size 0: must be >= 1"),
+                                         (["--save_every", "0"], "--save_every 0"),
+                                         (["--lr", "-1"], "--lr -1.0: must be > 0"),
+                                         (["--eval_problems", "0"], "--eval_problems 0: must be >= 1"),
+                                         (["--problems_per_step", "300"], "training pool holds 256"),
+                                         (["--damping", "2"], "--damping 2.0")])
+def test_bad_numbers_stop_before_any_model_work(flags, words, tmp_path, monkeypatch):
+    def no_model(*args):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(train, "load_policy", no_model)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        train.main(train.parse_config(["--model", "tiny", *flags, "--out", str(tmp_path / "run")]))
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
+    out = str(tmp_path / "run")
+    train.main(small_config(out, steps=1))
+    before = read_jsonl(f"{out}/metrics.jsonl")
+    with pytest.raises(SystemExit, match="already holds a run: add --resume"):
+        train.main(small_config(out, steps=1))
+    with pytest.raises(SystemExit, match="could not be loaded"):  # a failed launch leaves the run alone
+        train.main(small_config(out, steps=1, model="no-such-dir/no-model", overwrite=True))
+    assert read_jsonl(f"{out}/metrics.jsonl") == before
+    assert json.load(open(f"{out}/config.json"))["model"] == "tiny"
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    train.main(small_config(out, steps=2, overwrite=True))
+    assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2]
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"  # only the run's own files went
+
+
+def test_default_checkpoint_every_step_and_resume_from_anywhere(tmp_path, monkeypatch):
+    """A kill loses at most one step; the run resumes from a moved directory, however spelled."""
+    assert train.Config().save_every == 1
+    out = str(tmp_path / "run")
+    killed_in_step_3(small_config(out, save_every=1), monkeypatch)
+    assert torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"] == 2
+    moved = str(tmp_path / "elsewhere" / "run")
+    os.makedirs(os.path.dirname(moved))
+    shutil.move(out, moved)
+    monkeypatch.chdir(tmp_path)
+    result = train.main(train.Config(out="./elsewhere/run/", resume=True))
+    rows = read_jsonl(f"{moved}/metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert result["after"] == rows[-1]["eval/accuracy"]
+    again = train.main(train.Config(out=moved, resume=True))  # a finished run: nothing to do
+    assert again["after"] == rows[-1]["eval/accuracy"]
+
+
+def test_a_redirected_log_shows_progress(tmp_path):
+    """No terminal (nohup, CI, a batch system): plain lines for every stage, update and estimate."""
+    out = str(tmp_path / "run")
+    res = subprocess.run([sys.executable, "train.py", *SMALL, "--workflow", "eval_opt", "--eval_problems", "3",
+                          "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("eval_opt with one shared adapter, grpo, model tiny on cpu (1 threads)")
+    assert "1 steps of 2 problems x 2 episodes" in lines[0] and "at steps 0, 1;" in lines[0]
+    assert any(re.fullmatch(r"eval problems 1-3/3 \| stage 1 generator x3: \d+s", l) for l in lines)
+    assert any(re.fullmatch(r"step 1 rollout \| stage 1 generator x4: \d+s", l) for l in lines)
+    assert any(re.fullmatch(r"step 1 update \| shared: \d+ of \d+ calls with signal, \d+s", l) for l in lines)
+    assert any(re.match(r"step 0/1 \| eval/accuracy [\d.]+ \| \d+s \| the whole run: about \d+ min", l)
+               for l in lines)
