@@ -398,7 +398,7 @@ def watch(run_dir: str, question: str, sample: bool = False, seed: int = 0) -> s
     return outcome.final
 
 
-def main(argv: list[str] | None = None) -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      epilog="With --reproduce, unknown flags go to train.py "
                                             "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
@@ -413,9 +413,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample", action="store_true", help="--watch: sample at the run's "
                         "temperature instead of greedy decoding")
     parser.add_argument("--seed", type=int, default=0, help="--watch --sample: the sampling seed")
-    args, train_flags = parser.parse_known_args(argv)
-    if train_flags and not args.reproduce:
-        parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
+    return parser
+
+
+def split_reproduce(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """--reproduce and --out for this file; every other flag, in order, for train.py. (The full
+    parser would let its run-directory positional swallow the value of --model and the like.)"""
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--reproduce", action="store_true")
+    own.add_argument("--out", default=None)
+    return own.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = make_parser()
+    if "--reproduce" in argv and "--help" not in argv and "-h" not in argv:
+        args, train_flags = split_reproduce(argv)
+        train.parse_config(train_flags)  # a wrong flag fails here, before the first cell
+        t0 = time.time()
+        path = reproduce(args.out or "runs/reproduce", train_flags)
+        print(f"{path} ({time.time() - t0:.0f} s in all)")
+        return
+    args = parser.parse_args(argv)
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)
     elif args.probe:
@@ -424,10 +444,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{k:40s} {v:.4f}")
         with open(os.path.join(os.path.dirname(os.path.normpath(args.probe)), "probe.json"), "w") as f:
             json.dump(result, f, indent=2)
-    elif args.reproduce:
-        t0 = time.time()
-        path = reproduce(args.out or "runs/reproduce", train_flags)
-        print(f"{path} ({time.time() - t0:.0f} s in all)")
     elif args.runs:
         out = args.out or (args.runs[0] if len(args.runs) == 1 else os.path.commonpath(
             [os.path.abspath(r) for r in args.runs]))

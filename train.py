@@ -23,9 +23,9 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   8. log; evaluate the whole workflow greedily on held-out problems every
      `eval_every` steps; checkpoint.
 
-Departures from the paper: the defaults fit a 2-core CPU in about 15 minutes
-(a 135M model, 12 steps of 4 x 4 episodes, 48 new tokens, rank 16, and a
-learning rate of 5e-4 instead of 2e-5).
+Departures from the paper: the defaults fit a 2-core CPU in about 13 minutes,
+19 next to one busy program (a 135M model, 12 steps of 4 x 4 episodes, 48 new
+tokens, rank 16, and a learning rate of 5e-4 instead of 2e-5).
 """
 import argparse
 import dataclasses
@@ -449,14 +449,25 @@ def start_run_dir(cfg: Config, held: list[str]) -> None:
     write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg))
 
 
+def running_threads() -> int:
+    """Threads running or runnable on the machine right now, this one included (Linux)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return 1 << 30  # unknown: the load average alone decides
+
+
 def pick_threads(requested: int, own_load: float) -> int:
     """Torch's CPU threads: --threads, else the cores this process may use less what other
-    processes keep busy (the 1-minute load average minus this process's own share of it).
-    Threads of one matmul wait for each other, so a thread whose core is taken stalls them all."""
+    processes keep busy. Those are the 1-minute load average minus this process's own share,
+    or the threads running right now besides this one when fewer (the average trails a
+    program that just stopped). Threads of one matmul wait for each other, so a thread
+    whose core is taken stalls them all."""
     if requested:
         return requested
     cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
-    others = max(0.0, os.getloadavg()[0] - own_load)
+    others = max(0.0, min(os.getloadavg()[0] - own_load, running_threads() - 1))
     return max(1, min(cores, round(cores - others)))
 
 
@@ -469,20 +480,21 @@ def eval_steps(cfg: Config) -> list[int]:
 def plan(cfg: Config, device: str) -> str:
     """The first line of a run: what it will do."""
     evals = ", ".join(map(str, eval_steps(cfg)))
+    threads = torch.get_num_threads()
     return (f"{cfg.workflow} with {'one shared adapter' if cfg.sharing == 'shared' else 'one adapter per role'}"
-            f", {cfg.algo}, model {cfg.model} on {device} ({torch.get_num_threads()} threads), task {cfg.task}: "
+            f", {cfg.algo}, model {cfg.model} on {device} ({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
             f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; greedy "
             f"evaluation on {cfg.eval_problems} held-out problems at steps {evals}; a checkpoint every "
-            f"{cfg.save_every} step(s) in {cfg.out}. Time: estimated after the step-0 evaluation.")
+            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. Time: estimated after the step-0 evaluation.")
 
 
 def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float], step: int) -> float:
     """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
-    evaluation: its episodes cost what evaluation episodes cost, and the update as much again),
+    evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
     plus the evaluations still to come."""
     per_episode = eval_seconds / cfg.eval_problems
     step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
-                 else 2 * per_episode * cfg.problems_per_step * cfg.group_size)
+                 else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
     evals_left = sum(1 for s in eval_steps(cfg) if s > step)
     return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
 
@@ -550,24 +562,24 @@ def main(cfg: Config) -> dict:
 
     emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
     start = 0
-    t_eval = time.time()
     if cfg.resume:
         start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng, emas)
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
-        accuracies = [row["eval/accuracy"] for row in map(json.loads, open(metrics_path))
-                      if "eval/accuracy" in row]
-        acc_before, acc = accuracies[0], accuracies[-1]  # step 0, and the last evaluation kept
+        evaluated = [row for row in map(json.loads, open(metrics_path)) if "eval/accuracy" in row]
+        acc_before, acc = evaluated[0]["eval/accuracy"], evaluated[-1]["eval/accuracy"]  # step 0, the last kept
+        eval_seconds = evaluated[-1].get("time/eval", 0.0)  # for the estimate of the time left
         log(f"resuming {cfg.out} at step {start}")
     else:
         for path in (metrics_path, samples_path):
             open(path, "w").close()
         log(f"evaluating on {len(test_set)} held-out problems ...")
+        t_eval = time.time()
         acc_before = acc = evaluate(model, tok, cfg, test_set)
         append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before}])
-        log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | {time.time() - t_eval:.0f}s | "
-            f"the whole run: about {estimate_minutes(cfg, time.time() - t_eval, [], 0):.0f} min")
-    eval_seconds = time.time() - t_eval  # resumed: a guess from what loading took, until the next one
+        eval_seconds = time.time() - t_eval
+        log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | {eval_seconds:.0f}s | "
+            f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
 
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
     cpu_before = time.process_time()
@@ -621,7 +633,7 @@ def main(cfg: Config) -> dict:
         if step in eval_steps(cfg):
             t_eval = time.time()
             acc = evaluate(model, tok, cfg, test_set)
-            eval_seconds = time.time() - t_eval
+            eval_seconds = m["time/eval"] = time.time() - t_eval
             m["eval/accuracy"] = acc
         m["time/step"] = time.time() - t0
         m["mem/peak_mb"] = peak_memory_mb(device)

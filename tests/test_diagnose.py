@@ -345,3 +345,13 @@ def test_watch_needs_a_checkpoint(tmp_path):
     train.main(train.Config(model="tiny", workflow="single", steps=0, eval_problems=1, lora_r=4, out=out))
     with pytest.raises(SystemExit, match="no state.pt"):
         diagnose.main(["--watch", out, "What is 2 + 3?"])
+
+
+def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(diagnose, "reproduce", lambda out, flags: seen.append((out, flags)) or "report.md")
+    diagnose.main(["--reproduce", "--model", "Qwen/Qwen3-1.7B", "--out", str(tmp_path), "--steps", "200"])
+    assert seen == [(str(tmp_path), ["--model", "Qwen/Qwen3-1.7B", "--steps", "200"])]
+    with pytest.raises(SystemExit):  # a flag train.py does not know stops before the first cell
+        diagnose.main(["--reproduce", "--stepz", "3"])
+    assert len(seen) == 1

@@ -311,10 +311,25 @@ def test_a_redirected_log_shows_progress(tmp_path):
                           "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
-    assert lines[0].startswith("eval_opt with one shared adapter, grpo, model tiny on cpu (1 threads)")
+    assert lines[0].startswith("eval_opt with one shared adapter, grpo, model tiny on cpu (1 thread)")
     assert "1 steps of 2 problems x 2 episodes" in lines[0] and "at steps 0, 1;" in lines[0]
     assert any(re.fullmatch(r"eval problems 1-3/3 \| stage 1 generator x3: \d+s", l) for l in lines)
     assert any(re.fullmatch(r"step 1 rollout \| stage 1 generator x4: \d+s", l) for l in lines)
     assert any(re.fullmatch(r"step 1 update \| shared: \d+ of \d+ calls with signal, \d+s", l) for l in lines)
     assert any(re.match(r"step 0/1 \| eval/accuracy [\d.]+ \| \d+s \| the whole run: about \d+ min", l)
                for l in lines)
+
+
+def test_threads_are_the_free_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    for load, own, running, threads in [(0.1, 0.0, 1, 2), (1.2, 0.0, 2, 1), (3.0, 2.0, 2, 1), (2.1, 2.0, 3, 2),
+                                        (5.0, 0.5, 9, 1), (1.9, 0.0, 1, 2)]:  # the last: a program just ended
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+        monkeypatch.setattr(train, "running_threads", lambda: running)
+        assert train.pick_threads(0, own_load=own) == threads, (load, own, running)
+    assert train.pick_threads(3, own_load=0.0) == 3  # --threads wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert train.pick_threads(0, own_load=0.0) == 1  # the cores this process may use
+    assert train.running_threads() >= 1

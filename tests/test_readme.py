@@ -1,0 +1,88 @@
+"""Every command in the README works verbatim after the two set-up commands: each is parsed
+here, and those that work offline run on the tiny model with tiny budgets, in README order."""
+import json
+import re
+import shlex
+
+import pytest
+
+import diagnose
+import train
+from conftest import ROOT
+
+HUB = ("Qwen/", "dapo_math", "deepcoder")  # need the Hugging Face hub: parsed, not run
+# Later flags win: the README's command, shrunk to seconds on the tiny model.
+TINY = ["--model", "tiny", "--problems_per_step", "1", "--group_size", "2", "--eval_problems", "2",
+        "--max_new_tokens", "4", "--lora_r", "2", "--n_agents", "2"]
+
+
+def readme_commands() -> list[list[str]]:
+    """The argv (after .venv/bin/python) of every command in a bash block or an inline `span`."""
+    with open(f"{ROOT}/README.md") as f:
+        text = f.read()
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += re.findall(r"`([^`\n]*\.venv/bin/python [^`\n]*)`", text)
+    commands = []
+    for line in lines:
+        for part in line.split("&&"):
+            words = shlex.split(part, comments=True)
+            while words and "=" in words[0]:  # an environment assignment before the command
+                words = words[1:]
+            if words[:1] == [".venv/bin/python"] and words[1:2] != ["-m"] and words[1:] not in commands:
+                commands.append(words[1:])  # a second mention of a command means the same run
+    return commands
+
+
+def test_the_readme_has_commands_to_check():
+    scripts = [c[0] for c in readme_commands()]
+    assert scripts.count("train.py") >= 10 and scripts.count("diagnose.py") >= 5, scripts
+
+
+def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the commands' runs/... directories land here
+    for script, *args in readme_commands():
+        if script == "train.py":
+            if "--help" in args:
+                with pytest.raises(SystemExit) as stop:
+                    train.parse_config(args)
+                assert stop.value.code == 0
+                continue
+            cfg = train.parse_config(args)  # a flag or value the README gets wrong fails here
+            if any(h in " ".join(args) for h in HUB):
+                continue
+            steps = "0" if cfg.steps == 0 else "1"
+            train.main(train.parse_config(args + TINY + ["--steps", steps] if not cfg.resume else args))
+        else:
+            assert script == "diagnose.py", script
+            if "--reproduce" in args:  # trains a grid: parsed only
+                train.parse_config(diagnose.split_reproduce(args)[1])  # what it hands to train.py
+                continue
+            parsed = diagnose.make_parser().parse_args(args)
+            if parsed.watch:  # --probe and a report need runs/a: parsed only
+                diagnose.main(args)
+                assert "=== final answer:" in capsys.readouterr().out
+
+
+def test_the_readme_names_every_metric_a_run_logs(tmp_path):
+    """Every key of metrics.jsonl appears in the README's list, as itself, as `<prefix>/*`, or by
+    its last part (`role/generator/kl_ref` -> `kl_ref`)."""
+    with open(f"{ROOT}/README.md") as f:
+        text = f.read()
+    listed = set(re.findall(r"`([^`]+)`", text[text.index("A run directory holds:"):text.index("## Using")]))
+    keys = set()
+    for kw in [dict(workflow="voting", sharing="shared", damping=0.5, role_kl="aggregator=0.1"),
+               dict(workflow="eval_opt", sharing="isolated", algo="maac", critic="central")]:
+        out = str(tmp_path / kw["workflow"])
+        train.main(train.Config(model="tiny", steps=1, problems_per_step=2, group_size=2, eval_problems=1,
+                                max_new_tokens=6, lora_r=4, out=out, **kw))
+        with open(f"{out}/metrics.jsonl") as f:
+            keys |= {k for line in f for k in json.loads(line)}
+    names = {k: {k, k.split("/")[-1], k.split("/")[0] + "/*"} for k in keys}
+    for k in keys:
+        parts = k.split("/")
+        for placeholder in ("<role>", "<slot>", "<name>"):  # role/<role>/adherence, adapter/<name>/...
+            names[k].add("/".join(parts[:1] + [placeholder] + parts[2:]).replace("sim/" + parts[-1], "sim/<other>"))
+    missing = [k for k in sorted(keys) if not names[k] & listed]
+    assert not missing, missing
