@@ -85,13 +85,18 @@ PLOTS = {
 
 def load_run(run_dir: str) -> tuple[dict, list[dict]]:
     """A run's config and its metrics rows (step 0 holds the accuracy before training)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise SystemExit(f"{run_dir}: no metrics.jsonl (not a train.py run directory)")
-    with open(os.path.join(run_dir, "config.json")) as f:
-        config = json.load(f)
-    with open(path) as f:
-        return config, [json.loads(line) for line in f if line.strip()]
+    for name in ("config.json", "metrics.jsonl"):
+        if not os.path.exists(os.path.join(run_dir, name)):
+            raise SystemExit(f"{run_dir}: no {name} (not a train.py run directory)")
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)
+    except json.JSONDecodeError:
+        raise SystemExit(f"{run_dir}/config.json is not JSON") from None
+    rows = train.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
+    if not rows:
+        raise SystemExit(f"{run_dir}: metrics.jsonl is empty (the run has not logged a step yet)")
+    return config, rows
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -343,11 +348,14 @@ def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
     run_dir = os.path.dirname(os.path.normpath(ckpt))
     if not os.path.exists(os.path.join(ckpt, "state.pt")):
         raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
-    cfg = train.Config(**json.load(open(os.path.join(run_dir, "config.json"))))
+    cfg = train.Config(**load_run(run_dir)[0])
     model, tok = load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu")
     inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
-    load_adapters(model, ckpt, names)
+    try:
+        load_adapters(model, ckpt, names)
+    except Exception as e:  # a truncated or foreign adapter file
+        raise SystemExit(f"{ckpt}: the adapters cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
     return cfg, model, tok, names
 
 

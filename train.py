@@ -357,14 +357,30 @@ def append_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def truncate_jsonl(path: str, last_step: int) -> None:
-    """Drop log lines written after the checkpoint we resume from."""
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = [line for line in f if json.loads(line)["step"] <= last_step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(keep)
-        os.replace(path + ".tmp", path)
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a log. A torn last line (the process was killed while writing it) and blank
+    lines are dropped; any other unreadable line is an error."""
+    if not os.path.exists(path):
+        raise SystemExit(f"{path} is missing: not a complete run directory")
+    with open(path) as f:
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1:
+                raise SystemExit(f"{path}, line {i}: not JSON; the log is damaged") from None
+    return rows
+
+
+def truncate_jsonl(path: str, last_step: int) -> list[dict]:
+    """Drop log lines written after the checkpoint we resume from; return the rows kept."""
+    keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in keep)
+    os.replace(path + ".tmp", path)
+    return keep
 
 
 def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedulers: dict,
@@ -381,21 +397,40 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
                 "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "py_rng": rng.getstate(),
-                "emas": emas}, os.path.join(tmp, "state.pt"))
-    # Swap directories so a crash leaves either the old or the new checkpoint whole.
+                "emas": emas}, os.path.join(tmp, "state.part"))
+    os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # state.pt: tmp is whole
+    # Swap directories so a crash leaves either the old or the new checkpoint whole
+    # (newest_checkpoint finds it).
+    shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
     if os.path.exists(final):
         os.replace(final, final + ".old")
     os.replace(tmp, final)
     shutil.rmtree(final + ".old", ignore_errors=True)
 
 
+def newest_checkpoint(out: str) -> str:
+    """ckpt, or after a crash inside save_checkpoint the newest whole one, put back in its place:
+    ckpt.tmp once its state.pt is written (the new one), else ckpt.old (the previous one)."""
+    final = os.path.join(out, "ckpt")
+    for path in (final, final + ".tmp", final + ".old"):
+        if os.path.exists(os.path.join(path, "state.pt")):
+            if path != final:
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(path, final)
+            return final
+    raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
+                     "start it again without --resume, with --overwrite")
+
+
 def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
                     rng: random.Random, emas: dict) -> int:
-    path = os.path.join(out, "ckpt")
-    if not os.path.exists(os.path.join(path, "state.pt")):
-        raise SystemExit(f"--resume: no checkpoint in {path}")
-    load_adapters(model, path, list(optimizers))
-    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    path = newest_checkpoint(out)
+    try:
+        load_adapters(model, path, list(optimizers))
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    except Exception as e:  # a truncated or foreign file: say so in one line
+        raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
+                         "start the run over with --overwrite") from None
     for k in optimizers:
         optimizers[k].load_state_dict(state["optimizers"][k])
         schedulers[k].load_state_dict(state["schedulers"][k])
@@ -564,9 +599,10 @@ def main(cfg: Config) -> dict:
     start = 0
     if cfg.resume:
         start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng, emas)
-        truncate_jsonl(metrics_path, start)
+        evaluated = [row for row in truncate_jsonl(metrics_path, start) if "eval/accuracy" in row]
         truncate_jsonl(samples_path, start)
-        evaluated = [row for row in map(json.loads, open(metrics_path)) if "eval/accuracy" in row]
+        if not evaluated or evaluated[0]["step"] != 0:
+            raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training (step 0)")
         acc_before, acc = evaluated[0]["eval/accuracy"], evaluated[-1]["eval/accuracy"]  # step 0, the last kept
         eval_seconds = evaluated[-1].get("time/eval", 0.0)  # for the estimate of the time left
         log(f"resuming {cfg.out} at step {start}")

@@ -355,3 +355,25 @@ def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_pat
     with pytest.raises(SystemExit):  # a flag train.py does not know stops before the first cell
         diagnose.main(["--reproduce", "--stepz", "3"])
     assert len(seen) == 1
+
+
+
+def test_damaged_runs_are_one_line_errors_and_a_torn_last_line_is_dropped(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    train.main(train.Config(model="tiny", workflow="single", steps=2, eval_every=1, eval_problems=1, lora_r=4,
+                            out=out))
+    with open(f"{out}/metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "rew')  # killed while writing
+    config, rows = diagnose.load_run(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for name in ("shared/adapter_model.safetensors",):
+        with open(f"{out}/ckpt/{name}", "r+b") as f:
+            f.truncate(50)
+    with pytest.raises(SystemExit, match="adapters cannot be read"):
+        diagnose.main(["--probe", f"{out}/ckpt"])
+    open(f"{out}/metrics.jsonl", "w").close()
+    with pytest.raises(SystemExit, match="metrics.jsonl is empty"):
+        diagnose.main([out])
+    os.remove(f"{out}/config.json")
+    with pytest.raises(SystemExit, match="no config.json"):
+        diagnose.main([out])

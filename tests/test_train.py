@@ -92,13 +92,14 @@ def without_machine_stats(rows: list[dict]) -> list[dict]:
 TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
 
 
-def killed_in_step_3(cfg: train.Config, monkeypatch) -> None:
-    """Run `cfg` and kill it in its third step, after the checkpoint of step 2 (save_every 2)."""
+def killed_in_step_3(cfg: train.Config, monkeypatch, dies_at_call: int = 5) -> None:
+    """Run `cfg` and kill it in its third step, after the checkpoint of step 2 (eval_every 2);
+    with dies_at_call=3, in its second step."""
     real_rollout, calls = train.rollout_step, []
 
     def dies_in_step_3(*args, **kw):
         calls.append(1)
-        if len(calls) == 5:  # evaluation, step 1, step 2 and its evaluation; step 3 dies
+        if len(calls) == dies_at_call:  # evaluation, step 1, step 2 and its evaluation; step 3 dies
             raise KeyboardInterrupt
         return real_rollout(*args, **kw)
     monkeypatch.setattr(train, "rollout_step", dies_in_step_3)
@@ -333,3 +334,41 @@ def test_threads_are_the_free_cores(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert train.pick_threads(0, own_load=0.0) == 1  # the cores this process may use
     assert train.running_threads() >= 1
+
+
+
+def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tmp_path, monkeypatch, capsys):
+    """Killed between the two renames of a save: ckpt.old (step 1) and ckpt.tmp (step 2, whole)
+    are on disk, ckpt is not; and the log's last line was cut in half."""
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, save_every=1)
+    train.main(small_config(str(tmp_path / "straight"), **toy))
+    out, older = str(tmp_path / "run"), str(tmp_path / "older")
+    killed_in_step_3(small_config(out, **toy), monkeypatch)  # its ckpt: step 2
+    killed_in_step_3(small_config(older, **toy), monkeypatch, dies_at_call=3)  # its ckpt: step 1
+    os.replace(f"{out}/ckpt", f"{out}/ckpt.tmp")
+    shutil.copytree(f"{older}/ckpt", f"{out}/ckpt.old")
+    with open(f"{out}/metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward/me')
+    capsys.readouterr()
+    train.main(train.Config(out=out, resume=True))
+    assert f"resuming {out} at step 2" in capsys.readouterr().out  # the newest whole checkpoint
+    straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
+    assert without_machine_stats(read_jsonl(f"{out}/metrics.jsonl")) == straight
+    assert sorted(os.listdir(out)) == ["ckpt", "config.json", "metrics.jsonl", "samples.jsonl"]
+
+
+def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_one(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    killed_in_step_3(small_config(out), monkeypatch, dies_at_call=2)  # in step 1, before any checkpoint
+    with pytest.raises(SystemExit, match="stopped before its first one.*without --resume, with --overwrite"):
+        train.main(train.Config(out=out, resume=True))
+    train.main(small_config(out, steps=1, overwrite=True))
+    os.rename(f"{out}/metrics.jsonl", f"{out}/metrics.moved")
+    with pytest.raises(SystemExit, match="metrics.jsonl is missing"):
+        train.main(train.Config(out=out, resume=True))
+    os.rename(f"{out}/metrics.moved", f"{out}/metrics.jsonl")
+    with open(f"{out}/ckpt/state.pt", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(SystemExit, match="cannot be read"):
+        train.main(train.Config(out=out, resume=True))
