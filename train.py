@@ -449,13 +449,21 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
 NOT_THE_RUN = ("out", "resume", "overwrite", "threads")
 
 
-def resolve_resume(cfg: Config) -> Config:
-    """--resume takes the run's saved config; a flag that contradicts it is an error. The run
-    lives wherever --out now points, however that path is spelled."""
+def typed_flags(argv: list[str]) -> set[str]:
+    """The Config fields named on a command line: --lr 0.1, --lr=0.1, --no-one_step."""
+    names = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+    return {n[3:] if n.startswith("no-") else n for n in names}
+
+
+def resolve_resume(cfg: Config, typed: set[str] | None = None) -> Config:
+    """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
+    was typed (`typed`, from the command line) or differs from its default. The run lives
+    wherever --out now points, however that path is spelled."""
     saved = Config(**json.load(open(os.path.join(cfg.out, "config.json"))))
     for f in dataclasses.fields(Config):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
-        if f.name not in NOT_THE_RUN and given != f.default and given != old:
+        chosen = f.name in typed if typed is not None else given != f.default
+        if f.name not in NOT_THE_RUN and chosen and given != old:
             raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
 
@@ -468,6 +476,11 @@ def check_run_dir(cfg: Config) -> list[str]:
     implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise SystemExit(f"--out {cfg.out} is a file, not a directory")
+    parent = os.path.abspath(cfg.out)
+    while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise SystemExit(f"--out {cfg.out}: cannot create a directory in {parent}")
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out, f))]
     if held and not cfg.overwrite:
         raise SystemExit(f"--out {cfg.out} already holds a run: add --resume to continue it, --overwrite "
@@ -553,12 +566,14 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 # Main
 
 
-def main(cfg: Config) -> dict:
+def main(cfg: Config, typed: set[str] | None = None) -> dict:
+    """Train; `typed`: the flags given on the command line (None: those that differ from their
+    defaults), which --resume checks against the run."""
     # ---- settings: everything is checked before a file or the model is touched
     if cfg.resume:
         if not os.path.exists(os.path.join(cfg.out, "config.json")):
             raise SystemExit(f"--resume: no run in {cfg.out}")
-        cfg = resolve_resume(cfg)
+        cfg = resolve_resume(cfg, typed)
     check_numbers(cfg)
     update = update_settings(cfg)  # stops here on a bad --role_kl
     critics = critic_settings(cfg)
@@ -695,4 +710,4 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config())
+    main(parse_config(), typed=typed_flags(sys.argv[1:]))

@@ -168,6 +168,14 @@ def test_resume_rejects_a_contradicting_flag(tmp_path):
     train.main(small_config(out, steps=1))
     with pytest.raises(SystemExit, match="lr"):
         train.main(train.Config(out=out, resume=True, lr=0.5))
+    # typed, even when it is the default: this voting/isolated run is not eval_opt/shared
+    argv = ["--out", out, "--resume", "--workflow", "eval_opt", "--sharing=shared"]
+    assert train.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
+    with pytest.raises(SystemExit, match="--workflow eval_opt differs from the run's config"):
+        train.main(train.parse_config(argv), typed=train.typed_flags(argv))
+    argv = ["--out", out, "--resume", "--workflow", "voting", "--no-one_step", "--threads", "1"]
+    assert train.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
+    train.main(train.parse_config(argv), typed=train.typed_flags(argv))  # agrees with the run: resumes
 
 
 def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
@@ -285,6 +293,10 @@ def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
     train.main(small_config(out, steps=2, overwrite=True))
     assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2]
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"  # only the run's own files went
+    with pytest.raises(SystemExit, match="is a file"):
+        train.main(small_config(str(tmp_path / "run" / "notes.txt")))
+    with pytest.raises(SystemExit, match="cannot create a directory in"):
+        train.main(small_config(str(tmp_path / "run" / "notes.txt" / "deeper")))
 
 
 def test_default_checkpoint_every_step_and_resume_from_anywhere(tmp_path, monkeypatch):
