@@ -10,8 +10,10 @@ than a split holds, the sampled tasks return all of it.
 
 Math verifier. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) it reads the *last* \boxed{...} and
 compares it with the gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" == "\frac{7}{2}",
-"1,000" == "1000", "50\%" == "50"), after dropping $...$, \text{}, ^\circ and unit words ("7 apples" ==
-"7"); else with sympy ("\frac{\sqrt{2}}{2}" == "1/\sqrt{2}", "2(x+1)" == "2x+2"). Sympy only sees short
+"1,000" == "1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500", "50\%" == "50"), after dropping $...$,
+\text{}, ^\circ and unit words ("7 apples" == "7"); else with sympy ("\frac{\sqrt{2}}{2}" == "1/\sqrt{2}",
+"2(x+1)" == "2x+2", "1,000,000" == "10^6"). A set of answers matches in any order ("\{1, 2\}" == "2, 1");
+a tuple "(1, 2)" does not. Sympy only sees short
 strings of numbers, single letters, sqrt, pi and + - * / ^ with no power inside an exponent, and both
 sides are evaluated at fixed points to 30 digits rather than simplified: a call takes milliseconds and
 cannot hang. Departure: with no complete \boxed{}, the last number in the text is the answer (a tiny
@@ -353,7 +355,9 @@ BRACE = re.compile(r"[{}]")
 # a number not glued to the end of another one: 12, -3, 2.5, 1,000, 3/4
 NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
 FRAC = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
-PLAIN = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?")
+# unsigned: 12, 1,000, 2.5, .5 (no leading zero), 1.5e3 (scientific notation)
+PLAIN = re.compile(r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?")
+MAX_ELEMENTS = 10  # a longer list of answers is only compared as a string
 MAX_DIGITS = 200  # longer "numbers" are compared as strings: Fraction on them is slow or raises
 TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox|operatorname)\s*\{([^{}]*)\}")
 DEGREES = re.compile(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ|\\degree|°")
@@ -396,6 +400,7 @@ def extract_answer(text: str, strict: bool = False) -> str | None:
 def _normalise(s: str) -> tuple[str, bool]:
     """(bare answer, had a percent sign): drops $, \\text{}, degrees, units, "x =", spaces, a trailing '.'."""
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.replace("{,}", ",")  # LaTeX's thousands separator: 1{,}000
     for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\:"):
         s = s.replace(junk, "")
     s = DEGREES.sub("", TEXT.sub(r" \1 ", s))
@@ -511,7 +516,41 @@ def math_equal(pred: str | None, gold: str) -> bool:
     pv, gv = _value(p), _value(g)
     if pv is not None and gv is not None:  # "50%" may mean 50 or 0.5
         return pv == gv or (p_percent and pv / 100 == gv) or (g_percent and gv / 100 == pv)
+    ps, gs = ([s] if v is not None else _elements(s) for s, v in ((p, pv), (g, gv)))  # 1,000 is one number
+    if _is_set(p) or _is_set(g) or len(ps) > 1 and len(gs) > 1:
+        return _same_elements(ps, gs)  # a set of answers, in any order (each element is shorter)
+    # a plain number meets an expression ("1,000,000" and "10^6"): sympy reads its digits
+    p, g = (str(v) if v is not None else s for v, s in ((pv, p), (gv, g)))
     return len(p) <= SYMPY_MAX_CHARS and len(g) <= SYMPY_MAX_CHARS and _sympy_equal(p, g)
+
+
+def _is_set(s: str) -> bool:
+    return s.startswith("\\{") and s.endswith("\\}")
+
+
+def _elements(s: str) -> list[str]:
+    """The members of \\{a, b\\} or of a bare list a, b: split at the commas outside brackets."""
+    s = s[2:-2] if _is_set(s) else s
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        depth += (c in "([{") - (c in ")]}")
+        if c == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    return parts + [s[start:]]
+
+
+def _same_elements(ps: list[str], gs: list[str]) -> bool:
+    """The same answers in any order, each pair compared by math_equal."""
+    if len(ps) != len(gs) or len(gs) > MAX_ELEMENTS:
+        return False
+    left = list(ps)
+    for g in gs:
+        match = next((p for p in left if math_equal(p, g)), None)
+        if match is None:
+            return False
+        left.remove(match)
+    return True
 
 
 def math_reward(text: str, gold: str, strict: bool = False) -> float:

@@ -146,6 +146,31 @@ VALUE_CASES = [
     ("x" * 100_000, "x", False),
     ("1" + "+1" * 39, "40", True),
     ("", "0", False),
+    # formats of DAPO-style answers
+    ("1{,}000", "1000", True),  # LaTeX thousands separator
+    ("1{,}000{,}000", "10^6", True),
+    ("1,000,000", "10^6", True),  # a gold with thousands commas against an equal power
+    ("2,000", "2 \\times 10^3", True),  # ... or product
+    ("1,000,000", "10^5", False),
+    ("1.5e3", "1500", True),  # scientific notation
+    ("1.5E3", "1500", True),
+    ("2e-3", "0.002", True),
+    ("1.5e3", "150", False),
+    ("1.5 \\times 10^{3}", "1500", True),
+    (".5", "0.5", True),  # no leading zero
+    ("-.5", "-\\frac{1}{2}", True),
+    (".5", "5", False),
+    ("\\{1, 2\\}", "\\{2, 1\\}", True),  # a set of answers in another order
+    ("1, 2", "2, 1", True),
+    ("\\{1, 2\\}", "2, 1", True),
+    ("\\frac{1}{2}, 3", "3, 0.5", True),
+    ("\\{3\\}", "3", True),
+    ("1, 2", "1, 3", False),
+    ("1, 2, 2", "1, 2", False),  # as many elements
+    ("345, 12", "12,345", False),  # a number with a thousands comma is not a list
+    ("\\{12, 345\\}", "12,345", False),
+    ("1, 2", "(1, 2)", False),  # a tuple is ordered and not a set
+    ("1," * 3000, "1", False),
 ]
 
 
