@@ -85,7 +85,7 @@ PLOTS = {
 
 def load_run(run_dir: str) -> tuple[dict, list[dict]]:
     """A run's config and its metrics rows (step 0 holds the accuracy before training)."""
-    for name in ("config.json", "metrics.jsonl"):
+    for name in ("metrics.jsonl", "config.json"):
         if not os.path.exists(os.path.join(run_dir, name)):
             raise SystemExit(f"{run_dir}: no {name} (not a train.py run directory)")
     try:
