@@ -355,7 +355,7 @@ def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
     try:
         load_adapters(model, ckpt, names)
     except Exception as e:  # a truncated or foreign adapter file
-        raise SystemExit(f"{ckpt}: the adapters cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
+        raise SystemExit(f"{ckpt}: the adapters cannot be read ({type(e).__name__}: {str(e)[:80]})") from None
     return cfg, model, tok, names
 
 

@@ -177,7 +177,8 @@ def peft_config(model: nn.Module) -> dict:
     The base model is where transformers loaded it from: a hub id, or a local directory."""
     layers = dict((path, m) for path, m in model.named_modules() if isinstance(m, LoRALinear))
     first = next(iter(layers.values()))
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": getattr(model, "name_or_path", ""),
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": getattr(model, "name_or_path", ""),
             "r": first.r, "lora_alpha": first.alpha, "lora_dropout": 0.0, "bias": "none",
             "target_modules": sorted({path.rsplit(".", 1)[-1] for path in layers}),
             "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}

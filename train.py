@@ -56,8 +56,10 @@ from sandbox import CODE_TIMEOUT
 from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
 
 
-def arg(default, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
+    """A Config field: its default, its --help line, its choices, and for a number the interval it
+    must lie in, "[0, 1)" or "(0, inf)" (checked by check_numbers before any model work)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
 
 
 # --help shows the Config in these groups; each group starts at the field named here.
@@ -79,32 +81,32 @@ class Config:
     task: str = arg("arith", "problem set: arith and humaneval work offline; dapo_math and "
                     "deepcoder need the Hugging Face hub", tuple(TASKS))
     level: int = arg(DEFAULT_LEVEL, "difficulty level of the arith task (1-5)")
-    code_workers: int = arg(2, "code tasks: sandboxed programs run in parallel")
-    code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program")
-    n_agents: int = arg(3, "generators in voting, workers in orch_workers")
-    max_rounds: int = arg(2, "eval_opt: most generator turns per episode")
+    code_workers: int = arg(2, "code tasks: sandboxed programs run in parallel", bounds="[1, inf)")
+    code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program", bounds="(0, inf)")
+    n_agents: int = arg(3, "generators in voting, workers in orch_workers", bounds="[1, inf)")
+    max_rounds: int = arg(2, "eval_opt: most generator turns per episode", bounds="[1, inf)")
     # rollout
-    steps: int = arg(12, "training steps")
-    problems_per_step: int = arg(4, "B: distinct problems per step")
-    group_size: int = arg(4, "G: episodes per problem (the GRPO group)")
+    steps: int = arg(12, "training steps", bounds="[0, inf)")
+    problems_per_step: int = arg(4, "B: distinct problems per step", bounds="[1, inf)")
+    group_size: int = arg(4, "G: episodes per problem (the GRPO group)", bounds="[1, inf)")
     max_new_tokens: int = arg(0, "completion length limit of every call; 0 = chosen by the task's "
-                              "kind: 48 tokens for math, 320 for code (room for a whole function)")
-    temperature: float = arg(0.7, "sampling temperature of training rollouts")
-    top_p: float = arg(1.0, "nucleus sampling of training rollouts")
+                              "kind: 48 tokens for math, 320 for code (room for a whole function)", bounds="[0, inf)")
+    temperature: float = arg(0.7, "sampling temperature of training rollouts", bounds="(0, inf)")
+    top_p: float = arg(1.0, "nucleus sampling of training rollouts", bounds="(0, 1]")
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
     # optimisation
-    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)")
-    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    grad_clip: float = arg(1.0, "max gradient norm per optimizer step")
-    minibatch_size: int = arg(16, "calls per optimizer step")
-    micro_batch_tokens: int = arg(1024, "padded tokens per forward pass (memory only; same gradient)")
-    eps_low: float = arg(0.2, "lower clip of the ratio")
-    eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)")
+    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)", bounds="(0, inf)")
+    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent", bounds="[0, inf)")
+    weight_decay: float = arg(0.0, "AdamW weight decay", bounds="[0, inf)")
+    grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
+    minibatch_size: int = arg(16, "calls per optimizer step", bounds="[1, inf)")
+    micro_batch_tokens: int = arg(1024, "padded tokens per forward pass (memory only; same gradient)", bounds="[1, inf)")
+    eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
+    eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)", bounds="[0, inf)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
     adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)",
                          ("slot", "role"))
-    kl_coef: float = arg(0.0, "k3 KL to the base model (adapters off); 0 = off, as in the paper")
+    kl_coef: float = arg(0.0, "k3 KL to the base model (adapters off); 0 = off, as in the paper", bounds="[0, inf)")
     # mitigations of Paper A's failure modes (see diagnose.py)
     balance: str = arg("none", "loss weight of each role: none; role = every role weighs the same "
                        "(role capture, shared); multiplicity = 1/N for N same-role slots "
@@ -112,34 +114,34 @@ class Config:
     one_step: bool = arg(False, "one optimizer step per adapter per training step, whatever its "
                          "number of calls (isolated: one per role)")
     damping: float = arg(0.0, "coherence damping: scale each step by 1 - damping * max(0, "
-                         "cos(g, EMA(g))); 0 = off")
+                         "cos(g, EMA(g))); 0 = off", bounds="[0, 1]")
     role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
     # actor-critic (--algo maac, critic.py)
     critic: str = arg("central", "one critic over the joint history (CoLLM-CC) or one per agent "
                       "(CoLLM-DC)", CRITICS)
     critic_per: str = arg("slot", "decentral critics: one per agent slot or per role type", PER)
-    gamma: float = arg(1.0, "discount per agent turn")
-    lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo")
-    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)")
+    gamma: float = arg(1.0, "discount per agent turn", bounds="[0, 1]")
+    lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo", bounds="[0, 1]")
+    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)", bounds="(0, inf)")
     vf_coef: float = arg(1.0, "value-loss coefficient (critics have their own optimizer, so "
-                         "it only matters against grad_clip)")
-    value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)")
+                         "it only matters against grad_clip)", bounds="[0, inf)")
+    value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)", bounds="[0, inf)")
     norm_adv: bool = arg(False, "normalise actor-critic advantages over the batch")
-    critic_max_tokens: int = arg(768, "a critic reads the last N tokens of its input")
+    critic_max_tokens: int = arg(768, "a critic reads the last N tokens of its input", bounds="[1, inf)")
     # LoRA
-    lora_r: int = arg(16, "LoRA rank (paper: 64)")
-    lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r")
+    lora_r: int = arg(16, "LoRA rank (paper: 64)", bounds="[1, inf)")
+    lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r", bounds="(0, inf)")
     lora_targets: str = arg(",".join(DEFAULT_TARGETS), "comma-separated names of the linear layers to adapt")
     # evaluation, logging, checkpoints
     eval_every: int = arg(6, "evaluate every E steps, and before and after training (0: only "
-                          "before and after)")
+                          "before and after)", bounds="[0, inf)")
     diag_every: int = arg(1, "per-slot gradients (kappa, shares), entropy and output similarity "
-                          "every k steps (0: never)")
-    eval_problems: int = arg(48, "held-out problems per evaluation")
-    train_problems: int = arg(256, "size of the training pool")
-    log_samples: int = arg(2, "episodes per step written to samples.jsonl")
+                          "every k steps (0: never)", bounds="[0, inf)")
+    eval_problems: int = arg(48, "held-out problems per evaluation", bounds="[1, inf)")
+    train_problems: int = arg(256, "size of the training pool", bounds="[1, inf)")
+    log_samples: int = arg(2, "episodes per step written to samples.jsonl", bounds="[0, inf)")
     save_every: int = arg(1, "checkpoint every k steps (and at the end): a killed run loses at "
-                          "most k steps")
+                          "most k steps", bounds="[1, inf)")
     out: str = arg("runs/default", "run directory")
     seed: int = arg(0, "seed of problems, sampling and adapters")
     resume: bool = arg(False, "continue the run in --out from its last checkpoint")
@@ -148,7 +150,7 @@ class Config:
     device: str = arg("auto", "auto, cpu or cuda")
     threads: int = arg(0, "CPU threads of torch; 0 = the cores this process may use, less the "
                        "load of other processes, re-chosen every step (on a shared CPU, threads "
-                       "that wait for each other's cores turn seconds into minutes)")
+                       "that wait for each other's cores turn seconds into minutes)", bounds="[0, inf)")
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -168,32 +170,23 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return Config(**vars(parser.parse_args(argv)))
 
 
+def in_bounds(value: float, bounds: str) -> bool:
+    """Whether value lies in an interval written "[low, high)", "(0, inf)" and so on."""
+    low, high = (float(x) for x in bounds[1:-1].split(","))
+    above = value >= low if bounds[0] == "[" else value > low
+    below = value <= high if bounds[-1] == "]" else value < high
+    return above and below
+
+
 def check_numbers(cfg: Config) -> None:
-    """Every numeric flag in its range, before any file or model is touched."""
-    rules = [("steps", cfg.steps >= 0, ">= 0"), ("problems_per_step", cfg.problems_per_step >= 1, ">= 1"),
-             ("group_size", cfg.group_size >= (2 if cfg.algo == "grpo" else 1),
-              ">= 2 with --algo grpo (a group of one has no contrast: every advantage is 0)"
-              if cfg.algo == "grpo" else ">= 1"),
-             ("max_new_tokens", cfg.max_new_tokens >= 0, ">= 0"), ("temperature", cfg.temperature > 0, "> 0"),
-             ("top_p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("lr", cfg.lr > 0, "> 0"),
-             ("warmup_steps", cfg.warmup_steps >= 0, ">= 0"), ("weight_decay", cfg.weight_decay >= 0, ">= 0"),
-             ("grad_clip", cfg.grad_clip > 0, "> 0"), ("minibatch_size", cfg.minibatch_size >= 1, ">= 1"),
-             ("micro_batch_tokens", cfg.micro_batch_tokens >= 1, ">= 1"),
-             ("eps_low", 0 <= cfg.eps_low < 1, "in [0, 1)"), ("eps_high", cfg.eps_high >= 0, ">= 0"),
-             ("kl_coef", cfg.kl_coef >= 0, ">= 0"), ("damping", 0 <= cfg.damping <= 1, "in [0, 1]"),
-             ("gamma", 0 <= cfg.gamma <= 1, "in [0, 1]"), ("lam", 0 <= cfg.lam <= 1, "in [0, 1]"),
-             ("critic_lr", cfg.critic_lr > 0, "> 0"), ("vf_coef", cfg.vf_coef >= 0, ">= 0"),
-             ("value_clip", cfg.value_clip >= 0, ">= 0"), ("critic_max_tokens", cfg.critic_max_tokens >= 1, ">= 1"),
-             ("lora_r", cfg.lora_r >= 1, ">= 1"), ("lora_alpha", cfg.lora_alpha > 0, "> 0"),
-             ("n_agents", cfg.n_agents >= 1, ">= 1"), ("max_rounds", cfg.max_rounds >= 1, ">= 1"),
-             ("code_workers", cfg.code_workers >= 1, ">= 1"), ("code_timeout", cfg.code_timeout > 0, "> 0"),
-             ("eval_every", cfg.eval_every >= 0, ">= 0"), ("diag_every", cfg.diag_every >= 0, ">= 0"),
-             ("eval_problems", cfg.eval_problems >= 1, ">= 1"), ("train_problems", cfg.train_problems >= 1, ">= 1"),
-             ("log_samples", cfg.log_samples >= 0, ">= 0"), ("save_every", cfg.save_every >= 1, ">= 1"),
-             ("threads", cfg.threads >= 0, ">= 0")]
-    for flag, ok, requirement in rules:
-        if not ok:
-            raise SystemExit(f"--{flag} {getattr(cfg, flag)}: must be {requirement}")
+    """Every numeric flag in its interval, before any file or model is touched."""
+    for f in dataclasses.fields(Config):
+        value, bounds = getattr(cfg, f.name), f.metadata["bounds"]
+        if bounds and not in_bounds(value, bounds):
+            raise SystemExit(f"--{f.name} {value}: must be in {bounds}")
+    if cfg.algo == "grpo" and cfg.group_size < 2:
+        raise SystemExit(f"--group_size {cfg.group_size}: must be >= 2 with --algo grpo (a group of one "
+                         "has no contrast: every advantage is 0)")
 
 
 # ----------------------------------------------------------------------------

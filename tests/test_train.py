@@ -262,12 +262,14 @@ def test_help_is_grouped_and_shows_defaults_whole(capsys):
     assert "48" in max_new and "320" in max_new
 
 
-@pytest.mark.parametrize("flags,words", [(["--steps", "-1"], "--steps -1: must be >= 0"),
+@pytest.mark.parametrize("flags,words", [(["--steps", "-1"], "--steps -1: must be in [0, inf)"),
                                          (["--group_size", "1"], "--group_size 1: must be >= 2 with --algo grpo"),
-                                         (["--group_size", "0", "--algo", "maac"], "--group_size 0: must be >= 1"),
+                                         (["--group_size", "0", "--algo", "maac"], "--group_size 0: must be in [1, inf)"),
                                          (["--save_every", "0"], "--save_every 0"),
-                                         (["--lr", "-1"], "--lr -1.0: must be > 0"),
-                                         (["--eval_problems", "0"], "--eval_problems 0: must be >= 1"),
+                                         (["--lr", "-1"], "--lr -1.0: must be in (0, inf)"),
+                                         (["--lr", "0"], "--lr 0.0: must be in (0, inf)"),
+                                         (["--top_p", "1.5"], "--top_p 1.5: must be in (0, 1]"),
+                                         (["--eval_problems", "0"], "--eval_problems 0: must be in [1, inf)"),
                                          (["--problems_per_step", "300"], "training pool holds 256"),
                                          (["--damping", "2"], "--damping 2.0")])
 def test_bad_numbers_stop_before_any_model_work(flags, words, tmp_path, monkeypatch):
@@ -277,6 +279,13 @@ def test_bad_numbers_stop_before_any_model_work(flags, words, tmp_path, monkeypa
     with pytest.raises(SystemExit, match=re.escape(words)):
         train.main(train.parse_config(["--model", "tiny", *flags, "--out", str(tmp_path / "run")]))
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_intervals_by_hand():
+    assert train.in_bounds(0, "[0, inf)") and not train.in_bounds(0, "(0, inf)")
+    assert train.in_bounds(1, "(0, 1]") and not train.in_bounds(1, "[0, 1)")
+    assert not train.in_bounds(-1e-9, "[0, 1]") and train.in_bounds(1e300, "(0, inf)")
+    train.check_numbers(train.Config())  # the defaults are valid
 
 
 def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
