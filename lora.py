@@ -175,7 +175,7 @@ def load_adapter_state(model: nn.Module, name: str, state: dict[str, torch.Tenso
 def peft_config(model: nn.Module) -> dict:
     """adapter_config.json of any adapter of this model (rank, alpha and targets are shared).
     The base model is where transformers loaded it from: a hub id, or a local directory."""
-    layers = dict((path, m) for path, m in model.named_modules() if isinstance(m, LoRALinear))
+    layers = {path: m for path, m in model.named_modules() if isinstance(m, LoRALinear)}
     first = next(iter(layers.values()))
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
             "base_model_name_or_path": getattr(model, "name_or_path", ""),
