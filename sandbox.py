@@ -7,7 +7,9 @@ the candidate's interpreter), "stdio" (stdin -> stdout, one fresh process per te
 
 The layers, strongest first:
   - `unshare` (as root, or through a user namespace): its own network (a loopback that is down: no
-    network at all), pid space and /proc; when its first process exits the kernel kills everything inside;
+    network at all), pid space and /proc, and mount namespace with an empty, size-limited tmpfs over /tmp,
+    /var/tmp and /dev/shm; when its first process exits the kernel kills everything inside, and what it
+    wrote in those directories is gone;
   - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files, and
     RLIMIT_NPROC counts that run alone;
   - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory, none of
@@ -28,8 +30,9 @@ candidate's versions, and a result that is not plain data (an object whose __eq_
 Because the sandbox may run it with another interpreter (the system python3, when a fresh uid cannot
 read the trainer's), the harness keeps to the standard library and to Python 3.8 syntax.
 
-What is left: without namespaces the network is open, and a non-root trainer's code runs as the
-trainer's user; world-readable files stay readable; disk use is capped per file only; code that inspects
+What is left: without namespaces the network is open, a program can leave files in the machine's /tmp,
+/var/tmp and /dev/shm (as root, under its own uid: they stay there, and the next run's sweep does not
+remove them), and a non-root trainer's code runs as the trainer's user; world-readable files stay readable; disk use is capped per file only; code that inspects
 the harness's frames could forge an assert-style verdict. A guard against reward hacking, not a jail for
 malicious code.
 
@@ -57,6 +60,7 @@ MEMORY_BYTES = 1 << 30  # address space of each process
 FILE_BYTES = 16 << 20  # largest file it may write; also caps its captured output and each stdio answer
 NPROC_MAX = 64  # processes and threads of one run (set where the run has its own uid or user namespace)
 OUTPUT_CHARS = 2000  # head of stdout/stderr kept for logs
+TMP_BYTES = 64 << 20  # size of each private /tmp, /var/tmp and /dev/shm (inside namespaces)
 FRESH_UID_BASE = 1 << 30  # fresh uids are drawn from [2^30, 2^30 + 2^29): far above real and container users
 
 
@@ -135,7 +139,8 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str
         limits["RLIMIT_NPROC"] = NPROC_MAX
     job = {"format": fmt, "code": code, "setup": problem.setup, "nonce": nonce, "entry_point": problem.entry_point,
            "uid": uid, "limits": limits, "tests": problem.tests if fmt == "assert" else "",
-           "cases": [c["input"] for c in cases] if fmt == "call" else len(cases)}
+           "cases": [c["input"] for c in cases] if fmt == "call" else len(cases),
+           "private_tmp": TMP_BYTES if sb.prefix else 0}  # its own mount namespace: an empty /tmp
     top = tempfile.mkdtemp(prefix="sandbox-")  # ours: the run cannot rename `work` away and plant a link
     work = os.path.join(top, "work")
     try:
@@ -387,12 +392,26 @@ def run_call(job, report):
     return len(job["cases"])
 
 
+def private_tmp(size):
+    """An empty tmpfs of `size` bytes over each world-writable directory, in the run's own mount
+    namespace: what the program writes there vanishes with it. (The working directory, under the
+    real /tmp, stays reachable: it is the current directory.)"""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    for path in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(path) and libc.mount(b"tmpfs", path.encode(), b"tmpfs", 0,
+                                               b"size=%d,mode=1777" % size) != 0:
+            raise OSError(ctypes.get_errno(), "cannot mount a private " + path)
+
+
 def harness(report):
     """Read the job, apply the limits, drop to the uid, run the tests, vouch for them."""
     builtins.exit = builtins.quit = sys.exit  # site.py, skipped by -S, normally adds these
     job = json.loads(sys.stdin.buffer.read())
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     nonce = job.pop("nonce").encode()  # lives only in this frame from here on
+    if job["private_tmp"]:
+        private_tmp(job["private_tmp"])
     for name, value in job["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     if job["uid"] is not None:
@@ -406,7 +425,6 @@ def harness(report):
         sys.stderr.flush()
     finally:
         exit_(0)
-
 
 
 if __name__ == "__main__":  # inside the sandbox: python -I -S harness.py <report fd>

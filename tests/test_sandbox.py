@@ -374,3 +374,27 @@ def test_checked_undoes_what_the_candidate_patched():
     res = subprocess.run([sys.executable, "-I", "-S", "-c", CHEAT, ROOT_DIR], capture_output=True, text=True,
                          timeout=60)
     assert res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def test_a_program_gets_its_own_empty_tmp_that_dies_with_it():
+    """It may write to /tmp, /var/tmp and /dev/shm; nothing it writes there outlives it, and it
+    does not see what others left there."""
+    if not ISOLATED:
+        pytest.skip("no namespaces here: the shared directories stay shared (sandbox.py's docstring)")
+    tag = secrets.token_hex(6)
+    with open(f"/tmp/others-{tag}", "w") as f:
+        f.write("not yours")
+    try:
+        code = (f"import os\nseen = os.path.exists('/tmp/others-{tag}')\n"
+                f"for d in {SHARED_TMP!r}:\n    if os.path.isdir(d):\n"
+                f"        open(os.path.join(d, 'leak-{tag}'), 'w').write('x')\n"
+                "print('ok' if not seen else 'seen')\n")
+        problem = Problem("tmp", "", "", kind="code", tests='[{"input": "", "output": "ok"}]', test_format="stdio")
+        result = run_code(code, problem, timeout=TIMEOUT)
+        assert result.passed, result  # the writes worked inside, and the trainer's file was not visible
+        assert not [d for d in SHARED_TMP if os.path.exists(f"{d}/leak-{tag}")]
+    finally:
+        os.remove(f"/tmp/others-{tag}")
