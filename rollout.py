@@ -89,17 +89,42 @@ def _load_smollm2():
 
 
 def _load_hf(name: str, device: str):
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if not os.path.isdir(name):  # a hub id: the local cache first, then the hub
+        try:
+            return _from_pretrained(name, dtype, local_files_only=True)
+        except (OSError, ValueError):
+            _hub_knows(name)  # loading would retry an unreachable hub for most of a minute
+    try:
+        return _from_pretrained(name, dtype, local_files_only=False)
+    except (OSError, ValueError) as e:
+        raise SystemExit(_cannot_load(name, e)) from None
+
+
+def _from_pretrained(name: str, dtype: torch.dtype, local_files_only: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    try:
-        tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    except (OSError, ValueError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SystemExit(f"model {name!r} could not be loaded ({first_line}); offline, use "
-                         "--model smollm2 (embedded) or --model tiny") from None
+    tok = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local_files_only)
     return model, tok
+
+
+def _hub_knows(name: str) -> None:
+    """Stop with one line unless the Hugging Face hub answers, within seconds, that it has `name`."""
+    from huggingface_hub import HfApi
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise SystemExit(_cannot_load(name, "HF_HUB_OFFLINE is set and it is not in the local cache"))
+    try:
+        HfApi().model_info(name, timeout=5)
+    except Exception as e:  # no network, no such repository, a gated one without a token
+        raise SystemExit(_cannot_load(name, e)) from None
+
+
+def _cannot_load(name: str, why: object) -> str:
+    first_line = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
+    return (f"model {name!r} could not be loaded ({first_line}); offline, use --model smollm2 "
+            "(embedded) or --model tiny")
 
 
 # Large enough that LoRA on the blocks can move the (tied, frozen) output layer's logits
