@@ -20,8 +20,9 @@ sandbox() finds, once per process, the strongest combination in which a known-go
 
 The harness is the second half of this file. Each run gets a read-only copy of that half next to its
 working directory (so the sandboxed process needs no read access to the project) and runs it as
-`python -I -S harness.py <report fd>`, with the code, the tests and a random nonce on stdin; the harness writes "<nonce> <tests passed>" to an inherited file
-after the last test returns, and the verdict needs that line and exit status 0. Expected outputs of
+`python -I -S harness.py <report fd>`, with the code, the tests and a random nonce on stdin; the harness
+writes "<nonce> <tests passed>" to an inherited file after the last test returns, and the verdict needs
+that line and exit status 0. Expected outputs of
 stdin/stdout and function-call tests never enter the sandbox: the trainer compares the outputs itself.
 So early exits, fake output, atexit or signal tricks earn nothing. Assert-style tests run in the
 candidate's interpreter: after each call of the candidate the harness puts back every module's
@@ -32,8 +33,9 @@ read the trainer's), the harness keeps to the standard library and to Python 3.8
 
 What is left: without namespaces the network is open, a program can leave files in the machine's /tmp,
 /var/tmp and /dev/shm (as root, under its own uid: they stay there, and the next run's sweep does not
-remove them), and a non-root trainer's code runs as the trainer's user; world-readable files stay readable; disk use is capped per file only; code that inspects
-the harness's frames could forge an assert-style verdict. A guard against reward hacking, not a jail for
+remove them), and a non-root trainer's code runs as the trainer's user; world-readable files stay
+readable; disk use is capped per file only; code that inspects the harness's frames could forge an
+assert-style verdict. A guard against reward hacking, not a jail for
 malicious code.
 
     pytest tests/test_sandbox.py
