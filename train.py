@@ -90,23 +90,27 @@ class Config:
     problems_per_step: int = arg(4, "B: distinct problems per step", bounds="[1, inf)")
     group_size: int = arg(4, "G: episodes per problem (the GRPO group)", bounds="[1, inf)")
     max_new_tokens: int = arg(0, "completion length limit of every call; 0 = chosen by the task's "
-                              "kind: 48 tokens for math, 320 for code (room for a whole function)", bounds="[0, inf)")
+                              "kind: 48 tokens for math, 320 for code (room for a whole function)",
+                              bounds="[0, inf)")
     temperature: float = arg(0.7, "sampling temperature of training rollouts", bounds="(0, inf)")
     top_p: float = arg(1.0, "nucleus sampling of training rollouts", bounds="(0, 1]")
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
     # optimisation
-    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)", bounds="(0, inf)")
+    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)",
+                    bounds="(0, inf)")
     warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent", bounds="[0, inf)")
     weight_decay: float = arg(0.0, "AdamW weight decay", bounds="[0, inf)")
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
     minibatch_size: int = arg(16, "calls per optimizer step", bounds="[1, inf)")
-    micro_batch_tokens: int = arg(1024, "padded tokens per forward pass (memory only; same gradient)", bounds="[1, inf)")
+    micro_batch_tokens: int = arg(1024, "padded tokens per forward pass (memory only; same gradient)",
+                                  bounds="[1, inf)")
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
     eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)", bounds="[0, inf)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
     adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)",
                          ("slot", "role"))
-    kl_coef: float = arg(0.0, "k3 KL to the base model (adapters off); 0 = off, as in the paper", bounds="[0, inf)")
+    kl_coef: float = arg(0.0, "k3 KL to the base model (adapters off); 0 = off, as in the paper",
+                         bounds="[0, inf)")
     # mitigations of Paper A's failure modes (see diagnose.py)
     balance: str = arg("none", "loss weight of each role: none; role = every role weighs the same "
                        "(role capture, shared); multiplicity = 1/N for N same-role slots "
@@ -122,7 +126,8 @@ class Config:
     critic_per: str = arg("slot", "decentral critics: one per agent slot or per role type", PER)
     gamma: float = arg(1.0, "discount per agent turn", bounds="[0, 1]")
     lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo", bounds="[0, 1]")
-    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)", bounds="(0, inf)")
+    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)",
+                           bounds="(0, inf)")
     vf_coef: float = arg(1.0, "value-loss coefficient (critics have their own optimizer, so "
                          "it only matters against grad_clip)", bounds="[0, inf)")
     value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)", bounds="[0, inf)")
@@ -522,11 +527,13 @@ def plan(cfg: Config, device: str) -> str:
     """The first line of a run: what it will do."""
     evals = ", ".join(map(str, eval_steps(cfg)))
     threads = torch.get_num_threads()
-    return (f"{cfg.workflow} with {'one shared adapter' if cfg.sharing == 'shared' else 'one adapter per role'}"
-            f", {cfg.algo}, model {cfg.model} on {device} ({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
+    adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
+    return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
+            f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
             f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; greedy "
             f"evaluation on {cfg.eval_problems} held-out problems at steps {evals}; a checkpoint every "
-            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. Time: estimated after the step-0 evaluation.")
+            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
+            "Time: estimated after the step-0 evaluation.")
 
 
 def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float], step: int) -> float:
@@ -611,7 +618,8 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         truncate_jsonl(samples_path, start)
         if not evaluated or evaluated[0]["step"] != 0:
             raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training (step 0)")
-        acc_before, acc = evaluated[0]["eval/accuracy"], evaluated[-1]["eval/accuracy"]  # step 0, the last kept
+        acc_before = evaluated[0]["eval/accuracy"]  # step 0
+        acc = evaluated[-1]["eval/accuracy"]  # the last evaluation kept
         eval_seconds = evaluated[-1].get("time/eval", 0.0)  # for the estimate of the time left
         log(f"resuming {cfg.out} at step {start}")
     else:
