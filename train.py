@@ -407,10 +407,10 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
 
 
 def newest_checkpoint(out: str) -> str:
-    """ckpt, or after a crash inside save_checkpoint the newest whole one, put back in its place:
-    ckpt.tmp once its state.pt is written (the new one), else ckpt.old (the previous one)."""
+    """The newest whole checkpoint, put back in its place as ckpt: ckpt.tmp once its state.pt is
+    written (a save that crashed before its swap finished), else ckpt, else ckpt.old."""
     final = os.path.join(out, "ckpt")
-    for path in (final, final + ".tmp", final + ".old"):
+    for path in (final + ".tmp", final, final + ".old"):
         if os.path.exists(os.path.join(path, "state.pt")):
             if path != final:
                 shutil.rmtree(final, ignore_errors=True)
@@ -426,6 +426,9 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     try:
         load_adapters(model, path, list(optimizers))
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        for k, h in heads.items():  # checkpoints from before the PEFT layout kept heads in state.pt
+            head_file = os.path.join(path, k, "value_head.safetensors")
+            h.load_state_dict(load_file(head_file) if os.path.exists(head_file) else state["heads"][k])
     except Exception as e:  # a truncated or foreign file: say so in one line
         raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
                          "start the run over with --overwrite") from None
@@ -436,9 +439,6 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     if state["cuda_rng"] is not None:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     rng.setstate(state["py_rng"])
-    for k, h in heads.items():  # checkpoints from before the PEFT layout kept heads in state.pt
-        head_file = os.path.join(path, k, "value_head.safetensors")
-        h.load_state_dict(load_file(head_file) if os.path.exists(head_file) else state["heads"][k])
     emas.update(state["emas"])
     return state["step"]
 
@@ -457,7 +457,11 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None) -> Config:
     """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
     was typed (`typed`, from the command line) or differs from its default. The run lives
     wherever --out now points, however that path is spelled."""
-    saved = Config(**json.load(open(os.path.join(cfg.out, "config.json"))))
+    try:
+        with open(os.path.join(cfg.out, "config.json")) as f:
+            saved = Config(**json.load(f))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise SystemExit(f"--resume: {cfg.out}/config.json cannot be read ({type(e).__name__})") from None
     for f in dataclasses.fields(Config):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         chosen = f.name in typed if typed is not None else given != f.default

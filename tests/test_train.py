@@ -393,3 +393,7 @@ def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_o
         f.truncate(100)
     with pytest.raises(SystemExit, match="cannot be read"):
         train.main(train.Config(out=out, resume=True))
+    with open(f"{out}/config.json", "w") as f:
+        f.write('{"workflow": "vot')
+    with pytest.raises(SystemExit, match="config.json cannot be read"):
+        train.main(train.Config(out=out, resume=True))
