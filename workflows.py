@@ -15,7 +15,9 @@ Multi-Agent RL Improve LLM Workflows?", arXiv 2605.24202):
   voting        N generators -> aggregator picks \boxed{k}   final = candidate k
   orch_workers  orchestrator -> N workers -> synthesizer     final = synthesizer
 The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the
-orchestrator lists strategies and never solves.
+orchestrator lists strategies and never solves. `adherence` says whether an output
+keeps its role's contract and `similarity` how alike two roles' outputs are: the
+signals of role capture (Paper A) that train.py logs every step.
 
 Departures from the paper:
   - the prompts are this project's own, short enough for a 135M model;
