@@ -47,7 +47,7 @@ matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 import train
-from grpo import policy_update, set_old_logprobs
+from grpo import policy_update
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from reward import KINDS, load_task
 from rollout import Rollout, load_policy
@@ -373,7 +373,6 @@ def probe(ckpt: str, problems: int) -> dict[str, float]:
     result = {"reward/mean": sum(rewards) / len(rewards)}
     for name in names:
         mine = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
-        set_old_logprobs(model, mine, name, tok.pad_token_id, cfg.temperature, cfg.micro_batch_tokens)
         frozen = torch.optim.SGD(adapter_parameters(model, name), lr=0.0)  # measure, do not move
         for p in adapter_parameters(model, name):
             p.requires_grad_(True)

@@ -26,7 +26,10 @@ is off by default, as in the paper; when on it is the k3 estimator
 
 The update (`policy_update`) is shared by GRPO and the actor of the
 actor-critic (critic.py): one pass over the calls in mini-batches, one
-optimizer step each (one PPO epoch, as in the paper). It measures each slot's
+optimizer step each (one PPO epoch, as in the paper). pi_old needs no pass of
+its own where the update is on-policy: the first mini-batch comes before the
+adapter's first step, so its old log-probs are its current ones, detached;
+only the later mini-batches get a separate pass, before the first step. It measures each slot's
 gradient (gradient_stats: Paper A's amplification factor kappa and each role's
 gradient share) and carries Paper A's mitigations: role-balanced or
 1/multiplicity loss weights (loss_weight), coherence damping (damped_step) and
@@ -35,6 +38,7 @@ a KL anchor per role.
 Exercised by: pytest tests/test_grpo.py
 """
 import random
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple
@@ -149,13 +153,6 @@ def set_old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temper
                 call.old_logp = row[: len(call.completion_ids)].cpu()  # (T_i,)
 
 
-def padded(rows: list[torch.Tensor], T: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), T)  # (b, T)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-
-
 def flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in params])  # (n_params,)
 
@@ -257,6 +254,8 @@ class UpdateSettings:
     minibatch_size: int = 16         # calls per optimizer step
     one_step: bool = False           # one optimizer step over all of the adapter's calls
     micro_batch_tokens: int = 1024   # padded tokens per forward pass (memory only)
+    reuse_on_policy: bool = True     # first mini-batch: pi_old = its own log-probs, detached;
+                                     # False: a separate pass for every call (same update)
     eps_low: float = 0.2             # the clip range of the ratio: [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
     agg: str = "seq-mean-token-mean"  # loss aggregation, one of AGG_MODES
@@ -276,7 +275,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     share the adapter (gradient_stats); without it, calls are grouped by role only
     (cheaper, same update). A call with advantage 0 and no KL term is skipped: its
     gradient is exactly 0, and it still counts in the denominators. `ema` holds
-    the gradient EMA of --damping across steps.
+    the gradient EMA of --damping across steps. Sets every call's old_logp: None
+    where the call is on-policy (see the module docstring).
     """
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
@@ -284,9 +284,18 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     by = "slot" if per_slot else "role"
     calls = calls[:]
     rng.shuffle(calls)
-    for mb in chunks(calls, max(1, len(calls)) if s.one_step else s.minibatch_size):
+    batches = chunks(calls, max(1, len(calls)) if s.one_step else s.minibatch_size)
+    t = time.time()
+    for mb in batches:
+        for c in mb:
+            c.old_logp = None  # None: on-policy, read from the update's own forward pass
+    off_policy = batches[1:] if s.reuse_on_policy else batches
+    set_old_logprobs(model, [c for mb in off_policy for c in live_calls(mb, s)], adapter, pad_id,
+                     s.temperature, s.micro_batch_tokens)
+    stats[f"time/old_logp/{adapter}"].append(time.time() - t)
+    for mb in batches:
         optimizer.zero_grad(set_to_none=False)
-        live = [c for c in mb if c.advantage != 0 or s.kl_coef.get(c.role, 0) > 0]
+        live = live_calls(mb, s)
         group_grads, role_of = {}, {}
         for group in sorted({getattr(c, by) for c in live}):
             mine = [c for c in live if getattr(c, by) == group]
@@ -315,6 +324,11 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     return stats
 
 
+def live_calls(mb: list[Call], s: UpdateSettings) -> list[Call]:
+    """The calls with a gradient: an advantage, or a KL term."""
+    return [c for c in mb if c.advantage != 0 or s.kl_coef.get(c.role, 0) > 0]
+
+
 def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: UpdateSettings,
                         weight: LossWeight, with_entropy: bool) -> dict[str, float]:
     """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its
@@ -327,7 +341,11 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: 
     if kl_coef > 0:
         with torch.no_grad(), use_adapter(model, None):  # the base model
             ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, s.temperature)
-    old_logp = padded([c.old_logp for c in micro], logp.shape[1]).to(logp.device)  # (b, T)
+    old_logp = logp.detach().clone()  # (b, T); on-policy rows keep it
+    for i, c in enumerate(micro):
+        if c.old_logp is not None:
+            old_logp[i] = 0
+            old_logp[i, : len(c.old_logp)] = c.old_logp.to(logp.device)
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef)
     loss = aggregate(per_token, mask, s.agg, weight.num_seqs, weight.num_tokens)

@@ -12,9 +12,16 @@ costs a few adapters more than shared, never a second copy of the base model.
 With no adapter active the model is exactly the base model, which is the
 reference policy for the optional KL term.
 
-Departures from loralib: no mixin classes and no merging; several adapters per
-layer with one active at a time, switched for the whole model at once. Adapters
-are saved in Hugging Face PEFT's LoRA format, one directory per adapter.
+Generation runs merged (`merged_adapter`): for the length of a workflow stage
+the active adapter is folded into the frozen weights, W' = W + (alpha / r) B A,
+so each decode step costs what the base model's does. The original weight
+tensors are kept, untouched, and put back afterwards: the base is bit-identical
+after a stage, never restored by subtracting (in bf16, W + D - D drifts).
+
+Departures from loralib: no mixin classes; several adapters per layer with one
+active at a time, switched for the whole model at once; merging swaps tensors
+instead of editing weights in place. Adapters are saved in Hugging Face PEFT's
+LoRA format, one directory per adapter.
 
 Exercised by: pytest tests/test_lora.py
 """
@@ -60,6 +67,11 @@ class LoRALinear(nn.Module):
         A, B = self.lora_A[self.active], self.lora_B[self.active]
         update = (x.to(A.dtype) @ A.t()) @ B.t()  # (..., r) -> (..., out)
         return y + (update * self.scaling).to(y.dtype)
+
+    def merged_weight(self, name: str) -> torch.Tensor:
+        """W + (alpha / r) B A in the base's dtype: (out, in)."""
+        W = self.base.weight  # fp32 adapters: the sum is formed in fp32, then rounded once
+        return torch.addmm(W.float(), self.lora_B[name], self.lora_A[name], alpha=self.scaling).to(W.dtype)
 
 
 def inject_lora(model: nn.Module, r: int = 64, alpha: float = 32.0,
@@ -110,6 +122,32 @@ def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
         yield
     finally:
         set_adapter(model, previous)
+
+
+@contextmanager
+def merged_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
+    """Run a block (no gradients) under adapter `name` folded into the base weights.
+
+    Same function as use_adapter(model, name) up to float rounding, at the base
+    model's cost per token. Costs one extra copy of the adapted weights while
+    the block runs; the original tensors are put back as they were.
+    """
+    if name is None:
+        with use_adapter(model, None):
+            yield
+        return
+    if name not in adapter_names(model):
+        raise KeyError(f"unknown adapter {name!r}; have {adapter_names(model)}")
+    layers = lora_layers(model)
+    originals = [layer.base.weight for layer in layers]
+    try:
+        with torch.no_grad(), use_adapter(model, None):  # the low-rank path is in the weights now
+            for layer in layers:
+                layer.base.weight = nn.Parameter(layer.merged_weight(name), requires_grad=False)
+            yield
+    finally:
+        for layer, weight in zip(layers, originals):
+            layer.base.weight = weight
 
 
 def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:

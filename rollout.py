@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from platformdirs import user_cache_dir
 
-from lora import adapter_for, use_adapter
+from lora import adapter_for, merged_adapter, use_adapter
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -272,8 +272,10 @@ class Rollout:
     """The `generate` callback of workflows.py: one batched model call per stage."""
 
     def __init__(self, model, tok, sharing: str, max_new_tokens: int = 64, temperature: float = 0.7,
-                 top_p: float = 1.0, greedy: bool = False, progress: Callable[[str], None] | None = None):
+                 top_p: float = 1.0, greedy: bool = False, progress: Callable[[str], None] | None = None,
+                 merge: bool = True):
         self.model, self.tok, self.sharing = model, tok, sharing
+        self.merge = merge  # generate with the adapter folded into the weights (lora.merged_adapter)
         self.max_new_tokens, self.temperature, self.top_p, self.greedy = (
             max_new_tokens, temperature, top_p, greedy)
         self.progress = progress  # told of every finished stage: a stage can take minutes on a CPU
@@ -289,7 +291,8 @@ class Rollout:
         ids, attn = enc.input_ids.to(model.device), enc.attention_mask.to(model.device)
         sampling = dict(do_sample=False) if self.greedy else dict(
             do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
-        with use_adapter(model, adapter_for(role, self.sharing)):
+        adapter = adapter_for(role, self.sharing)
+        with (merged_adapter if self.merge else use_adapter)(model, adapter):
             out = model.generate(input_ids=ids, attention_mask=attn,
                                  max_new_tokens=self.max_new_tokens,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,

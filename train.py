@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import sys
@@ -47,7 +48,7 @@ from tqdm import tqdm
 
 from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
                     setup_critics, update_critics)
-from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, policy_update, set_old_logprobs
+from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, policy_update
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
                   save_adapters, setup_adapters)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
@@ -552,10 +553,16 @@ def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float]
 
 
 def peak_memory_mb(device: str) -> float:
-    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU."""
+    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU.
+    Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
+    started from it (diagnose.py --reproduce, bench.py), VmHWM starts afresh."""
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -662,9 +669,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         for name in names:
             t_name = time.time()
             mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
-            # the update skips calls with no advantage and no KL term: so does the old-log-prob pass
             live = [c for c in mine if c.advantage != 0 or update.kl_coef[c.role] > 0]
-            set_old_logprobs(model, live, name, tok.pad_token_id, cfg.temperature, cfg.micro_batch_tokens)
             for k, v in policy_update(model, name, mine, optimizers[name], rng, tok.pad_token_id,
                                       update, per_slot=diag, ema=emas[name]).items():
                 stats[k] += v
@@ -683,6 +688,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
              "lr": schedulers[names[0]].get_last_lr()[0],
              "time/rollout": t1 - t0, "time/update": time.time() - t1}
         m.update({k: sum(v) / len(v) for k, v in stats.items()})
+        m["time/old_logp"] = sum(v for k, v in m.items() if k.startswith("time/old_logp/"))  # in time/update
         if cfg.algo == "maac":
             m.update(critic_metrics(calls, critic_batch))
         step_seconds.append(time.time() - t0)

@@ -8,7 +8,7 @@ import torch
 
 import diagnose
 import train
-from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_old_logprobs
+from grpo import UpdateSettings, damped_step, loss_weight, policy_update
 from lora import add_adapter, adapter_parameters, inject_lora
 from reward import Problem
 from rollout import Call, Rollout
@@ -225,7 +225,6 @@ def voting_calls(tiny, episodes: int, reward_of, seed: int = 0) -> list[Call]:
 def measure(tiny, calls: list[Call], adapter: str, balance: str = "none") -> dict[str, float]:
     """Per-slot gradient statistics of one mini-batch of all `calls`, without moving the adapter."""
     model, tok = tiny
-    set_old_logprobs(model, calls, adapter, tok.pad_token_id, 1.0, 4096)
     frozen = torch.optim.SGD(adapter_parameters(model, adapter), lr=0.0)
     settings = UpdateSettings(temperature=1.0, one_step=True, micro_batch_tokens=4096,
                               grad_clip=float("inf"), balance=balance)

@@ -1,11 +1,15 @@
-"""GRPO against hand-computed numbers."""
+"""GRPO against hand-computed numbers; the update's pi_old against a separate pass."""
 import math
+import random
 
 import pytest
 import torch
 
-from grpo import (aggregate, amplification, gradient_stats, group_advantages, masked_mean,
-                  policy_loss)
+from grpo import (UpdateSettings, aggregate, amplification, gradient_stats, group_advantages,
+                  masked_mean, policy_loss, policy_update)
+from lora import adapter_parameters, inject_lora, setup_adapters
+from rollout import Call, Rollout
+from workflows import ROLES, run_workflow
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -118,3 +122,71 @@ def test_gradient_stats_shares_and_roles():
     assert stats["role/aggregator/grad_share"] == pytest.approx(3 / 5)
     assert "role/aggregator/kappa" not in stats  # one slot: nothing to be coherent with
     assert stats["slot/aggregator/grad_norm"] == pytest.approx(3.0)
+
+
+# ----------------------------------------------------------------------------
+# pi_old: no separate pass where the update is on-policy
+
+
+def sampled_calls(tiny, episodes: int = 6) -> list[Call]:
+    """Voting calls of the tiny model under isolated adapters whose B is not 0, with
+    advantages of both signs."""
+    model, tok = tiny
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ROLES["voting"], "isolated")
+    torch.manual_seed(0)
+    for p in adapter_parameters(model, "generator"):
+        torch.nn.init.normal_(p, std=0.05)
+        p.requires_grad_(True)
+        p.grad = torch.zeros_like(p)  # as train.make_optimizers leaves them
+    rollout = Rollout(model, tok, "isolated", max_new_tokens=8, temperature=1.0)
+    run_workflow("voting", ["What is 1 + 2?"] * episodes, rollout, n_agents=3)
+    calls = [c for c in rollout.calls if c.role == "generator"]
+    for i, c in enumerate(calls):
+        c.advantage = (-1.0) ** i * (1 + i % 3)
+    return calls
+
+
+def updated(tiny, calls: list[Call], reuse: bool, minibatch_size: int) -> list[torch.Tensor]:
+    model, tok = tiny
+    params = adapter_parameters(model, "generator")
+    start = [p.detach().clone() for p in params]
+    settings = UpdateSettings(temperature=1.0, minibatch_size=minibatch_size, reuse_on_policy=reuse)
+    policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5), random.Random(0),
+                  tok.pad_token_id, settings)
+    after = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, s in zip(params, start):
+            p.copy_(s)
+    return after
+
+
+@pytest.mark.parametrize("minibatch_size", [4, 18])  # several mini-batches (off-policy later), one
+def test_reusing_on_policy_logprobs_leaves_the_update_unchanged(tiny, minibatch_size):
+    calls = sampled_calls(tiny)
+    separate = updated(tiny, calls, reuse=False, minibatch_size=minibatch_size)
+    reused = updated(tiny, calls, reuse=True, minibatch_size=minibatch_size)
+    start = adapter_parameters(tiny[0], "generator")
+    moved = max((a - s).abs().max() for a, s in zip(separate, start))
+    assert moved > 1e-3
+    assert max((a - b).abs().max() for a, b in zip(separate, reused)) < 1e-5 * moved
+
+
+def test_old_logprob_pass_only_for_the_mini_batches_after_the_first_step(tiny):
+    calls = sampled_calls(tiny)  # 18 generator calls
+    model, tok = tiny
+    rows_without_grad = []
+    original = model.forward
+
+    def counting(*args, **kw):
+        if not torch.is_grad_enabled():
+            rows_without_grad.append(kw["input_ids"].shape[0])
+        return original(*args, **kw)
+    model.forward = counting
+    for minibatch_size, expected in [(18, 0), (4, 14), (8, 10)]:
+        rows_without_grad.clear()
+        updated(tiny, calls, reuse=True, minibatch_size=minibatch_size)
+        assert sum(rows_without_grad) == expected, minibatch_size
+    rows_without_grad.clear()
+    updated(tiny, calls, reuse=False, minibatch_size=4)
+    assert sum(rows_without_grad) == 18

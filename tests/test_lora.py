@@ -1,4 +1,4 @@
-"""LoRA: no-op start, gradient routing under shared and isolated sharing, save/load."""
+"""LoRA: no-op start, gradient routing under shared and isolated sharing, merging, save/load."""
 import json
 import os
 
@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from lora import (LoRALinear, adapter_for, adapter_parameters, inject_lora, lora_layers,
-                  load_adapters, save_adapters, set_adapter, setup_adapters, use_adapter)
+                  load_adapters, merged_adapter, save_adapters, set_adapter, setup_adapters,
+                  use_adapter)
 from rollout import tiny_model
 
 
@@ -209,3 +210,59 @@ def test_lora_linear_matches_formula():
     x = torch.randn(4, 5)
     expected = base(x) + 3.0 * (x @ layer.lora_A["a"].t() @ layer.lora_B["a"].t())
     assert torch.allclose(layer(x), expected, atol=1e-6)
+
+
+def test_merged_adapter_is_the_low_rank_path_and_puts_the_base_back(tiny):
+    model, tok = tiny
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "shared")
+    randomize(model, "shared")
+    ids = batch(len(tok))
+    with use_adapter(model, "shared"):
+        low_rank = model(ids).logits
+    weights = [l.base.weight for l in lora_layers(model)]
+    copies = [w.clone() for w in weights]
+    with merged_adapter(model, "shared"):
+        merged = model(ids).logits
+        assert all(l.active is None for l in lora_layers(model))  # no second low-rank path
+    assert (merged - low_rank).abs().max() < 1e-5 * low_rank.abs().max()
+    assert (merged - model(ids).logits).abs().max() > 1e-2  # the adapter did change the output
+    with pytest.raises(RuntimeError), merged_adapter(model, "shared"):
+        raise RuntimeError("a stage that fails half-way")
+    for layer, w, c in zip(lora_layers(model), weights, copies):
+        assert layer.base.weight is w and torch.equal(w, c)  # the same tensors, bit for bit
+    with pytest.raises(KeyError):
+        with merged_adapter(model, "nope"):
+            pass
+
+
+def test_merged_bf16_base_differs_by_no_more_than_bf16_rounding(tiny):
+    """A bf16 base with fp32 adapters: the merged weights are rounded to bf16 once, which moves
+    the logits by about as much as bf16 arithmetic does anyway. Restoring by subtraction would
+    not give the base back: in bf16, (W + D) - D != W."""
+    model, tok = tiny
+    model.to(torch.bfloat16).float()  # weights that bf16 holds exactly, for the fp32 reference
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "shared")
+    randomize(model, "shared")
+    ids = batch(len(tok))
+    with use_adapter(model, "shared"):
+        exact = model(ids).logits  # fp32 arithmetic: the reference
+    adapter_effect = (exact - model(ids).logits).abs().max()
+    adapters = [p.detach().clone() for p in adapter_parameters(model, "shared")]
+    model.to(torch.bfloat16)
+    for p, kept in zip(adapter_parameters(model, "shared"), adapters):
+        p.data = kept  # fp32 adapters over the bf16 base, as load_policy + inject_lora build them
+    base = [l.base.weight.clone() for l in lora_layers(model)]
+    with use_adapter(model, "shared"):
+        low_rank = model(ids).logits.float()
+    with merged_adapter(model, "shared"):
+        merged = model(ids).logits.float()
+    bf16_noise = (low_rank - exact).abs().max()
+    assert bf16_noise > 0
+    assert (merged - exact).abs().max() < 2 * bf16_noise < adapter_effect / 5
+    assert all(torch.equal(l.base.weight, w) for l, w in zip(lora_layers(model), base))
+    layer = lora_layers(model)[0]
+    W = layer.base.weight
+    D = (layer.merged_weight("shared").float() - W.float()).to(torch.bfloat16)
+    assert not torch.equal((W + D) - D, W)

@@ -9,7 +9,7 @@ import pytest
 import torch.nn.functional as F
 
 from conftest import ROOT
-from lora import inject_lora, setup_adapters
+from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters
 from rollout import (Call, Rollout, cut_at_eos, load_policy, pack, sequence_logprobs,
                      token_batches)
 from workflows import run_workflow
@@ -160,3 +160,20 @@ def test_token_batches_bound_padded_positions():
     # 2 x 15 = 30 fits 40; a 150-position row goes alone; then 3 x (3 + 2) = 15 fits
     assert token_batches(sizes, 40) == [[0, 1], [2], [3, 4, 5]]
     assert sum(token_batches(sizes, 10**6), []) == list(range(6))
+
+
+def test_merged_generation_samples_what_the_low_rank_path_samples(tiny):
+    rollout = make_rollout(tiny, sharing="shared", temperature=1.0)
+    model = rollout.model
+    torch.manual_seed(3)
+    for p in adapter_parameters(model, "shared"):
+        torch.nn.init.normal_(p, std=0.1)
+    weights = [l.base.weight.clone() for l in lora_layers(model)]
+    completions = {}
+    for merge in (True, False):
+        rollout.merge, rollout.calls = merge, []
+        torch.manual_seed(0)
+        run_workflow("voting", ["What is 1 + 2?", "What is 3 + 4?"], rollout, n_agents=3)
+        completions[merge] = [c.completion_ids for c in rollout.calls]
+    assert completions[True] == completions[False]
+    assert all(torch.equal(l.base.weight, w) for l, w in zip(lora_layers(model), weights))

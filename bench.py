@@ -1,0 +1,368 @@
+"""Speed and memory of the rollout, the update and a training step (as nanoGPT has a bench.py).
+
+    python bench.py                     # the embedded model on this machine: about 4 minutes
+    python bench.py --model Qwen/Qwen3-1.7B --device cuda --json bench.json
+
+Each timed figure is the median of --repeats runs after a warm-up, and runs that
+are compared alternate (A B C A B C ...), so a machine that slows down slows all
+of them. Sections:
+
+  generate   one workflow stage: the default step's first, 16 generator calls.
+             The base model's own `generate` (the LoRA layers taken out of the
+             model) against the rollout (Rollout.__call__) with its adapter merged
+             into the weights, as training runs it, and with the low-rank path on
+             every token. A fresh adapter is an exact no-op, so all three write the
+             same tokens and their times compare like for like. rollout / raw is
+             the rollout's overhead: merging, chat template, tokenizer, records.
+  old logp   the no-grad pass that gives pi_old for the stage's completions; the
+             update skips it for its first mini-batch (grpo.py)
+  update     forward + backward of the policy loss, per completion token
+  step       one step of the default run (train.py in a fresh process), split as
+             its metrics.jsonl logs it: rollout, old log-probs, update, evaluation
+  sharing    one Voting rollout (2 episodes of one problem), then its update under
+             one shared adapter and under one adapter per role type, alternating
+
+Memory is the peak over each part: the allocator's on CUDA, the process's resident
+set on CPU (reset between parts through /proc/self/clear_refs where Linux allows).
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+import torch
+
+from grpo import UpdateSettings, policy_update, set_old_logprobs
+from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
+from reward import DEFAULT_LEVEL, load_task
+from rollout import Rollout, chat_text, load_policy
+from train import Config, peak_memory_mb, pick_threads
+from workflows import chat, run_workflow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ----------------------------------------------------------------------------
+# Clocks and memory
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the resident set's high-water mark starts again from now
+    except OSError:
+        pass  # the peak then covers the whole process so far
+
+
+def timed(device: str, fn) -> tuple[float, float, object]:
+    """Seconds and peak memory (MiB) of one call of fn, and what it returned."""
+    sync(device)
+    reset_peak(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, peak_memory_mb(device), result
+
+
+def alternate(device: str, runs: dict, repeats: int, warmups: list) -> dict[str, dict]:
+    """Call each of `warmups` once (the same code on a smaller input), then `repeats` rounds of
+    `runs` (name -> fn) in turn. Returns per name the median seconds, every seconds figure, the
+    largest peak and the last result."""
+    for fn in warmups:
+        fn()
+    seconds = {name: [] for name in runs}
+    peaks = {name: [] for name in runs}
+    results = {}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            s, mb, results[name] = timed(device, fn)
+            seconds[name].append(s)
+            peaks[name].append(mb)
+    return {name: {"seconds": statistics.median(seconds[name]), "all": seconds[name],
+                   "peak_mb": max(peaks[name]), "result": results[name]} for name in runs}
+
+
+# ----------------------------------------------------------------------------
+# The parts
+
+
+@contextmanager
+def without_lora(model):
+    """The plain base model: every LoRALinear replaced by the nn.Linear it wraps, then put back."""
+    swapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(parent, name, child.base)
+                swapped.append((parent, name, child))
+    try:
+        yield
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+
+
+def raw_generate(model, tok, chats, max_new_tokens: int, temperature: float, seed: int):
+    """The base model's generate on the rollout's exact input and sampling settings."""
+    enc = tok([chat_text(tok, c) for c in chats], return_tensors="pt", padding=True,
+              add_special_tokens=False).to(model.device)
+    torch.manual_seed(seed)
+    with torch.no_grad(), without_lora(model):
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True,
+                             temperature=temperature, top_p=1.0, top_k=0,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return out[:, enc.input_ids.shape[1]:]  # (B, T)
+
+
+def rollout_stage(model, tok, chats, max_new_tokens: int, temperature: float, seed: int, merge: bool):
+    rollout = Rollout(model, tok, "shared", max_new_tokens=max_new_tokens, temperature=temperature,
+                      merge=merge)
+    torch.manual_seed(seed)
+    rollout("generator", ["generator"] * len(chats), list(range(len(chats))), chats)
+    return rollout.calls
+
+
+def same_tokens(raw: torch.Tensor, calls) -> bool:
+    """Whether the rollout's completions are the raw generate's, cut at their first eos."""
+    return all(raw[i, : len(c.completion_ids)].tolist() == c.completion_ids for i, c in enumerate(calls))
+
+
+def generation(model, tok, device: str, chats, cfg: Config, repeats: int) -> dict:
+    T, temp = cfg.max_new_tokens or 48, cfg.temperature
+    runs = {"raw": lambda: raw_generate(model, tok, chats, T, temp, cfg.seed),
+            "merged": lambda: rollout_stage(model, tok, chats, T, temp, cfg.seed, merge=True),
+            "low_rank": lambda: rollout_stage(model, tok, chats, T, temp, cfg.seed, merge=False)}
+    warmups = [lambda: raw_generate(model, tok, chats[:2], 4, temp, cfg.seed),
+               lambda: rollout_stage(model, tok, chats[:2], 4, temp, cfg.seed, merge=True),
+               lambda: rollout_stage(model, tok, chats[:2], 4, temp, cfg.seed, merge=False)]
+    r = alternate(device, runs, repeats, warmups)
+    raw_ids, calls = r["raw"].pop("result"), r["merged"].pop("result")
+    r["low_rank"].pop("result")
+    rows = raw_ids.shape[0] * raw_ids.shape[1]  # every row runs every decode step
+    merge_seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with merged_adapter(model, "shared"):
+            sync(device)
+        sync(device)
+        merge_seconds.append(time.perf_counter() - start)
+    for name in r:
+        r[name]["tokens_per_s"] = rows / r[name]["seconds"]
+    return {**r, "same_tokens": same_tokens(raw_ids, calls), "calls": calls,
+            "rollout_over_raw": ratio(r["merged"], r["raw"]),
+            "low_rank_over_raw": ratio(r["low_rank"], r["raw"]),
+            "merge_extra_mb": r["merged"]["peak_mb"] - r["low_rank"]["peak_mb"],
+            "merge_seconds": statistics.median(merge_seconds),
+            "prompt_padding": prompt_padding(calls)}
+
+
+def ratio(a: dict, b: dict) -> float:
+    """Median over rounds of a's time over b's in the same round (neighbours in time share
+    the machine's state, so their ratio is steadier than a ratio of medians)."""
+    return statistics.median(x / y for x, y in zip(a["all"], b["all"]))
+
+
+def prompt_padding(calls) -> float:
+    """Share of the stage's prompt positions that are left padding."""
+    P = max(len(c.prompt_ids) for c in calls)
+    return 1 - sum(len(c.prompt_ids) for c in calls) / (P * len(calls))
+
+
+def update_parts(model, tok, device: str, calls, cfg: Config, repeats: int) -> dict:
+    """The old-log-prob pass and one update over `calls` (one mini-batch, on-policy)."""
+    for i, c in enumerate(calls):
+        c.advantage = 1.0 if i % 2 else -1.0
+    params = adapter_parameters(model, "shared")
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = torch.zeros_like(p)
+    frozen = torch.optim.SGD(params, lr=0.0)  # measure the work, keep the adapter a no-op
+    settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=len(calls),
+                              micro_batch_tokens=cfg.micro_batch_tokens)
+    def old_logp(calls):
+        return lambda: set_old_logprobs(model, calls, "shared", tok.pad_token_id, cfg.temperature,
+                                        cfg.micro_batch_tokens)
+
+    def update(calls):
+        return lambda: policy_update(model, "shared", calls, frozen, random.Random(0), tok.pad_token_id,
+                                     settings, per_slot=False)
+    r = alternate(device, {"old_logp": old_logp(calls), "update": update(calls)}, repeats,
+                  [old_logp(calls[:2]), update(calls[:2])])
+    tokens = sum(len(c.completion_ids) for c in calls)
+    for name in r:
+        r[name].pop("result")
+        r[name]["tokens_per_s"] = tokens / r[name]["seconds"]
+    return r
+
+
+def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats: int) -> dict:
+    """Voting's rollout, then its update under one shared adapter and under one adapter per role
+    type, on the same calls. Fresh adapters are no-ops, so isolated adapters would have written
+    the same tokens; the update's work is the same calls with the same advantages."""
+    for name in ("generator", "aggregator"):
+        add_adapter(model, name)
+    rollout = Rollout(model, tok, "shared", max_new_tokens=cfg.max_new_tokens or 48,
+                      temperature=cfg.temperature)
+    torch.manual_seed(cfg.seed)
+    seconds, rollout_mb, _ = timed(device, lambda: run_workflow("voting", questions, rollout, "math",
+                                                                n_agents=cfg.n_agents))
+    calls = rollout.calls
+    for i, c in enumerate(calls):
+        c.advantage = 1.0 if i % 2 else -1.0
+    optimizers = {}
+    for name in ("shared", "generator", "aggregator"):  # lr 0: the work of a step, no movement
+        params = adapter_parameters(model, name)
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)
+        optimizers[name] = torch.optim.AdamW(params, lr=0.0)
+    settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
+                              micro_batch_tokens=cfg.micro_batch_tokens)
+
+    def update(mode: str, calls: list):
+        def run():
+            for name in sorted({adapter_for(c.role, mode) for c in calls}):
+                mine = [c for c in calls if adapter_for(c.role, mode) == name]
+                policy_update(model, name, mine, optimizers[name], random.Random(0), tok.pad_token_id,
+                              settings, per_slot=True)  # per-slot gradients, as train.py's default
+        return run
+    few = [c for c in calls if c.episode == 0]
+    r = alternate(device, {"shared": update("shared", calls), "isolated": update("isolated", calls)},
+                  repeats, [update("shared", few), update("isolated", few)])
+    for name in r:
+        r[name].pop("result")
+    per_adapter = sum(p.numel() for p in adapter_parameters(model, "shared")) * 4 * 4 / 2**20
+    return {**r, "rollout_seconds": seconds, "rollout_peak_mb": rollout_mb, "calls": len(calls),
+            "update_ratio": ratio(r["isolated"], r["shared"]),
+            "adapter_state_mb": per_adapter,  # fp32 weights, gradient, AdamW's two moments
+            "adapters": {"shared": 1, "isolated": len({c.role for c in calls})}}
+
+
+def train_step(args, threads: int, out: str, flags: list[str]) -> dict:
+    """One training step of train.py in a fresh process; its metrics.jsonl row of step 1."""
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--steps", "1", "--model", args.model,
+           "--device", args.device, "--threads", str(threads), "--out", out, "--overwrite", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench: {' '.join(cmd[1:])} failed: {done.stderr.strip().splitlines()[-1:]}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f][-1]
+
+
+def step_parts(row: dict) -> dict:
+    update = row["time/update"] - row["time/old_logp"]
+    return {"rollout": row["time/rollout"], "old_logp": row["time/old_logp"], "update": update,
+            "eval": row.get("time/eval", 0.0), "peak_mb": row["mem/peak_mb"]}
+
+
+# ----------------------------------------------------------------------------
+# The table
+
+
+def report(fig: dict, device_name: str) -> str:
+    g, u = fig["generate"], fig["update"]
+    lines = [f"bench on {device_name}, model {fig['model']}, {fig['threads']} thread(s); "
+             f"medians of {fig['repeats']} alternating runs",
+             "",
+             f"generate one stage: {fig['rows']} calls x {fig['new_tokens']} new tokens"
+             f" (prompts {fig['prompt_tokens']} tokens, {100 * g['prompt_padding']:.0f}% of them padding)",
+             f"  {'':28s}{'seconds':>9s}{'tokens/s':>10s}{'vs raw':>8s}{'peak MiB':>10s}   (vs raw: median of"
+             " the rounds' ratios)"]
+    for name, label in [("raw", "base model generate (raw)"), ("merged", "rollout, adapter merged"),
+                        ("low_rank", "rollout, low-rank path")]:
+        r = g[name]
+        lines.append(f"  {label:28s}{r['seconds']:9.2f}{r['tokens_per_s']:10.1f}"
+                     f"{ratio(r, g['raw']):8.3f}{r['peak_mb']:10.0f}")
+    lines.append(f"  merging and restoring the weights: {g['merge_seconds']:.2f} s per stage")
+    lines.append(f"  same tokens in all three: {g['same_tokens']}; runs (s): "
+                 + "; ".join(f"{n} {', '.join(f'{x:.2f}' for x in g[n]['all'])}" for n in ("raw", "merged", "low_rank")))
+    lines += ["", f"update over every second call of the stage ({fig['update_tokens']} completion tokens)",
+              f"  old log-prob pass   {u['old_logp']['seconds']:6.2f} s  {u['old_logp']['tokens_per_s']:7.1f} tokens/s",
+              f"  forward + backward  {u['update']['seconds']:6.2f} s  {u['update']['tokens_per_s']:7.1f} tokens/s"]
+    s = fig.get("step")
+    lines += [] if s is None else ["", f"one default training step (train.py {' '.join(fig['step_flags'])}):",
+              f"  rollout {s['rollout']:.1f} s | old log-probs {s['old_logp']:.1f} s | update {s['update']:.1f} s"
+              f" | eval of {fig['step_eval_problems']} problems {s['eval']:.1f} s | peak {s['peak_mb']:.0f} MiB"]
+    v = fig.get("sharing")
+    if v is not None:
+        lines += ["", f"Voting, {v['calls']} calls: rollout {v['rollout_seconds']:.1f} s (the same stages under "
+                  "either sharing), then the update:",
+                  f"  {'':10s}{'seconds':>9s}{'peak MiB':>10s}{'adapters':>10s}"]
+        for name in ("shared", "isolated"):
+            lines.append(f"  {name:10s}{v[name]['seconds']:9.2f}{v[name]['peak_mb']:10.0f}{v['adapters'][name]:10d}")
+        lines.append(f"  isolated / shared update time {v['update_ratio']:.2f}; each adapter holds "
+                     f"{v['adapter_state_mb']:.1f} MiB (weights, gradient, AdamW's two moments)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny, or a HF id/path")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--repeats", type=int, default=4, help="timed runs of each alternating part")
+    p.add_argument("--problems", type=int, default=4, help="problems of the stage (x 4 episodes each)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = chosen as train.py does")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out: step, sharing")
+    p.add_argument("--json", default="", help="also write every figure to this file")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.problems < 1:
+        raise SystemExit("bench: --repeats and --problems must be at least 1")
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if skip - {"step", "sharing"}:
+        raise SystemExit(f"bench: --skip {','.join(sorted(skip - {'step', 'sharing'}))}: "
+                         "choose from step, sharing")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    args.device = device
+    threads = pick_threads(args.threads, own_load=0.0)
+    torch.set_num_threads(threads)
+    cfg = Config(model=args.model)
+    model, tok = load_policy(args.model, device)
+    inject_lora(model, cfg.lora_r, cfg.lora_alpha)
+    add_adapter(model, "shared")  # fresh: an exact no-op, so every variant writes the same tokens
+    pool = load_task(cfg.task, "train", cfg.train_problems, DEFAULT_LEVEL, cfg.seed)
+    chats = [chat("math", "generator", question=pool[i].question)
+             for i in range(args.problems) for _ in range(cfg.group_size)]
+    fig = {"model": args.model, "device": device, "threads": threads, "repeats": args.repeats,
+           "rows": len(chats), "new_tokens": cfg.max_new_tokens or 48}
+    print(f"bench: generate ({3 * (args.repeats + 1)} stages) ...", file=sys.stderr)
+    g = generation(model, tok, device, chats, cfg, args.repeats)
+    calls = g.pop("calls")
+    fig["prompt_tokens"] = max(len(c.prompt_ids) for c in calls)
+    fig["update_tokens"] = sum(len(c.completion_ids) for c in calls[::2])
+    fig["generate"] = g
+    print("bench: old log-probs and update ...", file=sys.stderr)
+    fig["update"] = update_parts(model, tok, device, calls[::2], cfg, args.repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        if "step" not in skip:
+            print("bench: one default training step ...", file=sys.stderr)
+            fig["step_eval_problems"] = 2
+            fig["step_flags"] = ["--steps", "1", "--eval_problems", "2"]
+            fig["step"] = step_parts(train_step(args, threads, os.path.join(tmp, "step"),
+                                                ["--eval_problems", "2"]))
+    if "sharing" not in skip:
+        print("bench: Voting, shared vs isolated ...", file=sys.stderr)
+        fig["sharing"] = sharing(model, tok, device, [pool[0].question] * 2, cfg, args.repeats)
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+    print(report(fig, name))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(fig, f, indent=2)
+    return fig
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""bench.py end to end on the tiny model, and the memory figure a fresh process reports."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import bench
+from conftest import ROOT
+
+
+def test_bench_runs_and_its_rollout_writes_the_raw_generate_tokens(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench.main(["--model", "tiny", "--repeats", "1", "--json", str(out)])
+    fig = json.loads(out.read_text())
+    g = fig["generate"]
+    assert g["same_tokens"]  # raw generate, merged and low-rank rollouts: the same completions
+    assert all(g[name]["seconds"] > 0 and g[name]["tokens_per_s"] > 0 for name in ("raw", "merged", "low_rank"))
+    assert g["rollout_over_raw"] > 0 and 0 <= g["prompt_padding"] < 1
+    assert fig["update"]["update"]["tokens_per_s"] > 0
+    assert set(fig["step"]) == {"rollout", "old_logp", "update", "eval", "peak_mb"}
+    assert fig["sharing"]["adapters"] == {"shared": 1, "isolated": 2}
+    table = capsys.readouterr().out
+    assert "rollout, adapter merged" in table and "isolated / shared" in table
+
+
+def test_bench_refuses_an_unknown_part_before_loading_a_model():
+    with pytest.raises(SystemExit, match="--skip steps: choose from step, sharing"):
+        bench.main(["--model", "no-such-model", "--skip", "steps"])
+
+
+def test_a_process_started_from_a_big_one_reports_its_own_peak():
+    """ru_maxrss carries a parent's peak over to the process it starts; train.peak_memory_mb
+    must not (bench.py and diagnose.py --reproduce start train.py)."""
+    ballast = bytearray(1 << 30)
+    ballast[:: 1 << 12] = b"x" * len(ballast[:: 1 << 12])  # touch every page: 1 GiB resident
+    child = subprocess.run([sys.executable, "-c", "import train; print(train.peak_memory_mb('cpu'))"],
+                           cwd=ROOT, capture_output=True, text=True, check=True)
+    assert float(child.stdout.split()[-1]) < 1000, child.stdout
+    del ballast
