@@ -309,7 +309,7 @@ def report(fig: dict, device_name: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny, or a HF id/path")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -318,7 +318,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = chosen as train.py does")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: step, sharing")
     p.add_argument("--json", default="", help="also write every figure to this file")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
     if args.repeats < 1 or args.problems < 1:
         raise SystemExit("bench: --repeats and --problems must be at least 1")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}

@@ -6,6 +6,7 @@ import shlex
 
 import pytest
 
+import bench
 import diagnose
 import train
 from conftest import ROOT
@@ -54,6 +55,8 @@ def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypa
                 continue
             steps = "0" if cfg.steps == 0 else "1"
             train.main(train.parse_config(args + TINY + ["--steps", steps] if not cfg.resume else args))
+        elif script == "bench.py":  # runs for minutes: parsed here, run in test_bench.py
+            bench.make_parser().parse_args(args)
         else:
             assert script == "diagnose.py", script
             if "--reproduce" in args:  # trains a grid: parsed only

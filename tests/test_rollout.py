@@ -177,3 +177,10 @@ def test_merged_generation_samples_what_the_low_rank_path_samples(tiny):
         completions[merge] = [c.completion_ids for c in rollout.calls]
     assert completions[True] == completions[False]
     assert all(torch.equal(l.base.weight, w) for l, w in zip(lora_layers(model), weights))
+
+
+def test_models_load_with_sdpa_attention():
+    """The fused attention kernel, on a GPU as on a CPU; an eager fallback would cost memory
+    quadratic in the length."""
+    model, _ = load_policy("tiny")
+    assert model.config._attn_implementation == "sdpa"
