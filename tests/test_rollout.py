@@ -148,6 +148,7 @@ def test_embedded_model_loads_and_answers():
     model, tok = load_policy("smollm2")
     assert tok.pad_token_id == tok.eos_token_id  # why completions are cut at eos, never by pad
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    assert model.config._attn_implementation == "sdpa"
     rollout = Rollout(model, tok, "shared", max_new_tokens=24, greedy=True)
     inject_lora(model, r=4, alpha=8)
     setup_adapters(model, ["generator"], "shared")
