@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from lora import add_adapter, use_adapter
-from rollout import Call, token_batches
+from rollout import Call, my_share, sum_across, sum_gradients, token_batches
 
 CRITICS = ("central", "decentral")
 PER = ("slot", "role")
@@ -118,6 +118,8 @@ def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
     """Values of every input under its own critic, without gradient: (N,).
 
     Identical inputs of one critic (the central critic's co-acting agents) run once.
+    Under torchrun each process values its share of the inputs, and the values are summed
+    across processes (each is set by exactly one).
     """
     values = torch.zeros(len(keys))
     for key in sorted(set(keys)):
@@ -125,13 +127,13 @@ def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
         for i, k in enumerate(keys):
             if k == key:
                 rows[tuple(id_lists[i])].append(i)
-        inputs = list(rows)
+        inputs = my_share(list(rows))
         for start in range(0, len(inputs), batch_size):
             batch = inputs[start:start + batch_size]
             v = critic_values(model, heads[key], key, [list(x) for x in batch], pad_id)  # (b,)
             for x, value in zip(batch, v.tolist()):
                 values[rows[x]] = value
-    return values
+    return sum_across(values)
 
 
 # ----------------------------------------------------------------------------
@@ -367,14 +369,16 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
     for start in range(0, len(order), s.minibatch_size):
         mb = order[start:start + s.minibatch_size]
         optimizer.zero_grad(set_to_none=False)
-        for idx in token_batches([(len(ids[i]), 0) for i in mb], s.micro_batch_tokens):
-            micro = [mb[j] for j in idx]
+        mine = my_share(mb)  # under torchrun: this process's rows; the gradients are summed below
+        for idx in token_batches([(len(ids[i]), 0) for i in mine], s.micro_batch_tokens):
+            micro = [mine[j] for j in idx]
             v = critic_values(model, head, name, [ids[i] for i in micro], pad_id)  # (b,)
             loss, st = value_loss(v, old_values[micro].to(v.device), returns[micro].to(v.device),
                                   s.value_clip)
             # micro-batches of one mini-batch add up to its mean loss
             (s.vf_coef * loss * len(micro) / len(mb)).backward()
             stats["value_loss"].append(st["value_loss"])
+        sum_gradients(params)
         stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, s.grad_clip).item())
         optimizer.step()
     return stats

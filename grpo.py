@@ -46,7 +46,7 @@ from typing import Hashable, NamedTuple
 import torch
 
 from lora import adapter_parameters, use_adapter
-from rollout import Call, sequence_logprobs, token_batches
+from rollout import Call, my_share, sequence_logprobs, sum_across, sum_gradients, token_batches
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 BALANCE = ("none", "role", "multiplicity")
@@ -277,6 +277,11 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     gradient is exactly 0, and it still counts in the denominators. `ema` holds
     the gradient EMA of --damping across steps. Sets every call's old_logp: None
     where the call is on-policy (see the module docstring).
+
+    Under torchrun every process passes the same calls and the same rng state; each
+    back-propagates its share of every slot's calls (rollout.my_share) with the whole
+    mini-batch's denominators, and the gradients are summed before the step, so all
+    processes take the step one process would take on the same calls.
     """
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
@@ -290,16 +295,14 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
         for c in mb:
             c.old_logp = None  # None: on-policy, read from the update's own forward pass
     off_policy = batches[1:] if s.reuse_on_policy else batches
-    set_old_logprobs(model, [c for mb in off_policy for c in live_calls(mb, s)], adapter, pad_id,
-                     s.temperature, s.micro_batch_tokens)
+    set_old_logprobs(model, [c for mb in off_policy for _, mine in slot_groups(mb, s, by) for c in mine],
+                     adapter, pad_id, s.temperature, s.micro_batch_tokens)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     for mb in batches:
         optimizer.zero_grad(set_to_none=False)
-        live = live_calls(mb, s)
         group_grads, role_of = {}, {}
-        for group in sorted({getattr(c, by) for c in live}):
-            mine = [c for c in live if getattr(c, by) == group]
-            role = role_of[group] = mine[0].role
+        for group, mine in slot_groups(mb, s, by):
+            role = role_of[group] = next(c.role for c in mb if getattr(c, by) == group)
             weight = loss_weight(mb, role, s.balance)
             before = flat_grad(params) if per_slot else None
             for micro in micro_batches(mine, s.micro_batch_tokens):
@@ -309,7 +312,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
                     if per_slot:
                         stats[f"slot/{group}/{k}"].append(v)
             if per_slot:
-                group_grads[group] = flat_grad(params) - before  # this slot's loss alone
+                group_grads[group] = sum_across(flat_grad(params) - before)  # this slot's loss alone
+        sum_gradients(params)
         if per_slot:
             for k, v in gradient_stats(group_grads, role_of).items():
                 stats[k].append(v)
@@ -324,9 +328,12 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     return stats
 
 
-def live_calls(mb: list[Call], s: UpdateSettings) -> list[Call]:
-    """The calls with a gradient: an advantage, or a KL term."""
-    return [c for c in mb if c.advantage != 0 or s.kl_coef.get(c.role, 0) > 0]
+def slot_groups(mb: list[Call], s: UpdateSettings, by: str) -> list[tuple[str, list[Call]]]:
+    """The mini-batch's calls with a gradient (an advantage, or a KL term), grouped by slot or
+    role: (group, this process's share of the group's calls), every group that has any."""
+    live = [c for c in mb if c.advantage != 0 or s.kl_coef.get(c.role, 0) > 0]
+    return [(group, my_share([c for c in live if getattr(c, by) == group]))
+            for group in sorted({getattr(c, by) for c in live})]
 
 
 def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: UpdateSettings,

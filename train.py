@@ -13,7 +13,7 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
      to all of its calls;
   4. group-relative advantages per (problem, slot, workflow step) (grpo.py),
      or with --algo maac the critics' values and GAE (critic.py);
-  5. old log-probs of every call, under the adapter that generated it;
+  5. old log-probs: the first mini-batch's own, a separate pass for the later ones;
   6. update: under shared sharing one update of the shared adapter over all
      calls; under isolated sharing role by role, each role's calls split into
      mini-batches of a fixed size, so a role with three slots takes about three
@@ -22,6 +22,14 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   7. maac only: one pass of each critic over its inputs (value loss);
   8. log; evaluate the whole workflow greedily on held-out problems every
      `eval_every` steps; checkpoint.
+
+Several processes (`torchrun --nproc_per_node N train.py ...`): each process
+rolls out its block of the step's B problems (a problem's whole group stays on
+one process), the episodes are gathered so every process holds all of them,
+and each mini-batch's forward and backward passes are split between the
+processes, whose gradients are summed before the step: every process takes the
+step one process would take on the same calls, and holds the same adapters.
+Only rank 0 writes the run's files.
 
 Departures from the paper: the defaults fit a 2-core CPU in about 13 minutes,
 19 next to one busy program (a 135M model, 12 steps of 4 x 4 episodes, 48 new
@@ -43,6 +51,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -52,7 +61,7 @@ from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, policy_up
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
                   save_adapters, setup_adapters)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
-from rollout import Call, Rollout, load_policy
+from rollout import Call, Rollout, barrier, block, gather_lists, load_policy, rank_and_world
 from sandbox import CODE_TIMEOUT
 from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
 
@@ -200,7 +209,10 @@ def check_numbers(cfg: Config) -> None:
 
 
 def log(line: str) -> None:
-    """One line of the run's log, above the progress bar on a terminal, plain in a file."""
+    """One line of the run's log, above the progress bar on a terminal, plain in a file
+    (rank 0's, under torchrun)."""
+    if rank_and_world()[0] != 0:
+        return
     tqdm.write(line, file=sys.stdout)
     sys.stdout.flush()  # a redirected log shows each line as it happens
 
@@ -227,12 +239,33 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
 
 
 def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> float:
-    """Held-out accuracy of the whole workflow, greedy decoding."""
+    """Held-out accuracy of the whole workflow, greedy decoding (under torchrun, each process
+    runs its block of the problems)."""
+    mine = [problems[i] for i in block(len(problems))]
     rewards = []
-    for i in range(0, len(problems), batch):
-        label = f"eval problems {i + 1}-{min(i + batch, len(problems))}/{len(problems)}"
-        rewards += rollout_step(model, tok, cfg, problems[i:i + batch], greedy=True, label=label)[2]
+    for i in range(0, len(mine), batch):
+        label = f"eval problems {i + 1}-{min(i + batch, len(mine))}/{len(mine)}"
+        rewards += rollout_step(model, tok, cfg, mine[i:i + batch], greedy=True, label=label)[2]
+    rewards = gather_lists(rewards)
     return sum(rewards) / len(rewards)
+
+
+def gather_episodes(calls: list[Call], outcomes, rewards: list[float], problem_of: list[int]):
+    """Every process's episodes, in rank order, episodes numbered across the processes
+    (the lists themselves in one process)."""
+    offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
+    for c in calls:
+        c.episode += offset
+    return gather_lists(calls), gather_lists(outcomes), gather_lists(rewards), gather_lists(problem_of)
+
+
+def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The update statistics of every process, each key's lists joined."""
+    joined = defaultdict(list)
+    for part in gather_lists([dict(stats)]):
+        for k, v in part.items():
+            joined[k] += v
+    return joined
 
 
 def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
@@ -384,6 +417,10 @@ def truncate_jsonl(path: str, last_step: int) -> list[dict]:
 
 def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedulers: dict,
                     rng: random.Random, emas: dict) -> None:
+    """Every process calls it (each one's sampling state is kept); rank 0 writes."""
+    torch_rngs = gather_lists([torch.get_rng_state()])
+    if rank_and_world()[0] != 0:
+        return
     tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -393,7 +430,8 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
     torch.save({"step": step,
                 "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
                 "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
-                "torch_rng": torch.get_rng_state(),
+                "torch_rng": torch_rngs[0],
+                "torch_rngs": torch_rngs,  # one per process
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "py_rng": rng.getstate(),
                 "emas": emas}, os.path.join(tmp, "state.part"))
@@ -423,7 +461,11 @@ def newest_checkpoint(out: str) -> str:
 
 def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
                     rng: random.Random, emas: dict) -> int:
-    path = newest_checkpoint(out)
+    rank, world = rank_and_world()
+    if rank == 0:
+        newest_checkpoint(out)  # puts the newest whole checkpoint in place as ckpt
+    barrier()
+    path = os.path.join(out, "ckpt")
     try:
         load_adapters(model, path, list(optimizers))
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
@@ -436,7 +478,11 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     for k in optimizers:
         optimizers[k].load_state_dict(state["optimizers"][k])
         schedulers[k].load_state_dict(state["schedulers"][k])
-    torch.set_rng_state(state["torch_rng"])
+    torch_rngs = state.get("torch_rngs", [state["torch_rng"]])
+    if len(torch_rngs) != world:
+        raise SystemExit(f"--resume: {out} was saved by {len(torch_rngs)} process(es); resume it with "
+                         f"as many (torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
+    torch.set_rng_state(torch_rngs[rank])
     if state["cuda_rng"] is not None:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     rng.setstate(state["py_rng"])
@@ -588,10 +634,14 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     check_numbers(cfg)
     update = update_settings(cfg)  # stops here on a bad --role_kl
     critics = critic_settings(cfg)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    device = join_processes(cfg.device)
+    rank, world = rank_and_world()
+    if cfg.problems_per_step < world:
+        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than the {world} "
+                         "processes; every process needs at least one")
     torch.set_num_threads(pick_threads(cfg.threads, own_load=0.0))
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same adapters in every process
+    rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
     # ---- data, model, run directory, adapters, optimizers
     try:
         train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
@@ -610,7 +660,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
-    if not cfg.resume:  # only now that the model loaded: a failed launch leaves --out untouched
+    if not cfg.resume and rank == 0:  # only now that the model loaded: a failed launch leaves --out untouched
         start_run_dir(cfg, held)
     metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
@@ -620,13 +670,18 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
                                for s in slots(cfg.workflow, cfg.n_agents)})
         heads = setup_critics(model, critic_names)  # a fresh adapter and value head per critic
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
+    if world > 1:
+        torch.manual_seed(cfg.seed + 1000 * rank)  # each process samples its own episodes
 
     emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
     start = 0
     if cfg.resume:
         start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng, emas)
-        evaluated = [row for row in truncate_jsonl(metrics_path, start) if "eval/accuracy" in row]
-        truncate_jsonl(samples_path, start)
+        if rank == 0:
+            truncate_jsonl(metrics_path, start)
+            truncate_jsonl(samples_path, start)
+        barrier()
+        evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
         if not evaluated or evaluated[0]["step"] != 0:
             raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training (step 0)")
         acc_before = evaluated[0]["eval/accuracy"]  # step 0
@@ -634,12 +689,13 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         eval_seconds = evaluated[-1].get("time/eval", 0.0)  # for the estimate of the time left
         log(f"resuming {cfg.out} at step {start}")
     else:
-        for path in (metrics_path, samples_path):
-            open(path, "w").close()
         log(f"evaluating on {len(test_set)} held-out problems ...")
         t_eval = time.time()
         acc_before = acc = evaluate(model, tok, cfg, test_set)
-        append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before}])
+        if rank == 0:
+            for path in (metrics_path, samples_path):
+                open(path, "w").close()
+            append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before}])
         eval_seconds = time.time() - t_eval
         log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | {eval_seconds:.0f}s | "
             f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
@@ -647,15 +703,16 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
     cpu_before = time.process_time()
     for step in tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps,
-                     desc="train", file=sys.stderr, disable=None):
+                     desc="train", file=sys.stderr, disable=None if rank == 0 else True):
         t0 = time.time()
-        # 1-3. problems, rollout, rewards
+        # 1-3. problems, rollout, rewards (under torchrun: this process's block of the problems,
+        # then everyone's episodes)
         picked = rng.sample(range(len(train_set)), cfg.problems_per_step)
-        problem_of = [i for i in picked for _ in range(cfg.group_size)]
+        problem_of = [picked[i] for i in block(len(picked)) for _ in range(cfg.group_size)]
+        rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in problem_of],
+                                                  greedy=False, label=f"step {step} rollout")
+        calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, problem_of)
         problems = [train_set[i] for i in problem_of]
-        rollout, outcomes, rewards = rollout_step(model, tok, cfg, problems, greedy=False,
-                                                  label=f"step {step} rollout")
-        calls = rollout.calls
         t1 = time.time()
         # 4. advantages: group-relative (GRPO) or from the critics (GAE)
         if cfg.algo == "grpo":
@@ -682,6 +739,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
                                         critics))
             for name in heads:
                 schedulers[name].step()
+        stats = gather_stats(stats)
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
              "adv/zero_frac": no_signal,
@@ -698,10 +756,11 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
             eval_seconds = m["time/eval"] = time.time() - t_eval
             m["eval/accuracy"] = acc
         m["time/step"] = time.time() - t0
-        m["mem/peak_mb"] = peak_memory_mb(device)
-        append_jsonl(metrics_path, [m])
-        seen = list(range(0, len(problems), cfg.group_size))[: cfg.log_samples]
-        append_jsonl(samples_path, episode_samples(step, calls, outcomes, problems, rewards, seen))
+        m["mem/peak_mb"] = max(gather_lists([peak_memory_mb(device)]))  # the largest process's
+        if rank == 0:
+            append_jsonl(metrics_path, [m])
+            seen = list(range(0, len(problems), cfg.group_size))[: cfg.log_samples]
+            append_jsonl(samples_path, episode_samples(step, calls, outcomes, problems, rewards, seen))
         line = f"step {step}/{cfg.steps} | reward {m['reward/mean']:.3f} | {m['time/step']:.1f}s"
         if "eval/accuracy" in m:
             line += f" | eval/accuracy {acc:.3f}"
@@ -717,7 +776,24 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
 
     log(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
         f"before {acc_before:.3f} -> after {acc:.3f}  [{len(test_set)} problems, greedy]")
+    if world > 1:
+        dist.destroy_process_group()
     return {"before": acc_before, "after": acc}
+
+
+def join_processes(device: str) -> str:
+    """This process's device; under torchrun (WORLD_SIZE > 1) also join the process group:
+    nccl and one GPU per local rank on CUDA, gloo on CPU."""
+    cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return ("cuda" if cuda else "cpu") if device == "auto" else device
+    if cuda:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return device if cuda else "cpu"
 
 
 if __name__ == "__main__":
