@@ -1,0 +1,158 @@
+"""Several processes, as torchrun runs them, on CPU with gloo: the 2-process update equals the
+1-process update on the same calls, and a 2-process training run completes and resumes exactly.
+
+Processes are started with torch.multiprocessing and meet through a TCP store on 127.0.0.1;
+torchrun sets the same environment variables."""
+import json
+import os
+import random
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train
+from grpo import UpdateSettings, policy_update
+from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
+from reward import Problem
+from rollout import Rollout, rank_and_world, tiny_model
+from workflows import ROLES, run_workflow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def in_processes(world: int, fn, *args) -> None:
+    """Run fn(*args) in `world` fresh processes that form one process group."""
+    mp.spawn(worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+# ----------------------------------------------------------------------------
+# The update
+
+
+def updated_adapters(workflow: str, sharing: str, minibatch_size: int, out: str) -> None:
+    """Roll out 4 tiny-model episodes (the same in every process), then one policy update per
+    adapter; rank 0 saves the adapters' weights and the update's statistics to `out`."""
+    torch.manual_seed(0)
+    model, tok = tiny_model()
+    tok.padding_side = "left"
+    model.eval()
+    inject_lora(model, r=4, alpha=8)
+    names = setup_adapters(model, ROLES[workflow], sharing)
+    for name in names:
+        for p in adapter_parameters(model, name):
+            torch.nn.init.normal_(p, std=0.05)
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)
+    rollout = Rollout(model, tok, sharing, max_new_tokens=6, temperature=1.0)
+    torch.manual_seed(1)
+    run_workflow(workflow, ["What is 1 + 2?", "What is 3 + 4?"] * 2, rollout, n_agents=3)
+    calls = rollout.calls
+    for i, c in enumerate(calls):  # some calls without signal, so slots hold 0, 1 or more live calls
+        c.advantage = [1.0, -0.5, 0.0, 2.0, 0.0][i % 5]
+    settings = UpdateSettings(temperature=1.0, minibatch_size=minibatch_size, grad_clip=0.5)
+    start = {n: [p.detach().clone() for p in adapter_parameters(model, n)] for n in names}
+    stats = {}
+    for name in names:
+        mine = [c for c in calls if adapter_for(c.role, sharing) == name]
+        sgd = torch.optim.SGD(adapter_parameters(model, name), lr=0.5)
+        stats.update(policy_update(model, name, mine, sgd, random.Random(0), tok.pad_token_id, settings))
+    if rank_and_world()[0] == 0:
+        torch.save({"start": start, "weights": {n: [p.detach().clone() for p in adapter_parameters(model, n)] for n in names},
+                    "stats": {k: v for k, v in stats.items() if "grad_norm" in k or "kappa" in k
+                              or "update_norm" in k}}, out)
+
+
+@pytest.mark.parametrize("workflow, sharing, minibatch_size", [
+    ("voting", "isolated", 5),   # several mini-batches, the later ones off-policy
+    ("voting", "shared", 32),    # one mini-batch, roles sharing the adapter
+    ("eval_opt", "shared", 3),   # early stopping: slots and stages of unequal size
+])
+def test_two_process_update_equals_the_one_process_update(tmp_path, workflow, sharing, minibatch_size):
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    updated_adapters(workflow, sharing, minibatch_size, one)
+    in_processes(2, updated_adapters, workflow, sharing, minibatch_size, two)
+    a, b = torch.load(one), torch.load(two)
+    moved = 0.0
+    for name, weights in a["weights"].items():
+        for x, y, x0 in zip(weights, b["weights"][name], a["start"][name]):
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), name
+            moved = max(moved, (x - x0).abs().max().item())
+    assert moved > 1e-3
+    assert a["stats"].keys() == b["stats"].keys() and any("kappa" in k for k in a["stats"]) == (workflow == "voting")
+    for k, v in a["stats"].items():
+        assert v == pytest.approx(b["stats"][k], rel=1e-4), k
+
+
+# ----------------------------------------------------------------------------
+# A training run
+
+TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
+
+
+def odd_length_wins(problems, texts, **settings) -> list[float]:
+    return [float(len(t) % 2) for t in texts]
+
+
+def run(out: str, resume: bool = False, dies_at_call: int = 0, **kw) -> None:
+    """train.main on the toy task (rewards that vary); dies_at_call: raise in that rollout."""
+    train.load_task = lambda *args: TOY
+    train.score_batch = odd_length_wins
+    if dies_at_call:
+        real, seen = train.rollout_step, []
+
+        def dies(*args, **kwargs):
+            seen.append(1)
+            if len(seen) == dies_at_call:
+                raise RuntimeError("killed")
+            return real(*args, **kwargs)
+        train.rollout_step = dies
+    cfg = dict(model="tiny", workflow="voting", sharing="isolated", steps=4, problems_per_step=3,
+               group_size=2, eval_problems=3, max_new_tokens=6, temperature=1.0, lr=1e-2, lora_r=4,
+               minibatch_size=4, eval_every=2, save_every=2, out=out)
+    train.main(train.Config(**cfg, **kw) if not resume else train.Config(out=out, resume=True))
+
+
+def rows(out: str) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))}
+            for r in train.read_jsonl(f"{out}/metrics.jsonl")]
+
+
+def test_two_process_run_logs_like_one_and_resumes_exactly(tmp_path):
+    single, straight, resumed = (str(tmp_path / n) for n in ("single", "straight", "resumed"))
+    in_processes(1, run, single)
+    in_processes(2, run, straight)
+    with pytest.raises(Exception):  # both processes die in step 3, after the checkpoint of step 2
+        in_processes(2, run, resumed, False, 5)
+    assert [r["step"] for r in rows(resumed)] == [0, 1, 2]
+    in_processes(2, run, resumed, True)
+    assert rows(resumed) == rows(straight)
+    with open(f"{straight}/samples.jsonl") as f, open(f"{resumed}/samples.jsonl") as g:
+        assert f.read() == g.read()
+    keys = [set().union(*rows(out)) for out in (straight, single)]
+    assert keys[0] == keys[1]  # the same metrics as one process logs
+    last = rows(straight)[-1]
+    assert last["role/generator/calls"] == 3 * 3 * 2  # everyone's episodes: 3 problems x 2 x 3 slots
+    assert any(r.get("adapter/generator/grad_norm", 0) > 0 for r in rows(straight))
+    with open(f"{straight}/config.json") as f:
+        assert json.load(f)["problems_per_step"] == 3
+    with pytest.raises(Exception):  # a 2-process checkpoint does not resume in one process
+        in_processes(1, run, straight, True)
