@@ -156,3 +156,68 @@ def test_two_process_run_logs_like_one_and_resumes_exactly(tmp_path):
         assert json.load(f)["problems_per_step"] == 3
     with pytest.raises(Exception):  # a 2-process checkpoint does not resume in one process
         in_processes(1, run, straight, True)
+
+
+# ----------------------------------------------------------------------------
+# The critics, and torchrun itself
+
+
+def updated_critics(out: str) -> None:
+    """Values, GAE advantages and one critic update of 4 Eval-Opt episodes (central critic);
+    rank 0 saves the values, advantages and the critic's weights."""
+    from critic import CriticSettings, critic_advantages, setup_critics, update_critics
+    torch.manual_seed(0)
+    model, tok = tiny_model()
+    tok.padding_side = "left"
+    model.eval()
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ROLES["eval_opt"], "shared")
+    heads = setup_critics(model, ["critic"])
+    params = adapter_parameters(model, "critic") + list(heads["critic"].parameters())
+    for p in params:
+        torch.nn.init.normal_(p, std=0.1)  # values that are not all 0
+        p.requires_grad_(True)
+        p.grad = torch.zeros_like(p)
+    rollout = Rollout(model, tok, "shared", max_new_tokens=6, temperature=1.0)
+    torch.manual_seed(1)
+    run_workflow("eval_opt", ["What is 1 + 2?", "What is 3 + 4?"] * 2, rollout, n_agents=3)
+    for c in rollout.calls:
+        c.reward = float(c.episode % 2)
+    s = CriticSettings(critic="central", minibatch_size=3, normalize_advantages=True)
+    batch = critic_advantages(model, tok, heads, rollout.calls, s)
+    sgd = {"critic": torch.optim.SGD(params, lr=0.5)}
+    update_critics(model, heads, batch, sgd, random.Random(0), tok.pad_token_id, s)
+    if rank_and_world()[0] == 0:
+        torch.save({"values": batch.values, "adv": [c.advantage for c in rollout.calls],
+                    "weights": [p.detach().clone() for p in params]}, out)
+
+
+def test_two_process_critics_equal_one_process_critics(tmp_path):
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    updated_critics(one)
+    in_processes(2, updated_critics, two)
+    a, b = torch.load(one), torch.load(two)
+    assert torch.allclose(a["values"], b["values"], atol=1e-6) and a["values"].abs().max() > 0
+    assert a["adv"] == pytest.approx(b["adv"], abs=1e-5)
+    for x, y in zip(a["weights"], b["weights"]):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_torchrun_runs_train_py_with_two_processes(tmp_path):
+    """The README's command, on the tiny model: GRPO on Voting, and the central critic on Eval-Opt."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    for flags in (["--workflow", "voting", "--sharing", "isolated"],
+                  ["--workflow", "eval_opt", "--algo", "maac", "--critic", "central"]):
+        out = str(tmp_path / flags[1])
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             "train.py", "--model", "tiny", "--steps", "2", "--problems_per_step", "3", "--group_size", "2",
+             "--eval_problems", "3", "--max_new_tokens", "6", "--lora_r", "4", "--out", out, *flags],
+            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.count("held-out accuracy of") == 1  # rank 0 alone logs
+        metrics = train.read_jsonl(f"{out}/metrics.jsonl")
+        assert [r["step"] for r in metrics] == [0, 1, 2]
+        assert metrics[-1]["role/generator/calls"] >= 3 * 2  # both processes' episodes
