@@ -20,7 +20,11 @@ safetensors; "tiny" is a random 2-layer Qwen3 with a byte-level BPE tokenizer
 trained in memory (for tests); anything else is a Hugging Face id or local
 path (bf16 on CUDA, fp32 on CPU; Qwen3's chat template with thinking off).
 
-Exercised by: pytest tests/test_rollout.py
+Under torchrun, the helpers at the end split work between processes and
+exchange the results (train.py, grpo.py, critic.py use them); in one process
+they do nothing.
+
+Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """
 import importlib.util
 import os
