@@ -419,6 +419,7 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
                     rng: random.Random, emas: dict) -> None:
     """Every process calls it (each one's sampling state is kept); rank 0 writes."""
     torch_rngs = gather_lists([torch.get_rng_state()])
+    cuda_rngs = gather_lists([torch.cuda.get_rng_state()]) if torch.cuda.is_available() else None
     if rank_and_world()[0] != 0:
         return
     tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
@@ -430,9 +431,8 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
     torch.save({"step": step,
                 "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
                 "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
-                "torch_rng": torch_rngs[0],
                 "torch_rngs": torch_rngs,  # one per process
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "cuda_rngs": cuda_rngs,  # of each process's own GPU
                 "py_rng": rng.getstate(),
                 "emas": emas}, os.path.join(tmp, "state.part"))
     os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # state.pt: tmp is whole
@@ -483,7 +483,9 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
         raise SystemExit(f"--resume: {out} was saved by {len(torch_rngs)} process(es); resume it with "
                          f"as many (torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
     torch.set_rng_state(torch_rngs[rank])
-    if state["cuda_rng"] is not None:
+    if state.get("cuda_rngs") is not None:
+        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
+    elif state.get("cuda_rng") is not None:  # saved before one state per process
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     rng.setstate(state["py_rng"])
     emas.update(state["emas"])
