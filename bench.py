@@ -129,6 +129,7 @@ def raw_generate(model, tok, chats, max_new_tokens: int, temperature: float, see
 
 
 def rollout_stage(model, tok, chats, max_new_tokens: int, temperature: float, seed: int, merge: bool):
+    """The project's rollout of one generator stage under the (fresh) shared adapter."""
     rollout = Rollout(model, tok, "shared", max_new_tokens=max_new_tokens, temperature=temperature,
                       merge=merge)
     torch.manual_seed(seed)
@@ -142,6 +143,7 @@ def same_tokens(raw: torch.Tensor, calls) -> bool:
 
 
 def generation(model, tok, device: str, chats, cfg: Config, repeats: int) -> dict:
+    """One stage three ways (raw, merged, low-rank), alternating; and merging alone."""
     T, temp = cfg.max_new_tokens or 48, cfg.temperature
     runs = {"raw": lambda: raw_generate(model, tok, chats, T, temp, cfg.seed),
             "merged": lambda: rollout_stage(model, tok, chats, T, temp, cfg.seed, merge=True),
@@ -150,8 +152,7 @@ def generation(model, tok, device: str, chats, cfg: Config, repeats: int) -> dic
                lambda: rollout_stage(model, tok, chats[:2], 4, temp, cfg.seed, merge=True),
                lambda: rollout_stage(model, tok, chats[:2], 4, temp, cfg.seed, merge=False)]
     r = alternate(device, runs, repeats, warmups)
-    raw_ids, calls = r["raw"].pop("result"), r["merged"].pop("result")
-    r["low_rank"].pop("result")
+    raw_ids, calls, low_rank = (r[name].pop("result") for name in ("raw", "merged", "low_rank"))
     rows = raw_ids.shape[0] * raw_ids.shape[1]  # every row runs every decode step
     merge_seconds = []
     for _ in range(repeats):
@@ -162,7 +163,7 @@ def generation(model, tok, device: str, chats, cfg: Config, repeats: int) -> dic
         merge_seconds.append(time.perf_counter() - start)
     for name in r:
         r[name]["tokens_per_s"] = rows / r[name]["seconds"]
-    return {**r, "same_tokens": same_tokens(raw_ids, calls), "calls": calls,
+    return {**r, "same_tokens": same_tokens(raw_ids, calls) and same_tokens(raw_ids, low_rank), "calls": calls,
             "rollout_over_raw": ratio(r["merged"], r["raw"]),
             "low_rank_over_raw": ratio(r["low_rank"], r["raw"]),
             "merge_extra_mb": r["merged"]["peak_mb"] - r["low_rank"]["peak_mb"],

@@ -221,3 +221,9 @@ def test_torchrun_runs_train_py_with_two_processes(tmp_path):
         metrics = train.read_jsonl(f"{out}/metrics.jsonl")
         assert [r["step"] for r in metrics] == [0, 1, 2]
         assert metrics[-1]["role/generator/calls"] >= 3 * 2  # both processes' episodes
+    done = subprocess.run(  # a process without a problem is refused, in one line per process
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "train.py", "--model", "tiny", "--problems_per_step", "1", "--out", str(tmp_path / "one")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert "--problems_per_step 1: fewer problems than the 2 processes" in done.stderr
