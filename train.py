@@ -478,7 +478,7 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     for k in optimizers:
         optimizers[k].load_state_dict(state["optimizers"][k])
         schedulers[k].load_state_dict(state["schedulers"][k])
-    torch_rngs = state.get("torch_rngs", [state["torch_rng"]])
+    torch_rngs = state["torch_rngs"] if "torch_rngs" in state else [state["torch_rng"]]  # older: one
     if len(torch_rngs) != world:
         raise SystemExit(f"--resume: {out} was saved by {len(torch_rngs)} process(es); resume it with "
                          f"as many (torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
