@@ -132,8 +132,10 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monk
 
 def to_former_layout(ckpt: str) -> None:
     """Rewrite a checkpoint as this project saved them before the PEFT layout: <name>.safetensors
-    with keys <module path>.A and .B, and the critics' value heads inside state.pt."""
+    with keys <module path>.A and .B, the critics' value heads inside state.pt, and one sampling
+    state."""
     state = torch.load(f"{ckpt}/state.pt", weights_only=False)
+    state["torch_rng"], state["cuda_rng"] = state.pop("torch_rngs")[0], state.pop("cuda_rngs")  # one process's
     state["heads"] = {}
     for name in [n for n in os.listdir(ckpt) if os.path.isdir(f"{ckpt}/{n}")]:
         peft_keys = load_file(f"{ckpt}/{name}/adapter_model.safetensors")
