@@ -1,6 +1,6 @@
 """Speed and memory of the rollout, the update and a training step (as nanoGPT has a bench.py).
 
-    python bench.py                     # the embedded model on this machine: about 4 minutes
+    python bench.py                     # the embedded model on a 2-core CPU: about 4.5 minutes
     python bench.py --model Qwen/Qwen3-1.7B --device cuda --json bench.json
 
 Each timed figure is the median of --repeats runs after a warm-up, and runs that
