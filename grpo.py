@@ -29,11 +29,11 @@ actor-critic (critic.py): one pass over the calls in mini-batches, one
 optimizer step each (one PPO epoch, as in the paper). pi_old needs no pass of
 its own where the update is on-policy: the first mini-batch comes before the
 adapter's first step, so its old log-probs are its current ones, detached;
-only the later mini-batches get a separate pass, before the first step. It measures each slot's
-gradient (gradient_stats: Paper A's amplification factor kappa and each role's
-gradient share) and carries Paper A's mitigations: role-balanced or
-1/multiplicity loss weights (loss_weight), coherence damping (damped_step) and
-a KL anchor per role.
+only the later mini-batches get a separate pass, before the first step. It
+measures each slot's gradient (gradient_stats: Paper A's amplification factor
+kappa and each role's gradient share) and carries Paper A's mitigations:
+role-balanced or 1/multiplicity loss weights (loss_weight), coherence damping
+(damped_step) and a KL anchor per role.
 
 Exercised by: pytest tests/test_grpo.py
 """
@@ -348,10 +348,9 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: 
     if kl_coef > 0:
         with torch.no_grad(), use_adapter(model, None):  # the base model
             ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, s.temperature)
-    old_logp = logp.detach().clone()  # (b, T); on-policy rows keep it
+    old_logp = logp.detach().clone()  # (b, T); on-policy rows keep it, padding is masked
     for i, c in enumerate(micro):
-        if c.old_logp is not None:
-            old_logp[i] = 0
+        if c.old_logp is not None:  # a later mini-batch: pi_old from the pass before the first step
             old_logp[i, : len(c.old_logp)] = c.old_logp.to(logp.device)
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef)

@@ -14,7 +14,8 @@ reference policy for the optional KL term.
 
 Generation runs merged (`merged_adapter`): for the length of a workflow stage
 the active adapter is folded into the frozen weights, W' = W + (alpha / r) B A,
-so each decode step costs what the base model's does. The original weight
+so each decode step costs what the base model's does (the paper's "no
+additional inference latency", Sec. 4.1). The original weight
 tensors are kept, untouched, and put back afterwards: the base is bit-identical
 after a stage, never restored by subtracting (in bf16, W + D - D drifts).
 
