@@ -57,11 +57,12 @@ from tqdm import tqdm
 
 from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
                     setup_critics, update_critics)
-from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, policy_update
+from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_batches, policy_update
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
-                  save_adapters, setup_adapters)
+                  save_adapters, setup_adapters, use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
-from rollout import Call, Rollout, barrier, block, gather_lists, load_policy, rank_and_world
+from rollout import (Call, Rollout, barrier, block, gather_lists, load_policy, my_share, rank_and_world,
+                     sequence_logprobs, sum_gradients)
 from sandbox import CODE_TIMEOUT
 from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
 
@@ -109,6 +110,13 @@ class Config:
     lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)",
                     bounds="(0, inf)")
     warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent", bounds="[0, inf)")
+    sft_warmup: int = arg(0, "supervised steps before RL that teach the roles with a contract "
+                          "(evaluator, aggregator, orchestrator) verifier-labelled replies that keep "
+                          "it, on their adapters (0 = none)", bounds="[0, inf)")
+    sft_lr: float = arg(1e-3, "AdamW learning rate of the supervised warm-up", bounds="(0, inf)")
+    sft_roles: str = arg("evaluator,aggregator,orchestrator", "roles the warm-up teaches, of those "
+                         "the workflow has; generator and worker (math only): the gold answer "
+                         "alone, in \\boxed{}")
     weight_decay: float = arg(0.0, "AdamW weight decay", bounds="[0, inf)")
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
     minibatch_size: int = arg(16, "calls per optimizer step", bounds="[1, inf)")
@@ -370,6 +378,114 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
                                 "output": c.text, "advantage": c.advantage}
                                for c in calls if c.episode == e]})
     return rows
+
+
+# ----------------------------------------------------------------------------
+# Supervised warm-up (--sft_warmup): a contract to keep, or to lose
+# The 135M model does not keep the supervisory roles' contracts by itself, so RL
+# has nothing to keep or to lose. The warm-up teaches each of those roles, on
+# the adapter it trains under, replies that keep its contract and that a
+# verifier labels: the aggregator names a correct candidate, the evaluator gives
+# the verifier's verdict, the orchestrator lists plans. Generators are not
+# trained: they have no contract, and their answers are what RL is for.
+
+PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
+                  "Work backwards from what is asked."],
+         "code": ["Loop over the input and build the result.", "Use Python's built-in functions.",
+                  "Split the task into small helper functions."]}
+
+
+def contract_replies(calls: list[Call], problems, cfg: Config, rng: random.Random,
+                     roles: list[str]) -> list[Call]:
+    """For every call of a role with a contract, the same prompt with a contract-keeping reply
+    (the reply's text; token ids are set by warm_up)."""
+    solutions = {(c.episode, c.turn): [] for c in calls}  # generator outputs by episode and stage
+    for c in calls:  # in slot order within each episode, as the workflow made them
+        if c.role == "generator":
+            solutions[c.episode, c.turn].append(c.text)
+    judged = [c for c in calls if c.role in ("aggregator", "evaluator")]
+    read = [solutions[c.episode, c.turn - 1] for c in judged]  # what each judge saw
+    flat = [(c.episode, text) for c, texts in zip(judged, read) for text in texts]
+    scores = iter(score_batch([problems[e] for e, _ in flat], [t for _, t in flat], strict=cfg.strict_answer,
+                              workers=cfg.code_workers, timeout=cfg.code_timeout))
+    replies = []
+    for c, texts in zip(judged, read):
+        right = [k for k, _ in enumerate(texts, 1) if next(scores) == 1.0]
+        if c.role == "aggregator":  # a correct candidate; any candidate where none is correct
+            reply = f"\\boxed{{{right[0] if right else rng.randint(1, len(texts))}}}"
+        else:
+            reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
+        replies.append(dataclasses.replace(c, text=reply))
+    plan = "\n".join(f"{i}. {s}" for i, s in enumerate(PLANS[problems[0].kind][: cfg.n_agents], 1))
+    replies += [dataclasses.replace(c, text=plan) for c in calls if c.role == "orchestrator"]
+    if problems[0].kind == "math":  # the generators' answer contract, answer only
+        replies += [dataclasses.replace(c, text=f"\\boxed{{{problems[c.episode].answer}}}")
+                    for c in calls if c.role in ("generator", "worker") and c.turn == 0]
+    return [c for c in replies if c.role in roles]
+
+
+def warmup_roles(cfg: Config) -> list[str]:
+    """The workflow's roles named in --sft_roles (an unknown name is a one-line error)."""
+    roles = [r.strip() for r in cfg.sft_roles.split(",") if r.strip()]
+    known = {r for rs in ROLES.values() for r in rs}
+    for role in roles:
+        if role not in known:
+            raise SystemExit(f"--sft_roles: {role!r} is not a role (roles: {', '.join(sorted(known))})")
+    return [r for r in roles if r in ROLES[cfg.workflow]]
+
+
+def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, float]:
+    """--sft_warmup steps of supervised learning on contract-keeping replies, before RL.
+
+    One sampled rollout of the workflow on B x G distinct training problems gives
+    the prompts; each warm-up step draws a mini-batch of them and takes one AdamW
+    step (its own optimizer, lr --sft_lr) per adapter on the mean negative
+    log-likelihood of the replies' tokens. Returns the step-0 metrics: the loss of
+    the first and last mini-batch, and each role's adherence in the rollout (before)."""
+    rng = random.Random(cfg.seed + 1)  # its own problems: RL draws the same ones as without warm-up
+    picked = rng.sample(range(len(train_set)), min(len(train_set), cfg.problems_per_step * cfg.group_size))
+    mine = [picked[i] for i in block(len(picked))]
+    rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in mine],
+                                              greedy=False, label="warm-up rollout")
+    calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, mine)
+    pairs = contract_replies(calls, [train_set[i] for i in problem_of], cfg, rng, warmup_roles(cfg))
+    if not pairs:
+        raise SystemExit(f"--sft_warmup: no role of {cfg.workflow} to warm up among {', '.join(warmup_roles(cfg))}")
+    for c in pairs:
+        c.completion_ids = tok(c.text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    before = step_metrics(calls, rewards, outcomes, cfg.n_agents, diag=False)
+    m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items() if k.endswith("/adherence")}
+    optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=cfg.sft_lr, weight_decay=0.0)
+                  for name in names}
+    losses = []
+    for i in range(cfg.sft_warmup):
+        mb = rng.sample(pairs, min(cfg.minibatch_size, len(pairs)))
+        step_loss = {}
+        for name in names:
+            batch = [c for c in mb if adapter_for(c.role, cfg.sharing) == name]
+            if batch:
+                step_loss[name] = supervised_step(model, name, batch, optimizers[name], tok.pad_token_id, cfg)
+        losses.append(sum(step_loss.values()) / len(step_loss))
+        log(f"warm-up {i + 1}/{cfg.sft_warmup} | loss " + ", ".join(f"{k} {v:.3f}" for k, v in step_loss.items()))
+    return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
+
+
+def supervised_step(model, adapter: str, batch: list[Call], optimizer, pad_id: int, cfg: Config) -> float:
+    """One optimizer step on the mean negative log-likelihood of the batch's completion tokens;
+    returns that loss (under torchrun each process back-propagates its share, gradients summed)."""
+    params = adapter_parameters(model, adapter)
+    optimizer.zero_grad(set_to_none=False)
+    n_tokens, total = sum(len(c.completion_ids) for c in batch), 0.0
+    with use_adapter(model, adapter):
+        for micro in micro_batches(my_share(batch), cfg.micro_batch_tokens):
+            logp, mask, _ = sequence_logprobs(model, micro, pad_id)  # (b, T)
+            loss = -(logp * mask).sum() / n_tokens
+            loss.backward()
+            total += loss.item()
+    sum_gradients(params)
+    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    optimizer.step()
+    return sum(gather_lists([total]))
 
 
 # ----------------------------------------------------------------------------
@@ -635,6 +751,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         cfg = resolve_resume(cfg, typed)
     check_numbers(cfg)
     update = update_settings(cfg)  # stops here on a bad --role_kl
+    warmup_roles(cfg)  # and here on a bad --sft_roles
     critics = critic_settings(cfg)
     device = join_processes(cfg.device)
     rank, world = rank_and_world()
@@ -691,13 +808,14 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         eval_seconds = evaluated[-1].get("time/eval", 0.0)  # for the estimate of the time left
         log(f"resuming {cfg.out} at step {start}")
     else:
+        first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
         log(f"evaluating on {len(test_set)} held-out problems ...")
         t_eval = time.time()
         acc_before = acc = evaluate(model, tok, cfg, test_set)
         if rank == 0:
             for path in (metrics_path, samples_path):
                 open(path, "w").close()
-            append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before}])
+            append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before, **first}])
         eval_seconds = time.time() - t_eval
         log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | {eval_seconds:.0f}s | "
             f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")

@@ -1,6 +1,8 @@
 """train.py end to end on the tiny model: every workflow x sharing, resume, learning."""
+import dataclasses
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -13,10 +15,10 @@ from safetensors.torch import load_file, save_file
 import diagnose
 import train
 from conftest import ROOT
-from lora import use_adapter
-from reward import Problem
-from rollout import tiny_model
-from workflows import ROLES, slots
+from lora import inject_lora, setup_adapters, use_adapter
+from reward import Problem, load_task
+from rollout import Call, load_policy, tiny_model
+from workflows import ROLES, adherence, slots
 
 # One thread: the test model is tiny, and on a busy 2-core machine two threads
 # waiting on each other turn seconds into minutes.
@@ -399,3 +401,54 @@ def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_o
         f.write('{"workflow": "vot')
     with pytest.raises(SystemExit, match="config.json cannot be read"):
         train.main(train.Config(out=out, resume=True))
+
+
+@pytest.mark.parametrize("sharing", ["shared", "isolated"])
+def test_sft_warmup_lowers_its_loss_and_teaches_the_aggregator_its_contract(sharing):
+    """The random tiny model never writes \\boxed{k}; after 30 warm-up steps it does, sampled at
+    temperature 0.7 on new candidates. (The tiny model cannot learn to stop: its end-of-text
+    token is also padding, whose embedding row is zero, so the loss keeps that token's ~6 nats.)"""
+    cfg = train.Config(model="tiny", workflow="voting", sharing=sharing, problems_per_step=2, group_size=2,
+                       max_new_tokens=8, lora_r=4, sft_warmup=30, sft_lr=1e-2)
+    model, tok = load_policy("tiny")
+    inject_lora(model, cfg.lora_r, cfg.lora_alpha)
+    names = setup_adapters(model, ROLES["voting"], sharing)
+    pool = load_task("arith", "train", 4, 2, 0)
+    torch.manual_seed(0)
+    metrics = train.warm_up(model, tok, cfg, pool, names)
+    assert metrics["sft/loss/last"] < 0.2 * metrics["sft/loss/first"], metrics
+    rollout, outcomes, rewards = train.rollout_step(model, tok, cfg, pool, greedy=False)
+    after = train.step_metrics(rollout.calls, rewards, outcomes, cfg.n_agents, diag=False)
+    assert metrics["sft/adherence/aggregator"] <= 0.25 and after["role/aggregator/adherence"] >= 0.75, (
+        metrics, [c.text for c in rollout.calls if c.role == "aggregator"])
+
+
+def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
+    """Aggregator: a correct candidate (a random one when none is); evaluator: the verifier's
+    verdict; generator (answer only): the gold answer. Every reply keeps its role's contract."""
+    problem = Problem("p", "What is 2 + 3?", "5")
+    calls = [Call(0, "generator", f"generator{i}", 0, [1], [1], "", text)
+             for i, text in enumerate(["so \\boxed{4}", "it is 5", "\\boxed{6}"])]
+    calls += [Call(0, "aggregator", "aggregator", 1, [1], [1], "", "I pick three"),
+              Call(1, "generator", "generator", 0, [1], [1], "", "\\boxed{5}"),
+              Call(1, "evaluator", "evaluator", 1, [1], [1], "", "looks fine")]
+    cfg = train.Config(workflow="voting")
+    replies = train.contract_replies(calls, [problem, problem], cfg, random.Random(0),
+                                     ["aggregator", "evaluator", "generator"])
+    texts = {(c.episode, c.slot): c.text for c in replies}
+    assert texts[0, "aggregator"] == "\\boxed{2}"  # candidate 2 says 5, by the last number
+    assert texts[1, "evaluator"] == "\\boxed{Correct}"
+    assert texts[0, "generator1"] == texts[1, "generator"] == "\\boxed{5}"
+    for c in replies:
+        assert adherence(c.role, c.text) in (True, None)
+    wrong = [dataclasses.replace(c, text="\\boxed{7}") if c.role == "generator" else c for c in calls]
+    replies = train.contract_replies(wrong, [problem, problem], cfg, random.Random(0), ["evaluator"])
+    assert [c.text for c in replies] == ["\\boxed{Incorrect}"]
+
+
+def test_sft_roles_must_be_roles(tmp_path):
+    res = subprocess.run([sys.executable, "train.py", *SMALL, "--sft_warmup", "1", "--sft_roles", "judge",
+                          "--out", str(tmp_path / "run")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
+    assert res.returncode != 0 and "--sft_roles: 'judge' is not a role" in res.stderr
+    assert "Traceback" not in res.stderr
