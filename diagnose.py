@@ -2,6 +2,8 @@
 
     python diagnose.py runs/a runs/b              # report.md and plots of these runs
     python diagnose.py --reproduce                # the small grid on the embedded model, then the report
+    python diagnose.py --demo amplification       # one mechanism made visible, next to its mitigation
+    python diagnose.py --demo capture --seeds 0,1,2
     python diagnose.py --probe runs/a/ckpt        # kappa, coherence and gradient shares on one batch
     python diagnose.py --watch runs/a "What is 7 + 5?"   # every call of the trained workflow, printed
 
@@ -280,10 +282,11 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
     return row
 
 
-def report(run_dirs: list[str], out: str) -> str:
-    """Write report.md and the plots into `out`; return the report's path."""
+def report(run_dirs: list[str], out: str, names=run_name) -> str:
+    """Write report.md and the plots into `out`; return the report's path. `names` gives each
+    run's name in the tables and plots (default: its directory's name)."""
     os.makedirs(out, exist_ok=True)
-    runs = {run_name(d): load_run(d) for d in run_dirs}  # name -> (config, rows)
+    runs = {names(d): load_run(d) for d in run_dirs}  # name -> (config, rows)
     table = [{"run": name, **summary(config, rows)} for name, (config, rows) in runs.items()]
     header = list(table[0])
     lines = ["# Diagnosis", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -322,25 +325,135 @@ def finished(run_dir: str) -> bool:
     return bool(rows) and rows[-1]["step"] == config["steps"] and "eval/accuracy" in rows[-1]
 
 
-def reproduce(out: str, train_flags: list[str]) -> str:
-    """Train every grid cell with train.py (skipping finished ones), then write the report."""
+def train_cells(out: str, cells: list[tuple[str, list[str]]], train_flags: list[str]) -> list[str]:
+    """Train each (name, flags) cell with train.py in out/name, the cell's flags first and
+    train_flags after them (they override); finished cells are skipped, interrupted ones resumed."""
     run_dirs = []
-    for workflow, sharing in GRID:
-        run_dir = os.path.join(out, f"{workflow}-{sharing}")
+    for name, flags in cells:
+        run_dir = os.path.join(out, name)
         run_dirs.append(run_dir)
         if finished(run_dir):
             print(f"{run_dir}: already finished")
             continue
         # an interrupted cell continues from its checkpoint; one killed before its first starts over
         again = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt", "state.pt")) else ["--overwrite"]
-        cmd = [sys.executable, "train.py", "--workflow", workflow, "--sharing", sharing,
-               *GRID_FLAGS, *train_flags, "--out", run_dir, *again]
+        cmd = [sys.executable, "train.py", *flags, *train_flags, "--out", run_dir, *again]
         print(" ".join(cmd[1:]), flush=True)
         t0 = time.time()
         if subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__))).returncode != 0:
             raise SystemExit(f"{run_dir}: train.py failed (see its output above)")
         print(f"{run_dir}: {time.time() - t0:.0f} s", flush=True)
-    return report(run_dirs, out)
+    return run_dirs
+
+
+def reproduce(out: str, train_flags: list[str]) -> str:
+    """Train every grid cell with train.py, then write the report."""
+    cells = [(f"{w}-{s}", ["--workflow", w, "--sharing", s, *GRID_FLAGS]) for w, s in GRID]
+    return report(train_cells(out, cells, train_flags), out)
+
+
+# ----------------------------------------------------------------------------
+# The demos: each mechanism made to happen on the embedded model, next to its mitigations
+# The settings were found by the sweeps in the README ("Seeing the two mechanisms").
+
+
+@dataclasses.dataclass(frozen=True)
+class Demo:
+    finding: str                      # how the detector's finding starts
+    flags: tuple[str, ...]            # train.py flags of every cell
+    cells: dict[str, tuple[str, ...]]  # cell name -> its own flags
+    shows: tuple[str, ...]            # the cells meant to show the mechanism; the others mitigate or contrast
+
+
+DEMOS = {
+    "amplification": Demo(
+        "gradient amplification",
+        ("--workflow", "voting", "--sft_warmup", "10", "--sft_roles", "generator,aggregator",
+         "--max_new_tokens", "12", "--temperature", "0.7", "--steps", "8", "--eval_every", "4",
+         "--eval_problems", "32"),
+        {"isolated": ("--sharing", "isolated"),
+         "shared": ("--sharing", "shared"),
+         "isolated-one_step": ("--sharing", "isolated", "--one_step")},
+        ("isolated",)),
+    "capture": Demo(
+        "role capture",
+        ("--workflow", "voting", "--sft_warmup", "10", "--sft_roles", "aggregator", "--steps", "8",
+         "--eval_every", "4", "--eval_problems", "32"),
+        {"shared": ("--sharing", "shared"),
+         "isolated": ("--sharing", "isolated"),
+         "shared-balance_role": ("--sharing", "shared", "--balance", "role")},
+        ("shared",)),
+}
+
+
+def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
+    """What the demos compare, from one run: the crowded role's kappa (mean, and the share of
+    steps at >= 0.8 sqrt(N)), its adapter's update norm, the first supervisory role's
+    adherence (first and last step), the largest gradient share, reward and accuracy."""
+    n = multiplicity(config)
+    crowded = max(n, key=n.get)  # the role with the most slots
+    judge = next((r for r in ROLES[config["workflow"]] if r != crowded), crowded)
+    adapter = "shared" if config["sharing"] == "shared" else crowded
+
+    def values(key: str) -> list[float]:
+        return [v for _, v in series(rows, key)]
+
+    kappa, acc = values(f"role/{crowded}/kappa"), values("eval/accuracy")
+    adh, reward = values(f"role/{judge}/adherence"), values("reward/mean")
+    shares = [statistics.mean(values(f"role/{r}/grad_share")) for r in ROLES[config["workflow"]]
+              if values(f"role/{r}/grad_share")]
+    mean = statistics.mean
+    return {"kappa": mean(kappa) if kappa else math.nan,
+            "coherent steps": mean(k >= KAPPA_FRAC * math.sqrt(n[crowded]) for k in kappa) if kappa else math.nan,
+            "update norm": mean(values(f"adapter/{adapter}/update_norm") or [math.nan]),
+            "adherence first": adh[0] if adh else math.nan, "adherence last": adh[-1] if adh else math.nan,
+            "top share": max(shares) if shares else math.nan,
+            "reward first": reward[0] if reward else math.nan, "reward last": reward[-1] if reward else math.nan,
+            "accuracy start": acc[0], "accuracy peak": max(acc), "accuracy end": acc[-1]}
+
+
+def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
+    """Train the demo's cells for every seed (out/seed<S>/<cell>), then write report.md with a
+    table of the cells (mean and range over seeds) and which cells the detector names."""
+    spec = DEMOS[name]
+    cells = [(cell, [*spec.flags, *flags]) for cell, flags in spec.cells.items()]
+    by_cell = {cell: [] for cell in spec.cells}  # cell -> run directories, one per seed
+    for seed in seeds:
+        for (cell, _), run_dir in zip(cells, train_cells(os.path.join(out, f"seed{seed}"), cells,
+                                                         ["--seed", str(seed), *train_flags])):
+            by_cell[cell].append(run_dir)
+    path = report([d for dirs in by_cell.values() for d in dirs], out, names=lambda d: os.path.relpath(d, out))
+    lines, verdict = demo_table(spec, by_cell), []
+    for cell, dirs in by_cell.items():
+        found = sum(any(f.startswith(spec.finding) for f in findings(*load_run(d))) for d in dirs)
+        meant = "the mechanism" if cell in spec.shows else "a mitigation or contrast"
+        verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(dirs)} seeds")
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(f"# Demo: {name}\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {v}" for v in verdict)
+                + "\n\n" + text)
+    print("\n".join(lines + [""] + verdict))
+    return path
+
+
+def demo_table(spec: Demo, by_cell: dict[str, list[str]]) -> list[str]:
+    """One row per cell: each number's mean over the seeds, and its range when there are several."""
+    rows = {cell: [cell_numbers(*load_run(d)) for d in dirs] for cell, dirs in by_cell.items()}
+    keys = list(next(iter(rows.values()))[0])
+    lines = ["| cell | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for cell, numbers in rows.items():
+        parts = []
+        for k in keys:
+            vs = [x[k] for x in numbers if not math.isnan(x[k])]
+            if not vs:
+                parts.append("-")
+            elif len(vs) == 1:
+                parts.append(f"{vs[0]:.2f}")
+            else:
+                parts.append(f"{statistics.mean(vs):.2f} ({min(vs):.2f}-{max(vs):.2f})")
+        lines.append(f"| {cell} | " + " | ".join(parts) + " |")
+    return lines
 
 
 def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
@@ -407,12 +520,15 @@ def watch(run_dir: str, question: str, sample: bool = False, seed: int = 0) -> s
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     epilog="With --reproduce, unknown flags go to train.py "
+                                     epilog="With --reproduce or --demo, unknown flags go to train.py "
                                             "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
     parser.add_argument("runs", nargs="*", help="train.py run directories")
     parser.add_argument("--out", default=None, help="where report.md and the plots go "
                         "(default: the run directory, or the runs' common parent)")
     parser.add_argument("--reproduce", action="store_true", help="train the grid, then report")
+    parser.add_argument("--demo", choices=list(DEMOS), help="train one mechanism's demo cells "
+                        "(the mechanism, its contrast, its mitigation), then report")
+    parser.add_argument("--seeds", default="0", help="--demo: the seeds to run, e.g. 0,1,2")
     parser.add_argument("--probe", metavar="CHECKPOINT", help="a run's ckpt directory")
     parser.add_argument("--probe_problems", type=int, default=4, help="problems in the probe batch")
     parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"),
@@ -424,22 +540,33 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def split_reproduce(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """--reproduce and --out for this file; every other flag, in order, for train.py. (The full
-    parser would let its run-directory positional swallow the value of --model and the like.)"""
-    own = argparse.ArgumentParser(add_help=False)
+    """--reproduce, --demo, --seeds and --out for this file; every other flag, in order, for
+    train.py. (The full parser would let its run-directory positional swallow the value of
+    --model and the like.)"""
+    own = argparse.ArgumentParser(prog="diagnose.py", add_help=False)
     own.add_argument("--reproduce", action="store_true")
+    own.add_argument("--demo", choices=list(DEMOS))
+    own.add_argument("--seeds", default="0")
     own.add_argument("--out", default=None)
-    return own.parse_known_args(argv)
+    args, train_flags = own.parse_known_args(argv)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        own.error(f"--seeds {args.seeds!r}: give seeds as 0,1,2")
+    return args, train_flags
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
-    if "--reproduce" in argv and "--help" not in argv and "-h" not in argv:
+    if ("--reproduce" in argv or "--demo" in argv) and "--help" not in argv and "-h" not in argv:
         args, train_flags = split_reproduce(argv)
         train.parse_config(train_flags)  # a wrong flag fails here, before the first cell
         t0 = time.time()
-        path = reproduce(args.out or "runs/reproduce", train_flags)
+        if args.demo:
+            path = demo(args.demo, args.out or f"runs/demo-{args.demo}", train_flags, args.seeds)
+        else:
+            path = reproduce(args.out or "runs/reproduce", train_flags)
         print(f"{path} ({time.time() - t0:.0f} s in all)")
         return
     args = parser.parse_args(argv)

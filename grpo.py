@@ -272,8 +272,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
 
     With `per_slot`, each agent slot's part of a mini-batch is back-propagated on
     its own, so the gradient of every slot and role is measured even when they
-    share the adapter (gradient_stats); without it, calls are grouped by role only
-    (cheaper, same update). A call with advantage 0 and no KL term is skipped: its
+    share the adapter (gradient_stats, on each slot's gradient summed over the
+    step); without it, calls are grouped by role only (cheaper, same update). A call with advantage 0 and no KL term is skipped: its
     gradient is exactly 0, and it still counts in the denominators. `ema` holds
     the gradient EMA of --damping across steps. Sets every call's old_logp: None
     where the call is on-policy (see the module docstring).
@@ -298,9 +298,9 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     set_old_logprobs(model, [c for mb in off_policy for _, mine in slot_groups(mb, s, by) for c in mine],
                      adapter, pad_id, s.temperature, s.micro_batch_tokens)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
+    step_grads, role_of = {}, {}  # each slot's gradient, summed over the step's mini-batches
     for mb in batches:
         optimizer.zero_grad(set_to_none=False)
-        group_grads, role_of = {}, {}
         for group, mine in slot_groups(mb, s, by):
             role = role_of[group] = next(c.role for c in mb if getattr(c, by) == group)
             weight = loss_weight(mb, role, s.balance)
@@ -312,17 +312,19 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
                     if per_slot:
                         stats[f"slot/{group}/{k}"].append(v)
             if per_slot:
-                group_grads[group] = sum_across(flat_grad(params) - before)  # this slot's loss alone
+                mine_alone = sum_across(flat_grad(params) - before)  # this slot's loss alone
+                step_grads[group] = step_grads[group] + mine_alone if group in step_grads else mine_alone
         sum_gradients(params)
-        if per_slot:
-            for k, v in gradient_stats(group_grads, role_of).items():
-                stats[k].append(v)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
         if s.damping > 0:
             stats[f"adapter/{adapter}/damping"].append(damped_step(optimizer, params, ema, s.damping))
         else:
             optimizer.step()
+    # kappa and shares of the whole step: within one shuffled mini-batch the slots' calls
+    # come from different episodes, so a mini-batch's slot gradients are not comparable
+    for k, v in gradient_stats(step_grads, role_of).items():
+        stats[k].append(v)
     theta_after = torch.cat([p.detach().reshape(-1) for p in params])
     stats[f"adapter/{adapter}/update_norm"].append((theta_after - theta_before).norm().item())
     return stats

@@ -385,7 +385,7 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
 # The 135M model does not keep the supervisory roles' contracts by itself, so RL
 # has nothing to keep or to lose. The warm-up teaches each of those roles, on
 # the adapter it trains under, replies that keep its contract and that a
-# verifier labels: the aggregator names a correct candidate, the evaluator gives
+# verifier labels: the aggregator names a correct candidate (any of them), the evaluator gives
 # the verifier's verdict, the orchestrator lists plans. Generators are not
 # trained: they have no contract, and their answers are what RL is for.
 
@@ -411,8 +411,8 @@ def contract_replies(calls: list[Call], problems, cfg: Config, rng: random.Rando
     replies = []
     for c, texts in zip(judged, read):
         right = [k for k, _ in enumerate(texts, 1) if next(scores) == 1.0]
-        if c.role == "aggregator":  # a correct candidate; any candidate where none is correct
-            reply = f"\\boxed{{{right[0] if right else rng.randint(1, len(texts))}}}"
+        if c.role == "aggregator":  # any correct candidate; any candidate where none is correct
+            reply = f"\\boxed{{{rng.choice(right or range(1, len(texts) + 1))}}}"
         else:
             reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
         replies.append(dataclasses.replace(c, text=reply))
