@@ -376,3 +376,32 @@ def test_damaged_runs_are_one_line_errors_and_a_torn_last_line_is_dropped(tmp_pa
     os.remove(f"{out}/config.json")
     with pytest.raises(SystemExit, match="no config.json"):
         diagnose.main([out])
+
+
+def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys):
+    """The plumbing of --demo on the tiny model: every cell and seed trained with the demo's flags,
+    the flags after --demo passed on (and overriding), one table row per cell, a verdict per cell."""
+    out = str(tmp_path / "demo")
+    diagnose.main(["--demo", "capture", "--seeds", "0,1", "--out", out, "--model", "tiny", "--steps", "2",
+                   "--eval_every", "1", "--eval_problems", "2", "--problems_per_step", "2",
+                   "--group_size", "2", "--max_new_tokens", "6", "--lora_r", "4", "--sft_warmup", "2"])
+    printed = capsys.readouterr().out
+    spec = diagnose.DEMOS["capture"]
+    for seed in (0, 1):
+        for cell, flags in spec.cells.items():
+            config, rows = diagnose.load_run(f"{out}/seed{seed}/{cell}")
+            assert (config["seed"], config["steps"], config["sft_warmup"]) == (seed, 2, 2)
+            assert config["sharing"] == flags[flags.index("--sharing") + 1]
+            assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
+    report = open(f"{out}/report.md").read()
+    assert report.startswith("# Demo: capture")
+    for cell in spec.cells:
+        assert f"| {cell} | " in report
+        assert f"{cell} (" in printed and "found in" in printed
+    assert "seed1/shared-balance_role" in report  # runs named by seed and cell
+    assert os.path.exists(f"{out}/adherence.png")
+
+
+def test_demo_names_must_be_known():
+    with pytest.raises(SystemExit):
+        diagnose.main(["--demo", "collapse"])
