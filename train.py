@@ -110,13 +110,13 @@ class Config:
     lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)",
                     bounds="(0, inf)")
     warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent", bounds="[0, inf)")
-    sft_warmup: int = arg(0, "supervised steps before RL that teach the roles with a contract "
-                          "(evaluator, aggregator, orchestrator) verifier-labelled replies that keep "
-                          "it, on their adapters (0 = none)", bounds="[0, inf)")
+    sft_warmup: int = arg(0, "supervised steps before RL, on the same adapters: the evaluator, "
+                          "aggregator and orchestrator learn verifier-labelled replies that keep "
+                          "their contracts, the solvers their own accepted solutions (0 = none)",
+                          bounds="[0, inf)")
     sft_lr: float = arg(1e-3, "AdamW learning rate of the supervised warm-up", bounds="(0, inf)")
-    sft_roles: str = arg("evaluator,aggregator,orchestrator", "roles the warm-up teaches, of those "
-                         "the workflow has; generator and worker (math only): the gold answer "
-                         "alone, in \\boxed{}")
+    sft_roles: str = arg("generator,evaluator,aggregator,orchestrator,worker,synthesizer",
+                         "roles the warm-up teaches, of those the workflow has")
     weight_decay: float = arg(0.0, "AdamW weight decay", bounds="[0, inf)")
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
     minibatch_size: int = arg(16, "calls per optimizer step", bounds="[1, inf)")
@@ -383,12 +383,13 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
 # ----------------------------------------------------------------------------
 # Supervised warm-up (--sft_warmup): a contract to keep, or to lose
 # The 135M model does not keep the supervisory roles' contracts by itself, so RL
-# has nothing to keep or to lose. The warm-up teaches each of those roles, on
-# the adapter it trains under, replies that keep its contract and that a
-# verifier labels: the aggregator names a correct candidate (any of them), the evaluator gives
-# the verifier's verdict, the orchestrator lists plans. Generators are not
-# trained: they have no contract, and their answers are what RL is for.
+# has nothing to keep or to lose. The warm-up teaches every role, on the adapter
+# it trains under, replies that keep its contract and that a verifier labels:
+# the aggregator names a correct candidate (any of them; any candidate when none
+# is), the evaluator gives the verifier's verdict, the orchestrator lists plans,
+# and the solving roles repeat their own solutions that the verifier accepts.
 
+SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a solution
 PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
                   "Work backwards from what is asked."],
          "code": ["Loop over the input and build the result.", "Use Python's built-in functions.",
@@ -397,8 +398,8 @@ PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equ
 
 def contract_replies(calls: list[Call], problems, cfg: Config, rng: random.Random,
                      roles: list[str]) -> list[Call]:
-    """For every call of a role with a contract, the same prompt with a contract-keeping reply
-    (the reply's text; token ids are set by warm_up)."""
+    """Warm-up pairs of the given roles: calls with the same prompt and a reply (its text;
+    warm_up sets the token ids) that keeps the role's contract."""
     solutions = {(c.episode, c.turn): [] for c in calls}  # generator outputs by episode and stage
     for c in calls:  # in slot order within each episode, as the workflow made them
         if c.role == "generator":
@@ -418,9 +419,13 @@ def contract_replies(calls: list[Call], problems, cfg: Config, rng: random.Rando
         replies.append(dataclasses.replace(c, text=reply))
     plan = "\n".join(f"{i}. {s}" for i, s in enumerate(PLANS[problems[0].kind][: cfg.n_agents], 1))
     replies += [dataclasses.replace(c, text=plan) for c in calls if c.role == "orchestrator"]
-    if problems[0].kind == "math":  # the generators' answer contract, answer only
-        replies += [dataclasses.replace(c, text=f"\\boxed{{{problems[c.episode].answer}}}")
-                    for c in calls if c.role in ("generator", "worker") and c.turn == 0]
+    # the solving roles keep their own sampled solutions that the verifier accepts (rejection
+    # sampling, as in STaR, Zelikman et al. 2022): on a shared adapter, without them the
+    # other roles' replies would teach the solvers to answer \boxed{k} too
+    solvers = [c for c in calls if c.role in SOLVERS]
+    accepted = score_batch([problems[c.episode] for c in solvers], [c.text for c in solvers],
+                           strict=cfg.strict_answer, workers=cfg.code_workers, timeout=cfg.code_timeout)
+    replies += [dataclasses.replace(c) for c, ok in zip(solvers, accepted) if ok == 1.0]
     return [c for c in replies if c.role in roles]
 
 

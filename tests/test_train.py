@@ -425,7 +425,8 @@ def test_sft_warmup_lowers_its_loss_and_teaches_the_aggregator_its_contract(shar
 
 def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
     """Aggregator: a correct candidate (a random one when none is); evaluator: the verifier's
-    verdict; generator (answer only): the gold answer. Every reply keeps its role's contract."""
+    verdict; generators: their own solutions that the verifier accepts. Every reply keeps its
+    role's contract."""
     problem = Problem("p", "What is 2 + 3?", "5")
     calls = [Call(0, "generator", f"generator{i}", 0, [1], [1], "", text)
              for i, text in enumerate(["so \\boxed{4}", "it is 5", "\\boxed{6}"])]
@@ -438,7 +439,8 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
     texts = {(c.episode, c.slot): c.text for c in replies}
     assert texts[0, "aggregator"] == "\\boxed{2}"  # candidate 2 says 5, by the last number
     assert texts[1, "evaluator"] == "\\boxed{Correct}"
-    assert texts[0, "generator1"] == texts[1, "generator"] == "\\boxed{5}"
+    assert (texts[0, "generator1"], texts[1, "generator"]) == ("it is 5", "\\boxed{5}")
+    assert (0, "generator0") not in texts and (0, "generator2") not in texts
     for c in replies:
         assert adherence(c.role, c.text) in (True, None)
     wrong = [dataclasses.replace(c, text="\\boxed{7}") if c.role == "generator" else c for c in calls]
