@@ -442,13 +442,14 @@ def warmup_roles(cfg: Config) -> list[str]:
 def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, float]:
     """--sft_warmup steps of supervised learning on contract-keeping replies, before RL.
 
-    One sampled rollout of the workflow on B x G distinct training problems gives
-    the prompts; each warm-up step draws a mini-batch of them and takes one AdamW
+    One sampled rollout of the workflow on B x G distinct training problems (at
+    least --minibatch_size of them) gives the prompts; each warm-up step draws a mini-batch of them and takes one AdamW
     step (its own optimizer, lr --sft_lr) per adapter on the mean negative
     log-likelihood of the replies' tokens. Returns the step-0 metrics: the loss of
     the first and last mini-batch, and each role's adherence in the rollout (before)."""
     rng = random.Random(cfg.seed + 1)  # its own problems: RL draws the same ones as without warm-up
-    picked = rng.sample(range(len(train_set)), min(len(train_set), cfg.problems_per_step * cfg.group_size))
+    n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)  # at least a mini-batch's worth
+    picked = rng.sample(range(len(train_set)), min(len(train_set), n))
     mine = [picked[i] for i in block(len(picked))]
     rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in mine],
                                               greedy=False, label="warm-up rollout")
