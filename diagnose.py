@@ -367,11 +367,11 @@ class Demo:
 
 # Both demos train Voting from the same start: a short supervised warm-up (train.py
 # --sft_warmup) gives the aggregator its contract and keeps the generators solving;
-# then 6 RL steps at a learning rate (1.5e-3) where the shared adapter breaks within
-# the run. Cells with the same name are the same run, so the two demos given one
-# --out share their "shared" and "isolated" cells.
+# then 5 RL steps at a learning rate (1.5e-3) where the aggregator's contract breaks
+# within the run. Cells with the same name are the same run, so the two demos given
+# one --out share their "shared" and "isolated" cells.
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
-              "--max_new_tokens", "32", "--steps", "6", "--eval_every", "3", "--eval_problems", "16")
+              "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16")
 DEMOS = {
     "amplification": Demo(
         "gradient amplification", DEMO_FLAGS,
@@ -418,17 +418,15 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     """Train the demo's cells for every seed (out/seed<S>/<cell>), then write report.md with a
     table of the cells (mean and range over seeds) and which cells the detector names."""
     spec = DEMOS[name]
-    cells = [(cell, [*spec.flags, *flags]) for cell, flags in spec.cells.items()]
-    by_cell = {cell: [] for cell in spec.cells}  # cell -> run directories, one per seed
-    for seed in seeds:
-        for (cell, _), run_dir in zip(cells, train_cells(os.path.join(out, f"seed{seed}"), cells,
-                                                         ["--seed", str(seed), *train_flags])):
-            by_cell[cell].append(run_dir)
-    path = report([d for dirs in by_cell.values() for d in dirs], out, names=lambda d: os.path.relpath(d, out))
-    lines, verdict = demo_table(spec, by_cell), []
+    cells = [(f"seed{seed}/{cell}", [*spec.flags, *flags, "--seed", str(seed)])
+             for seed in seeds for cell, flags in spec.cells.items()]
+    run_dirs = train_cells(out, cells, train_flags)
+    by_cell = {cell: [d for d in run_dirs if os.path.basename(d) == cell] for cell in spec.cells}
+    path = report(run_dirs, out, names=lambda d: os.path.relpath(d, out))
+    lines, verdict = demo_table(by_cell), []
     for cell, dirs in by_cell.items():
         found = sum(any(f.startswith(spec.finding) for f in findings(*load_run(d))) for d in dirs)
-        meant = "the mechanism" if cell in spec.shows else "a mitigation or contrast"
+        meant = "the mechanism" if cell in spec.shows else "a contrast or a mitigation"
         verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(dirs)} seeds")
     with open(path) as f:
         text = f.read()
@@ -439,7 +437,7 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     return path
 
 
-def demo_table(spec: Demo, by_cell: dict[str, list[str]]) -> list[str]:
+def demo_table(by_cell: dict[str, list[str]]) -> list[str]:
     """One row per cell: each number's mean over the seeds, and its range when there are several."""
     rows = {cell: [cell_numbers(*load_run(d)) for d in dirs] for cell, dirs in by_cell.items()}
     keys = list(next(iter(rows.values()))[0])

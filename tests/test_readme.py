@@ -59,7 +59,7 @@ def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypa
             bench.make_parser().parse_args(args)
         else:
             assert script == "diagnose.py", script
-            if "--reproduce" in args:  # trains a grid: parsed only
+            if "--reproduce" in args or "--demo" in args:  # trains a grid: parsed only
                 train.parse_config(diagnose.split_reproduce(args)[1])  # what it hands to train.py
                 continue
             parsed = diagnose.make_parser().parse_args(args)
@@ -75,7 +75,7 @@ def test_the_readme_names_every_metric_a_run_logs(tmp_path):
         text = f.read()
     listed = set(re.findall(r"`([^`]+)`", text[text.index("A run directory holds:"):text.index("## Using")]))
     keys = set()
-    for kw in [dict(workflow="voting", sharing="shared", damping=0.5, role_kl="aggregator=0.1"),
+    for kw in [dict(workflow="voting", sharing="shared", damping=0.5, role_kl="aggregator=0.1", sft_warmup=1),
                dict(workflow="eval_opt", sharing="isolated", algo="maac", critic="central")]:
         out = str(tmp_path / kw["workflow"])
         train.main(train.Config(model="tiny", steps=1, problems_per_step=2, group_size=2, eval_problems=1,
