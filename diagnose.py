@@ -415,14 +415,15 @@ def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
 
 
 def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
-    """Train the demo's cells for every seed (out/seed<S>/<cell>), then write report.md with a
-    table of the cells (mean and range over seeds) and which cells the detector names."""
+    """Train the demo's cells for every seed (out/seed<S>/<cell>), then write out/<name>/report.md
+    and its plots, headed by a table of the cells (mean and range over the seeds) and by which
+    cells the detector names."""
     spec = DEMOS[name]
     cells = [(f"seed{seed}/{cell}", [*spec.flags, *flags, "--seed", str(seed)])
              for seed in seeds for cell, flags in spec.cells.items()]
     run_dirs = train_cells(out, cells, train_flags)
     by_cell = {cell: [d for d in run_dirs if os.path.basename(d) == cell] for cell in spec.cells}
-    path = report(run_dirs, out, names=lambda d: os.path.relpath(d, out))
+    path = report(run_dirs, os.path.join(out, name), names=lambda d: os.path.relpath(d, out))
     lines, verdict = demo_table(by_cell), []
     for cell, dirs in by_cell.items():
         found = sum(any(f.startswith(spec.finding) for f in findings(*load_run(d))) for d in dirs)

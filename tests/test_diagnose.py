@@ -393,13 +393,13 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
             assert (config["seed"], config["steps"], config["sft_warmup"]) == (seed, 2, 2)
             assert config["sharing"] == flags[flags.index("--sharing") + 1]
             assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
-    report = open(f"{out}/report.md").read()
+    report = open(f"{out}/capture/report.md").read()
     assert report.startswith("# Demo: capture")
     for cell in spec.cells:
         assert f"| {cell} | " in report
         assert f"{cell} (" in printed and "found in" in printed
     assert "seed1/shared-balance_role" in report  # runs named by seed and cell
-    assert os.path.exists(f"{out}/adherence.png")
+    assert os.path.exists(f"{out}/capture/adherence.png")
 
 
 def test_demo_names_must_be_known():
