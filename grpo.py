@@ -273,8 +273,9 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     With `per_slot`, each agent slot's part of a mini-batch is back-propagated on
     its own, so the gradient of every slot and role is measured even when they
     share the adapter (gradient_stats, on each slot's gradient summed over the
-    step); without it, calls are grouped by role only (cheaper, same update). A call with advantage 0 and no KL term is skipped: its
-    gradient is exactly 0, and it still counts in the denominators. `ema` holds
+    step); without it, calls are grouped by role only (cheaper, same update). A
+    call with advantage 0 and no KL term is skipped: its gradient is exactly 0,
+    and it still counts in the denominators. `ema` holds
     the gradient EMA of --damping across steps. Sets every call's old_logp: None
     where the call is on-policy (see the module docstring).
 
@@ -312,8 +313,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
                     if per_slot:
                         stats[f"slot/{group}/{k}"].append(v)
             if per_slot:
-                mine_alone = sum_across(flat_grad(params) - before)  # this slot's loss alone
-                step_grads[group] = step_grads[group] + mine_alone if group in step_grads else mine_alone
+                alone = sum_across(flat_grad(params) - before)  # (n_params,) this slot's loss alone
+                step_grads[group] = step_grads.get(group, 0) + alone
         sum_gradients(params)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
