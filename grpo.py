@@ -22,7 +22,8 @@ Departures: std is the unbiased (Bessel) estimate, as in verl and TRL; a
 group whose rewards are all equal (or that has a single member) gets
 advantage 0 instead of dividing by ~eps. The KL term to the reference policy
 is off by default, as in the paper; when on it is the k3 estimator
-(Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model.
+(Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model,
+or, after a supervised warm-up, against the warmed-up adapter (`reference`).
 
 The update (`policy_update`) is shared by GRPO and the actor of the
 actor-critic (critic.py): one pass over the calls in mini-batches, one
@@ -260,6 +261,8 @@ class UpdateSettings:
     eps_high: float = 0.28
     agg: str = "seq-mean-token-mean"  # loss aggregation, one of AGG_MODES
     kl_coef: dict[str, float] = field(default_factory=dict)  # KL anchor weight per role (0 if absent)
+    reference: dict[str, str] = field(default_factory=dict)  # adapter -> its frozen reference
+                                                             # adapter (absent: the base model)
     grad_clip: float = 1.0           # max gradient norm per optimizer step
     balance: str = "none"            # role weights, one of BALANCE (loss_weight)
     damping: float = 0.0             # coherence damping, 0 = off (damped_step)
@@ -349,7 +352,7 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: 
                                                 with_entropy=with_entropy)  # (b, T) each
     ref_logp = None
     if kl_coef > 0:
-        with torch.no_grad(), use_adapter(model, None):  # the base model
+        with torch.no_grad(), use_adapter(model, s.reference.get(adapter)):  # None: the base model
             ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, s.temperature)
     old_logp = logp.detach().clone()  # (b, T); on-policy rows keep it, padding is masked
     for i, c in enumerate(micro):

@@ -10,7 +10,9 @@ Policy sharing (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
 Every adapter lives inside the same LoRALinear modules, so isolated sharing
 costs a few adapters more than shared, never a second copy of the base model.
 With no adapter active the model is exactly the base model, which is the
-reference policy for the optional KL term.
+reference policy for the optional KL term, unless a supervised warm-up came
+first: then the reference is a frozen copy of each adapter as RL found it
+(`freeze_copy`), as InstructGPT anchors RL to its SFT model.
 
 Generation runs merged (`merged_adapter`): for the length of a workflow stage
 the active adapter is folded into the frozen weights, W' = W + (alpha / r) B A,
@@ -157,6 +159,13 @@ def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
     for layer in lora_layers(model):
         params += [layer.lora_A[name], layer.lora_B[name]]
     return params
+
+
+def freeze_copy(model: nn.Module, source: str, name: str) -> None:
+    """Adapter `name`: a copy of adapter `source` that no optimizer moves (a reference policy)."""
+    load_adapter_state(model, name, adapter_state(model, source))
+    for param in adapter_parameters(model, name):
+        param.requires_grad_(False)
 
 
 def adapter_for(role: str, sharing: str) -> str:

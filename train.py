@@ -58,8 +58,8 @@ from tqdm import tqdm
 from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
                     setup_critics, update_critics)
 from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_batches, policy_update
-from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, inject_lora, load_adapters,
-                  save_adapters, setup_adapters, use_adapter)
+from lora import (DEFAULT_TARGETS, adapter_for, adapter_names, adapter_parameters, freeze_copy,
+                  inject_lora, load_adapters, save_adapters, setup_adapters, use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
 from rollout import (Call, Rollout, barrier, block, gather_lists, load_policy, my_share, rank_and_world,
                      sequence_logprobs, sum_gradients)
@@ -127,7 +127,8 @@ class Config:
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
     adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)",
                          ("slot", "role"))
-    kl_coef: float = arg(0.0, "k3 KL to the base model (adapters off); 0 = off, as in the paper",
+    kl_coef: float = arg(0.0, "k3 KL to the reference policy: the base model (adapters off), or "
+                         "the adapters as the warm-up left them after --sft_warmup; 0 = off, as in the paper",
                          bounds="[0, inf)")
     # mitigations of Paper A's failure modes (see diagnose.py)
     balance: str = arg("none", "loss weight of each role: none; role = every role weighs the same "
@@ -334,12 +335,17 @@ def kl_coefs(cfg: Config) -> dict[str, float]:
 
 
 def update_settings(cfg: Config) -> UpdateSettings:
-    """What grpo.policy_update reads, from the config (the same for every adapter)."""
+    """What grpo.policy_update reads, from the config (the same for every adapter). After a
+    warm-up, a KL term anchors each adapter to a frozen copy of itself, "<adapter>-ref"."""
+    kl = kl_coefs(cfg)
+    adapters = {adapter_for(role, cfg.sharing) for role in ROLES[cfg.workflow]}
+    anchored = cfg.sft_warmup > 0 and any(v > 0 for v in kl.values())
     return UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
                           one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
                           eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
-                          kl_coef=kl_coefs(cfg), grad_clip=cfg.grad_clip, balance=cfg.balance,
-                          damping=cfg.damping)
+                          kl_coef=kl, grad_clip=cfg.grad_clip, balance=cfg.balance,
+                          damping=cfg.damping,
+                          reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
 
 
 def critic_settings(cfg: Config) -> CriticSettings:
@@ -589,7 +595,7 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     barrier()
     path = os.path.join(out, "ckpt")
     try:
-        load_adapters(model, path, list(optimizers))
+        load_adapters(model, path, adapter_names(model))  # the references' frozen copies too
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
         for k, h in heads.items():  # checkpoints from before the PEFT layout kept heads in state.pt
             head_file = os.path.join(path, k, "value_head.safetensors")
@@ -801,6 +807,8 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
     start = 0
     if cfg.resume:
+        for name, ref in update.reference.items():  # the checkpoint fills them in
+            freeze_copy(model, name, ref)
         start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng, emas)
         if rank == 0:
             truncate_jsonl(metrics_path, start)
@@ -815,6 +823,8 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         log(f"resuming {cfg.out} at step {start}")
     else:
         first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
+        for name, ref in update.reference.items():  # the KL anchor: the policy RL starts from
+            freeze_copy(model, name, ref)
         log(f"evaluating on {len(test_set)} held-out problems ...")
         t_eval = time.time()
         acc_before = acc = evaluate(model, tok, cfg, test_set)

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 import diagnose
 import train
 from conftest import ROOT
-from lora import inject_lora, setup_adapters, use_adapter
+from grpo import policy_update
+from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
 from reward import Problem, load_task
 from rollout import Call, load_policy, tiny_model
 from workflows import ROLES, adherence, slots
@@ -446,6 +447,59 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
     wrong = [dataclasses.replace(c, text="\\boxed{7}") if c.role == "generator" else c for c in calls]
     replies = train.contract_replies(wrong, [problem, problem], cfg, random.Random(0), ["evaluator"])
     assert [c.text for c in replies] == ["\\boxed{Incorrect}"]
+
+
+def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
+    """With a warm-up and a KL term, RL starts exactly at its reference (KL 0 on the first
+    mini-batch; the base model, the reference without a warm-up, is far from it), the
+    reference does not move with the adapter, and it travels in the checkpoint."""
+    cfg = train.Config(model="tiny", workflow="voting", sharing="shared", problems_per_step=2, group_size=2,
+                       max_new_tokens=6, lora_r=4, sft_warmup=5, sft_lr=1e-2, role_kl="aggregator=1.0")
+    model, tok = load_policy("tiny")
+    inject_lora(model, cfg.lora_r, cfg.lora_alpha)
+    names = setup_adapters(model, ROLES["voting"], "shared")
+    pool = load_task("arith", "train", 4, 2, 0)
+    torch.manual_seed(0)
+    train.warm_up(model, tok, cfg, pool, names)
+    settings = train.update_settings(cfg)
+    assert settings.reference == {"shared": "shared-ref"}
+    freeze_copy(model, "shared", "shared-ref")
+    reference = [p.detach().clone() for p in adapter_parameters(model, "shared-ref")]
+    assert not any(p.requires_grad for p in adapter_parameters(model, "shared-ref"))
+    rollout, _, _ = train.rollout_step(model, tok, cfg, pool, greedy=False)
+    agg = [dataclasses.replace(c, advantage=(-1.0) ** i) for i, c in enumerate(rollout.calls)
+           if c.role == "aggregator"]
+    kl = {}
+    for label, s in [("base", dataclasses.replace(settings, reference={})), ("warmed-up", settings)]:
+        optimizer = torch.optim.AdamW(adapter_parameters(model, "shared"), lr=1e-2)
+        state = [p.detach().clone() for p in adapter_parameters(model, "shared")]
+        stats = policy_update(model, "shared", agg, optimizer, random.Random(0), tok.pad_token_id, s)
+        kl[label] = stats["role/aggregator/kl_ref"][0]
+        with torch.no_grad():  # back to the warmed-up adapter for the other reference
+            for p, p0 in zip(adapter_parameters(model, "shared"), state):
+                p.copy_(p0)
+    assert kl["warmed-up"] == pytest.approx(0.0, abs=1e-6) and kl["base"] > 1e-3, kl
+    assert all(torch.equal(p, p0) for p, p0 in zip(adapter_parameters(model, "shared-ref"), reference))
+
+    out = str(tmp_path / "run")  # a run saves the reference and resumes with it
+    train.main(dataclasses.replace(small_config(out, sharing="shared", steps=1), sft_warmup=2, sft_lr=1e-2,
+                                   role_kl="aggregator=1.0"))
+    assert sorted(os.listdir(f"{out}/ckpt")) == ["shared", "shared-ref", "state.pt"]
+
+
+def test_a_resumed_run_keeps_its_warmed_up_kl_anchor(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
+               role_kl="aggregator=0.5")
+    train.main(small_config(str(tmp_path / "straight"), **toy))
+    out = str(tmp_path / "resumed")
+    killed_in_step_3(small_config(out, **toy), monkeypatch, dies_at_call=6)  # the warm-up rolls out first
+    train.main(train.Config(out=out, resume=True))
+    straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
+    resumed = without_machine_stats(read_jsonl(out + "/metrics.jsonl"))
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert any(r.get("role/aggregator/kl_ref", 0) > 0 for r in straight[3:])  # the anchor is at work
+    assert resumed == straight
 
 
 def test_sft_roles_must_be_roles(tmp_path):
