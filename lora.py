@@ -53,13 +53,16 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.ParameterDict()  # name -> (out, r)
         self.active: str | None = None
 
-    def add(self, name: str) -> None:
+    def add(self, name: str, init: bool = True) -> None:
+        """A fresh adapter; init=False leaves A at zero (for a state to be copied in), which
+        draws no random numbers."""
         # Adapters stay fp32 even over a bf16 base: AdamW on bf16 weights loses
         # the small updates that LoRA is made of.
         out_features, in_features = self.base.weight.shape
         device = self.base.weight.device
-        A = torch.empty(self.r, in_features, device=device)
-        nn.init.kaiming_uniform_(A, a=math.sqrt(5))  # the init nn.Linear uses
+        A = torch.zeros(self.r, in_features, device=device)
+        if init:
+            nn.init.kaiming_uniform_(A, a=math.sqrt(5))  # the init nn.Linear uses
         self.lora_A[name] = nn.Parameter(A)
         self.lora_B[name] = nn.Parameter(torch.zeros(out_features, self.r, device=device))
 
@@ -98,10 +101,10 @@ def lora_layers(model: nn.Module) -> list[LoRALinear]:
     return [m for m in model.modules() if isinstance(m, LoRALinear)]
 
 
-def add_adapter(model: nn.Module, name: str) -> None:
+def add_adapter(model: nn.Module, name: str, init: bool = True) -> None:
     """Add a fresh (no-op) adapter called `name` to every LoRA layer."""
     for layer in lora_layers(model):
-        layer.add(name)
+        layer.add(name, init)
 
 
 def adapter_names(model: nn.Module) -> list[str]:
@@ -207,9 +210,10 @@ def adapter_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
 
 
 def load_adapter_state(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> None:
-    """Copy a state from adapter_state into adapter `name` (created if missing)."""
+    """Copy a state from adapter_state into adapter `name` (created if missing, without
+    drawing random numbers: loading an adapter leaves the sampling as it was)."""
     if name not in adapter_names(model):
-        add_adapter(model, name)
+        add_adapter(model, name, init=False)
     with torch.no_grad():
         for path, module in model.named_modules():
             if isinstance(module, LoRALinear):

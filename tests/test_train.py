@@ -452,7 +452,8 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
 def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     """With a warm-up and a KL term, RL starts exactly at its reference (KL 0 on the first
     mini-batch; the base model, the reference without a warm-up, is far from it), the
-    reference does not move with the adapter, and it travels in the checkpoint."""
+    reference does not move with the adapter nor change the sampling, and it travels in
+    the checkpoint."""
     cfg = train.Config(model="tiny", workflow="voting", sharing="shared", problems_per_step=2, group_size=2,
                        max_new_tokens=6, lora_r=4, sft_warmup=5, sft_lr=1e-2, role_kl="aggregator=1.0")
     model, tok = load_policy("tiny")
@@ -463,7 +464,9 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     train.warm_up(model, tok, cfg, pool, names)
     settings = train.update_settings(cfg)
     assert settings.reference == {"shared": "shared-ref"}
+    sampling = torch.get_rng_state()
     freeze_copy(model, "shared", "shared-ref")
+    assert torch.equal(torch.get_rng_state(), sampling)  # the same episodes as without the anchor
     reference = [p.detach().clone() for p in adapter_parameters(model, "shared-ref")]
     assert not any(p.requires_grad for p in adapter_parameters(model, "shared-ref"))
     rollout, _, _ = train.rollout_step(model, tok, cfg, pool, greedy=False)
