@@ -327,12 +327,19 @@ def finished(run_dir: str) -> bool:
 
 def train_cells(out: str, cells: list[tuple[str, list[str]]], train_flags: list[str]) -> list[str]:
     """Train each (name, flags) cell with train.py in out/name, the cell's flags first and
-    train_flags after them (they override); finished cells are skipped, interrupted ones resumed."""
+    train_flags after them (they override); finished cells are skipped, interrupted ones resumed.
+    A finished cell trained with other settings is an error, never reused."""
     run_dirs = []
     for name, flags in cells:
         run_dir = os.path.join(out, name)
         run_dirs.append(run_dir)
         if finished(run_dir):
+            argv = [*flags, *train_flags, "--out", run_dir]
+            try:  # the check --resume makes: every flag given must match the run's config
+                train.resolve_resume(train.parse_config(argv), train.typed_flags(argv))
+            except SystemExit as e:
+                raise SystemExit(f"{run_dir} was trained with other settings ({str(e).removeprefix('--resume: ')}): "
+                                 "remove it or choose another --out") from None
             print(f"{run_dir}: already finished")
             continue
         # an interrupted cell continues from its checkpoint; one killed before its first starts over
@@ -368,10 +375,12 @@ class Demo:
 # Both demos train Voting from the same start: a short supervised warm-up (train.py
 # --sft_warmup) gives the aggregator its contract and keeps the generators solving;
 # then 5 RL steps at a learning rate (1.5e-3) where the aggregator's contract breaks
-# within the run. Cells with the same name are the same run, so the two demos given
-# one --out share their "shared" and "isolated" cells.
+# within the run. Without an anchor it breaks under isolated adapters too (the
+# aggregator's own noisy steps), so the capture demo anchors the aggregator to its
+# warmed-up self in every cell: what is left to move it is the other roles' gradient.
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
               "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16")
+ANCHOR = ("--role_kl", "aggregator=0.5")
 DEMOS = {
     "amplification": Demo(
         "gradient amplification", DEMO_FLAGS,
@@ -380,7 +389,7 @@ DEMOS = {
          "isolated-one_step": ("--sharing", "isolated", "--one_step")},
         ("isolated",)),
     "capture": Demo(
-        "role capture", DEMO_FLAGS,
+        "role capture", DEMO_FLAGS + ANCHOR,
         {"shared": ("--sharing", "shared"),
          "isolated": ("--sharing", "isolated"),
          "shared-balance_role": ("--sharing", "shared", "--balance", "role")},
@@ -415,15 +424,15 @@ def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
 
 
 def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
-    """Train the demo's cells for every seed (out/seed<S>/<cell>), then write out/<name>/report.md
-    and its plots, headed by a table of the cells (mean and range over the seeds) and by which
-    cells the detector names."""
-    spec = DEMOS[name]
+    """Train the demo's cells for every seed (out/<name>/seed<S>/<cell>), then write
+    out/<name>/report.md and its plots, headed by a table of the cells (mean and range over the
+    seeds) and by which cells the detector names."""
+    spec, home = DEMOS[name], os.path.join(out, name)
     cells = [(f"seed{seed}/{cell}", [*spec.flags, *flags, "--seed", str(seed)])
              for seed in seeds for cell, flags in spec.cells.items()]
-    run_dirs = train_cells(out, cells, train_flags)
+    run_dirs = train_cells(home, cells, train_flags)
     by_cell = {cell: [d for d in run_dirs if os.path.basename(d) == cell] for cell in spec.cells}
-    path = report(run_dirs, os.path.join(out, name), names=lambda d: os.path.relpath(d, out))
+    path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
     lines, verdict = demo_table(by_cell), []
     for cell, dirs in by_cell.items():
         found = sum(any(f.startswith(spec.finding) for f in findings(*load_run(d))) for d in dirs)

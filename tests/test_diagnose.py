@@ -382,16 +382,18 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
     """The plumbing of --demo on the tiny model: every cell and seed trained with the demo's flags,
     the flags after --demo passed on (and overriding), one table row per cell, a verdict per cell."""
     out = str(tmp_path / "demo")
-    diagnose.main(["--demo", "capture", "--seeds", "0,1", "--out", out, "--model", "tiny", "--steps", "2",
-                   "--eval_every", "1", "--eval_problems", "2", "--problems_per_step", "2",
-                   "--group_size", "2", "--max_new_tokens", "6", "--lora_r", "4", "--sft_warmup", "2"])
+    tiny = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems", "2",
+            "--problems_per_step", "2", "--group_size", "2", "--max_new_tokens", "6", "--lora_r", "4",
+            "--sft_warmup", "2"]
+    diagnose.main(["--demo", "capture", "--seeds", "0,1", "--out", out, *tiny])
     printed = capsys.readouterr().out
     spec = diagnose.DEMOS["capture"]
     for seed in (0, 1):
         for cell, flags in spec.cells.items():
-            config, rows = diagnose.load_run(f"{out}/seed{seed}/{cell}")
+            config, rows = diagnose.load_run(f"{out}/capture/seed{seed}/{cell}")
             assert (config["seed"], config["steps"], config["sft_warmup"]) == (seed, 2, 2)
             assert config["sharing"] == flags[flags.index("--sharing") + 1]
+            assert config["role_kl"] == "aggregator=0.5"  # every capture cell is anchored
             assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
     report = open(f"{out}/capture/report.md").read()
     assert report.startswith("# Demo: capture")
@@ -400,6 +402,10 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
         assert f"{cell} (" in printed and "found in" in printed
     assert "seed1/shared-balance_role" in report  # runs named by seed and cell
     assert os.path.exists(f"{out}/capture/adherence.png")
+    diagnose.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny])  # done: nothing trains
+    assert "train.py" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"seed0/\S+ was trained with other settings \(--lr 0.01 differs"):
+        diagnose.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny, "--lr", "0.01"])
 
 
 def test_demo_names_must_be_known():
