@@ -29,6 +29,7 @@ Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 import importlib.util
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -83,12 +84,18 @@ def _load_smollm2():
         del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
-        tmp = cache + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        # Written to a folder of this process's own, then renamed into place: a killed
+        # first load leaves no half cache, and two first loads at once do not collide.
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="smollm2-", dir=os.path.dirname(cache))
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        shutil.rmtree(cache, ignore_errors=True)
-        os.replace(tmp, cache)  # atomic: a killed first load leaves no half cache
+        try:
+            os.replace(tmp, cache)
+        except OSError:  # another process got there first: keep its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.exists(os.path.join(cache, "config.json")):
+                raise
     return (AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32),
             AutoTokenizer.from_pretrained(cache))
 
