@@ -172,8 +172,9 @@ def tiny_model(seed: int = 0):
                          head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, initializer_range=INIT_STD)
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config), tok
+    with torch.random.fork_rng(devices=[]):  # the same weights every time; the caller's random numbers untouched
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(config), tok
 
 
 # ----------------------------------------------------------------------------

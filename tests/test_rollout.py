@@ -156,6 +156,17 @@ def test_embedded_model_loads_and_answers():
     assert "5" in out
 
 
+def test_the_tiny_model_is_the_same_every_time_and_leaves_the_random_numbers_alone():
+    """Its weights come from their own seed; --seed must still decide a tiny run's adapters and samples."""
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    a, _ = load_policy("tiny")
+    assert torch.equal(torch.rand(4), expected)
+    b, _ = load_policy("tiny")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
 def test_a_first_load_of_the_embedded_model_draws_no_random_numbers(tmp_path, monkeypatch):
     """Converting the GGUF file on a fresh machine must not move the random numbers a run draws
     next, or a machine's first run would differ from all later ones."""
