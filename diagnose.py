@@ -375,9 +375,11 @@ class Demo:
 # Both demos train Voting from the same start: a short supervised warm-up (train.py
 # --sft_warmup) gives the aggregator its contract and keeps the generators solving;
 # then 5 RL steps at a learning rate (1.5e-3) where the aggregator's contract breaks
-# within the run. Without an anchor it breaks under isolated adapters too (the
-# aggregator's own noisy steps), so the capture demo anchors the aggregator to its
-# warmed-up self in every cell: what is left to move it is the other roles' gradient.
+# within the run. Without an anchor it breaks under isolated adapters as well, on the
+# aggregator's own noisy steps, so the capture demo anchors the aggregator to its
+# warmed-up self in every cell (a KL term, --role_kl): the cells then differ only in
+# whose gradient reaches the aggregator's weights. Neither demo shows its mechanism
+# at this scale; the README gives the sweeps and what it would take.
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
               "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16")
 ANCHOR = ("--role_kl", "aggregator=0.5")
