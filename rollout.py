@@ -98,7 +98,7 @@ def _load_smollm2():
         except OSError:  # another process got there first: keep its copy
             shutil.rmtree(tmp, ignore_errors=True)
             if not os.path.exists(os.path.join(cache, "config.json")):
-                raise
+                raise SystemExit(f"model smollm2: {cache} holds no complete model; remove it and run again") from None
     return (AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32),
             AutoTokenizer.from_pretrained(cache))
 
