@@ -98,7 +98,8 @@ def _load_smollm2():
         except OSError:  # another process got there first: keep its copy
             shutil.rmtree(tmp, ignore_errors=True)
             if not os.path.exists(os.path.join(cache, "config.json")):
-                raise SystemExit(f"model smollm2: {cache} holds no complete model; remove it and run again") from None
+                raise SystemExit(f"model smollm2: {cache} holds no complete model; "
+                                 "remove it and run again") from None
     return (AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32),
             AutoTokenizer.from_pretrained(cache))
 
@@ -172,7 +173,8 @@ def tiny_model(seed: int = 0):
                          head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, initializer_range=INIT_STD)
-    with torch.random.fork_rng(devices=[]):  # the same weights every time; the caller's random numbers untouched
+    # The same weights every time, drawn from their own seed: the caller's random numbers untouched.
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen3ForCausalLM(config), tok
 
