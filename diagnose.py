@@ -325,16 +325,16 @@ def finished(run_dir: str) -> bool:
     return bool(rows) and rows[-1]["step"] == config["steps"] and "eval/accuracy" in rows[-1]
 
 
-def train_cells(out: str, cells: list[tuple[str, list[str]]], train_flags: list[str]) -> list[str]:
-    """Train each (name, flags) cell with train.py in out/name, the cell's flags first and
-    train_flags after them (they override); finished cells are skipped, interrupted ones resumed.
-    A finished cell trained with other settings is an error, never reused."""
+def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
+    """Train each (name, train.py flags) cell in out/name; finished cells are skipped,
+    interrupted ones resumed. A finished cell trained with other settings is an error, never
+    reused."""
     run_dirs = []
     for name, flags in cells:
         run_dir = os.path.join(out, name)
         run_dirs.append(run_dir)
         if finished(run_dir):
-            argv = [*flags, *train_flags, "--out", run_dir]
+            argv = [*flags, "--out", run_dir]
             try:  # the check --resume makes: every flag given must match the run's config
                 train.resolve_resume(train.parse_config(argv), train.typed_flags(argv))
             except SystemExit as e:
@@ -344,7 +344,7 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]], train_flags: list[
             continue
         # an interrupted cell continues from its checkpoint; one killed before its first starts over
         again = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt", "state.pt")) else ["--overwrite"]
-        cmd = [sys.executable, "train.py", *flags, *train_flags, "--out", run_dir, *again]
+        cmd = [sys.executable, "train.py", *flags, "--out", run_dir, *again]
         print(" ".join(cmd[1:]), flush=True)
         t0 = time.time()
         if subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__))).returncode != 0:
@@ -355,8 +355,8 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]], train_flags: list[
 
 def reproduce(out: str, train_flags: list[str]) -> str:
     """Train every grid cell with train.py, then write the report."""
-    cells = [(f"{w}-{s}", ["--workflow", w, "--sharing", s, *GRID_FLAGS]) for w, s in GRID]
-    return report(train_cells(out, cells, train_flags), out)
+    cells = [(f"{w}-{s}", ["--workflow", w, "--sharing", s, *GRID_FLAGS, *train_flags]) for w, s in GRID]
+    return report(train_cells(out, cells), out)
 
 
 # ----------------------------------------------------------------------------
@@ -370,6 +370,8 @@ class Demo:
     flags: tuple[str, ...]            # train.py flags of every cell
     cells: dict[str, tuple[str, ...]]  # cell name -> its own flags
     shows: tuple[str, ...]            # the cells meant to show the mechanism; the others mitigate or contrast
+    start: tuple[str, ...] = ()       # flags of a warm-up that every cell of a seed starts from
+                                      # (train.py --start_from); () = each cell warms up itself
 
 
 # Both demos train Voting from the same start: a short supervised warm-up (train.py
@@ -377,9 +379,11 @@ class Demo:
 # then 5 RL steps at a learning rate (1.5e-3) where the aggregator's contract breaks
 # within the run. Without an anchor it breaks under isolated adapters as well, on the
 # aggregator's own noisy steps, so the capture demo anchors the aggregator to its
-# warmed-up self in every cell (a KL term, --role_kl): the cells then differ only in
-# whose gradient reaches the aggregator's weights. Neither demo shows its mechanism
-# at this scale; the README gives the sweeps and what it would take.
+# warmed-up self in every cell (a KL term, --role_kl), and its cells start from one
+# warm-up under a shared adapter (copied into each role's adapter in the isolated
+# cell): they then differ only in whose gradient reaches the aggregator's weights.
+# Neither demo shows its mechanism at this scale; the README gives the sweeps and
+# what it would take.
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
               "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16")
 ANCHOR = ("--role_kl", "aggregator=0.5")
@@ -395,7 +399,7 @@ DEMOS = {
         {"shared": ("--sharing", "shared"),
          "isolated": ("--sharing", "isolated"),
          "shared-balance_role": ("--sharing", "shared", "--balance", "role")},
-        ("shared",)),
+        ("shared",), start=("--sharing", "shared")),
 }
 
 
@@ -430,9 +434,14 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     out/<name>/report.md and its plots, headed by a table of the cells (mean and range over the
     seeds) and by which cells the detector names."""
     spec, home = DEMOS[name], os.path.join(out, name)
-    cells = [(f"seed{seed}/{cell}", [*spec.flags, *flags, "--seed", str(seed)])
-             for seed in seeds for cell, flags in spec.cells.items()]
-    run_dirs = train_cells(home, cells, train_flags)
+    cells = []
+    for seed in seeds:
+        mine = [*spec.flags, "--seed", str(seed)]
+        if spec.start:  # the warm-up and step-0 evaluation, once; the cells go on from there
+            cells.append((f"seed{seed}/start", [*mine, *spec.start, *train_flags, "--steps", "0"]))
+            mine += ["--start_from", os.path.join(home, f"seed{seed}", "start")]
+        cells += [(f"seed{seed}/{cell}", [*mine, *flags, *train_flags]) for cell, flags in spec.cells.items()]
+    run_dirs = [d for d in train_cells(home, cells) if os.path.basename(d) in spec.cells]
     by_cell = {cell: [d for d in run_dirs if os.path.basename(d) == cell] for cell in spec.cells}
     path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
     lines, verdict = demo_table(by_cell), []

@@ -59,7 +59,8 @@ from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key,
                     setup_critics, update_critics)
 from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_batches, policy_update
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_names, adapter_parameters, freeze_copy,
-                  inject_lora, load_adapters, save_adapters, setup_adapters, use_adapter)
+                  inject_lora, load_adapter_state, load_adapters, save_adapters, setup_adapters,
+                  use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
 from rollout import (Call, Rollout, barrier, block, gather_lists, load_policy, my_share, rank_and_world,
                      sequence_logprobs, sum_gradients)
@@ -169,6 +170,10 @@ class Config:
     out: str = arg("runs/default", "run directory")
     seed: int = arg(0, "seed of problems, sampling and adapters")
     resume: bool = arg(False, "continue the run in --out from its last checkpoint")
+    start_from: str = arg("", "begin RL where the run in this directory stopped at step 0 (its "
+                          "warm-up and step-0 evaluation; train it with --steps 0) instead of "
+                          "warming up again; only RL settings may differ, and --sharing from "
+                          "shared to isolated: each role's adapter then starts as the shared one")
     overwrite: bool = arg(False, "start over in an --out that already holds a run (deletes it)")
     # machine
     device: str = arg("auto", "auto, cpu or cuda")
@@ -647,6 +652,61 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None) -> Config:
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
 
 
+# Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
+# them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
+# random numbers they leave, and must match.
+RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
+               "eps_low", "eps_high", "loss_agg", "adv_group", "kl_coef", "role_kl", "balance",
+               "one_step", "damping", "eval_every", "diag_every", "log_samples", "save_every")
+
+
+def check_start(cfg: Config) -> dict:
+    """--start_from: the start run's config, once it is known to differ from this run's in RL
+    settings only and to have stopped at step 0."""
+    where = cfg.start_from
+    try:
+        with open(os.path.join(where, "config.json")) as f:
+            saved = Config(**json.load(f))
+        state = torch.load(os.path.join(where, "ckpt", "state.pt"), weights_only=False)
+    except FileNotFoundError:
+        raise SystemExit(f"--start_from {where}: no run with a checkpoint there (train it with --steps 0)") from None
+    except (json.JSONDecodeError, TypeError, RuntimeError, EOFError) as e:
+        raise SystemExit(f"--start_from {where}: its run cannot be read ({type(e).__name__})") from None
+    if state["step"] != 0:
+        raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
+                         "(train the start with --steps 0)")
+    for f in dataclasses.fields(Config):
+        given, old = getattr(cfg, f.name), getattr(saved, f.name)
+        if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
+            raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's ({old}); "
+                             "only settings of RL itself may")
+    if saved.sharing == "isolated" and cfg.sharing == "shared":
+        raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot become one "
+                         "shared adapter")
+    return dataclasses.asdict(saved)
+
+
+def load_start(cfg: Config, model, heads, rng: random.Random) -> dict:
+    """--start_from: the start's adapters (a shared one copied into each role's), critics and
+    random number states; returns its step-0 metrics."""
+    path, saved = os.path.join(cfg.start_from, "ckpt"), check_start(cfg)
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    for name in adapter_names(model):
+        source = name if saved["sharing"] == cfg.sharing or name in heads else "shared"
+        load_adapter_state(model, name, load_file(os.path.join(path, source, "adapter_model.safetensors")))
+    for name, head in heads.items():
+        head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
+    rank, world = rank_and_world()
+    if len(state["torch_rngs"]) != world:
+        raise SystemExit(f"--start_from {cfg.start_from}: saved by {len(state['torch_rngs'])} process(es), "
+                         f"not {world}")
+    torch.set_rng_state(state["torch_rngs"][rank])
+    if state.get("cuda_rngs") is not None:
+        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
+    rng.setstate(state["py_rng"])
+    return read_jsonl(os.path.join(cfg.start_from, "metrics.jsonl"))[0]
+
+
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "ckpt", "ckpt.tmp", "ckpt.old")
 
 
@@ -762,6 +822,8 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
             raise SystemExit(f"--resume: no run in {cfg.out}")
         cfg = resolve_resume(cfg, typed)
     check_numbers(cfg)
+    if cfg.start_from and not cfg.resume:
+        check_start(cfg)
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles
     critics = critic_settings(cfg)
@@ -821,6 +883,18 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         acc = evaluated[-1]["eval/accuracy"]  # the last evaluation kept
         eval_seconds = evaluated[-1].get("time/eval", 0.0)  # for the estimate of the time left
         log(f"resuming {cfg.out} at step {start}")
+    elif cfg.start_from:
+        first = load_start(cfg, model, heads, rng)
+        for name, ref in update.reference.items():  # anchored to the start, as its own run would be
+            freeze_copy(model, name, ref)
+        acc_before = acc = first["eval/accuracy"]
+        eval_seconds = first.get("time/eval", 0.0)
+        if rank == 0:
+            for path in (metrics_path, samples_path):
+                open(path, "w").close()
+            append_jsonl(metrics_path, [first])
+        save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
+        log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | the start of {cfg.start_from}")
     else:
         first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
         for name, ref in update.reference.items():  # the KL anchor: the policy RL starts from
@@ -828,11 +902,14 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         log(f"evaluating on {len(test_set)} held-out problems ...")
         t_eval = time.time()
         acc_before = acc = evaluate(model, tok, cfg, test_set)
+        eval_seconds = time.time() - t_eval
         if rank == 0:
             for path in (metrics_path, samples_path):
                 open(path, "w").close()
-            append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before, **first}])
-        eval_seconds = time.time() - t_eval
+            append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before, **first,
+                                         "time/eval": eval_seconds}])
+        # a run stopped after step 0 resumes without its warm-up, or starts others (--start_from)
+        save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
         log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | {eval_seconds:.0f}s | "
             f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
 

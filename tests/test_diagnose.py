@@ -395,6 +395,11 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
             assert config["sharing"] == flags[flags.index("--sharing") + 1]
             assert config["role_kl"] == "aggregator=0.5"  # every capture cell is anchored
             assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
+            # every cell of a seed goes on from one warm-up and step-0 evaluation under a shared adapter
+            assert config["start_from"] == f"{out}/capture/seed{seed}/start"
+            assert rows[0] == diagnose.load_run(config["start_from"])[1][0]
+        start, rows = diagnose.load_run(f"{out}/capture/seed{seed}/start")
+        assert (start["sharing"], start["steps"], [r["step"] for r in rows]) == ("shared", 0, [0])
     report = open(f"{out}/capture/report.md").read()
     assert report.startswith("# Demo: capture")
     for cell in spec.cells:

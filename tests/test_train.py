@@ -511,3 +511,56 @@ def test_sft_roles_must_be_roles(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert res.returncode != 0 and "--sft_roles: 'judge' is not a role" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_run_started_from_another_runs_step_0_matches_one_that_warmed_up_itself(tmp_path, monkeypatch):
+    """--start_from: a run that takes its warm-up and step-0 evaluation from a --steps 0 run, and
+    differs from it in an RL setting (--balance), logs what the same run does on its own."""
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
+               role_kl="aggregator=0.5")
+    train.main(small_config(str(tmp_path / "straight"), balance="role", **toy))
+    start = str(tmp_path / "start")
+    train.main(small_config(start, steps=0, **toy))
+    assert [r["step"] for r in read_jsonl(f"{start}/metrics.jsonl")] == [0]
+    out = str(tmp_path / "branch")
+    train.main(small_config(out, balance="role", start_from=start, **toy))
+    straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
+    branch = without_machine_stats(read_jsonl(out + "/metrics.jsonl"))
+    assert [r["step"] for r in branch] == [0, 1, 2, 3, 4]
+    assert any(r.get("role/aggregator/kl_ref", 0) > 0 for r in straight[1:])  # the anchor is at work
+    assert branch == straight
+    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
+
+
+def test_an_isolated_run_started_from_a_shared_start_gives_every_role_the_shared_adapter(tmp_path):
+    start, out = str(tmp_path / "start"), str(tmp_path / "isolated")
+    warm = dict(steps=0, sharing="shared", sft_warmup=2, sft_lr=1e-2, role_kl="aggregator=0.5")
+    train.main(small_config(start, **warm))
+    train.main(small_config(out, **{**warm, "sharing": "isolated"}, start_from=start))
+    shared = load_file(f"{start}/ckpt/shared/adapter_model.safetensors")
+    assert sorted(os.listdir(f"{out}/ckpt")) == ["aggregator", "aggregator-ref", "generator", "generator-ref",
+                                                 "state.pt"]
+    for name in ("aggregator", "aggregator-ref", "generator", "generator-ref"):
+        mine = load_file(f"{out}/ckpt/{name}/adapter_model.safetensors")
+        assert mine.keys() == shared.keys() and all(torch.equal(mine[k], shared[k]) for k in shared)
+    assert any(t.abs().sum() > 0 for k, t in shared.items() if "lora_B" in k)  # the warm-up moved it
+    saved = [torch.load(f"{d}/ckpt/state.pt", weights_only=False) for d in (start, out)]
+    assert torch.equal(saved[0]["torch_rngs"][0], saved[1]["torch_rngs"][0])  # the same episodes next
+    assert read_jsonl(f"{out}/metrics.jsonl") == read_jsonl(f"{start}/metrics.jsonl")
+
+
+def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path):
+    start = str(tmp_path / "start")
+    train.main(small_config(start, steps=0, sharing="isolated"))
+    for kw, words in [(dict(seed=1), "--seed 1 differs from the start's"),
+                      (dict(sft_warmup=1), "--sft_warmup 1 differs"),
+                      (dict(sharing="shared"), "cannot become one shared adapter"),
+                      (dict(start_from=str(tmp_path / "nothing")), "no run with a checkpoint there")]:
+        with pytest.raises(SystemExit, match=words):
+            train.main(small_config(str(tmp_path / "run"), **{"start_from": start, **kw}))
+    assert not os.path.exists(tmp_path / "run")  # stopped before anything was made
+    further = str(tmp_path / "further")
+    train.main(small_config(further, steps=1, sharing="isolated"))
+    with pytest.raises(SystemExit, match="its checkpoint is at step 1, not 0"):
+        train.main(small_config(str(tmp_path / "run"), start_from=further))
