@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -342,6 +343,7 @@ def test_watch_prints_every_call_of_a_trained_workflow(workflow, sharing, tmp_pa
 def test_watch_needs_a_checkpoint(tmp_path):
     out = str(tmp_path / "run")
     train.main(train.Config(model="tiny", workflow="single", steps=0, eval_problems=1, lora_r=4, out=out))
+    shutil.rmtree(f"{out}/ckpt")  # as a run killed before its step-0 checkpoint leaves it
     with pytest.raises(SystemExit, match="no state.pt"):
         diagnose.main(["--watch", out, "What is 2 + 3?"])
 
