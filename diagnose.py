@@ -374,16 +374,15 @@ class Demo:
                                       # (train.py --start_from); () = each cell warms up itself
 
 
-# Both demos train Voting from the same start: a short supervised warm-up (train.py
-# --sft_warmup) gives the aggregator its contract and keeps the generators solving;
-# then 5 RL steps at a learning rate (1.5e-3) where the aggregator's contract breaks
-# within the run. Without an anchor it breaks under isolated adapters as well, on the
+# Both demos train Voting from one start per seed: a short supervised warm-up (train.py
+# --sft_warmup) under a shared adapter gives the aggregator its contract and keeps the
+# generators solving; every cell goes on from it (copied into each role's adapter in
+# the isolated cells), so the cells differ only in how RL updates the adapters. Then
+# 5 RL steps at a learning rate (1.5e-3) where the aggregator's contract breaks within
+# the run. Without an anchor it breaks under isolated adapters as well, on the
 # aggregator's own noisy steps, so the capture demo anchors the aggregator to its
-# warmed-up self in every cell (a KL term, --role_kl), and its cells start from one
-# warm-up under a shared adapter (copied into each role's adapter in the isolated
-# cell): they then differ only in whose gradient reaches the aggregator's weights.
-# Neither demo shows its mechanism at this scale; the README gives the sweeps and
-# what it would take.
+# warmed-up self in every cell (a KL term, --role_kl). Neither demo shows its
+# mechanism at this scale; the README gives the sweeps and what it would take.
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
               "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16")
 ANCHOR = ("--role_kl", "aggregator=0.5")
@@ -393,7 +392,7 @@ DEMOS = {
         {"isolated": ("--sharing", "isolated"),
          "shared": ("--sharing", "shared"),
          "isolated-one_step": ("--sharing", "isolated", "--one_step")},
-        ("isolated",)),
+        ("isolated",), start=("--sharing", "shared")),
     "capture": Demo(
         "role capture", DEMO_FLAGS + ANCHOR,
         {"shared": ("--sharing", "shared"),
