@@ -679,7 +679,7 @@ def check_start(cfg: Config) -> dict:
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
             raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's ({old}); "
-                             "only settings of RL itself may")
+                             "only RL settings may differ")
     if saved.sharing == "isolated" and cfg.sharing == "shared":
         raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot become one "
                          "shared adapter")
