@@ -686,10 +686,10 @@ def check_start(cfg: Config) -> dict:
     return dataclasses.asdict(saved)
 
 
-def load_start(cfg: Config, model, heads, rng: random.Random) -> dict:
+def load_start(cfg: Config, saved: dict, model, heads, rng: random.Random) -> dict:
     """--start_from: the start's adapters (a shared one copied into each role's), critics and
-    random number states; returns its step-0 metrics."""
-    path, saved = os.path.join(cfg.start_from, "ckpt"), check_start(cfg)
+    random number states; `saved`: its config (check_start). Returns its step-0 metrics."""
+    path = os.path.join(cfg.start_from, "ckpt")
     state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
     for name in adapter_names(model):
         source = name if saved["sharing"] == cfg.sharing or name in heads else "shared"
@@ -822,8 +822,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
             raise SystemExit(f"--resume: no run in {cfg.out}")
         cfg = resolve_resume(cfg, typed)
     check_numbers(cfg)
-    if cfg.start_from and not cfg.resume:
-        check_start(cfg)
+    start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles
     critics = critic_settings(cfg)
@@ -884,7 +883,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         eval_seconds = evaluated[-1].get("time/eval", 0.0)  # for the estimate of the time left
         log(f"resuming {cfg.out} at step {start}")
     elif cfg.start_from:
-        first = load_start(cfg, model, heads, rng)
+        first = load_start(cfg, start_config, model, heads, rng)
         for name, ref in update.reference.items():  # anchored to the start, as its own run would be
             freeze_copy(model, name, ref)
         acc_before = acc = first["eval/accuracy"]
