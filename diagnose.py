@@ -370,6 +370,8 @@ class Demo:
     flags: tuple[str, ...]            # train.py flags of every cell
     cells: dict[str, tuple[str, ...]]  # cell name -> its own flags
     shows: tuple[str, ...]            # the cells meant to show the mechanism; the others mitigate or contrast
+    signals: tuple[str, ...]          # what demo.png shows, a panel each (names of cell_series);
+                                      # the first is also tabled seed by seed
     start: tuple[str, ...] = ()       # flags of a warm-up that every cell of a seed starts from
                                       # (train.py --start_from); () = each cell warms up itself
 
@@ -390,36 +392,42 @@ DEMOS = {
         {"isolated": ("--sharing", "isolated"),
          "shared": ("--sharing", "shared"),
          "isolated-one_step": ("--sharing", "isolated", "--one_step")},
-        ("isolated",), start=("--sharing", "shared")),
+        ("isolated",), ("kappa", "update norm"), start=("--sharing", "shared")),
     "capture": Demo(
         "role capture", DEMO_FLAGS,
         {"shared": ("--sharing", "shared"),
          "isolated": ("--sharing", "isolated"),
          "shared-balance_role": ("--sharing", "shared", "--balance", "role")},
-        ("shared",), start=("--sharing", "shared")),
+        ("shared",), ("adherence", "generator share"), start=("--sharing", "shared")),
 }
+
+
+def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The signals the demos follow, step by step, in one run: the crowded role's kappa, its
+    adapter's update norm, the first supervisory role's adherence, each role's gradient share,
+    reward and accuracy."""
+    n = multiplicity(config)
+    crowded = max(n, key=n.get)  # the role with the most slots
+    judge = next((r for r in ROLES[config["workflow"]] if r != crowded), crowded)
+    adapter = "shared" if config["sharing"] == "shared" else crowded
+    keys = {"kappa": f"role/{crowded}/kappa", "update norm": f"adapter/{adapter}/update_norm",
+            "adherence": f"role/{judge}/adherence", "reward": "reward/mean", "accuracy": "eval/accuracy"}
+    keys |= {f"{r} share": f"role/{r}/grad_share" for r in ROLES[config["workflow"]]}
+    return {name: series(rows, key) for name, key in keys.items()}
 
 
 def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
     """What the demos compare, from one run: the crowded role's kappa (mean, and the share of
     steps at >= 0.8 sqrt(N)), its adapter's update norm, the first supervisory role's
     adherence (first and last step), the largest gradient share, reward and accuracy."""
-    n = multiplicity(config)
-    crowded = max(n, key=n.get)  # the role with the most slots
-    judge = next((r for r in ROLES[config["workflow"]] if r != crowded), crowded)
-    adapter = "shared" if config["sharing"] == "shared" else crowded
-
-    def values(key: str) -> list[float]:
-        return [v for _, v in series(rows, key)]
-
-    kappa, acc = values(f"role/{crowded}/kappa"), values("eval/accuracy")
-    adh, reward = values(f"role/{judge}/adherence"), values("reward/mean")
-    shares = [statistics.mean(values(f"role/{r}/grad_share")) for r in ROLES[config["workflow"]]
-              if values(f"role/{r}/grad_share")]
+    n = max(multiplicity(config).values())
+    got = {name: [v for _, v in points] for name, points in cell_series(config, rows).items()}
+    kappa, adh, reward, acc = got["kappa"], got["adherence"], got["reward"], got["accuracy"]
+    shares = [statistics.mean(vs) for name, vs in got.items() if name.endswith(" share") and vs]
     mean = statistics.mean
     return {"kappa": mean(kappa) if kappa else math.nan,
-            "coherent steps": mean(k >= KAPPA_FRAC * math.sqrt(n[crowded]) for k in kappa) if kappa else math.nan,
-            "update norm": mean(values(f"adapter/{adapter}/update_norm") or [math.nan]),
+            "coherent steps": mean(k >= KAPPA_FRAC * math.sqrt(n) for k in kappa) if kappa else math.nan,
+            "update norm": mean(got["update norm"] or [math.nan]),
             "adherence first": adh[0] if adh else math.nan, "adherence last": adh[-1] if adh else math.nan,
             "top share": max(shares) if shares else math.nan,
             "reward first": reward[0] if reward else math.nan, "reward last": reward[-1] if reward else math.nan,
@@ -441,16 +449,17 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     run_dirs = [d for d in train_cells(home, cells) if os.path.basename(d) in spec.cells]
     by_cell = {cell: [d for d in run_dirs if os.path.basename(d) == cell] for cell in spec.cells}
     path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
-    lines, verdict = demo_table(by_cell), []
+    lines, verdict = demo_table(by_cell) + [""] + seed_table(spec.signals[0], by_cell), []
     for cell, dirs in by_cell.items():
         found = sum(any(f.startswith(spec.finding) for f in findings(*load_run(d))) for d in dirs)
         meant = "the mechanism" if cell in spec.shows else "a contrast or a mitigation"
         verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(dirs)} seeds")
+    picture = demo_plot(spec.signals, by_cell, os.path.join(home, "demo.png"))
     with open(path) as f:
         text = f.read()
     with open(path, "w") as f:
         f.write(f"# Demo: {name}\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {v}" for v in verdict)
-                + "\n\n" + text)
+                + f"\n\n![demo.png]({os.path.basename(picture)})\n\n" + text)
     print("\n".join(lines + [""] + verdict))
     return path
 
@@ -472,6 +481,56 @@ def demo_table(by_cell: dict[str, list[str]]) -> list[str]:
                 parts.append(f"{statistics.mean(vs):.2f} ({min(vs):.2f}-{max(vs):.2f})")
         lines.append(f"| {cell} | " + " | ".join(parts) + " |")
     return lines
+
+
+def seed_of(run_dir: str) -> str:
+    return os.path.basename(os.path.dirname(os.path.normpath(run_dir))).removeprefix("seed")
+
+
+def seed_table(signal: str, by_cell: dict[str, list[str]]) -> list[str]:
+    """The signal at every step it was logged, a row per seed and a column per cell."""
+    cells = {cell: {seed_of(d): cell_series(*load_run(d))[signal] for d in dirs} for cell, dirs in by_cell.items()}
+    seeds = sorted({seed for runs in cells.values() for seed in runs}, key=int)
+    lines = [f"{signal}, step by step:", "", "| seed | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+    for seed in seeds:
+        parts = [", ".join(f"{v:.2f}" for _, v in runs.get(seed, [])) or "-" for runs in cells.values()]
+        lines.append(f"| {seed} | " + " | ".join(parts) + " |")
+    return lines
+
+
+SIGNALS = {"kappa": "kappa of the crowded role's slots (dashed: the detector's 0.8 sqrt(N))",
+           "update norm": "change of the crowded role's adapter in a step (L2)",
+           "adherence": "the supervisory role's calls that keep its contract",
+           "generator share": "the generators' share of the shared gradient"}
+
+
+def demo_plot(signals: tuple[str, ...], by_cell: dict[str, list[str]], path: str) -> str:
+    """A panel per signal: every seed of a cell as a thin line, their mean as a thick one."""
+    fig, axes = plt.subplots(1, len(signals), figsize=(5.5 * len(signals), 3.8), squeeze=False)
+    for ax, signal in zip(axes[0], signals):
+        for i, (cell, dirs) in enumerate(by_cell.items()):
+            curves = [dict(cell_series(*load_run(d))[signal]) for d in dirs]
+            curves = [c for c in curves if c]
+            if not curves:  # e.g. no gradient share under isolated adapters
+                continue
+            for c in curves:
+                ax.plot(list(c), list(c.values()), color=f"C{i}", alpha=0.25, linewidth=1)
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            ax.plot(steps, [statistics.mean(c[t] for c in curves) for t in steps], color=f"C{i}",
+                    linewidth=2.5, marker="o", markersize=4, label=f"{cell} (mean of {len(curves)})")
+        if signal == "kappa":
+            n = max(multiplicity(load_run(next(iter(by_cell.values()))[0])[0]).values())
+            ax.axhline(KAPPA_FRAC * math.sqrt(n), color="grey", linestyle="--", linewidth=1)
+        ax.set_title(SIGNALS.get(signal, signal), fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged in these runs", ha="center", transform=ax.transAxes)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:

@@ -408,6 +408,12 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
         assert f"{cell} (" in printed and "found in" in printed
     assert "seed1/shared-balance_role" in report  # runs named by seed and cell
     assert os.path.exists(f"{out}/capture/adherence.png")
+    assert "![demo.png](demo.png)" in report and os.path.exists(f"{out}/capture/demo.png")
+    for seed in (0, 1):  # the seed table: the aggregator's adherence at every RL step of each cell
+        cells = [[r["role/aggregator/adherence"] for r in diagnose.load_run(f"{out}/capture/seed{seed}/{cell}")[1]
+                  if "role/aggregator/adherence" in r] for cell in spec.cells]
+        assert all(len(adh) == 2 for adh in cells)
+        assert f"| {seed} | " + " | ".join(", ".join(f"{v:.2f}" for v in adh) for adh in cells) + " |" in report
     diagnose.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny])  # done: nothing trains
     assert "train.py" not in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"seed0/\S+ was trained with other settings \(--lr 0.01 differs"):
