@@ -505,7 +505,9 @@ SIGNALS = {"kappa": "kappa of the crowded role's slots (dashed: the detector's 0
 
 
 def demo_plot(signals: tuple[str, ...], by_cell: dict[str, list[str]], path: str) -> str:
-    """A panel per signal: every seed of a cell as a thin line, their mean as a thick one."""
+    """A panel per signal: every seed of a cell as a thin line, their mean as a thick one (at each
+    step, over the seeds that logged the signal there: a role with no reward contrast in a step
+    has no gradient share)."""
     fig, axes = plt.subplots(1, len(signals), figsize=(5.5 * len(signals), 3.8), squeeze=False)
     for ax, signal in zip(axes[0], signals):
         for i, (cell, dirs) in enumerate(by_cell.items()):
@@ -515,8 +517,8 @@ def demo_plot(signals: tuple[str, ...], by_cell: dict[str, list[str]], path: str
                 continue
             for c in curves:
                 ax.plot(list(c), list(c.values()), color=f"C{i}", alpha=0.25, linewidth=1)
-            steps = sorted(set.intersection(*(set(c) for c in curves)))
-            ax.plot(steps, [statistics.mean(c[t] for c in curves) for t in steps], color=f"C{i}",
+            steps = sorted(set().union(*curves))  # a step's mean is over the seeds that logged it
+            ax.plot(steps, [statistics.mean(c[t] for c in curves if t in c) for t in steps], color=f"C{i}",
                     linewidth=2.5, marker="o", markersize=4, label=f"{cell} (mean of {len(curves)})")
         if signal == "kappa":
             n = max(multiplicity(load_run(next(iter(by_cell.values()))[0])[0]).values())
