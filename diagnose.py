@@ -382,7 +382,7 @@ class Demo:
 # the isolated cells), so the cells differ only in how RL updates the adapters. Then
 # 5 RL steps at a learning rate (1.5e-3) where the aggregator's contract breaks within
 # the run in some cells and not in others. The two demos share their shared and
-# isolated cells. Neither shows its mechanism cleanly at this scale; the README gives
+# isolated cells. Neither shows its mechanism at this scale; the README gives
 # the seeds, the sweeps and what it would take.
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
               "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16")
@@ -519,7 +519,7 @@ def demo_plot(signals: tuple[str, ...], by_cell: dict[str, list[str]], path: str
                 ax.plot(list(c), list(c.values()), color=f"C{i}", alpha=0.25, linewidth=1)
             steps = sorted(set().union(*curves))  # a step's mean is over the seeds that logged it
             ax.plot(steps, [statistics.mean(c[t] for c in curves if t in c) for t in steps], color=f"C{i}",
-                    linewidth=2.5, marker="o", markersize=4, label=f"{cell} (mean of {len(curves)})")
+                    linewidth=2.5, marker="o", markersize=4, label=f"{cell}, {len(curves)} seeds")
         if signal == "kappa":
             n = max(multiplicity(load_run(next(iter(by_cell.values()))[0])[0]).values())
             ax.axhline(KAPPA_FRAC * math.sqrt(n), color="grey", linestyle="--", linewidth=1)
