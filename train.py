@@ -989,6 +989,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     log(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
         f"before {acc_before:.3f} -> after {acc:.3f}  [{len(test_set)} problems, greedy]")
     if world > 1:
+        barrier()  # every process done with the group before any tears it down (gloo aborts otherwise)
         dist.destroy_process_group()
     return {"before": acc_before, "after": acc}
 

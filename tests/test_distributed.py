@@ -36,6 +36,7 @@ def worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
         fn(*args)
     finally:
         if dist.is_initialized():
+            dist.barrier()  # as train.py does: every process done with the group before any tears it down
             dist.destroy_process_group()
 
 
