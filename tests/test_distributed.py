@@ -34,9 +34,10 @@ def worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(*args)
+        if dist.is_initialized():  # (train.main tears its group down itself)
+            dist.barrier()  # as train.py does: every process done with the group before any tears it down
     finally:
         if dist.is_initialized():
-            dist.barrier()  # as train.py does: every process done with the group before any tears it down
             dist.destroy_process_group()
 
 
