@@ -434,6 +434,13 @@ def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
             "accuracy start": acc[0], "accuracy peak": max(acc), "accuracy end": acc[-1]}
 
 
+Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's (config, rows)
+
+
+def seed_of(run_dir: str) -> str:
+    return os.path.basename(os.path.dirname(os.path.normpath(run_dir))).removeprefix("seed")
+
+
 def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     """Train the demo's cells for every seed (out/<name>/seed<S>/<cell>), then write
     out/<name>/report.md and its plots, headed by a table of the cells (mean and range over the
@@ -447,13 +454,14 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
             mine += ["--start_from", os.path.join(home, f"seed{seed}", "start")]
         cells += [(f"seed{seed}/{cell}", [*mine, *flags, *train_flags]) for cell, flags in spec.cells.items()]
     run_dirs = [d for d in train_cells(home, cells) if os.path.basename(d) in spec.cells]
-    by_cell = {cell: [d for d in run_dirs if os.path.basename(d) == cell] for cell in spec.cells}
     path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
+    by_cell = {cell: {seed_of(d): load_run(d) for d in run_dirs if os.path.basename(d) == cell}
+               for cell in spec.cells}  # cell -> seed -> (config, rows)
     lines, verdict = demo_table(by_cell) + [""] + seed_table(spec.signals[0], by_cell), []
-    for cell, dirs in by_cell.items():
-        found = sum(any(f.startswith(spec.finding) for f in findings(*load_run(d))) for d in dirs)
+    for cell, runs in by_cell.items():
+        found = sum(any(f.startswith(spec.finding) for f in findings(*run)) for run in runs.values())
         meant = "the mechanism" if cell in spec.shows else "a contrast or a mitigation"
-        verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(dirs)} seeds")
+        verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(runs)} seeds")
     picture = demo_plot(spec.signals, by_cell, os.path.join(home, "demo.png"))
     with open(path) as f:
         text = f.read()
@@ -464,9 +472,9 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     return path
 
 
-def demo_table(by_cell: dict[str, list[str]]) -> list[str]:
+def demo_table(by_cell: Runs) -> list[str]:
     """One row per cell: each number's mean over the seeds, and its range when there are several."""
-    rows = {cell: [cell_numbers(*load_run(d)) for d in dirs] for cell, dirs in by_cell.items()}
+    rows = {cell: [cell_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()}
     keys = list(next(iter(rows.values()))[0])
     lines = ["| cell | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for cell, numbers in rows.items():
@@ -483,13 +491,9 @@ def demo_table(by_cell: dict[str, list[str]]) -> list[str]:
     return lines
 
 
-def seed_of(run_dir: str) -> str:
-    return os.path.basename(os.path.dirname(os.path.normpath(run_dir))).removeprefix("seed")
-
-
-def seed_table(signal: str, by_cell: dict[str, list[str]]) -> list[str]:
+def seed_table(signal: str, by_cell: Runs) -> list[str]:
     """The signal at every step it was logged, a row per seed and a column per cell."""
-    cells = {cell: {seed_of(d): cell_series(*load_run(d))[signal] for d in dirs} for cell, dirs in by_cell.items()}
+    cells = {cell: {seed: cell_series(*run)[signal] for seed, run in runs.items()} for cell, runs in by_cell.items()}
     seeds = sorted({seed for runs in cells.values() for seed in runs}, key=int)
     lines = [f"{signal}, step by step:", "", "| seed | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
     for seed in seeds:
@@ -504,14 +508,14 @@ SIGNALS = {"kappa": "kappa of the crowded role's slots (dashed: the detector's 0
            "generator share": "the generators' share of the shared gradient"}
 
 
-def demo_plot(signals: tuple[str, ...], by_cell: dict[str, list[str]], path: str) -> str:
+def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
     """A panel per signal: every seed of a cell as a thin line, their mean as a thick one (at each
     step, over the seeds that logged the signal there: a role with no reward contrast in a step
     has no gradient share)."""
     fig, axes = plt.subplots(1, len(signals), figsize=(5.5 * len(signals), 3.8), squeeze=False)
     for ax, signal in zip(axes[0], signals):
-        for i, (cell, dirs) in enumerate(by_cell.items()):
-            curves = [dict(cell_series(*load_run(d))[signal]) for d in dirs]
+        for i, (cell, runs) in enumerate(by_cell.items()):
+            curves = [dict(cell_series(*run)[signal]) for run in runs.values()]
             curves = [c for c in curves if c]
             if not curves:  # e.g. no gradient share under isolated adapters
                 continue
@@ -521,7 +525,8 @@ def demo_plot(signals: tuple[str, ...], by_cell: dict[str, list[str]], path: str
             ax.plot(steps, [statistics.mean(c[t] for c in curves if t in c) for t in steps], color=f"C{i}",
                     linewidth=2.5, marker="o", markersize=4, label=f"{cell}, {len(curves)} seeds")
         if signal == "kappa":
-            n = max(multiplicity(load_run(next(iter(by_cell.values()))[0])[0]).values())
+            config = next(config for runs in by_cell.values() for config, _ in runs.values())
+            n = max(multiplicity(config).values())
             ax.axhline(KAPPA_FRAC * math.sqrt(n), color="grey", linestyle="--", linewidth=1)
         ax.set_title(SIGNALS.get(signal, signal), fontsize=9)
         ax.set_xlabel("RL step")
