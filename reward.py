@@ -10,14 +10,15 @@ than a split holds, the sampled tasks return all of it.
 
 Math verifier. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) it reads the *last* \boxed{...} and
 compares it with the gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" == "\frac{7}{2}",
-"1,000" == "1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500", "50\%" == "50"), after dropping $...$,
-\text{}, ^\circ and unit words ("7 apples" == "7"); else with sympy ("\frac{\sqrt{2}}{2}" == "1/\sqrt{2}",
-"2(x+1)" == "2x+2", "1,000,000" == "10^6"). A set of answers matches in any order ("\{1, 2\}" == "2, 1");
-a tuple "(1, 2)" does not. Sympy only sees short
-strings of numbers, single letters, sqrt, pi and + - * / ^ with no power inside an exponent, and both
-sides are evaluated at fixed points to 30 digits rather than simplified: a call takes milliseconds and
-cannot hang. Departure: with no complete \boxed{}, the last number in the text is the answer (a tiny
-model often states it without the box); `strict=True` switches that off.
+"1,000" == "1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500"), after dropping $...$, \text{}, ^\circ
+and unit words ("7 apples" == "7"); else with sympy ("\frac{\sqrt{2}}{2}" == "1/\sqrt{2}", "2(x+1)" ==
+"2x+2", "1,000,000" == "10^6"). A set of answers matches in any order ("\{1, 2\}" == "2, 1"); a tuple
+"(1, 2)" does not. Sympy only sees short strings of numbers, single letters, sqrt, pi and + - * / ^ with no
+power inside an exponent, and both sides are evaluated at fixed points to 30 digits rather than simplified:
+a call takes milliseconds and cannot hang. A percent sign is dropped, as the MATH graders drop it: "50\%"
+== "50" but != "0.5" (taking both would pay two values a hundredfold apart for one bare number; so a gold
+0.5 for a probability rejects "50\%"). Departure: with no complete \boxed{}, the last number in the text is
+the answer (a tiny model often states it without the box); `strict=True` switches that off.
 
 Code reward. The last fenced python block runs against every test of the problem; 1.0 only if all pass.
 It runs in sandbox.py, never in the trainer's process.
@@ -397,20 +398,20 @@ def extract_answer(text: str, strict: bool = False) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def _normalise(s: str) -> tuple[str, bool]:
-    """(bare answer, had a percent sign): drops $, \\text{}, degrees, units, "x =", spaces, a trailing '.'."""
+def _normalise(s: str) -> str:
+    """The bare answer: drops $, \\text{}, degrees, percent signs, units, "x =", spaces, a trailing '.'."""
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("{,}", ",")  # LaTeX's thousands separator: 1{,}000
     for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\:"):
         s = s.replace(junk, "")
     s = DEGREES.sub("", TEXT.sub(r" \1 ", s))
-    percent = "%" in s
+    # MATH's convention: "50\%" is the number 50, so a bare 0.5 is not 50% (see the module docstring)
     s = s.replace("\\%", "").replace("%", "").strip().rstrip(".").strip()
     m = len(s) <= SYMPY_MAX_CHARS and (VAR_EQ.fullmatch(s) or UNITS.fullmatch(s))  # tried on short answers only
     if m:
         s = m.group(1)
     s = "".join(s.split())
-    return (s[1:] if s.startswith("+") else s), percent
+    return s[1:] if s.startswith("+") else s
 
 
 def _value(s: str) -> Fraction | None:
@@ -508,14 +509,14 @@ def math_equal(pred: str | None, gold: str) -> bool:
     """True when pred and gold are the same number, the same expression, or the same normalised string."""
     if pred is None:
         return False
-    (p, p_percent), (g, g_percent) = _normalise(pred), _normalise(gold)
+    p, g = _normalise(pred), _normalise(gold)
     if not p:
         return False
     if p == g:
         return True
     pv, gv = _value(p), _value(g)
-    if pv is not None and gv is not None:  # "50%" may mean 50 or 0.5
-        return pv == gv or (p_percent and pv / 100 == gv) or (g_percent and gv / 100 == pv)
+    if pv is not None and gv is not None:
+        return pv == gv
     ps, gs = ([s] if v is not None else _elements(s) for s, v in ((p, pv), (g, gv)))  # 1,000 is one number
     if _is_set(p) or _is_set(g) or len(ps) > 1 and len(gs) > 1:
         return _same_elements(ps, gs)  # a set of answers, in any order (each element is shorter)

@@ -104,8 +104,10 @@ VALUE_CASES = [
     ("\\sqrt{2}", "1.41", False),  # no rounding
     ("-\\frac{\\sqrt{3}}{2}", "-0.8660254037844386", True),
     ("50\\%", "50", True),
-    ("50%", "0.5", True),
-    ("0.5", "50\\%", True),
+    ("50%", "50", True),
+    ("50\\%", "0.5", False),  # MATH's convention: the percent sign is dropped, 50% is the number 50
+    ("50\\%", "\\frac{1}{2}", False),
+    ("0.5\\%", "0.5", True),
     ("5%", "50", False),
     ("90^\\circ", "90", True),
     ("90^{\\circ}", "90", True),
