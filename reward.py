@@ -10,15 +10,24 @@ than a split holds, the sampled tasks return all of it.
 
 Math verifier. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) it reads the *last* \boxed{...} and
 compares it with the gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" == "\frac{7}{2}",
-"1,000" == "1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500"), after dropping $...$, \text{}, ^\circ
-and unit words ("7 apples" == "7"); else with sympy ("\frac{\sqrt{2}}{2}" == "1/\sqrt{2}", "2(x+1)" ==
-"2x+2", "1,000,000" == "10^6"). A set of answers matches in any order ("\{1, 2\}" == "2, 1"); a tuple
-"(1, 2)" does not. Sympy only sees short strings of numbers, single letters, sqrt, pi and + - * / ^ with no
-power inside an exponent, and both sides are evaluated at fixed points to 30 digits rather than simplified:
-a call takes milliseconds and cannot hang. A percent sign is dropped, as the MATH graders drop it: "50\%"
-== "50" but != "0.5" (taking both would pay two values a hundredfold apart for one bare number; so a gold
-0.5 for a probability rejects "50\%"). Departure: with no complete \boxed{}, the last number in the text is
-the answer (a tiny model often states it without the box); `strict=True` switches that off.
+"1,000" == "1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500"); else with sympy ("\frac{\sqrt{2}}{2}" ==
+"1/\sqrt{2}", "2(x+1)" == "2x+2", "1,000,000" == "10^6"). A set of answers matches in any order ("\{1, 2\}"
+== "2, 1"); a tuple "(1, 2)" does not. Sympy only sees short strings of numbers, single letters, sqrt, pi
+and + - * / ^ with no power inside an exponent, and both sides are evaluated at fixed points to 30 digits
+rather than simplified: a call takes milliseconds and cannot hang. Departure: with no complete \boxed{},
+the last number in the text is the answer (a tiny model often states it without the box); `strict=True`
+switches that off.
+
+Units. Both sides first lose $...$, \$, ^\circ, a percent sign and the units or words that trail a number
+or an expression, as the MATH graders drop them (Hendrycks et al. 2021; Minerva's normalize_final_answer,
+Lewkowycz et al. 2022): "12 \text{ cm}^2" == "12", "5 square units" == "\text{5 apples}" == "5", "\$1,000"
+== "1000", "4\sqrt{2}\text{ cm}" == "\sqrt{32}". Unlike those graders, which delete listed words anywhere,
+a unit goes only from the end and only after a value ("\text{no solution}" keeps its words); it takes its
+exponent along, while a number keeps its own ("3 cm^2" == "3", "3^2" == "9"); a lone letter is a unit only
+in text mode ("5\text{ m}" == "5", but "5 m" and "2x" stay products) and a bare 2-3 letter word only when
+listed ("cm", "ft"); nothing is converted ("50 cents" != "0.5"). A percent sign goes as in MATH: "50\%" ==
+"50" but != "0.5" (taking both would pay two values a hundredfold apart for one bare number; so a gold 0.5
+for a probability rejects "50\%").
 
 Code reward. The last fenced python block runs against every test of the problem; 1.0 only if all pass.
 It runs in sandbox.py, never in the trainer's process.
@@ -363,7 +372,16 @@ MAX_DIGITS = 200  # longer "numbers" are compared as strings: Fraction on them i
 TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox|operatorname)\s*\{([^{}]*)\}")
 DEGREES = re.compile(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ|\\degree|°")
 VAR_EQ = re.compile(r"[a-zA-Z]\w{0,2}\s*=([^=]*)")  # "x = 5" -> " 5"
-UNITS = re.compile(r"([-+]?\d[\d,]*(?:\.\d+)?(?:/\d+)?)(?:\s+[a-zA-Z]{2,}\.?)+")  # "7 apples" -> "7"
+# Units that may trail a value, dropped one at a time from the end, as Minerva's normalize_final_answer
+# (Lewkowycz et al. 2022) drops "cm", "square", "units", "dollars"... (it drops them anywhere; here only at the end)
+POWER = r"(?:\s*\^\s*(?:\{\s*[23]\s*\}|[23])|[²³])?"  # cm^2, \text{ft}^{3}, m²: the unit's, not the value's
+TEXT_UNIT = re.compile(  # words in text mode: "\text{ square units}", "\mbox{cm}^2", "\mathrm{km/h}"
+    r"\\(?:text|textrm|textup|textnormal|textit|textbf|mbox|mathrm)\s*\{([a-zA-Z\s./]*)\}" + POWER + "$")
+UNIT_LETTERS = set("mgshLCFK")  # one-letter units, and only in text mode: "2\text{ x}" stays 2x
+SHORT_UNITS = "cm|mm|km|ft|in|yd|mi|kg|mg|gm|lb|lbs|oz|hr|hrs|min|sec|mph|sq|cu|deg|rad|ml"
+# a bare word: any of 4+ letters after a space ("7 apples"), a listed one after a space or a digit ("12cm");
+# "2 xy" keeps its letters (sympy reads no word, so a 2-3 letter word that is no unit is left to string equality)
+BARE_UNIT = re.compile(rf"(?:(?<=\s)(?:[a-zA-Z]{{4,}}|{SHORT_UNITS})|(?<=\d)(?:{SHORT_UNITS}))\.?{POWER}$")
 SYMPY_MAX_CHARS = 80  # longer answers are only compared as strings
 # what the sympy step accepts, after LaTeX is rewritten: numbers, sqrt, pi, single letters, operators
 TOKEN = re.compile(r"\d+(?:\.\d+)?|sqrt|pi|[a-z](?![a-z])|\*\*|[-+*/()]")
@@ -399,19 +417,36 @@ def extract_answer(text: str, strict: bool = False) -> str | None:
 
 
 def _normalise(s: str) -> str:
-    """The bare answer: drops $, \\text{}, degrees, percent signs, units, "x =", spaces, a trailing '.'."""
+    """The bare answer: drops $, \\text{}, degrees, percent signs, "x =", units, spaces, a trailing '.'."""
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("{,}", ",")  # LaTeX's thousands separator: 1{,}000
     for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\:"):
         s = s.replace(junk, "")
-    s = DEGREES.sub("", TEXT.sub(r" \1 ", s))
+    s = re.sub(r"(?<!\\)\\ ", " ", s.replace("~", " "))  # LaTeX spaces "\ " and "~", not a matrix's "\\"
+    s = DEGREES.sub("", s)
     # MATH's convention: "50\%" is the number 50, so a bare 0.5 is not 50% (see the module docstring)
     s = s.replace("\\%", "").replace("%", "").strip().rstrip(".").strip()
-    m = len(s) <= SYMPY_MAX_CHARS and (VAR_EQ.fullmatch(s) or UNITS.fullmatch(s))  # tried on short answers only
-    if m:
-        s = m.group(1)
-    s = "".join(s.split())
+    if len(s) <= SYMPY_MAX_CHARS:  # short answers only
+        whole = TEXT.fullmatch(s)  # "\text{7 apples}"
+        s = whole.group(1) if whole else s
+        m = VAR_EQ.fullmatch(s)
+        s = _drop_units(m.group(1) if m else s)
+    s = "".join(TEXT.sub(r" \1 ", s).split())
     return s[1:] if s.startswith("+") else s
+
+
+def _drop_units(s: str) -> str:
+    """s less the units that trail a number or expression ("12 \\text{ cm}^2", "4\\sqrt{2} square units"); s
+    itself when none trails, or when what they trail is no value ("\\text{no solution}" keeps its words)."""
+    head = s.rstrip()
+    while m := TEXT_UNIT.search(head) or BARE_UNIT.search(head):
+        if m.re is TEXT_UNIT and not all(len(w) > 1 or w in UNIT_LETTERS for w in re.findall("[a-zA-Z]+", m[1])):
+            break
+        head = head[:m.start()].rstrip()
+    value = "".join(head.split())
+    if head == s.rstrip() or not value or _value(value) is None and _to_python(value) is None:
+        return s
+    return head
 
 
 def _value(s: str) -> Fraction | None:

@@ -116,6 +116,74 @@ VALUE_CASES = [
     ("7 apples", "7", True),
     ("12 \\text{ cm}", "12", True),
     ("7 apples", "8", False),
+    # units and words after a value (MATH, DAPO), dropped on either side; each form with a wrong-value twin
+    ("12 \\text{ cm}", "1", False),  # a unit never splits the number
+    ("12 \\text{ cm}", "2", False),
+    ("12 cm", "12", True),
+    ("12 cm", "2", False),
+    ("12cm", "12", True),  # a listed unit glued to the digits
+    ("12cm", "1", False),
+    ("3 cm^2", "3", True),  # a unit takes its exponent along...
+    ("3 cm^2", "9", False),
+    ("3^2", "3", False),  # ... a number keeps its own: 3^2 is 9
+    ("3\\text{ cm}^{2}", "3", True),
+    ("3\\text{ cm}^{2}", "9", False),
+    ("3 \\mathrm{~cm}^{2}", "3", True),
+    ("3 \\mathrm{~cm}^{2}", "32", False),
+    ("3\\,\\mathrm{cm}", "3", True),
+    ("3\\,\\mathrm{cm}", "4", False),
+    ("5 \\text{ apples}", "5", True),
+    ("5 \\text{ apples}", "6", False),
+    ("5 \\mbox{ apples}", "5", True),
+    ("5 \\mbox{ apples}", "4", False),
+    ("24 \\text{ square units}", "24", True),
+    ("24 \\text{ square units}", "42", False),
+    ("24 square units", "24", True),
+    ("24 square units", "2", False),
+    ("24 \\text{ units}^2", "24", True),
+    ("24 \\text{ units}^2", "576", False),
+    ("24 sq. ft", "24", True),
+    ("24 sq. ft", "4", False),
+    ("8 inches", "8", True),
+    ("8 inches", "9", False),
+    ("90 degrees", "90", True),
+    ("90 \\text{ degrees}", "80", False),
+    ("90\\degree", "90", True),
+    ("90\\degree", "9", False),
+    ("30^\\circ \\text{C}", "30", True),
+    ("30^\\circ \\text{C}", "3", False),
+    ("\\$18.90", "18.9", True),
+    ("\\$18.90", "1890", False),
+    ("5 dollars", "5", True),
+    ("5 dollars", "6", False),
+    ("1,000 \\text{ dollars}", "1000", True),
+    ("1,000 \\text{ dollars}", "1", False),  # thousands commas survive the unit
+    ("50 percent", "50", True),
+    ("50 percent", "0.5", False),
+    ("50 cents", "50", True),
+    ("50 cents", "0.5", False),  # units are dropped, never converted
+    ("4\\sqrt{2}\\text{ cm}", "\\sqrt{32}", True),  # a unit after an expression
+    ("4\\sqrt{2}\\text{ cm}", "4", False),
+    ("18\\pi \\text{ square units}", "18\\pi", True),
+    ("18\\pi \\text{ square units}", "18", False),
+    ("\\frac{1}{2} \\text{ inch}", "0.5", True),
+    ("\\frac{1}{2} \\text{ inch}", "2", False),
+    ("3 \\times 10^8 \\text{ m/s}", "300000000", True),
+    ("3 \\times 10^8 \\text{ m/s}", "3", False),
+    ("x = 5 \\text{ cm}", "5", True),
+    ("x = 5 \\text{ cm}", "x", False),
+    ("5\\text{ m}", "5", True),  # a one-letter unit only in text mode...
+    ("5 m", "5", False),  # ... bare, it is a product like 2x
+    ("2x", "2", False),  # a variable is no unit
+    ("2\\text{ x}", "2", False),
+    ("2x \\text{ cm}", "2x", True),
+    ("2x \\text{ cm}", "2", False),
+    ("2 xy", "2", False),  # a short word that is no listed unit stays
+    ("\\text{no solution}", "\\text{no}", False),  # words that follow no value stay
+    ("[2, 5)", "[2,5)", True),  # intervals and matrices are left alone
+    ("[2, 5)", "(2, 5)", False),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\3\\end{pmatrix}", False),
     ("$x = 5$", "5", True),
     ("\\left( 3 \\right)", "3", True),
     ("2x+2", "2(x+1)", True),
@@ -191,6 +259,9 @@ def test_math_equal_by_value(pred, gold, expected):
     ("\\boxed{\\boxed{7}}", "7", 1.0),
     ("\\boxed{" + "{" * 3000 + "7" + "}" * 3000 + "}", "7", 0.0),
     ("$\\boxed{25\\%}$", "25", 1.0),
+    ("\\boxed{12 \\text{ cm}^2}", "12", 1.0),
+    ("\\boxed{12 \\text{ cm}^2}", "2", 0.0),
+    ("\\boxed{2x \\text{ units}}", "2", 0.0),
 ])
 def test_math_reward_adversarial(text, gold, expected):
     start = time.perf_counter()
