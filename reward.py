@@ -362,8 +362,8 @@ def load_task(name: str, split: str, n: int, level: int, seed: int) -> list[Prob
 # catastrophic backtracking), so a 100k-char completion takes milliseconds.
 BOXED = re.compile(r"\\boxed\s*\{")
 BRACE = re.compile(r"[{}]")
-# a number not glued to the end of another one: 12, -3, 2.5, 1,000, 3/4
-NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
+# a number not glued to the end of another one, nor an exponent (the 2 of "12 cm^2"): 12, -3, 2.5, 1,000, 3/4
+NUMBER = re.compile(r"(?<![\d.^])(?<!\^\{)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
 FRAC = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
 # unsigned: 12, 1,000, 2.5, .5 (no leading zero), 1.5e3 (scientific notation)
 PLAIN = re.compile(r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?")

@@ -45,6 +45,9 @@ REWARD_CASES = [
     ("so 7-2 = 5", "5", False, 1.0),
     ("it drops to -3.", "-3", False, 1.0),
     ("half of it, 1/2", "0.5", False, 1.0),
+    ("The area is 12 cm^2.", "12", False, 1.0),  # lenient: an exponent is not the answer
+    ("The area is 12 cm^2.", "2", False, 0.0),
+    ("The area is 12 \\text{ cm}^{2}.", "2", False, 0.0),
     ("💥\x00\ufffd{}}}{{\\boxed{\u200b}", "0", False, 0.0),  # unicode garbage
     ("\\boxed{\u22123}", "-3", True, 1.0),  # unicode minus sign
     ("no numbers here", "0", False, 0.0),
@@ -278,6 +281,8 @@ def test_math_reward_adversarial(text, gold, expected):
     ("The answer is 12.", False, "12"),
     ("-7 and then 3.25", False, "3.25"),
     ("costs 1,250 dollars", False, "1,250"),
+    ("an area of 12 cm^2", False, "12"),
+    ("x^{2} = 9", False, "9"),
     ("step-3", False, "-3"),
     ("nothing", False, None),
     ("\\boxed{12", True, None),
