@@ -97,13 +97,14 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str,
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
-                ref_logp: torch.Tensor | None = None,
-                kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate per completion token, plus kl_coef * k3 to the reference.
 
     logp, old_logp, ref_logp, mask: (B, T); advantages: (B,), one per sequence,
-    spread over its tokens. Returns the per-token loss (B, T), for `aggregate` to
-    reduce, and the statistics over the masked tokens.
+    spread over its tokens; is_weight (B, T), no gradient: a per-token weight of the
+    surrogate (truncated importance sampling, `tis_weight`). Returns the per-token
+    loss (B, T), for `aggregate` to reduce, and the statistics over the masked tokens.
     """
     adv = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = logp - old_logp  # (B, T)
@@ -111,6 +112,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
     pg_loss = -torch.min(surr1, surr2)  # (B, T)
+    if is_weight is not None:
+        pg_loss = is_weight * pg_loss
     loss = pg_loss
     kl = torch.zeros_like(logp)
     if ref_logp is not None and kl_coef > 0:
@@ -128,6 +131,27 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             "kl_ref": masked_mean(kl, mask).item(),
         }
     return loss, stats
+
+
+def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"): min(pi_old / pi_rollout, cap) per token, (B, T).
+
+    The tokens were drawn from pi_rollout (the sampler's precision and kernels), while the
+    surrogate's ratio is taken against pi_old (the trainer's); the weight turns the sampler's
+    expectation into the trainer's, and the cap bounds its variance."""
+    return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # (B, T)
+
+
+def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                   mask: torch.Tensor) -> dict[str, float]:
+    """How far the sampler's policy is from the trainer's on the sampled tokens: the mean and
+    max of |log pi_old - log pi_rollout|, and the k3 estimate of KL(pi_rollout || pi_old)."""
+    gap = old_logp - rollout_logp  # (B, T)
+    on = mask.bool()
+    return {"mismatch_mean": masked_mean(gap.abs(), mask).item(),
+            "mismatch_max": gap.abs()[on].max().item() if on.any() else 0.0,
+            "mismatch_kl": masked_mean(torch.exp(gap) - gap - 1, mask).item()}
 
 
 # ----------------------------------------------------------------------------
@@ -266,6 +290,7 @@ class UpdateSettings:
     grad_clip: float = 1.0           # max gradient norm per optimizer step
     balance: str = "none"            # role weights, one of BALANCE (loss_weight)
     damping: float = 0.0             # coherence damping, 0 = off (damped_step)
+    tis_cap: float = 0.0             # truncated importance sampling cap C, 0 = off (tis_weight)
 
 
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
@@ -358,10 +383,17 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: 
     for i, c in enumerate(micro):
         if c.old_logp is not None:  # a later mini-batch: pi_old from the pass before the first step
             old_logp[i, : len(c.old_logp)] = c.old_logp.to(logp.device)
+    rollout_logp = old_logp.clone()  # (b, T); greedy or hand-made calls: no gap
+    for i, c in enumerate(micro):
+        if c.rollout_logp is not None:
+            rollout_logp[i, : len(c.rollout_logp)] = c.rollout_logp.to(logp.device)
+    is_weight = tis_weight(old_logp, rollout_logp, s.tis_cap) if s.tis_cap > 0 else None
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
-    per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef)
+    per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,
+                                is_weight)
     loss = aggregate(per_token, mask, s.agg, weight.num_seqs, weight.num_tokens)
     (weight.scale * loss).backward()
+    st.update(mismatch_stats(old_logp, rollout_logp, mask))
     if with_entropy:
         st["entropy"] = masked_mean(entropy, mask).item()
     return st

