@@ -291,6 +291,7 @@ class UpdateSettings:
     balance: str = "none"            # role weights, one of BALANCE (loss_weight)
     damping: float = 0.0             # coherence damping, 0 = off (damped_step)
     tis_cap: float = 0.0             # truncated importance sampling cap C, 0 = off (tis_weight)
+    skip_empty: bool = True          # no optimizer step on a mini-batch without a live call
 
 
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
@@ -328,8 +329,13 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
                      adapter, pad_id, s.temperature, s.micro_batch_tokens)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     step_grads, role_of = {}, {}  # each slot's gradient, summed over the step's mini-batches
+    empty = 0  # mini-batches without a live call
     for mb in batches:
         optimizer.zero_grad(set_to_none=False)
+        if not any(is_live(c, s) for c in mb):
+            empty += 1
+            if s.skip_empty:  # AdamW would still move the adapter, on its momentum alone
+                continue
         for group, mine in slot_groups(mb, s, by):
             role = role_of[group] = next(c.role for c in mb if getattr(c, by) == group)
             weight = loss_weight(mb, role, s.balance)
@@ -350,6 +356,7 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
             stats[f"adapter/{adapter}/damping"].append(damped_step(optimizer, params, ema, s.damping))
         else:
             optimizer.step()
+    stats[f"adapter/{adapter}/empty_batches"].append(empty)
     # kappa and shares of the whole step: within one shuffled mini-batch the slots' calls
     # come from different episodes, so a mini-batch's slot gradients are not comparable
     for k, v in gradient_stats(step_grads, role_of).items():
@@ -359,10 +366,15 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     return stats
 
 
+def is_live(call: Call, s: UpdateSettings) -> bool:
+    """Whether a call has a gradient: an advantage, or a KL term."""
+    return call.advantage != 0 or s.kl_coef.get(call.role, 0) > 0
+
+
 def slot_groups(mb: list[Call], s: UpdateSettings, by: str) -> list[tuple[str, list[Call]]]:
     """The mini-batch's calls with a gradient (an advantage, or a KL term), grouped by slot or
     role: (group, this process's share of the group's calls), every group that has any."""
-    live = [c for c in mb if c.advantage != 0 or s.kl_coef.get(c.role, 0) > 0]
+    live = [c for c in mb if is_live(c, s)]
     return [(group, my_share([c for c in live if getattr(c, by) == group]))
             for group in sorted({getattr(c, by) for c in live})]
 

@@ -140,6 +140,8 @@ class Config:
     damping: float = arg(0.0, "coherence damping: scale each step by 1 - damping * max(0, "
                          "cos(g, EMA(g))); 0 = off", bounds="[0, 1]")
     role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
+    skip_empty: bool = arg(True, "no optimizer step on a mini-batch whose calls all have advantage 0 "
+                           "(AdamW would still move the adapters on its momentum)")
     tis_cap: float = arg(0.0, "truncated importance sampling: weight each token's loss by "
                          "min(pi_old / pi_rollout, C), correcting the sampler's precision gap; "
                          "0 = off", bounds="[0, inf)")
@@ -355,7 +357,7 @@ def update_settings(cfg: Config) -> UpdateSettings:
                           one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
                           eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
                           kl_coef=kl, grad_clip=cfg.grad_clip, balance=cfg.balance,
-                          damping=cfg.damping, tis_cap=cfg.tis_cap,
+                          damping=cfg.damping, tis_cap=cfg.tis_cap, skip_empty=cfg.skip_empty,
                           reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
 
 
