@@ -2,6 +2,8 @@
 the tests of every assignment that does not need them still pass; no removed line stays behind."""
 import ast
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -168,3 +170,31 @@ def test_a_stubbed_copy_fails_its_own_tests_and_passes_the_others(number, tmp_pa
               for t in course.node_ids(j)]
     res = pytest_in(out, others, "-x")
     assert res.returncode == 0, res.stdout[-3000:]
+
+
+def test_every_command_of_the_syllabus_parses():
+    """docs/course.md's commands take the flags train.py, diagnose.py, bench.py and course.py take
+    today, and a report reads runs that the page trains (YOURS, the student's workflow, is read as
+    single)."""
+    import bench
+    import diagnose
+    import train
+    with open(f"{ROOT}/docs/course.md") as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.DOTALL)
+    trained, scripts = set(), set()
+    for line in "\n".join(blocks).splitlines():
+        words = [{"YOURS": "single"}.get(w, w) for w in shlex.split(line, comments=True)
+                 if "=" not in w or w.startswith("-")]  # no environment variables
+        if words[:1] != [".venv/bin/python"] or words[1] in ("-m", "workflows.py"):
+            continue
+        script, args = words[1], words[2:]
+        scripts.add(script)
+        if script == "train.py":
+            trained.add(train.parse_config(args).out)
+        elif script == "diagnose.py" and "--demo" in args:
+            train.parse_config(diagnose.split_reproduce(args)[1])
+        elif script == "diagnose.py":
+            assert set(diagnose.make_parser().parse_args(args).runs) <= trained, line
+        else:
+            {"bench.py": bench.make_parser, "course.py": course.make_parser}[script]().parse_args(args)
+    assert scripts == {"train.py", "diagnose.py", "bench.py", "course.py"}, scripts
