@@ -131,11 +131,13 @@ def removed(number: int) -> tuple[dict[str, set[str]], dict[str, list[str]]]:
                for m, lines in kept.items()}
     elsewhere = {l.strip() for lines in staying.values() for l in lines}
     for directory, _, files in os.walk(ROOT):
-        if not set(os.path.relpath(directory, ROOT).split(os.sep)) & course.SKIP:
-            for f in files:
-                if f.endswith((".py", ".md", ".txt", ".json")) and f[:-3] not in kept:
-                    with open(os.path.join(directory, f), encoding="utf-8", errors="ignore") as text:
-                        elsewhere |= {l.strip() for l in text}
+        if set(os.path.relpath(directory, ROOT).split(os.sep)) & course.SKIP:
+            continue
+        for f in files:
+            path = os.path.join(directory, f)
+            if os.path.relpath(path, ROOT) not in {f"{m}.py" for m in kept}:
+                with open(path, encoding="utf-8", errors="ignore") as text:
+                    elsewhere |= {l.strip() for l in text}
     secret = {}
     for name, (module, start, end) in bodies.items():
         secret[name] = {l.strip() for l in kept[module][start:end]} - elsewhere
@@ -147,6 +149,7 @@ def removed(number: int) -> tuple[dict[str, set[str]], dict[str, list[str]]]:
 def test_a_stubbed_copy_fails_its_own_tests_and_passes_the_others(number, tmp_path):
     out = str(tmp_path / f"hw{number}")
     course.make(number, out)
+    assert not [path for path, dirs, files in os.walk(out) if set(dirs + files) & course.SKIP]
     secret, staying = removed(number)
     assert all(secret.values()), secret  # every function had a body of its own to remove
     every_secret = set().union(*secret.values())
