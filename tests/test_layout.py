@@ -9,7 +9,7 @@ LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0,
           "rollout": 1, "reward": 1,
           "grpo": 2, "critic": 2,
           "train": 3,
-          "diagnose": 4, "bench": 4}
+          "diagnose": 4, "bench": 4, "course": 4}
 
 
 def project_imports(source: str) -> set[str]:

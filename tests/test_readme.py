@@ -7,6 +7,7 @@ import shlex
 import pytest
 
 import bench
+import course
 import diagnose
 import train
 from conftest import ROOT
@@ -57,6 +58,10 @@ def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypa
             train.main(train.parse_config(args + TINY + ["--steps", steps] if not cfg.resume else args))
         elif script == "bench.py":  # runs for minutes: parsed here, run in test_bench.py
             bench.make_parser().parse_args(args)
+        elif script == "course.py":  # make copies the project here; grade is tested in test_course.py
+            parsed = course.make_parser().parse_args(args)
+            if parsed.command == "make":
+                course.main(args)
         else:
             assert script == "diagnose.py", script
             if "--reproduce" in args or "--demo" in args:  # trains a grid: parsed only

@@ -1,0 +1,269 @@
+"""The course kit: a student version of an assignment, graded by the project's own tests.
+
+The project pins every formula with a test against a hand-computed reference. An assignment
+is a few of those functions: `make` copies the project with their bodies replaced by
+`raise NotImplementedError` (signature, docstring and every other byte of the file kept; no
+.git, .venv, runs/ or caches), and `grade`, run inside such a copy, runs exactly the tests
+that pin them and prints the points of each function. docs/course.md is the syllabus: what
+each assignment teaches, what runs on a laptop, and one experiment per assignment.
+
+    python course.py list                    # the assignments: functions, tests, prerequisites
+    python course.py make 3 --out hw3/       # assignment 3 for a student
+    cd hw3 && python course.py grade 3       # its tests; points per function
+
+Functions are found by name with the standard library's ast (`Class.method` for a method),
+so a changed signature does not break the kit; a renamed function or test does, and
+tests/test_course.py says which. The body that `make` removes runs from the line after the
+docstring (or the signature) to the function's last line, comments included.
+
+Exercised by: pytest tests/test_course.py
+"""
+import argparse
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from functools import partial
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+MARKER = ".assignment"  # in a student copy: the number of its assignment
+# Never copied: history, environments, run directories, caches; the kit's own test needs the
+# reference solutions, so a student copy leaves it out.
+SKIP = {".git", ".venv", "runs", "__pycache__", ".pytest_cache"}
+INSTRUCTOR_ONLY = os.path.join("tests", "test_course.py")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    title: str
+    tests: dict[str, list[str]]  # "module.function" -> pytest node ids that grade it
+    needs: tuple[int, ...] = ()  # assignments whose functions those tests also run
+
+
+ASSIGNMENTS = {
+    1: Assignment("LoRA: the forward pass, merging and restoring, shared vs isolated routing", {
+        "lora.LoRALinear.forward": ["tests/test_lora.py::test_lora_linear_matches_formula",
+                                    "tests/test_lora.py::test_fresh_adapter_is_bit_identical",
+                                    "tests/test_lora.py::test_adapters_off_equals_base",
+                                    "tests/test_lora.py::test_only_adapter_parameters_get_gradients"],
+        "lora.LoRALinear.merged_weight": [
+            "tests/test_lora.py::test_merged_bf16_base_differs_by_no_more_than_bf16_rounding"],
+        "lora.merged_adapter": [
+            "tests/test_lora.py::test_merged_adapter_is_the_low_rank_path_and_puts_the_base_back",
+            "tests/test_rollout.py::test_merged_generation_samples_what_the_low_rank_path_samples"],
+        "lora.adapter_for": ["tests/test_lora.py::test_isolated_loss_reaches_only_its_role",
+                             "tests/test_lora.py::test_shared_every_role_reaches_the_one_adapter"],
+    }),
+    2: Assignment("Token log-probs: the sequence layout and the one-token shift", {
+        "rollout.pack": ["tests/test_rollout.py::test_pack_layout"],
+        "rollout.completion_logits": [
+            "tests/test_rollout.py::test_logprobs_equal_direct_computation_and_ignore_padding"],
+        "rollout.token_logprobs": ["tests/test_rollout.py::test_temperature_scales_logits"],
+    }),
+    3: Assignment("GRPO: group advantages, the clipped surrogate with clip-higher, loss aggregation", {
+        "grpo.masked_mean": ["tests/test_grpo.py::test_masked_mean"],
+        "grpo.group_advantages": ["tests/test_grpo.py::test_group_advantages_by_hand"],
+        "grpo.aggregate": ["tests/test_grpo.py::test_aggregation_modes_by_hand",
+                           "tests/test_grpo.py::test_micro_batches_add_up_to_the_mini_batch"],
+        "grpo.policy_loss": ["tests/test_grpo.py::test_clipped_loss_is_plain_policy_gradient_at_ratio_one",
+                             "tests/test_grpo.py::test_clipping_by_hand",
+                             "tests/test_grpo.py::test_k3_kl_by_hand",
+                             "tests/test_grpo.py::test_chi2_and_perplexity_by_hand",
+                             "tests/test_grpo.py::test_reusing_on_policy_logprobs_leaves_the_update_unchanged[4]"],
+    }, needs=(1, 2, 5)),  # the update runs a LoRA model, its log-probs, and measures kappa and shares
+    4: Assignment("The actor-critic: GAE, the value loss, central vs decentral critic inputs", {
+        "critic.gae": ["tests/test_critic.py::test_gae_lambda_zero_is_one_step_td",
+                       "tests/test_critic.py::test_gae_lambda_one_is_monte_carlo",
+                       "tests/test_critic.py::test_gae_intermediate_lambda_on_sequences_of_different_lengths",
+                       "tests/test_critic.py::test_call_advantages_follow_each_agents_own_turns"],
+        "critic.value_loss": ["tests/test_critic.py::test_value_loss_unclipped_by_hand",
+                              "tests/test_critic.py::test_value_loss_clipped_by_hand"],
+        "critic.joint_history": ["tests/test_critic.py::test_central_critic_reads_every_agents_history"],
+        "critic.critic_inputs": ["tests/test_critic.py::test_decentral_critic_reads_only_its_own_agent"],
+    }),
+    5: Assignment("Diagnostics: kappa and coherence, gradient shares, role balance, contract adherence", {
+        "grpo.amplification": ["tests/test_grpo.py::test_amplification_identical_and_orthogonal"],
+        "grpo.gradient_stats": ["tests/test_grpo.py::test_gradient_stats_shares_and_roles"],
+        "grpo.loss_weight": ["tests/test_diagnose.py::test_loss_weight_by_hand"],
+        "workflows.adherence": ["tests/test_diagnose.py::test_adherence_table"],
+        "workflows.similarity": ["tests/test_diagnose.py::test_similarity"],
+    }),
+    6: Assignment("Workflow topologies: Eval-Opt and Orch-Workers, then one of your own", {
+        "workflows.eval_opt": ["tests/test_workflows.py::test_eval_opt_stops_each_episode_on_its_own",
+                               "tests/test_workflows.py::test_eval_opt_prompts_carry_solution_and_critique",
+                               "tests/test_workflows.py::test_eval_opt_round_limits",
+                               "tests/test_workflows.py::test_eval_opt_missing_verdict_refines_and_is_flagged"],
+        "workflows.orch_workers": ["tests/test_workflows.py::test_orch_workers_stages_prompts_and_final",
+                                   "tests/test_workflows.py::test_orch_workers_fills_missing_strategies"],
+    }),
+}
+
+
+def node_ids(number: int) -> list[str]:
+    """Every test that grades an assignment, in the table's order."""
+    return list(dict.fromkeys(t for tests in ASSIGNMENTS[number].tests.values() for t in tests))
+
+
+def prerequisites(number: int) -> set[int]:
+    """The assignments whose functions an assignment's tests run, directly or through others."""
+    found, todo = set(), list(ASSIGNMENTS[number].needs)
+    while todo:
+        n = todo.pop()
+        if n not in found:
+            found.add(n)
+            todo += ASSIGNMENTS[n].needs
+    return found
+
+
+# ----------------------------------------------------------------------------
+# Stubbing: a function body out, the rest of the file byte for byte
+
+
+def find_function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    """The definition of `name` ("function" or "Class.method") at the top of a module."""
+    node = tree
+    for part in name.split("."):
+        node = next((n for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part),
+                    None)
+        if node is None:
+            raise LookupError(f"no function {name!r}")
+    return node
+
+
+def body_range(lines: list[str], fn: ast.FunctionDef) -> tuple[int, int, str]:
+    """Lines [start, end) (0-based) of the body after the docstring, with the comments and blank
+    lines above its first statement; and the body's indentation."""
+    has_doc = ast.get_docstring(fn, clean=False) is not None
+    if len(fn.body) <= has_doc or fn.body[0].lineno == fn.lineno:
+        raise ValueError(f"{fn.name}: no body to replace, or a body on the def line")
+    start = fn.body[has_doc].lineno - 1
+    floor = fn.body[0].end_lineno if has_doc else fn.lineno  # the docstring's or the header's last line
+    while start > floor and lines[start - 1].strip()[:1] in ("", "#"):
+        start -= 1
+    return start, fn.end_lineno, " " * fn.body[has_doc].col_offset
+
+
+def stub(source: str, names: list[str], number: int) -> str:
+    """The source with each named function's body replaced by one `raise NotImplementedError`."""
+    lines = source.splitlines(keepends=True)
+    tree = ast.parse(source)
+    ranges = sorted(((body_range(lines, find_function(tree, n)), n) for n in names), reverse=True)
+    limit = len(lines)
+    for (start, end, indent), name in ranges:  # bottom up: the line numbers above stay right
+        if end > limit:
+            raise ValueError(f"{name} overlaps another stubbed function")
+        lines[start:end] = [f'{indent}raise NotImplementedError("assignment {number}: write {name}")\n']
+        limit = start
+    return "".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# make and grade
+
+
+def skipped(root: str, out: str, directory: str, names: list[str]) -> set[str]:
+    """What a copy leaves out of a directory: SKIP, compiled files, the instructor's test, other
+    student copies, and the copy itself when it is made inside the project."""
+    paths = {n: os.path.join(directory, n) for n in names}
+    return {n for n, p in paths.items() if n in SKIP or n.endswith(".pyc")
+            or os.path.relpath(p, root) == INSTRUCTOR_ONLY
+            or os.path.exists(os.path.join(p, MARKER)) or os.path.realpath(p) == out}
+
+
+def copy_project(root: str, out: str) -> None:
+    shutil.copytree(root, out, ignore=partial(skipped, root, os.path.realpath(out)), dirs_exist_ok=True)
+
+
+def make(number: int, out: str, root: str = ROOT) -> None:
+    if os.path.exists(out) and os.listdir(out):
+        raise SystemExit(f"{out} exists and is not empty; choose another --out")
+    copy_project(root, out)
+    by_module: dict[str, list[str]] = {}
+    for name in ASSIGNMENTS[number].tests:
+        module, function = name.split(".", 1)
+        by_module.setdefault(module, []).append(function)
+    for module, functions in by_module.items():
+        path = os.path.join(out, f"{module}.py")
+        with open(path, encoding="utf-8", newline="") as f:
+            source = f.read()
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(stub(source, functions, number))
+    with open(os.path.join(out, MARKER), "w") as f:
+        f.write(f"{number}\n")
+    print(f"{out}: assignment {number}, {ASSIGNMENTS[number].title}\n"
+          f"to write: {', '.join(ASSIGNMENTS[number].tests)}\nto grade, in {out}: python course.py grade")
+
+
+def run_tests(ids: list[str], root: str = ROOT) -> dict[str, bool]:
+    """Run the tests in one pytest process; whether each id passed (all its parameters did)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.xml")
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
+                        f"--junitxml={report}", *ids], cwd=root)
+        cases = ET.parse(report).iter("testcase") if os.path.exists(report) else []
+        outcome = {}  # node id -> passed
+        for case in cases:
+            node = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+            outcome[node] = not any(child.tag in ("failure", "error", "skipped") for child in case)
+    ran = {i: [ok for node, ok in outcome.items() if node == i or node.startswith(i + "[")] for i in ids}
+    return {i: bool(oks) and all(oks) for i, oks in ran.items()}
+
+
+def grade(number: int, root: str = ROOT) -> int:
+    """Run the assignment's tests, print the points of each function; 0 if all passed."""
+    passed = run_tests(node_ids(number), root)
+    print(f"\nassignment {number}: {ASSIGNMENTS[number].title}")
+    width = max(len(name) for name in ASSIGNMENTS[number].tests)
+    for name, tests in ASSIGNMENTS[number].tests.items():
+        failed = [t.split("::")[1] for t in tests if not passed[t]]
+        print(f"  {name:<{width}}  {len(tests) - len(failed)}/{len(tests)}"
+              + (f"  failed: {', '.join(failed)}" if failed else ""))
+    total = sum(passed.values())
+    print(f"total {total}/{len(passed)} points")
+    return 0 if total == len(passed) else 1
+
+
+def show() -> None:
+    for number, a in ASSIGNMENTS.items():
+        needs = f" (its tests also run assignments {sorted(prerequisites(number))})" if a.needs else ""
+        print(f"{number}. {a.title}{needs}")
+        for name, tests in a.tests.items():
+            print(f"   {name}: {', '.join(t.split('::')[1] for t in tests)}")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="the assignments, their functions and tests")
+    p = commands.add_parser("make", help="copy the project with one assignment's functions stubbed")
+    p.add_argument("number", type=int, choices=sorted(ASSIGNMENTS), help="the assignment")
+    p.add_argument("--out", required=True, help="directory of the student copy (new or empty)")
+    p = commands.add_parser("grade", help="run an assignment's tests here, points per function")
+    p.add_argument("number", type=int, nargs="?", choices=sorted(ASSIGNMENTS),
+                   help=f"the assignment (default: the one this copy was made for, from {MARKER})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.command == "list":
+        show()
+    elif args.command == "make":
+        make(args.number, args.out)
+    else:
+        number = args.number
+        if number is None:
+            if not os.path.exists(os.path.join(ROOT, MARKER)):
+                raise SystemExit(f"no {MARKER} here (not a student copy): name the assignment")
+            with open(os.path.join(ROOT, MARKER)) as f:
+                number = int(f.read())
+        return grade(number)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

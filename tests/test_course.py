@@ -1,0 +1,203 @@
+"""The course kit: each assignment's tests fail without its functions and pass with the reference;
+the tests of every assignment that does not need them still pass; no removed line stays behind."""
+import ast
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import course
+from conftest import ROOT
+
+
+def pytest_in(root: str, ids: list[str], *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *flags, *ids],
+                          cwd=root, capture_output=True, text=True)
+
+
+def parse(path: str) -> ast.Module:
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read())
+
+
+def test_every_assignment_names_functions_and_tests_that_exist():
+    owner = {}
+    for number, a in course.ASSIGNMENTS.items():
+        assert set(a.needs) <= set(course.ASSIGNMENTS) and number not in course.prerequisites(number)
+        for name, tests in a.tests.items():
+            module, function = name.split(".", 1)
+            course.find_function(parse(f"{ROOT}/{module}.py"), function)  # LookupError if renamed
+            assert owner.setdefault(name, number) == number, f"{name} is in two assignments"
+            assert tests, f"{name} has no test"
+            for test in tests:
+                path, test_name = test.split("::")
+                defined = {f.name for f in parse(f"{ROOT}/{path}").body if isinstance(f, ast.FunctionDef)}
+                assert test_name.split("[")[0] in defined, test
+
+
+SOURCE = '''import os
+
+
+@decorator
+def kept(x):  # a header comment
+    return x
+
+
+class Layer:
+    """A class."""
+
+    def forward(self, x: int,
+                y: int) -> int:  # x: (B, T)
+        # why the next line
+        z = x + y
+
+        return z  # (B, T)
+
+    def other(self):
+        """Its docstring
+        on two lines."""
+
+        # a comment above the body
+        return os.sep
+# a comment after it
+'''
+
+STUBBED = '''import os
+
+
+@decorator
+def kept(x):  # a header comment
+    raise NotImplementedError("assignment 7: write kept")
+
+
+class Layer:
+    """A class."""
+
+    def forward(self, x: int,
+                y: int) -> int:  # x: (B, T)
+        raise NotImplementedError("assignment 7: write Layer.forward")
+
+    def other(self):
+        """Its docstring
+        on two lines."""
+        raise NotImplementedError("assignment 7: write Layer.other")
+# a comment after it
+'''
+
+
+def test_stub_replaces_each_body_and_keeps_every_other_byte():
+    assert course.stub(SOURCE, ["Layer.other", "kept", "Layer.forward"], 7) == STUBBED
+    with pytest.raises(LookupError, match="Layer.missing"):
+        course.stub(SOURCE, ["Layer.missing"], 7)
+
+
+def test_a_copy_leaves_out_history_environments_runs_caches_and_other_copies(tmp_path):
+    root = tmp_path / "project"
+    for path in ["lora.py", "docs/course.md", "tests/test_lora.py", "tests/test_course.py", ".git/HEAD",
+                 ".venv/bin/python", "runs/a/metrics.jsonl", "__pycache__/lora.cpython-311.pyc",
+                 "tests/x.pyc", ".pytest_cache/v", "hw1/.assignment", "hw1/lora.py"]:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("x")
+    course.copy_project(str(root), str(root / "hw2"))  # a copy inside the project, as a student makes it
+    copied = sorted(str(p.relative_to(root / "hw2")) for p in (root / "hw2").rglob("*") if p.is_file())
+    assert copied == ["docs/course.md", "lora.py", "tests/test_lora.py"]
+    (root / "hw3").mkdir()
+    (root / "hw3" / "notes").write_text("x")
+    with pytest.raises(SystemExit, match="not empty"):
+        course.make(1, str(root / "hw3"), str(root))
+
+
+def test_the_reference_passes_every_assignments_tests():
+    ids = [t for number in course.ASSIGNMENTS for t in course.node_ids(number)]
+    res = pytest_in(ROOT, ids, "-x")
+    assert res.returncode == 0, res.stdout[-3000:]
+
+
+def removed(number: int) -> tuple[dict[str, set[str]], dict[str, list[str]]]:
+    """Per function, the lines `make` removes that appear nowhere else in the project and are
+    12 characters or more; per stubbed module, the reference's lines that stay."""
+    kept, bodies = {}, {}
+    for name in course.ASSIGNMENTS[number].tests:
+        module, function = name.split(".", 1)
+        with open(f"{ROOT}/{module}.py", encoding="utf-8") as f:
+            lines = kept.setdefault(module, f.read().splitlines())
+        start, end, _ = course.body_range(lines, course.find_function(ast.parse("\n".join(lines)), function))
+        bodies[name] = (module, start, end)
+    staying = {m: [l for i, l in enumerate(lines)
+                   if not any(m == mod and s <= i < e for mod, s, e in bodies.values())]
+               for m, lines in kept.items()}
+    elsewhere = {l.strip() for lines in staying.values() for l in lines}
+    for directory, _, files in os.walk(ROOT):
+        if set(os.path.relpath(directory, ROOT).split(os.sep)) & course.SKIP:
+            continue
+        for f in files:
+            path = os.path.join(directory, f)
+            if os.path.relpath(path, ROOT) not in {f"{m}.py" for m in kept}:
+                with open(path, encoding="utf-8", errors="ignore") as text:
+                    elsewhere |= {l.strip() for l in text}
+    secret = {}
+    for name, (module, start, end) in bodies.items():
+        secret[name] = {l.strip() for l in kept[module][start:end]} - elsewhere
+        secret[name] = {l for l in secret[name] if len(l) >= 12}
+    return secret, staying
+
+
+@pytest.mark.parametrize("number", sorted(course.ASSIGNMENTS))
+def test_a_stubbed_copy_fails_its_own_tests_and_passes_the_others(number, tmp_path):
+    out = str(tmp_path / f"hw{number}")
+    course.make(number, out)
+    assert not [path for path, dirs, files in os.walk(out) if set(dirs + files) & course.SKIP]
+    secret, staying = removed(number)
+    assert all(secret.values()), secret  # every function had a body of its own to remove
+    every_secret = set().union(*secret.values())
+    for directory, _, files in os.walk(out):
+        for f in files:
+            with open(os.path.join(directory, f), encoding="utf-8", errors="ignore") as text:
+                leaked = {l.strip() for l in text} & every_secret
+            assert not leaked, (f, leaked)
+    for module, lines in staying.items():  # the rest of a stubbed file is the reference's, line for line
+        with open(f"{out}/{module}.py", encoding="utf-8") as f:
+            stubbed = f.read().splitlines()
+        assert [l for l in stubbed if 'raise NotImplementedError("assignment' not in l] == lines
+    for name in course.ASSIGNMENTS[number].tests:  # each body is one raise after the docstring
+        module, function = name.split(".", 1)
+        fn = course.find_function(parse(f"{out}/{module}.py"), function)
+        assert isinstance(fn.body[-1], ast.Raise) and len(fn.body) == 1 + (ast.get_docstring(fn) is not None)
+    graded = subprocess.run([sys.executable, "course.py", "grade"], cwd=out, capture_output=True, text=True)
+    assert graded.returncode == 1 and f"total 0/{len(course.node_ids(number))} points" in graded.stdout, \
+        graded.stdout[-3000:]
+    others = [t for j in course.ASSIGNMENTS if j != number and number not in course.prerequisites(j)
+              for t in course.node_ids(j)]
+    res = pytest_in(out, others, "-x")
+    assert res.returncode == 0, res.stdout[-3000:]
+
+
+def test_every_command_of_the_syllabus_parses():
+    """docs/course.md's commands take the flags train.py, diagnose.py, bench.py and course.py take
+    today, and a report reads runs that the page trains (YOURS, the student's workflow, is read as
+    single)."""
+    import bench
+    import diagnose
+    import train
+    with open(f"{ROOT}/docs/course.md") as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.DOTALL)
+    trained, scripts = set(), set()
+    for line in "\n".join(blocks).splitlines():
+        words = [{"YOURS": "single"}.get(w, w) for w in shlex.split(line, comments=True)
+                 if "=" not in w or w.startswith("-")]  # no environment variables
+        if words[:1] != [".venv/bin/python"] or words[1] in ("-m", "workflows.py"):
+            continue
+        script, args = words[1], words[2:]
+        scripts.add(script)
+        if script == "train.py":
+            trained.add(train.parse_config(args).out)
+        elif script == "diagnose.py" and "--demo" in args:
+            train.parse_config(diagnose.split_reproduce(args)[1])
+        elif script == "diagnose.py":
+            assert set(diagnose.make_parser().parse_args(args).runs) <= trained, line
+        else:
+            {"bench.py": bench.make_parser, "course.py": course.make_parser}[script]().parse_args(args)
+    assert scripts == {"train.py", "diagnose.py", "bench.py", "course.py"}, scripts
