@@ -1,4 +1,5 @@
 """GRPO against hand-computed numbers; the update's pi_old against a separate pass."""
+import dataclasses
 import math
 import random
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from grpo import (UpdateSettings, aggregate, amplification, gradient_stats, group_advantages,
-                  masked_mean, policy_loss, policy_update)
+                  masked_mean, mismatch_stats, policy_loss, policy_update, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters
 from rollout import Call, Rollout
 from workflows import ROLES, run_workflow
@@ -190,3 +191,64 @@ def test_old_logprob_pass_only_for_the_mini_batches_after_the_first_step(tiny):
     rows_without_grad.clear()
     updated(tiny, calls, reuse=False, minibatch_size=4)
     assert sum(rows_without_grad) == 18
+
+
+def test_truncated_importance_weight_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    sampled = torch.tensor([[-1.5, -1.0, -0.5]])
+    w = tis_weight(old, sampled, cap=1.2)
+    assert w[0].tolist() == pytest.approx([1.2, math.exp(-1.0), 1.0])  # e^0.5 = 1.65 is capped
+    logp = old.clone().requires_grad_(True)
+    adv, mask = torch.tensor([2.0]), torch.ones(1, 3)
+    weighted, _ = policy_loss(logp, old, adv, mask, is_weight=w)
+    plain, _ = policy_loss(logp, old, adv, mask)
+    assert weighted[0].tolist() == pytest.approx((w * plain)[0].tolist())  # each token's term times its weight
+    weighted.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx((-2.0 * w)[0].tolist())  # d/dlogp of -w * ratio * A at ratio 1
+
+
+def test_mismatch_stats_by_hand_and_zero_for_equal_policies():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, 0.0, 0.0]])
+    sampled = torch.tensor([[-1.5, -1.0, -0.5], [-3.25, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    st = mismatch_stats(old, sampled, mask)
+    assert st["mismatch_mean"] == pytest.approx((0.5 + 1.0 + 0.0 + 0.25) / 4)
+    assert st["mismatch_max"] == pytest.approx(1.0)  # the padding's gap of 9 is masked
+    k3 = [math.exp(g) - g - 1 for g in (0.5, -1.0, 0.0, 0.25)]
+    assert st["mismatch_kl"] == pytest.approx(sum(k3) / 4)
+    assert set(mismatch_stats(old, old, mask).values()) == {0.0}
+
+
+def test_no_optimizer_step_on_a_mini_batch_without_a_live_call(tiny):
+    """AdamW moves an adapter on a zero gradient once it has momentum; with skip_empty the
+    dead mini-batch takes no step, and without it the adapter moves."""
+    calls = sampled_calls(tiny)
+    model, tok = tiny
+    params = adapter_parameters(model, "generator")
+    moved = {}
+    for skip in (True, False):
+        start = [p.detach().clone() for p in params]
+        opt = torch.optim.AdamW(params, lr=0.01)
+        settings = UpdateSettings(temperature=1.0, minibatch_size=len(calls), skip_empty=skip)
+        policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
+        after_live = [p.detach().clone() for p in params]
+        dead = [dataclasses.replace(c, advantage=0.0) for c in calls]
+        stats = policy_update(model, "generator", dead, opt, random.Random(0), tok.pad_token_id, settings)
+        assert stats["adapter/generator/empty_batches"] == [1]
+        moved[skip] = max((p - a).abs().max().item() for p, a in zip(params, after_live))
+        with torch.no_grad():
+            for p, s in zip(params, start):
+                p.copy_(s)
+    assert moved[True] == 0.0
+    assert moved[False] > 1e-4
+
+
+def test_the_update_logs_no_precision_gap_where_sampler_and_trainer_agree(tiny):
+    """fp32 tiny model: the sampler's recorded log-probs are the trainer's up to float rounding."""
+    calls = sampled_calls(tiny)
+    assert all(c.rollout_logp is not None and len(c.rollout_logp) == len(c.completion_ids) for c in calls)
+    model, tok = tiny
+    settings = UpdateSettings(temperature=1.0, minibatch_size=len(calls))
+    stats = policy_update(model, "generator", calls, torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0),
+                          random.Random(0), tok.pad_token_id, settings)
+    assert max(stats["role/generator/mismatch_max"]) < 1e-4

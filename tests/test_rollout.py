@@ -9,8 +9,8 @@ import pytest
 import torch.nn.functional as F
 
 from conftest import ROOT
-from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters
-from rollout import (Call, Rollout, cut_at_eos, load_policy, pack, sequence_logprobs,
+from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters, use_adapter
+from rollout import (Call, Rollout, cut_at_eos, load_policy, pack, resolve_dtype, sequence_logprobs,
                      token_batches)
 from workflows import run_workflow
 
@@ -212,3 +212,53 @@ def test_models_load_with_sdpa_attention():
     quadratic in the length."""
     model, _ = load_policy("tiny")
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_dtype_auto_is_bf16_where_native_and_fp32_for_the_tiny_model(monkeypatch):
+    import rollout
+    assert resolve_dtype("auto", "cuda", "Qwen/Qwen3-0.6B") == torch.bfloat16
+    assert resolve_dtype("auto", "cuda", "tiny") == torch.float32
+    assert resolve_dtype("bf16", "cpu", "tiny") == torch.bfloat16
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(rollout, "cpu_has_bf16", lambda: native)
+        assert resolve_dtype("auto", "cpu", "smollm2") == expected
+    with pytest.raises(SystemExit, match="--dtype 'fp16'"):
+        resolve_dtype("fp16", "cpu", "tiny")
+
+
+def test_bf16_weights_keep_fp32_adapters_and_score_close_to_fp32():
+    """The same greedy completions scored under bf16 and fp32 base weights: a bounded gap."""
+    scored = {}
+    for dtype in ("fp32", "bf16"):
+        model, tok = load_policy("tiny", dtype=dtype)
+        inject_lora(model, r=4, alpha=8)
+        setup_adapters(model, ["generator"], "shared")
+        assert {p.dtype for p in adapter_parameters(model, "shared")} == {torch.float32}
+        assert lora_layers(model)[0].base.weight.dtype == (torch.bfloat16 if dtype == "bf16" else torch.float32)
+        if dtype == "fp32":
+            rollout = Rollout(model, tok, "shared", max_new_tokens=12, greedy=True)
+            run_workflow("single", ["What is 1 + 2?", "What is 12 + 7?"], rollout)
+            calls = rollout.calls
+        with torch.no_grad(), use_adapter(model, "shared"):
+            logp, mask, _ = sequence_logprobs(model, calls, tok.pad_token_id)
+        scored[dtype] = (logp, mask)
+    (a, mask), (b, _) = scored["fp32"], scored["bf16"]
+    gap = ((a - b).abs() * mask).sum() / mask.sum()
+    assert 0 < gap < 0.1, gap
+
+
+def test_the_sampler_records_the_log_probs_it_sampled_from(tiny):
+    """SamplerLogprobs against a separate scoring pass of the same model (fp32, adapter off the
+    weights): equal up to float rounding, one per completion token, eos included."""
+    rollout = make_rollout(tiny, sharing="shared", temperature=0.7, merge=False)
+    torch.manual_seed(0)
+    run_workflow("voting", ["What is 1 + 2?", "What is 3 + 4?"], rollout, n_agents=3)
+    calls = rollout.calls
+    with torch.no_grad(), use_adapter(rollout.model, "shared"):
+        logp, mask, _ = sequence_logprobs(rollout.model, calls, rollout.tok.pad_token_id, 0.7)
+    for row, c in zip(logp, calls):
+        assert c.rollout_logp.shape == (len(c.completion_ids),)
+        assert torch.allclose(c.rollout_logp, row[: len(c.completion_ids)], atol=1e-4)
+    greedy = Rollout(rollout.model, rollout.tok, "shared", max_new_tokens=12, greedy=True)
+    run_workflow("single", ["What is 1 + 2?"], greedy)
+    assert greedy.calls[0].rollout_logp is None  # evaluation records none
