@@ -53,6 +53,7 @@ from grpo import policy_update
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from reward import KINDS, load_task
 from rollout import Rollout, load_policy
+from runs import read_jsonl, resolve_resume, typed_flags
 from workflows import ROLES, role_of, run_workflow, slots
 
 CLIFF = 0.10  # accuracy peak minus final that counts as a cliff
@@ -95,7 +96,7 @@ def load_run(run_dir: str) -> tuple[dict, list[dict]]:
             config = json.load(f)
     except json.JSONDecodeError:
         raise SystemExit(f"{run_dir}/config.json is not JSON") from None
-    rows = train.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
     if not rows:
         raise SystemExit(f"{run_dir}: metrics.jsonl is empty (the run has not logged a step yet)")
     return config, rows
@@ -336,7 +337,7 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
         if finished(run_dir):
             argv = [*flags, "--out", run_dir]
             try:  # the check --resume makes: every flag given must match the run's config
-                train.resolve_resume(train.parse_config(argv), train.typed_flags(argv))
+                resolve_resume(train.parse_config(argv), typed_flags(argv))
             except SystemExit as e:
                 raise SystemExit(f"{run_dir} was trained with other settings ({str(e).removeprefix('--resume: ')}): "
                                  "remove it or choose another --out") from None

@@ -37,13 +37,11 @@ tokens, rank 16, and a learning rate of 5e-4 instead of 2e-5).
 """
 import argparse
 import dataclasses
-import json
 import math
 import os
 import random
 import re
 import resource
-import shutil
 import sys
 import time
 from collections import defaultdict
@@ -52,18 +50,18 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
                     setup_critics, update_critics)
 from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_batches, policy_update
-from lora import (DEFAULT_TARGETS, adapter_for, adapter_names, adapter_parameters, freeze_copy,
-                  inject_lora, load_adapter_state, load_adapters, save_adapters, setup_adapters,
+from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
                   use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
 from rollout import (Call, Rollout, barrier, block, gather_lists, load_policy, my_share, rank_and_world,
                      sequence_logprobs, sum_gradients)
+from runs import (append_jsonl, check_run_dir, check_start, episode_samples, load_start, resolve_resume,
+                  resume_run, save_checkpoint, start_logs, start_run_dir, typed_flags)
 from sandbox import CODE_TIMEOUT
 from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
 
@@ -377,20 +375,6 @@ def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, 
     return optimizers, schedulers
 
 
-def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float],
-                    episodes: list[int]) -> list[dict]:
-    """Complete episodes for samples.jsonl: every call's prompt and output, the outcome."""
-    rows = []
-    for e in episodes:
-        rows.append({"step": step, "episode": e, "problem": problems[e].id,
-                     "question": problems[e].question, "answer": problems[e].answer,
-                     "final": outcomes[e].final, "reward": rewards[e], "info": outcomes[e].info,
-                     "calls": [{"role": c.role, "slot": c.slot, "turn": c.turn, "prompt": c.prompt,
-                                "output": c.text, "advantage": c.advantage}
-                               for c in calls if c.episode == e]})
-    return rows
-
-
 # ----------------------------------------------------------------------------
 # Supervised warm-up (--sft_warmup): a contract to keep, or to lose
 # The 135M model does not keep the supervisory roles' contracts by itself, so RL
@@ -506,234 +490,7 @@ def supervised_step(model, adapter: str, batch: list[Call], optimizer, pad_id: i
 
 
 # ----------------------------------------------------------------------------
-# Files: config, logs, checkpoints (all written atomically)
-
-
-def write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-
-
-def append_jsonl(path: str, rows: list[dict]) -> None:
-    with open(path, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """The rows of a log. A torn last line (the process was killed while writing it) and blank
-    lines are dropped; any other unreadable line is an error."""
-    if not os.path.exists(path):
-        raise SystemExit(f"{path} is missing: not a complete run directory")
-    with open(path) as f:
-        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
-    rows = []
-    for k, (i, line) in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if k < len(lines) - 1:
-                raise SystemExit(f"{path}, line {i}: not JSON; the log is damaged") from None
-    return rows
-
-
-def truncate_jsonl(path: str, last_step: int) -> list[dict]:
-    """Drop log lines written after the checkpoint we resume from; return the rows kept."""
-    keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in keep)
-    os.replace(path + ".tmp", path)
-    return keep
-
-
-def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedulers: dict,
-                    rng: random.Random, emas: dict) -> None:
-    """Every process calls it (each one's sampling state is kept); rank 0 writes."""
-    torch_rngs = gather_lists([torch.get_rng_state()])
-    cuda_rngs = gather_lists([torch.cuda.get_rng_state()]) if torch.cuda.is_available() else None
-    if rank_and_world()[0] != 0:
-        return
-    tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_adapters(model, tmp)  # one PEFT LoRA directory per adapter, critics' included
-    for name, head in heads.items():  # a critic's directory also holds its value head
-        save_file(head.state_dict(), os.path.join(tmp, name, "value_head.safetensors"))
-    torch.save({"step": step,
-                "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
-                "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
-                "torch_rngs": torch_rngs,  # one per process
-                "cuda_rngs": cuda_rngs,  # of each process's own GPU
-                "py_rng": rng.getstate(),
-                "emas": emas}, os.path.join(tmp, "state.part"))
-    os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # state.pt: tmp is whole
-    # Swap directories so a crash leaves either the old or the new checkpoint whole
-    # (newest_checkpoint finds it).
-    shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
-    if os.path.exists(final):
-        os.replace(final, final + ".old")
-    os.replace(tmp, final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
-
-
-def newest_checkpoint(out: str) -> str:
-    """The newest whole checkpoint, put back in its place as ckpt: ckpt.tmp once its state.pt is
-    written (a save that crashed before its swap finished), else ckpt, else ckpt.old."""
-    final = os.path.join(out, "ckpt")
-    for path in (final + ".tmp", final, final + ".old"):
-        if os.path.exists(os.path.join(path, "state.pt")):
-            if path != final:
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(path, final)
-            return final
-    raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
-                     "start it again without --resume, with --overwrite")
-
-
-def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
-                    rng: random.Random, emas: dict) -> int:
-    rank, world = rank_and_world()
-    if rank == 0:
-        newest_checkpoint(out)  # puts the newest whole checkpoint in place as ckpt
-    barrier()
-    path = os.path.join(out, "ckpt")
-    try:
-        load_adapters(model, path, adapter_names(model))  # the references' frozen copies too
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-        for k, h in heads.items():  # checkpoints from before the PEFT layout kept heads in state.pt
-            head_file = os.path.join(path, k, "value_head.safetensors")
-            h.load_state_dict(load_file(head_file) if os.path.exists(head_file) else state["heads"][k])
-    except Exception as e:  # a truncated or foreign file: say so in one line
-        raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
-                         "start the run over with --overwrite") from None
-    for k in optimizers:
-        optimizers[k].load_state_dict(state["optimizers"][k])
-        schedulers[k].load_state_dict(state["schedulers"][k])
-    torch_rngs = state["torch_rngs"] if "torch_rngs" in state else [state["torch_rng"]]  # older: one
-    if len(torch_rngs) != world:
-        raise SystemExit(f"--resume: {out} was saved by {len(torch_rngs)} process(es); resume it with "
-                         f"as many (torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
-    torch.set_rng_state(torch_rngs[rank])
-    if state.get("cuda_rngs") is not None:
-        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
-    elif state.get("cuda_rng") is not None:  # saved before one state per process
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-    rng.setstate(state["py_rng"])
-    emas.update(state["emas"])
-    return state["step"]
-
-
-# Flags that say where and how a run is executed, not what it is: --resume may change them.
-NOT_THE_RUN = ("out", "resume", "overwrite", "threads")
-
-
-def typed_flags(argv: list[str]) -> set[str]:
-    """The Config fields named on a command line: --lr 0.1, --lr=0.1, --no-one_step."""
-    names = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
-    return {n[3:] if n.startswith("no-") else n for n in names}
-
-
-def resolve_resume(cfg: Config, typed: set[str] | None = None) -> Config:
-    """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
-    was typed (`typed`, from the command line) or differs from its default. The run lives
-    wherever --out now points, however that path is spelled."""
-    try:
-        with open(os.path.join(cfg.out, "config.json")) as f:
-            saved = Config(**json.load(f))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise SystemExit(f"--resume: {cfg.out}/config.json cannot be read ({type(e).__name__})") from None
-    for f in dataclasses.fields(Config):
-        given, old = getattr(cfg, f.name), getattr(saved, f.name)
-        chosen = f.name in typed if typed is not None else given != f.default
-        if f.name not in NOT_THE_RUN and chosen and given != old:
-            raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
-    return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
-
-
-# Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
-# them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
-# random numbers they leave, and must match.
-RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
-               "eps_low", "eps_high", "loss_agg", "adv_group", "kl_coef", "role_kl", "balance",
-               "one_step", "damping", "eval_every", "diag_every", "log_samples", "save_every")
-
-
-def check_start(cfg: Config) -> dict:
-    """--start_from: the start run's config, once it is known to differ from this run's in RL
-    settings only and to have stopped at step 0."""
-    where = cfg.start_from
-    try:
-        with open(os.path.join(where, "config.json")) as f:
-            saved = Config(**json.load(f))
-        state = torch.load(os.path.join(where, "ckpt", "state.pt"), weights_only=False)
-    except FileNotFoundError:
-        raise SystemExit(f"--start_from {where}: no run with a checkpoint there (train it with --steps 0)") from None
-    except (json.JSONDecodeError, TypeError, RuntimeError, EOFError) as e:
-        raise SystemExit(f"--start_from {where}: its run cannot be read ({type(e).__name__})") from None
-    if state["step"] != 0:
-        raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
-                         "(train the start with --steps 0)")
-    for f in dataclasses.fields(Config):
-        given, old = getattr(cfg, f.name), getattr(saved, f.name)
-        if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
-            raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's ({old}); "
-                             "only RL settings may differ")
-    if saved.sharing == "isolated" and cfg.sharing == "shared":
-        raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot become one "
-                         "shared adapter")
-    return dataclasses.asdict(saved)
-
-
-def load_start(cfg: Config, saved: dict, model, heads, rng: random.Random) -> dict:
-    """--start_from: the start's adapters (a shared one copied into each role's), critics and
-    random number states; `saved`: its config (check_start). Returns its step-0 metrics."""
-    path = os.path.join(cfg.start_from, "ckpt")
-    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-    for name in adapter_names(model):
-        source = name if saved["sharing"] == cfg.sharing or name in heads else "shared"
-        load_adapter_state(model, name, load_file(os.path.join(path, source, "adapter_model.safetensors")))
-    for name, head in heads.items():
-        head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
-    rank, world = rank_and_world()
-    if len(state["torch_rngs"]) != world:
-        raise SystemExit(f"--start_from {cfg.start_from}: saved by {len(state['torch_rngs'])} process(es), "
-                         f"not {world}")
-    torch.set_rng_state(state["torch_rngs"][rank])
-    if state.get("cuda_rngs") is not None:
-        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
-    rng.setstate(state["py_rng"])
-    return read_jsonl(os.path.join(cfg.start_from, "metrics.jsonl"))[0]
-
-
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "ckpt", "ckpt.tmp", "ckpt.old")
-
-
-def check_run_dir(cfg: Config) -> list[str]:
-    """The run files already in --out; a directory that holds a run is never overwritten
-    implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise SystemExit(f"--out {cfg.out} is a file, not a directory")
-    parent = os.path.abspath(cfg.out)
-    while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise SystemExit(f"--out {cfg.out}: cannot create a directory in {parent}")
-    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out, f))]
-    if held and not cfg.overwrite:
-        raise SystemExit(f"--out {cfg.out} already holds a run: add --resume to continue it, --overwrite "
-                         "to start it over, or choose another --out")
-    return held
-
-
-def start_run_dir(cfg: Config, held: list[str]) -> None:
-    """Clear the old run's own files (--overwrite; nothing else in the directory), write the config."""
-    for f in held:
-        path = os.path.join(cfg.out, f)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    os.makedirs(cfg.out, exist_ok=True)
-    write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg))
+# The machine and the clock: threads, memory, the time left
 
 
 def running_threads() -> int:
@@ -845,7 +602,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
                          f"holds {len(train_set)} problems")
     if cfg.max_new_tokens == 0:  # code needs room for a whole function
         cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
-    held = [] if cfg.resume else check_run_dir(cfg)
+    held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
     log(plan(cfg, device))
     model, tok = load_policy(cfg.model, device)
     try:
@@ -853,7 +610,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
     if not cfg.resume and rank == 0:  # only now that the model loaded: a failed launch leaves --out untouched
-        start_run_dir(cfg, held)
+        start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
     metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     heads = {}
@@ -870,28 +627,18 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     if cfg.resume:
         for name, ref in update.reference.items():  # the checkpoint fills them in
             freeze_copy(model, name, ref)
-        start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng, emas)
-        if rank == 0:
-            truncate_jsonl(metrics_path, start)
-            truncate_jsonl(samples_path, start)
-        barrier()
-        evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
-        if not evaluated or evaluated[0]["step"] != 0:
-            raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training (step 0)")
-        acc_before = evaluated[0]["eval/accuracy"]  # step 0
-        acc = evaluated[-1]["eval/accuracy"]  # the last evaluation kept
-        eval_seconds = evaluated[-1].get("time/eval", 0.0)  # for the estimate of the time left
+        start, first, last = resume_run(cfg.out, model, heads, optimizers, schedulers, rng, emas)
+        acc_before = first["eval/accuracy"]  # step 0
+        acc = last["eval/accuracy"]  # the last evaluation kept
+        eval_seconds = last.get("time/eval", 0.0)  # for the estimate of the time left
         log(f"resuming {cfg.out} at step {start}")
     elif cfg.start_from:
-        first = load_start(cfg, start_config, model, heads, rng)
+        first = load_start(cfg.start_from, cfg.sharing, start_config, model, heads, rng)
         for name, ref in update.reference.items():  # anchored to the start, as its own run would be
             freeze_copy(model, name, ref)
         acc_before = acc = first["eval/accuracy"]
         eval_seconds = first.get("time/eval", 0.0)
-        if rank == 0:
-            for path in (metrics_path, samples_path):
-                open(path, "w").close()
-            append_jsonl(metrics_path, [first])
+        start_logs(cfg.out, first)
         save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
         log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | the start of {cfg.start_from}")
     else:
@@ -902,11 +649,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         t_eval = time.time()
         acc_before = acc = evaluate(model, tok, cfg, test_set)
         eval_seconds = time.time() - t_eval
-        if rank == 0:
-            for path in (metrics_path, samples_path):
-                open(path, "w").close()
-            append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before, **first,
-                                         "time/eval": eval_seconds}])
+        start_logs(cfg.out, {"step": 0, "eval/accuracy": acc_before, **first, "time/eval": eval_seconds})
         # a run stopped after step 0 resumes without its warm-up, or starts others (--start_from)
         save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
         log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | {eval_seconds:.0f}s | "

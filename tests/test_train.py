@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import diagnose
+import runs
 import train
 from conftest import ROOT
 from grpo import policy_update
@@ -175,12 +176,12 @@ def test_resume_rejects_a_contradicting_flag(tmp_path):
         train.main(train.Config(out=out, resume=True, lr=0.5))
     # typed, even when it is the default: this voting/isolated run is not eval_opt/shared
     argv = ["--out", out, "--resume", "--workflow", "eval_opt", "--sharing=shared"]
-    assert train.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
+    assert runs.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
     with pytest.raises(SystemExit, match="--workflow eval_opt differs from the run's config"):
-        train.main(train.parse_config(argv), typed=train.typed_flags(argv))
+        train.main(train.parse_config(argv), typed=runs.typed_flags(argv))
     argv = ["--out", out, "--resume", "--workflow", "voting", "--no-one_step", "--threads", "1"]
-    assert train.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
-    train.main(train.parse_config(argv), typed=train.typed_flags(argv))  # agrees with the run: resumes
+    assert runs.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
+    train.main(train.parse_config(argv), typed=runs.typed_flags(argv))  # agrees with the run: resumes
 
 
 def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
