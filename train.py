@@ -63,7 +63,7 @@ from rollout import (Call, Rollout, barrier, block, gather_lists, load_policy, m
 from runs import (append_jsonl, check_run_dir, check_start, episode_samples, load_start, resolve_resume,
                   resume_run, save_checkpoint, start_logs, start_run_dir, typed_flags)
 from sandbox import CODE_TIMEOUT
-from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
+from workflows import ROLES, WORKFLOWS, adherence, contract_replies, role_of, run_workflow, similarity, slots
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
@@ -376,52 +376,14 @@ def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, 
 
 
 # ----------------------------------------------------------------------------
-# Supervised warm-up (--sft_warmup): a contract to keep, or to lose
-# The 135M model does not keep the supervisory roles' contracts by itself, so RL
-# has nothing to keep or to lose. The warm-up teaches every role, on the adapter
-# it trains under, replies that keep its contract and that a verifier labels:
-# the aggregator names a correct candidate (any of them; any candidate when none
-# is), the evaluator gives the verifier's verdict, the orchestrator lists plans,
-# and the solving roles repeat their own solutions that the verifier accepts.
-
-SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a solution
-PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
-                  "Work backwards from what is asked."],
-         "code": ["Loop over the input and build the result.", "Use Python's built-in functions.",
-                  "Split the task into small helper functions."]}
+# Supervised warm-up (--sft_warmup): before RL, every role learns replies that keep its
+# contract (workflows.contract_replies), so that RL has a contract to keep or to lose
 
 
-def contract_replies(calls: list[Call], problems, cfg: Config, rng: random.Random,
-                     roles: list[str]) -> list[Call]:
-    """Warm-up pairs of the given roles: calls with the same prompt and a reply (its text;
-    warm_up sets the token ids) that keeps the role's contract."""
-    solutions = {(c.episode, c.turn): [] for c in calls}  # generator outputs by episode and stage
-    for c in calls:  # in slot order within each episode, as the workflow made them
-        if c.role == "generator":
-            solutions[c.episode, c.turn].append(c.text)
-    judged = [c for c in calls if c.role in ("aggregator", "evaluator")]
-    read = [solutions[c.episode, c.turn - 1] for c in judged]  # what each judge saw
-    flat = [(c.episode, text) for c, texts in zip(judged, read) for text in texts]
-    scores = iter(score_batch([problems[e] for e, _ in flat], [t for _, t in flat], strict=cfg.strict_answer,
-                              workers=cfg.code_workers, timeout=cfg.code_timeout))
-    replies = []
-    for c, texts in zip(judged, read):
-        right = [k for k, _ in enumerate(texts, 1) if next(scores) == 1.0]
-        if c.role == "aggregator":  # any correct candidate; any candidate where none is correct
-            reply = f"\\boxed{{{rng.choice(right or range(1, len(texts) + 1))}}}"
-        else:
-            reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
-        replies.append(dataclasses.replace(c, text=reply))
-    plan = "\n".join(f"{i}. {s}" for i, s in enumerate(PLANS[problems[0].kind][: cfg.n_agents], 1))
-    replies += [dataclasses.replace(c, text=plan) for c in calls if c.role == "orchestrator"]
-    # the solving roles keep their own sampled solutions that the verifier accepts (rejection
-    # sampling, as in STaR, Zelikman et al. 2022): on a shared adapter, without them the
-    # other roles' replies would teach the solvers to answer \boxed{k} too
-    solvers = [c for c in calls if c.role in SOLVERS]
-    accepted = score_batch([problems[c.episode] for c in solvers], [c.text for c in solvers],
-                           strict=cfg.strict_answer, workers=cfg.code_workers, timeout=cfg.code_timeout)
-    replies += [dataclasses.replace(c) for c, ok in zip(solvers, accepted) if ok == 1.0]
-    return [c for c in replies if c.role in roles]
+def score_episodes(problems, cfg: Config, episodes: list[int], texts: list[str]) -> list[float]:
+    """The verifier's reward of each text as an answer to its episode's problem."""
+    return score_batch([problems[e] for e in episodes], texts, strict=cfg.strict_answer,
+                       workers=cfg.code_workers, timeout=cfg.code_timeout)
 
 
 def warmup_roles(cfg: Config) -> list[str]:
@@ -449,7 +411,9 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in mine],
                                               greedy=False, label="warm-up rollout")
     calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, mine)
-    pairs = contract_replies(calls, [train_set[i] for i in problem_of], cfg, rng, warmup_roles(cfg))
+    problems = [train_set[i] for i in problem_of]
+    pairs = contract_replies(calls, partial(score_episodes, problems, cfg), problems[0].kind, cfg.n_agents,
+                             rng, warmup_roles(cfg))
     if not pairs:
         raise SystemExit(f"--sft_warmup: no role of {cfg.workflow} to warm up among {', '.join(warmup_roles(cfg))}")
     for c in pairs:
