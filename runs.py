@@ -1,5 +1,6 @@
-"""A run on disk: its directory, config.json, the metrics and samples logs, checkpoints,
---resume and --start_from.
+"""A run on disk and on its machine: its directory, config.json, the metrics and samples
+logs, checkpoints, --resume and --start_from; the processes, threads and memory it runs on,
+and the time it has left.
 
     python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, ckpt/
     python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
@@ -15,16 +16,25 @@ Under torchrun every process keeps its own sampling state in the checkpoint, and
 rank 0 writes. The run's settings are train.py's `Config`; this file reads them field by
 field (dataclasses.fields) and never needs to import train.py.
 
+The machine: under torchrun (WORLD_SIZE > 1) a process joins the process group; torch's CPU
+threads are the cores that other programs leave free (a thread whose core is taken stalls
+the others of its matrix product), chosen again after every step; the peak memory logged is
+the accelerator's or the process's own. The clock: the run's first log line says what it
+will do, and every step line estimates the time left.
+
 Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs), tests/test_distributed.py
 """
 import dataclasses
 import json
 import os
 import random
+import re
+import resource
 import shutil
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from lora import adapter_names, load_adapter_state, load_adapters, save_adapters
@@ -315,3 +325,92 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
         torch.cuda.set_rng_state(state["cuda_rngs"][rank])
     rng.setstate(state["py_rng"])
     return read_jsonl(os.path.join(where, "metrics.jsonl"))[0]
+
+
+# ----------------------------------------------------------------------------
+# The machine: processes, threads, memory
+
+
+def join_processes(device: str) -> str:
+    """This process's device; under torchrun (WORLD_SIZE > 1) also join the process group:
+    nccl and one GPU per local rank on CUDA, gloo on CPU."""
+    cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return ("cuda" if cuda else "cpu") if device == "auto" else device
+    if cuda:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return device if cuda else "cpu"
+
+
+def running_threads() -> int:
+    """Threads running or runnable on the machine right now, this one included (Linux)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return 1 << 30  # unknown: the load average alone decides
+
+
+def pick_threads(requested: int, own_load: float) -> int:
+    """Torch's CPU threads: --threads, else the cores this process may use less what other
+    processes keep busy. Those are the 1-minute load average minus this process's own share,
+    or the threads running right now besides this one when fewer (the average trails a
+    program that just stopped). Threads of one matmul wait for each other, so a thread
+    whose core is taken stalls them all."""
+    if requested:
+        return requested
+    cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    others = max(0.0, min(os.getloadavg()[0] - own_load, running_threads() - 1))
+    return max(1, min(cores, round(cores - others)))
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU.
+    Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
+    started from it (diagnose.py --reproduce, bench.py), VmHWM starts afresh."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------
+# The clock: what the run will do, and the time it has left
+
+
+def eval_steps(cfg: RunConfig) -> list[int]:
+    """The steps after which the workflow is evaluated (step 0 = before training)."""
+    return [0] + [s for s in range(1, cfg.steps + 1) if (cfg.eval_every and s % cfg.eval_every == 0)
+                  or s == cfg.steps]
+
+
+def plan(cfg: RunConfig, device: str) -> str:
+    """The first line of a run: what it will do."""
+    evals = ", ".join(map(str, eval_steps(cfg)))
+    threads = torch.get_num_threads()
+    adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
+    return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
+            f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
+            f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; greedy "
+            f"evaluation on {cfg.eval_problems} held-out problems at steps {evals}; a checkpoint every "
+            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
+            "Time: estimated after the step-0 evaluation.")
+
+
+def estimate_minutes(cfg: RunConfig, eval_seconds: float, step_seconds: list[float],
+                     step: int) -> float:
+    """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
+    evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
+    plus the evaluations still to come."""
+    per_episode = eval_seconds / cfg.eval_problems
+    step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
+                 else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
+    evals_left = sum(1 for s in eval_steps(cfg) if s > step)
+    return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
