@@ -31,13 +31,15 @@ import random
 import re
 import resource
 import shutil
+import time
+from collections import defaultdict
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from lora import adapter_names, load_adapter_state, load_adapters, save_adapters
+from lora import adapter_names, freeze_copy, load_adapter_state, load_adapters, save_adapters
 from rollout import Call, barrier, gather_lists, rank_and_world
 
 RunConfig = TypeVar("RunConfig")  # train.Config: a dataclass with a default on every field
@@ -86,11 +88,19 @@ def truncate_jsonl(path: str, last_step: int) -> list[dict]:
     return keep
 
 
-def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float],
-                    episodes: list[int]) -> list[dict]:
-    """Complete episodes for samples.jsonl: every call's prompt and output, the outcome."""
+def write_step(out: str, row: dict, samples: list[dict]) -> None:
+    """A training step's row of metrics.jsonl and its episodes for samples.jsonl (rank 0 writes)."""
+    if rank_and_world()[0] == 0:
+        append_jsonl(os.path.join(out, "metrics.jsonl"), [row])
+        append_jsonl(os.path.join(out, "samples.jsonl"), samples)
+
+
+def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float], group_size: int,
+                    count: int) -> list[dict]:
+    """Complete episodes for samples.jsonl, the first of each of the first `count` groups: every
+    call's prompt and output, the outcome."""
     rows = []
-    for e in episodes:
+    for e in list(range(0, len(problems), group_size))[:count]:
         rows.append({"step": step, "episode": e, "problem": problems[e].id,
                      "question": problems[e].question, "answer": problems[e].answer,
                      "final": outcomes[e].final, "reward": rewards[e], "info": outcomes[e].info,
@@ -240,6 +250,8 @@ def resolve_resume(cfg: RunConfig, typed: set[str] | None = None) -> RunConfig:
     """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
     was typed (`typed`, from the command line) or differs from its default. The run lives
     wherever --out now points, however that path is spelled."""
+    if not os.path.exists(os.path.join(cfg.out, "config.json")):
+        raise SystemExit(f"--resume: no run in {cfg.out}")
     try:
         with open(os.path.join(cfg.out, "config.json")) as f:
             saved = type(cfg)(**json.load(f))
@@ -253,10 +265,13 @@ def resolve_resume(cfg: RunConfig, typed: set[str] | None = None) -> RunConfig:
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
 
 
-def resume_run(out: str, model, heads, optimizers: dict, schedulers: dict, rng: random.Random,
-               emas: dict) -> tuple[int, dict, dict]:
+def resume_run(out: str, model, references: dict[str, str], heads, optimizers: dict, schedulers: dict,
+               rng: random.Random, emas: dict) -> tuple[int, dict, dict]:
     """Load the newest checkpoint and cut the logs back to it; returns its step and the metrics
-    rows of the first evaluation (step 0) and of the last one kept."""
+    rows of the first evaluation (step 0) and of the last one kept. `references`: adapter ->
+    its frozen KL anchor, which the checkpoint fills in."""
+    for name, ref in references.items():
+        freeze_copy(model, name, ref)
     start = load_checkpoint(out, model, heads, optimizers, schedulers, rng, emas)
     metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
     if rank_and_world()[0] == 0:
@@ -328,7 +343,7 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
 
 
 # ----------------------------------------------------------------------------
-# The machine: processes, threads, memory
+# The machine: processes (joining, exchanging a step's episodes and statistics), threads, memory
 
 
 def join_processes(device: str) -> str:
@@ -344,6 +359,32 @@ def join_processes(device: str) -> str:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return device if cuda else "cpu"
+
+
+def leave_processes() -> None:
+    """Under torchrun, leave the process group once every process is done with it (gloo aborts
+    a process whose group is torn down while another still uses it); in one process, nothing."""
+    if rank_and_world()[1] > 1:
+        barrier()
+        dist.destroy_process_group()
+
+
+def gather_episodes(calls: list[Call], outcomes, rewards: list[float], problem_of: list[int]):
+    """Every process's episodes, in rank order, episodes numbered across the processes
+    (the lists themselves in one process)."""
+    offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
+    for c in calls:
+        c.episode += offset
+    return gather_lists(calls), gather_lists(outcomes), gather_lists(rewards), gather_lists(problem_of)
+
+
+def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The update statistics of every process, each key's lists joined."""
+    joined = defaultdict(list)
+    for part in gather_lists([dict(stats)]):
+        for k, v in part.items():
+            joined[k] += v
+    return joined
 
 
 def running_threads() -> int:
@@ -366,6 +407,14 @@ def pick_threads(requested: int, own_load: float) -> int:
     cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
     others = max(0.0, min(os.getloadavg()[0] - own_load, running_threads() - 1))
     return max(1, min(cores, round(cores - others)))
+
+
+def pick_threads_again(requested: int, t0: float, cpu_before: float) -> float:
+    """The threads of the next step: this process's own load is its CPU time over the wall time
+    of the step that began at t0. Returns the CPU time now, where the next step's load starts."""
+    own_load = (time.process_time() - cpu_before) / (time.time() - t0)
+    torch.set_num_threads(pick_threads(requested, own_load))
+    return time.process_time()
 
 
 def peak_memory_mb(device: str) -> float:
@@ -414,3 +463,15 @@ def estimate_minutes(cfg: RunConfig, eval_seconds: float, step_seconds: list[flo
                  else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
     evals_left = sum(1 for s in eval_steps(cfg) if s > step)
     return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
+
+
+def step_line(cfg: RunConfig, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
+    """A training step's log line: its reward and seconds, its accuracy when it was evaluated,
+    and the time left; `eval_seconds`: the last evaluation's."""
+    step = row["step"]
+    line = f"step {step}/{cfg.steps} | reward {row['reward/mean']:.3f} | {row['time/step']:.1f}s"
+    if "eval/accuracy" in row:
+        line += f" | eval/accuracy {row['eval/accuracy']:.3f}"
+    if step < cfg.steps:
+        line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
+    return line

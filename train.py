@@ -23,13 +23,12 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   8. log; evaluate the whole workflow greedily on held-out problems every
      `eval_every` steps; checkpoint.
 
-Several processes (`torchrun --nproc_per_node N train.py ...`): each process
-rolls out its block of the step's B problems (a problem's whole group stays on
-one process), the episodes are gathered so every process holds all of them,
-and each mini-batch's forward and backward passes are split between the
-processes, whose gradients are summed before the step: every process takes the
-step one process would take on the same calls, and holds the same adapters.
-Only rank 0 writes the run's files.
+Several processes (`torchrun --nproc_per_node N train.py ...`, docs/torchrun.md):
+each process rolls out its block of the step's B problems, every process then
+holds all the episodes, and each mini-batch's forward and backward passes are
+split between the processes, whose gradients are summed before the step: every
+process takes the step one process would take. Only rank 0 writes the run's files.
+The run on disk, the machine and the clock are runs.py's.
 
 Departures from the paper: the defaults fit a 2-core CPU in about 13 minutes,
 19 next to one busy program (a 135M model, 12 steps of 4 x 4 episodes, 48 new
@@ -47,7 +46,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
@@ -56,11 +54,12 @@ from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_bat
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
                   use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
-from rollout import (Call, Rollout, barrier, block, gather_lists, load_policy, my_share, rank_and_world,
+from rollout import (Call, Rollout, block, gather_lists, load_policy, my_share, rank_and_world,
                      sequence_logprobs, sum_gradients)
-from runs import (append_jsonl, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
-                  join_processes, load_start, peak_memory_mb, pick_threads, plan, resolve_resume, resume_run,
-                  save_checkpoint, start_logs, start_run_dir, typed_flags)
+from runs import (check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
+                  gather_episodes, gather_stats, join_processes, leave_processes, load_start, peak_memory_mb,
+                  pick_threads, pick_threads_again, plan, resolve_resume, resume_run, save_checkpoint,
+                  start_logs, start_run_dir, step_line, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
 from workflows import ROLES, WORKFLOWS, adherence, contract_replies, role_of, run_workflow, similarity, slots
 
@@ -261,24 +260,6 @@ def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> float:
     return sum(rewards) / len(rewards)
 
 
-def gather_episodes(calls: list[Call], outcomes, rewards: list[float], problem_of: list[int]):
-    """Every process's episodes, in rank order, episodes numbered across the processes
-    (the lists themselves in one process)."""
-    offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
-    for c in calls:
-        c.episode += offset
-    return gather_lists(calls), gather_lists(outcomes), gather_lists(rewards), gather_lists(problem_of)
-
-
-def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
-    """The update statistics of every process, each key's lists joined."""
-    joined = defaultdict(list)
-    for part in gather_lists([dict(stats)]):
-        for k, v in part.items():
-            joined[k] += v
-    return joined
-
-
 def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
     """GRPO advantages on every call; returns the share of calls with no signal."""
     if by == "slot":
@@ -319,6 +300,10 @@ def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: in
                 # symmetric: logged under both roles so that each role's keys are complete
                 m[f"role/{role}/sim/{other}"] = similarity(outs, texts[other])
     return m
+
+
+# ----------------------------------------------------------------------------
+# Settings: what the library files read, from the config; the optimizers
 
 
 def kl_coefs(cfg: Config) -> dict[str, float]:
@@ -374,15 +359,17 @@ def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, 
     return optimizers, schedulers
 
 
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then cosine decay to 10 percent; `step` = training steps taken."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min((step - warmup) / max(1, total - warmup), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 # ----------------------------------------------------------------------------
 # Supervised warm-up (--sft_warmup): before RL, every role learns replies that keep its
 # contract (workflows.contract_replies), so that RL has a contract to keep or to lose
-
-
-def score_episodes(problems, cfg: Config, episodes: list[int], texts: list[str]) -> list[float]:
-    """The verifier's reward of each text as an answer to its episode's problem."""
-    return score_batch([problems[e] for e in episodes], texts, strict=cfg.strict_answer,
-                       workers=cfg.code_workers, timeout=cfg.code_timeout)
 
 
 def warmup_roles(cfg: Config) -> list[str]:
@@ -410,9 +397,9 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in mine],
                                               greedy=False, label="warm-up rollout")
     calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, mine)
-    problems = [train_set[i] for i in problem_of]
-    pairs = contract_replies(calls, partial(score_episodes, problems, cfg), problems[0].kind, cfg.n_agents,
-                             rng, warmup_roles(cfg))
+    score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers, timeout=cfg.code_timeout)
+    pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
+                             warmup_roles(cfg))
     if not pairs:
         raise SystemExit(f"--sft_warmup: no role of {cfg.workflow} to warm up among {', '.join(warmup_roles(cfg))}")
     for c in pairs:
@@ -452,40 +439,26 @@ def supervised_step(model, adapter: str, batch: list[Call], optimizer, pad_id: i
     return sum(gather_lists([total]))
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup, then cosine decay to 10 percent; `step` = training steps taken."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min((step - warmup) / max(1, total - warmup), 1.0)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 # ----------------------------------------------------------------------------
-# Main
+# Before the loop: the settings, the problems, the model, step 0
 
 
-def main(cfg: Config, typed: set[str] | None = None) -> dict:
-    """Train; `typed`: the flags given on the command line (None: those that differ from their
-    defaults), which --resume checks against the run."""
-    # ---- settings: everything is checked before a file or the model is touched
-    if cfg.resume:
-        if not os.path.exists(os.path.join(cfg.out, "config.json")):
-            raise SystemExit(f"--resume: no run in {cfg.out}")
-        cfg = resolve_resume(cfg, typed)
+def check_settings(cfg: Config, typed: set[str] | None) -> tuple[Config, dict | None]:
+    """The run's config (a resumed run's own) and, with --start_from, the start's, checked
+    before a file or the model is touched."""
+    cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
     check_numbers(cfg)
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
-    update = update_settings(cfg)  # stops here on a bad --role_kl
+    kl_coefs(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles
-    critics = critic_settings(cfg)
-    device = join_processes(cfg.device)
-    rank, world = rank_and_world()
+    return cfg, start_config
+
+
+def load_problems(cfg: Config, world: int) -> tuple[Config, list, list]:
+    """The training pool and the held-out problems; --max_new_tokens 0 becomes the task's own."""
     if cfg.problems_per_step < world:
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than the {world} "
                          "processes; every process needs at least one")
-    torch.set_num_threads(pick_threads(cfg.threads, own_load=0.0))
-    torch.manual_seed(cfg.seed)  # the same adapters in every process
-    rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
-    # ---- data, model, run directory, adapters, optimizers
     try:
         train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
         test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
@@ -496,58 +469,100 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
                          f"holds {len(train_set)} problems")
     if cfg.max_new_tokens == 0:  # code needs room for a whole function
         cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
-    held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
-    log(plan(cfg, device))
+    return cfg, train_set, test_set
+
+
+def load_model(cfg: Config, device: str):
+    """The base model with LoRA layers on --lora_targets (no adapter yet), and its tokenizer."""
     model, tok = load_policy(cfg.model, device)
     try:
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
+    return model, tok
+
+
+def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
+    """The adapters RL trains (one shared, or one per role type) and, with --algo maac, the
+    critics: a fresh adapter and value head each."""
+    names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
+    if cfg.algo != "maac":
+        return names, {}
+    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per) for s in slots(cfg.workflow, cfg.n_agents)}
+    return names, setup_critics(model, sorted(keys))
+
+
+def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads, optimizers: dict,
+          schedulers: dict, rng: random.Random, emas: dict, start_config: dict | None,
+          references: dict[str, str]) -> tuple[int, dict, dict]:
+    """Step 0. A resumed run goes on from its newest checkpoint. A new run takes another run's
+    step 0 (--start_from), or warms up (--sft_warmup) and evaluates before training, and saves
+    it: a run stopped after step 0 resumes without its warm-up, and others can start from it.
+    The KL anchors (`references`) are frozen copies of the policy RL starts from. Returns the
+    step to go on from and the metrics rows of the first and of the last evaluation."""
+    if cfg.resume:  # the checkpoint fills the anchors in
+        start, first, last = resume_run(cfg.out, model, references, heads, optimizers, schedulers, rng, emas)
+        log(f"resuming {cfg.out} at step {start}")
+        return start, first, last
+    if cfg.start_from:
+        first = load_start(cfg.start_from, cfg.sharing, start_config, model, heads, rng)
+    else:
+        first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
+    for name, ref in references.items():
+        freeze_copy(model, name, ref)
+    if cfg.start_from:
+        log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of {cfg.start_from}")
+    else:
+        log(f"evaluating on {len(test_set)} held-out problems ...")
+        t_eval = time.time()
+        acc = evaluate(model, tok, cfg, test_set)
+        eval_seconds = time.time() - t_eval
+        log(f"step 0/{cfg.steps} | eval/accuracy {acc:.3f} | {eval_seconds:.0f}s | "
+            f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
+        first = {"step": 0, "eval/accuracy": acc, **first, "time/eval": eval_seconds}
+    start_logs(cfg.out, first)
+    save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
+    return 0, first, first
+
+
+def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
+    """The update's statistics, each its mean over the mini-batches; time/old_logp, a part of
+    time/update, sums the adapters' passes."""
+    m = {k: sum(v) / len(v) for k, v in stats.items()}
+    m["time/old_logp"] = sum(v for k, v in m.items() if k.startswith("time/old_logp/"))
+    return m
+
+
+# ----------------------------------------------------------------------------
+# Main: the settings, step 0, then the training loop (steps 1-8 of the docstring)
+
+
+def main(cfg: Config, typed: set[str] | None = None) -> dict:
+    """Train; `typed`: the flags given on the command line (None: those that differ from their
+    defaults), which --resume checks against the run."""
+    # ---- settings: everything is checked before a file or the model is touched
+    cfg, start_config = check_settings(cfg, typed)
+    update, critics = update_settings(cfg), critic_settings(cfg)
+    device = join_processes(cfg.device)
+    rank, world = rank_and_world()
+    torch.set_num_threads(pick_threads(cfg.threads, own_load=0.0))
+    torch.manual_seed(cfg.seed)  # the same adapters in every process
+    rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
+    # ---- data, model, run directory, adapters, optimizers
+    cfg, train_set, test_set = load_problems(cfg, world)
+    held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
+    log(plan(cfg, device))
+    model, tok = load_model(cfg, device)
     if not cfg.resume and rank == 0:  # only now that the model loaded: a failed launch leaves --out untouched
         start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
-    metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
-    names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
-    heads = {}
-    if cfg.algo == "maac":
-        critic_names = sorted({critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
-                               for s in slots(cfg.workflow, cfg.n_agents)})
-        heads = setup_critics(model, critic_names)  # a fresh adapter and value head per critic
+    names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
     if world > 1:
         torch.manual_seed(cfg.seed + 1000 * rank)  # each process samples its own episodes
-
+    # ---- step 0: a resumed run's checkpoint, or a new run's start and its first evaluation
     emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
-    start = 0
-    if cfg.resume:
-        for name, ref in update.reference.items():  # the checkpoint fills them in
-            freeze_copy(model, name, ref)
-        start, first, last = resume_run(cfg.out, model, heads, optimizers, schedulers, rng, emas)
-        acc_before = first["eval/accuracy"]  # step 0
-        acc = last["eval/accuracy"]  # the last evaluation kept
-        eval_seconds = last.get("time/eval", 0.0)  # for the estimate of the time left
-        log(f"resuming {cfg.out} at step {start}")
-    elif cfg.start_from:
-        first = load_start(cfg.start_from, cfg.sharing, start_config, model, heads, rng)
-        for name, ref in update.reference.items():  # anchored to the start, as its own run would be
-            freeze_copy(model, name, ref)
-        acc_before = acc = first["eval/accuracy"]
-        eval_seconds = first.get("time/eval", 0.0)
-        start_logs(cfg.out, first)
-        save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
-        log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | the start of {cfg.start_from}")
-    else:
-        first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
-        for name, ref in update.reference.items():  # the KL anchor: the policy RL starts from
-            freeze_copy(model, name, ref)
-        log(f"evaluating on {len(test_set)} held-out problems ...")
-        t_eval = time.time()
-        acc_before = acc = evaluate(model, tok, cfg, test_set)
-        eval_seconds = time.time() - t_eval
-        start_logs(cfg.out, {"step": 0, "eval/accuracy": acc_before, **first, "time/eval": eval_seconds})
-        # a run stopped after step 0 resumes without its warm-up, or starts others (--start_from)
-        save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
-        log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | {eval_seconds:.0f}s | "
-            f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
+    start, first, last = begin(model, tok, cfg, train_set, test_set, names, heads, optimizers, schedulers, rng,
+                               emas, start_config, update.reference)
 
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
     cpu_before = time.process_time()
@@ -561,7 +576,6 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in problem_of],
                                                   greedy=False, label=f"step {step} rollout")
         calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, problem_of)
-        problems = [train_set[i] for i in problem_of]
         t1 = time.time()
         # 4. advantages: group-relative (GRPO) or from the critics (GAE)
         if cfg.algo == "grpo":
@@ -584,51 +598,37 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
                 f"{time.time() - t_name:.0f}s")
         # 7. maac: the critics (their adapters are separate from the actors': order is free)
         if cfg.algo == "maac":
-            stats.update(update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id,
-                                        critics))
+            stats.update(update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id, critics))
             for name in heads:
                 schedulers[name].step()
         stats = gather_stats(stats)
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
-             "adv/zero_frac": no_signal,
-             "lr": schedulers[names[0]].get_last_lr()[0],
-             "time/rollout": t1 - t0, "time/update": time.time() - t1}
-        m.update({k: sum(v) / len(v) for k, v in stats.items()})
-        m["time/old_logp"] = sum(v for k, v in m.items() if k.startswith("time/old_logp/"))  # in time/update
+             "adv/zero_frac": no_signal, "lr": schedulers[names[0]].get_last_lr()[0],
+             "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
         if cfg.algo == "maac":
             m.update(critic_metrics(calls, critic_batch))
         step_seconds.append(time.time() - t0)
         if step in eval_steps(cfg):
             t_eval = time.time()
             acc = evaluate(model, tok, cfg, test_set)
-            eval_seconds = m["time/eval"] = time.time() - t_eval
-            m["eval/accuracy"] = acc
+            m["time/eval"], m["eval/accuracy"] = time.time() - t_eval, acc
+            last = m
         m["time/step"] = time.time() - t0
         m["mem/peak_mb"] = max(gather_lists([peak_memory_mb(device)]))  # the largest process's
-        if rank == 0:
-            append_jsonl(metrics_path, [m])
-            seen = list(range(0, len(problems), cfg.group_size))[: cfg.log_samples]
-            append_jsonl(samples_path, episode_samples(step, calls, outcomes, problems, rewards, seen))
-        line = f"step {step}/{cfg.steps} | reward {m['reward/mean']:.3f} | {m['time/step']:.1f}s"
-        if "eval/accuracy" in m:
-            line += f" | eval/accuracy {acc:.3f}"
-        if step < cfg.steps:
-            line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
-        log(line)
+        problems = [train_set[i] for i in problem_of]
+        write_step(cfg.out, m, episode_samples(step, calls, outcomes, problems, rewards, cfg.group_size,
+                                               cfg.log_samples))
+        log(step_line(cfg, m, last.get("time/eval", 0.0), step_seconds))
         if step % cfg.save_every == 0 or step == cfg.steps:
             save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng, emas)
-        # the next step's threads: this process's own load is its CPU time over the step's wall time
-        own_load = (time.process_time() - cpu_before) / (time.time() - t0)
-        torch.set_num_threads(pick_threads(cfg.threads, own_load))
-        cpu_before = time.process_time()
+        cpu_before = pick_threads_again(cfg.threads, t0, cpu_before)  # for the next step
 
+    before, after = first["eval/accuracy"], last["eval/accuracy"]
     log(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
-        f"before {acc_before:.3f} -> after {acc:.3f}  [{len(test_set)} problems, greedy]")
-    if world > 1:
-        barrier()  # every process done with the group before any tears it down (gloo aborts otherwise)
-        dist.destroy_process_group()
-    return {"before": acc_before, "after": acc}
+        f"before {before:.3f} -> after {after:.3f}  [{len(test_set)} problems, greedy]")
+    leave_processes()
+    return {"before": before, "after": after}
 
 
 if __name__ == "__main__":

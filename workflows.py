@@ -402,7 +402,7 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
 # when none is), the evaluator gives the verifier's verdict, the orchestrator lists plans,
 # and the solving roles repeat their own solutions that the verifier accepts.
 
-VerifyFn = Callable[[list[int], list[str]], list[float]]  # (episodes, texts) -> 1.0 where a text solves
+ScoreFn = Callable[[list, list[str]], list[float]]  # (problems, texts) -> 1.0 where a text solves its problem
 SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a solution
 PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
                   "Work backwards from what is asked."],
@@ -410,11 +410,11 @@ PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equ
                   "Split the task into small helper functions."]}
 
 
-def contract_replies(calls: list, verify: VerifyFn, kind: str, n_agents: int, rng: random.Random,
+def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int, rng: random.Random,
                      roles: list[str]) -> list:
     """Warm-up pairs of the given roles: copies of a rollout's calls (rollout.Call records) with
     the same prompt and a reply (its text; the trainer sets the token ids) that keeps the
-    role's contract. `verify` scores texts as answers to their episodes' problems."""
+    role's contract. `problems`: each episode's problem; `score`: the verifier (reward.py)."""
     solutions = {(c.episode, c.turn): [] for c in calls}  # generator outputs by episode and stage
     for c in calls:  # in slot order within each episode, as the workflow made them
         if c.role == "generator":
@@ -422,7 +422,7 @@ def contract_replies(calls: list, verify: VerifyFn, kind: str, n_agents: int, rn
     judged = [c for c in calls if c.role in ("aggregator", "evaluator")]
     read = [solutions[c.episode, c.turn - 1] for c in judged]  # what each judge saw
     flat = [(c.episode, text) for c, texts in zip(judged, read) for text in texts]
-    scores = iter(verify([e for e, _ in flat], [t for _, t in flat]))
+    scores = iter(score([problems[e] for e, _ in flat], [t for _, t in flat]))
     replies = []
     for c, texts in zip(judged, read):
         right = [k for k, _ in enumerate(texts, 1) if next(scores) == 1.0]
@@ -431,13 +431,13 @@ def contract_replies(calls: list, verify: VerifyFn, kind: str, n_agents: int, rn
         else:
             reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
         replies.append(dataclasses.replace(c, text=reply))
-    plan = "\n".join(f"{i}. {s}" for i, s in enumerate(PLANS[kind][:n_agents], 1))
+    plan = "\n".join(f"{i}. {s}" for i, s in enumerate(PLANS[problems[0].kind][:n_agents], 1))
     replies += [dataclasses.replace(c, text=plan) for c in calls if c.role == "orchestrator"]
     # the solving roles keep their own sampled solutions that the verifier accepts (rejection
     # sampling, as in STaR, Zelikman et al. 2022): on a shared adapter, without them the
     # other roles' replies would teach the solvers to answer \boxed{k} too
     solvers = [c for c in calls if c.role in SOLVERS]
-    accepted = verify([c.episode for c in solvers], [c.text for c in solvers])
+    accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
     replies += [dataclasses.replace(c) for c, ok in zip(solvers, accepted) if ok == 1.0]
     return [c for c in replies if c.role in roles]
 

@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-from functools import partial
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import train
 from conftest import ROOT
 from grpo import policy_update
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
-from reward import Problem, load_task
+from reward import Problem, load_task, score_batch
 from rollout import Call, load_policy, tiny_model
 from workflows import ROLES, adherence, contract_replies, slots
 
@@ -440,8 +439,7 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
               Call(1, "generator", "generator", 0, [1], [1], "", "\\boxed{5}"),
               Call(1, "evaluator", "evaluator", 1, [1], [1], "", "looks fine")]
     cfg = train.Config(workflow="voting")
-    verify = partial(train.score_episodes, [problem, problem], cfg)  # the verifier, as the warm-up uses it
-    replies = contract_replies(calls, verify, "math", cfg.n_agents, random.Random(0),
+    replies = contract_replies(calls, [problem, problem], score_batch, cfg.n_agents, random.Random(0),
                                ["aggregator", "evaluator", "generator"])
     texts = {(c.episode, c.slot): c.text for c in replies}
     assert texts[0, "aggregator"] == "\\boxed{2}"  # candidate 2 says 5, by the last number
@@ -451,7 +449,7 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
     for c in replies:
         assert adherence(c.role, c.text) in (True, None)
     wrong = [dataclasses.replace(c, text="\\boxed{7}") if c.role == "generator" else c for c in calls]
-    replies = contract_replies(wrong, verify, "math", cfg.n_agents, random.Random(0), ["evaluator"])
+    replies = contract_replies(wrong, [problem, problem], score_batch, cfg.n_agents, random.Random(0), ["evaluator"])
     assert [c.text for c in replies] == ["\\boxed{Incorrect}"]
 
 
