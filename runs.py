@@ -88,6 +88,22 @@ def truncate_jsonl(path: str, last_step: int) -> list[dict]:
     return keep
 
 
+def load_run(run_dir: str) -> tuple[dict, list[dict]]:
+    """A run's config and its metrics rows (step 0 holds the accuracy before training)."""
+    for name in ("metrics.jsonl", "config.json"):
+        if not os.path.exists(os.path.join(run_dir, name)):
+            raise SystemExit(f"{run_dir}: no {name} (not a train.py run directory)")
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)
+    except json.JSONDecodeError:
+        raise SystemExit(f"{run_dir}/config.json is not JSON") from None
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
+    if not rows:
+        raise SystemExit(f"{run_dir}: metrics.jsonl is empty (the run has not logged a step yet)")
+    return config, rows
+
+
 def write_step(out: str, row: dict, samples: list[dict]) -> None:
     """A training step's row of metrics.jsonl and its episodes for samples.jsonl (rank 0 writes)."""
     if rank_and_world()[0] == 0:

@@ -9,7 +9,8 @@ LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0,
           "rollout": 1, "reward": 1,
           "grpo": 2, "critic": 2, "runs": 2,
           "train": 3,
-          "diagnose": 4, "bench": 4}
+          "grid": 4, "bench": 4,
+          "diagnose": 5}
 
 
 def project_imports(source: str) -> set[str]:
