@@ -27,7 +27,7 @@ from runs import load_run, resolve_resume, typed_flags
 
 GRID = [("single", "shared"), ("eval_opt", "shared"), ("eval_opt", "isolated"),
         ("voting", "shared"), ("voting", "isolated")]
-# On the 2-core CPU the grid fits in about an hour (README); flags after these override.
+# On the 2-core CPU the grid fits in about an hour (docs/mechanisms.md); flags after these override.
 GRID_FLAGS = ["--steps", "8", "--eval_every", "4", "--eval_problems", "32"]
 
 

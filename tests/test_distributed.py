@@ -207,7 +207,7 @@ def test_two_process_critics_equal_one_process_critics(tmp_path):
 
 
 def test_torchrun_runs_train_py_with_two_processes(tmp_path):
-    """The README's command, on the tiny model: GRPO on Voting, and the central critic on Eval-Opt."""
+    """docs/torchrun.md's command, on the tiny model: GRPO on Voting, and the central critic on Eval-Opt."""
     import subprocess
     import sys
     from conftest import ROOT
