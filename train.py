@@ -443,15 +443,16 @@ def supervised_step(model, adapter: str, batch: list[Call], optimizer, pad_id: i
 # Before the loop: the settings, the problems, the model, step 0
 
 
-def check_settings(cfg: Config, typed: set[str] | None) -> tuple[Config, dict | None]:
-    """The run's config (a resumed run's own) and, with --start_from, the start's, checked
-    before a file or the model is touched."""
+def check_settings(cfg: Config, typed: set[str] | None) -> tuple[Config, UpdateSettings, CriticSettings,
+                                                                 dict | None]:
+    """The run's config (a resumed run's own), what grpo.py and critic.py read from it, and with
+    --start_from the start's config, all checked before a file or the model is touched."""
     cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
     check_numbers(cfg)
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
-    kl_coefs(cfg)  # stops here on a bad --role_kl
+    update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles
-    return cfg, start_config
+    return cfg, update, critic_settings(cfg), start_config
 
 
 def load_problems(cfg: Config, world: int) -> tuple[Config, list, list]:
@@ -472,13 +473,19 @@ def load_problems(cfg: Config, world: int) -> tuple[Config, list, list]:
     return cfg, train_set, test_set
 
 
-def load_model(cfg: Config, device: str):
-    """The base model with LoRA layers on --lora_targets (no adapter yet), and its tokenizer."""
+def launch(cfg: Config, device: str, rank: int):
+    """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. A new
+    run's directory is checked first and written only once the model has loaded, so a failed
+    launch leaves --out untouched."""
+    held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
+    log(plan(cfg, device))
     model, tok = load_policy(cfg.model, device)
     try:
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
+    if not cfg.resume and rank == 0:
+        start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
     return model, tok
 
 
@@ -541,8 +548,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     """Train; `typed`: the flags given on the command line (None: those that differ from their
     defaults), which --resume checks against the run."""
     # ---- settings: everything is checked before a file or the model is touched
-    cfg, start_config = check_settings(cfg, typed)
-    update, critics = update_settings(cfg), critic_settings(cfg)
+    cfg, update, critics, start_config = check_settings(cfg, typed)
     device = join_processes(cfg.device)
     rank, world = rank_and_world()
     torch.set_num_threads(pick_threads(cfg.threads, own_load=0.0))
@@ -550,11 +556,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
     # ---- data, model, run directory, adapters, optimizers
     cfg, train_set, test_set = load_problems(cfg, world)
-    held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
-    log(plan(cfg, device))
-    model, tok = load_model(cfg, device)
-    if not cfg.resume and rank == 0:  # only now that the model loaded: a failed launch leaves --out untouched
-        start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
+    model, tok = launch(cfg, device, rank)
     names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
     if world > 1:
