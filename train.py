@@ -443,8 +443,8 @@ def supervised_step(model, adapter: str, batch: list[Call], optimizer, pad_id: i
 # Before the loop: the settings, the problems, the model, step 0
 
 
-def check_settings(cfg: Config, typed: set[str] | None) -> tuple[Config, UpdateSettings, CriticSettings,
-                                                                 dict | None]:
+def check_settings(cfg: Config,
+                   typed: set[str] | None) -> tuple[Config, UpdateSettings, CriticSettings, dict | None]:
     """The run's config (a resumed run's own), what grpo.py and critic.py read from it, and with
     --start_from the start's config, all checked before a file or the model is touched."""
     cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
