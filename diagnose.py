@@ -83,7 +83,7 @@ PLOTS = {
 
 
 # ----------------------------------------------------------------------------
-# Reading runs
+# Reading runs (runs.load_run reads a run directory)
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -427,6 +427,10 @@ def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+# ----------------------------------------------------------------------------
+# A trained run: the gradient probe, and watching it answer
 
 
 def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
