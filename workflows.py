@@ -29,8 +29,9 @@ Departures from the paper:
   - texts passed to a later role keep their head and tail, MAX_FEED_CHARS in all;
   - info["fallback"] flags any broken answer contract (a cheap role-capture signal).
 
-Exercised by: pytest tests/test_workflows.py, and `python workflows.py voting`,
-which prints every stage's prompts for one question using a canned fake model.
+Exercised by: pytest tests/test_workflows.py (contract_replies: tests/test_train.py), and
+`python workflows.py voting`, which prints every stage's prompts for one question using a
+canned fake model.
 """
 import dataclasses
 import random

@@ -449,7 +449,8 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
     for c in replies:
         assert adherence(c.role, c.text) in (True, None)
     wrong = [dataclasses.replace(c, text="\\boxed{7}") if c.role == "generator" else c for c in calls]
-    replies = contract_replies(wrong, [problem, problem], score_batch, cfg.n_agents, random.Random(0), ["evaluator"])
+    replies = contract_replies(wrong, [problem, problem], score_batch, cfg.n_agents, random.Random(0),
+                               ["evaluator"])
     assert [c.text for c in replies] == ["\\boxed{Incorrect}"]
 
 
