@@ -23,8 +23,8 @@ base model fails in two ways, one per way of sharing the LoRA policy:
 train.py logs every signal used here (metrics.jsonl); this file reads the
 logs, plots them side by side and applies three detectors with explicit
 thresholds. The thresholds are choices of this project, not the paper's. It
-sits on top of the project: it imports train.py (the grid and the probe drive
-it) and nothing imports it.
+sits on top of the project: it imports train.py (the probe drives it) and
+grid.py (which trains the grid's and the demos' cells), and nothing imports it.
 
 Exercised by: pytest tests/test_diagnose.py
 """
@@ -37,7 +37,6 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -53,6 +52,8 @@ from grpo import policy_update
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from reward import KINDS, load_task
 from rollout import Rollout, load_policy
+from grid import DEMOS, demo_cells, grid_cells, seed_of, train_cells
+from runs import load_run
 from workflows import ROLES, role_of, run_workflow, slots
 
 CLIFF = 0.10  # accuracy peak minus final that counts as a cliff
@@ -82,23 +83,7 @@ PLOTS = {
 
 
 # ----------------------------------------------------------------------------
-# Reading runs
-
-
-def load_run(run_dir: str) -> tuple[dict, list[dict]]:
-    """A run's config and its metrics rows (step 0 holds the accuracy before training)."""
-    for name in ("metrics.jsonl", "config.json"):
-        if not os.path.exists(os.path.join(run_dir, name)):
-            raise SystemExit(f"{run_dir}: no {name} (not a train.py run directory)")
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            config = json.load(f)
-    except json.JSONDecodeError:
-        raise SystemExit(f"{run_dir}/config.json is not JSON") from None
-    rows = train.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
-    if not rows:
-        raise SystemExit(f"{run_dir}: metrics.jsonl is empty (the run has not logged a step yet)")
-    return config, rows
+# Reading runs (runs.load_run reads a run directory)
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -308,98 +293,12 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
 
 
 # ----------------------------------------------------------------------------
-# The reproduction grid and the probe (both drive train.py)
-
-GRID = [("single", "shared"), ("eval_opt", "shared"), ("eval_opt", "isolated"),
-        ("voting", "shared"), ("voting", "isolated")]
-# On the 2-core CPU the grid fits in about an hour (see README); flags after these override.
-GRID_FLAGS = ["--steps", "8", "--eval_every", "4", "--eval_problems", "32"]
-
-
-def finished(run_dir: str) -> bool:
-    """A grid run counts as done when its log reaches the configured last step."""
-    try:
-        config, rows = load_run(run_dir)
-    except (SystemExit, OSError):
-        return False
-    return bool(rows) and rows[-1]["step"] == config["steps"] and "eval/accuracy" in rows[-1]
-
-
-def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
-    """Train each (name, train.py flags) cell in out/name; finished cells are skipped,
-    interrupted ones resumed. A finished cell trained with other settings is an error, never
-    reused."""
-    run_dirs = []
-    for name, flags in cells:
-        run_dir = os.path.join(out, name)
-        run_dirs.append(run_dir)
-        if finished(run_dir):
-            argv = [*flags, "--out", run_dir]
-            try:  # the check --resume makes: every flag given must match the run's config
-                train.resolve_resume(train.parse_config(argv), train.typed_flags(argv))
-            except SystemExit as e:
-                raise SystemExit(f"{run_dir} was trained with other settings ({str(e).removeprefix('--resume: ')}): "
-                                 "remove it or choose another --out") from None
-            print(f"{run_dir}: already finished")
-            continue
-        # an interrupted cell continues from its checkpoint; one killed before its first starts over
-        again = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt", "state.pt")) else ["--overwrite"]
-        cmd = [sys.executable, "train.py", *flags, "--out", run_dir, *again]
-        print(" ".join(cmd[1:]), flush=True)
-        t0 = time.time()
-        if subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__))).returncode != 0:
-            raise SystemExit(f"{run_dir}: train.py failed (see its output above)")
-        print(f"{run_dir}: {time.time() - t0:.0f} s", flush=True)
-    return run_dirs
+# The reproduction grid and the demos (grid.py trains their cells)
 
 
 def reproduce(out: str, train_flags: list[str]) -> str:
     """Train every grid cell with train.py, then write the report."""
-    cells = [(f"{w}-{s}", ["--workflow", w, "--sharing", s, *GRID_FLAGS, *train_flags]) for w, s in GRID]
-    return report(train_cells(out, cells), out)
-
-
-# ----------------------------------------------------------------------------
-# The demos: each mechanism made to happen on the embedded model, next to its mitigations
-# The settings were found by the sweeps in the README ("Seeing the two mechanisms").
-
-
-@dataclasses.dataclass(frozen=True)
-class Demo:
-    finding: str                      # how the detector's finding starts
-    flags: tuple[str, ...]            # train.py flags of every cell
-    cells: dict[str, tuple[str, ...]]  # cell name -> its own flags
-    shows: tuple[str, ...]            # the cells meant to show the mechanism; the others mitigate or contrast
-    signals: tuple[str, ...]          # what demo.png shows, a panel each (names of cell_series);
-                                      # the first is also tabled seed by seed
-    start: tuple[str, ...] = ()       # flags of a warm-up that every cell of a seed starts from
-                                      # (train.py --start_from); () = each cell warms up itself
-
-
-# Both demos train Voting from one start per seed: a short supervised warm-up (train.py
-# --sft_warmup) under a shared adapter gives the aggregator its contract and keeps the
-# generators solving; every cell goes on from it (copied into each role's adapter in
-# the isolated cells), so the cells differ only in how RL updates the adapters. Then
-# 5 RL steps at a learning rate (1.5e-3) where the aggregator's contract breaks within
-# the run in some cells and not in others. The two demos share their shared and
-# isolated cells. Neither shows its mechanism at this scale; the README gives
-# the seeds, the sweeps and what it would take.
-DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
-              "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16")
-DEMOS = {
-    "amplification": Demo(
-        "gradient amplification", DEMO_FLAGS,
-        {"isolated": ("--sharing", "isolated"),
-         "shared": ("--sharing", "shared"),
-         "isolated-one_step": ("--sharing", "isolated", "--one_step")},
-        ("isolated",), ("kappa", "update norm"), start=("--sharing", "shared")),
-    "capture": Demo(
-        "role capture", DEMO_FLAGS,
-        {"shared": ("--sharing", "shared"),
-         "isolated": ("--sharing", "isolated"),
-         "shared-balance_role": ("--sharing", "shared", "--balance", "role")},
-        ("shared",), ("adherence", "generator share"), start=("--sharing", "shared")),
-}
+    return report(train_cells(out, grid_cells(train_flags)), out)
 
 
 def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -437,22 +336,12 @@ def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
 Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's (config, rows)
 
 
-def seed_of(run_dir: str) -> str:
-    return os.path.basename(os.path.dirname(os.path.normpath(run_dir))).removeprefix("seed")
-
-
 def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     """Train the demo's cells for every seed (out/<name>/seed<S>/<cell>), then write
     out/<name>/report.md and its plots, headed by a table of the cells (mean and range over the
     seeds) and by which cells the detector names."""
     spec, home = DEMOS[name], os.path.join(out, name)
-    cells = []
-    for seed in seeds:
-        mine = [*spec.flags, "--seed", str(seed)]
-        if spec.start:  # the warm-up and step-0 evaluation, once; the cells go on from there
-            cells.append((f"seed{seed}/start", [*mine, *spec.start, *train_flags, "--steps", "0"]))
-            mine += ["--start_from", os.path.join(home, f"seed{seed}", "start")]
-        cells += [(f"seed{seed}/{cell}", [*mine, *flags, *train_flags]) for cell, flags in spec.cells.items()]
+    cells = demo_cells(name, home, train_flags, seeds)
     run_dirs = [d for d in train_cells(home, cells) if os.path.basename(d) in spec.cells]
     path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
     by_cell = {cell: {seed_of(d): load_run(d) for d in run_dirs if os.path.basename(d) == cell}
@@ -540,13 +429,17 @@ def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
     return path
 
 
+# ----------------------------------------------------------------------------
+# A trained run: the gradient probe, and watching it answer
+
+
 def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
     """The run's config, its model and tokenizer, and its adapters as saved in checkpoint `ckpt`."""
     run_dir = os.path.dirname(os.path.normpath(ckpt))
     if not os.path.exists(os.path.join(ckpt, "state.pt")):
         raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
     cfg = train.Config(**load_run(run_dir)[0])
-    model, tok = load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu", cfg.dtype)
     inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     try:

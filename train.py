@@ -23,13 +23,12 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   8. log; evaluate the whole workflow greedily on held-out problems every
      `eval_every` steps; checkpoint.
 
-Several processes (`torchrun --nproc_per_node N train.py ...`): each process
-rolls out its block of the step's B problems (a problem's whole group stays on
-one process), the episodes are gathered so every process holds all of them,
-and each mini-batch's forward and backward passes are split between the
-processes, whose gradients are summed before the step: every process takes the
-step one process would take on the same calls, and holds the same adapters.
-Only rank 0 writes the run's files.
+Several processes (`torchrun --nproc_per_node N train.py ...`, docs/torchrun.md):
+each process rolls out its block of the step's B problems, every process then
+holds all the episodes, and each mini-batch's forward and backward passes are
+split between the processes, whose gradients are summed before the step: every
+process takes the step one process would take. Only rank 0 writes the run's files.
+The run on disk, the machine and the clock are runs.py's.
 
 Departures from the paper: the defaults fit a 2-core CPU in about 13 minutes,
 19 next to one busy program (a 135M model, 12 steps of 4 x 4 episodes, 48 new
@@ -37,13 +36,9 @@ tokens, rank 16, and a learning rate of 5e-4 instead of 2e-5).
 """
 import argparse
 import dataclasses
-import json
 import math
 import os
 import random
-import re
-import resource
-import shutil
 import sys
 import time
 from collections import defaultdict
@@ -51,21 +46,22 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
                     setup_critics, update_critics)
 from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_batches, policy_update
-from lora import (DEFAULT_TARGETS, adapter_for, adapter_names, adapter_parameters, freeze_copy,
-                  inject_lora, load_adapter_state, load_adapters, save_adapters, setup_adapters,
+from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
                   use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
-from rollout import (DTYPES, Call, Rollout, barrier, block, gather_lists, load_policy, my_share,
-                     rank_and_world, sequence_logprobs, sum_gradients)
+from rollout import (DTYPES, Call, Rollout, block, gather_lists, load_policy, my_share, rank_and_world,
+                     sequence_logprobs, sum_gradients)
+from runs import (check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
+                  gather_episodes, gather_stats, join_processes, leave_processes, load_start, peak_memory_mb,
+                  pick_threads, pick_threads_again, plan, resolve_resume, resume_run, save_checkpoint,
+                  start_logs, start_run_dir, step_line, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
-from workflows import ROLES, WORKFLOWS, adherence, role_of, run_workflow, similarity, slots
+from workflows import ROLES, WORKFLOWS, adherence, contract_replies, role_of, run_workflow, similarity, slots
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
@@ -272,24 +268,6 @@ def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> float:
     return sum(rewards) / len(rewards)
 
 
-def gather_episodes(calls: list[Call], outcomes, rewards: list[float], problem_of: list[int]):
-    """Every process's episodes, in rank order, episodes numbered across the processes
-    (the lists themselves in one process)."""
-    offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
-    for c in calls:
-        c.episode += offset
-    return gather_lists(calls), gather_lists(outcomes), gather_lists(rewards), gather_lists(problem_of)
-
-
-def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
-    """The update statistics of every process, each key's lists joined."""
-    joined = defaultdict(list)
-    for part in gather_lists([dict(stats)]):
-        for k, v in part.items():
-            joined[k] += v
-    return joined
-
-
 def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
     """GRPO advantages on every call; returns the share of calls with no signal."""
     if by == "slot":
@@ -330,6 +308,10 @@ def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: in
                 # symmetric: logged under both roles so that each role's keys are complete
                 m[f"role/{role}/sim/{other}"] = similarity(outs, texts[other])
     return m
+
+
+# ----------------------------------------------------------------------------
+# Settings: what the library files read, from the config; the optimizers
 
 
 def kl_coefs(cfg: Config) -> dict[str, float]:
@@ -385,67 +367,17 @@ def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, 
     return optimizers, schedulers
 
 
-def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float],
-                    episodes: list[int]) -> list[dict]:
-    """Complete episodes for samples.jsonl: every call's prompt and output, the outcome."""
-    rows = []
-    for e in episodes:
-        rows.append({"step": step, "episode": e, "problem": problems[e].id,
-                     "question": problems[e].question, "answer": problems[e].answer,
-                     "final": outcomes[e].final, "reward": rewards[e], "info": outcomes[e].info,
-                     "calls": [{"role": c.role, "slot": c.slot, "turn": c.turn, "prompt": c.prompt,
-                                "output": c.text, "advantage": c.advantage}
-                               for c in calls if c.episode == e]})
-    return rows
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then cosine decay to 10 percent; `step` = training steps taken."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min((step - warmup) / max(1, total - warmup), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # ----------------------------------------------------------------------------
-# Supervised warm-up (--sft_warmup): a contract to keep, or to lose
-# The 135M model does not keep the supervisory roles' contracts by itself, so RL
-# has nothing to keep or to lose. The warm-up teaches every role, on the adapter
-# it trains under, replies that keep its contract and that a verifier labels:
-# the aggregator names a correct candidate (any of them; any candidate when none
-# is), the evaluator gives the verifier's verdict, the orchestrator lists plans,
-# and the solving roles repeat their own solutions that the verifier accepts.
-
-SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a solution
-PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
-                  "Work backwards from what is asked."],
-         "code": ["Loop over the input and build the result.", "Use Python's built-in functions.",
-                  "Split the task into small helper functions."]}
-
-
-def contract_replies(calls: list[Call], problems, cfg: Config, rng: random.Random,
-                     roles: list[str]) -> list[Call]:
-    """Warm-up pairs of the given roles: calls with the same prompt and a reply (its text;
-    warm_up sets the token ids) that keeps the role's contract."""
-    solutions = {(c.episode, c.turn): [] for c in calls}  # generator outputs by episode and stage
-    for c in calls:  # in slot order within each episode, as the workflow made them
-        if c.role == "generator":
-            solutions[c.episode, c.turn].append(c.text)
-    judged = [c for c in calls if c.role in ("aggregator", "evaluator")]
-    read = [solutions[c.episode, c.turn - 1] for c in judged]  # what each judge saw
-    flat = [(c.episode, text) for c, texts in zip(judged, read) for text in texts]
-    scores = iter(score_batch([problems[e] for e, _ in flat], [t for _, t in flat], strict=cfg.strict_answer,
-                              workers=cfg.code_workers, timeout=cfg.code_timeout))
-    replies = []
-    for c, texts in zip(judged, read):
-        right = [k for k, _ in enumerate(texts, 1) if next(scores) == 1.0]
-        if c.role == "aggregator":  # any correct candidate; any candidate where none is correct
-            reply = f"\\boxed{{{rng.choice(right or range(1, len(texts) + 1))}}}"
-        else:
-            reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
-        replies.append(dataclasses.replace(c, text=reply))
-    plan = "\n".join(f"{i}. {s}" for i, s in enumerate(PLANS[problems[0].kind][: cfg.n_agents], 1))
-    replies += [dataclasses.replace(c, text=plan) for c in calls if c.role == "orchestrator"]
-    # the solving roles keep their own sampled solutions that the verifier accepts (rejection
-    # sampling, as in STaR, Zelikman et al. 2022): on a shared adapter, without them the
-    # other roles' replies would teach the solvers to answer \boxed{k} too
-    solvers = [c for c in calls if c.role in SOLVERS]
-    accepted = score_batch([problems[c.episode] for c in solvers], [c.text for c in solvers],
-                           strict=cfg.strict_answer, workers=cfg.code_workers, timeout=cfg.code_timeout)
-    replies += [dataclasses.replace(c) for c, ok in zip(solvers, accepted) if ok == 1.0]
-    return [c for c in replies if c.role in roles]
+# Supervised warm-up (--sft_warmup): before RL, every role learns replies that keep its
+# contract (workflows.contract_replies), so that RL has a contract to keep or to lose
 
 
 def warmup_roles(cfg: Config) -> list[str]:
@@ -473,7 +405,9 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in mine],
                                               greedy=False, label="warm-up rollout")
     calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, mine)
-    pairs = contract_replies(calls, [train_set[i] for i in problem_of], cfg, rng, warmup_roles(cfg))
+    score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers, timeout=cfg.code_timeout)
+    pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
+                             warmup_roles(cfg))
     if not pairs:
         raise SystemExit(f"--sft_warmup: no role of {cfg.workflow} to warm up among {', '.join(warmup_roles(cfg))}")
     for c in pairs:
@@ -514,335 +448,26 @@ def supervised_step(model, adapter: str, batch: list[Call], optimizer, pad_id: i
 
 
 # ----------------------------------------------------------------------------
-# Files: config, logs, checkpoints (all written atomically)
+# Before the loop: the settings, the problems, the model, step 0
 
 
-def write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-
-
-def append_jsonl(path: str, rows: list[dict]) -> None:
-    with open(path, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """The rows of a log. A torn last line (the process was killed while writing it) and blank
-    lines are dropped; any other unreadable line is an error."""
-    if not os.path.exists(path):
-        raise SystemExit(f"{path} is missing: not a complete run directory")
-    with open(path) as f:
-        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
-    rows = []
-    for k, (i, line) in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if k < len(lines) - 1:
-                raise SystemExit(f"{path}, line {i}: not JSON; the log is damaged") from None
-    return rows
-
-
-def truncate_jsonl(path: str, last_step: int) -> list[dict]:
-    """Drop log lines written after the checkpoint we resume from; return the rows kept."""
-    keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in keep)
-    os.replace(path + ".tmp", path)
-    return keep
-
-
-def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedulers: dict,
-                    rng: random.Random, emas: dict) -> None:
-    """Every process calls it (each one's sampling state is kept); rank 0 writes."""
-    torch_rngs = gather_lists([torch.get_rng_state()])
-    cuda_rngs = gather_lists([torch.cuda.get_rng_state()]) if torch.cuda.is_available() else None
-    if rank_and_world()[0] != 0:
-        return
-    tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_adapters(model, tmp)  # one PEFT LoRA directory per adapter, critics' included
-    for name, head in heads.items():  # a critic's directory also holds its value head
-        save_file(head.state_dict(), os.path.join(tmp, name, "value_head.safetensors"))
-    torch.save({"step": step,
-                "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
-                "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
-                "torch_rngs": torch_rngs,  # one per process
-                "cuda_rngs": cuda_rngs,  # of each process's own GPU
-                "py_rng": rng.getstate(),
-                "emas": emas}, os.path.join(tmp, "state.part"))
-    os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # state.pt: tmp is whole
-    # Swap directories so a crash leaves either the old or the new checkpoint whole
-    # (newest_checkpoint finds it).
-    shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
-    if os.path.exists(final):
-        os.replace(final, final + ".old")
-    os.replace(tmp, final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
-
-
-def newest_checkpoint(out: str) -> str:
-    """The newest whole checkpoint, put back in its place as ckpt: ckpt.tmp once its state.pt is
-    written (a save that crashed before its swap finished), else ckpt, else ckpt.old."""
-    final = os.path.join(out, "ckpt")
-    for path in (final + ".tmp", final, final + ".old"):
-        if os.path.exists(os.path.join(path, "state.pt")):
-            if path != final:
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(path, final)
-            return final
-    raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
-                     "start it again without --resume, with --overwrite")
-
-
-def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
-                    rng: random.Random, emas: dict) -> int:
-    rank, world = rank_and_world()
-    if rank == 0:
-        newest_checkpoint(out)  # puts the newest whole checkpoint in place as ckpt
-    barrier()
-    path = os.path.join(out, "ckpt")
-    try:
-        load_adapters(model, path, adapter_names(model))  # the references' frozen copies too
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-        for k, h in heads.items():  # checkpoints from before the PEFT layout kept heads in state.pt
-            head_file = os.path.join(path, k, "value_head.safetensors")
-            h.load_state_dict(load_file(head_file) if os.path.exists(head_file) else state["heads"][k])
-    except Exception as e:  # a truncated or foreign file: say so in one line
-        raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
-                         "start the run over with --overwrite") from None
-    for k in optimizers:
-        optimizers[k].load_state_dict(state["optimizers"][k])
-        schedulers[k].load_state_dict(state["schedulers"][k])
-    torch_rngs = state["torch_rngs"] if "torch_rngs" in state else [state["torch_rng"]]  # older: one
-    if len(torch_rngs) != world:
-        raise SystemExit(f"--resume: {out} was saved by {len(torch_rngs)} process(es); resume it with "
-                         f"as many (torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
-    torch.set_rng_state(torch_rngs[rank])
-    if state.get("cuda_rngs") is not None:
-        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
-    elif state.get("cuda_rng") is not None:  # saved before one state per process
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-    rng.setstate(state["py_rng"])
-    emas.update(state["emas"])
-    return state["step"]
-
-
-# Flags that say where and how a run is executed, not what it is: --resume may change them.
-NOT_THE_RUN = ("out", "resume", "overwrite", "threads")
-
-
-def typed_flags(argv: list[str]) -> set[str]:
-    """The Config fields named on a command line: --lr 0.1, --lr=0.1, --no-one_step."""
-    names = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
-    return {n[3:] if n.startswith("no-") else n for n in names}
-
-
-def resolve_resume(cfg: Config, typed: set[str] | None = None) -> Config:
-    """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
-    was typed (`typed`, from the command line) or differs from its default. The run lives
-    wherever --out now points, however that path is spelled."""
-    try:
-        with open(os.path.join(cfg.out, "config.json")) as f:
-            saved = Config(**json.load(f))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise SystemExit(f"--resume: {cfg.out}/config.json cannot be read ({type(e).__name__})") from None
-    for f in dataclasses.fields(Config):
-        given, old = getattr(cfg, f.name), getattr(saved, f.name)
-        chosen = f.name in typed if typed is not None else given != f.default
-        if f.name not in NOT_THE_RUN and chosen and given != old:
-            raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
-    return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
-
-
-# Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
-# them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
-# random numbers they leave, and must match.
-RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
-               "eps_low", "eps_high", "loss_agg", "adv_group", "kl_coef", "role_kl", "balance",
-               "one_step", "damping", "eval_every", "diag_every", "log_samples", "save_every")
-
-
-def check_start(cfg: Config) -> dict:
-    """--start_from: the start run's config, once it is known to differ from this run's in RL
-    settings only and to have stopped at step 0."""
-    where = cfg.start_from
-    try:
-        with open(os.path.join(where, "config.json")) as f:
-            saved = Config(**json.load(f))
-        state = torch.load(os.path.join(where, "ckpt", "state.pt"), weights_only=False)
-    except FileNotFoundError:
-        raise SystemExit(f"--start_from {where}: no run with a checkpoint there (train it with --steps 0)") from None
-    except (json.JSONDecodeError, TypeError, RuntimeError, EOFError) as e:
-        raise SystemExit(f"--start_from {where}: its run cannot be read ({type(e).__name__})") from None
-    if state["step"] != 0:
-        raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
-                         "(train the start with --steps 0)")
-    for f in dataclasses.fields(Config):
-        given, old = getattr(cfg, f.name), getattr(saved, f.name)
-        if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
-            raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's ({old}); "
-                             "only RL settings may differ")
-    if saved.sharing == "isolated" and cfg.sharing == "shared":
-        raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot become one "
-                         "shared adapter")
-    return dataclasses.asdict(saved)
-
-
-def load_start(cfg: Config, saved: dict, model, heads, rng: random.Random) -> dict:
-    """--start_from: the start's adapters (a shared one copied into each role's), critics and
-    random number states; `saved`: its config (check_start). Returns its step-0 metrics."""
-    path = os.path.join(cfg.start_from, "ckpt")
-    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-    for name in adapter_names(model):
-        source = name if saved["sharing"] == cfg.sharing or name in heads else "shared"
-        load_adapter_state(model, name, load_file(os.path.join(path, source, "adapter_model.safetensors")))
-    for name, head in heads.items():
-        head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
-    rank, world = rank_and_world()
-    if len(state["torch_rngs"]) != world:
-        raise SystemExit(f"--start_from {cfg.start_from}: saved by {len(state['torch_rngs'])} process(es), "
-                         f"not {world}")
-    torch.set_rng_state(state["torch_rngs"][rank])
-    if state.get("cuda_rngs") is not None:
-        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
-    rng.setstate(state["py_rng"])
-    return read_jsonl(os.path.join(cfg.start_from, "metrics.jsonl"))[0]
-
-
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "ckpt", "ckpt.tmp", "ckpt.old")
-
-
-def check_run_dir(cfg: Config) -> list[str]:
-    """The run files already in --out; a directory that holds a run is never overwritten
-    implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise SystemExit(f"--out {cfg.out} is a file, not a directory")
-    parent = os.path.abspath(cfg.out)
-    while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise SystemExit(f"--out {cfg.out}: cannot create a directory in {parent}")
-    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out, f))]
-    if held and not cfg.overwrite:
-        raise SystemExit(f"--out {cfg.out} already holds a run: add --resume to continue it, --overwrite "
-                         "to start it over, or choose another --out")
-    return held
-
-
-def start_run_dir(cfg: Config, held: list[str]) -> None:
-    """Clear the old run's own files (--overwrite; nothing else in the directory), write the config."""
-    for f in held:
-        path = os.path.join(cfg.out, f)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    os.makedirs(cfg.out, exist_ok=True)
-    write_json(os.path.join(cfg.out, "config.json"), dataclasses.asdict(cfg))
-
-
-def running_threads() -> int:
-    """Threads running or runnable on the machine right now, this one included (Linux)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return 1 << 30  # unknown: the load average alone decides
-
-
-def pick_threads(requested: int, own_load: float) -> int:
-    """Torch's CPU threads: --threads, else the cores this process may use less what other
-    processes keep busy. Those are the 1-minute load average minus this process's own share,
-    or the threads running right now besides this one when fewer (the average trails a
-    program that just stopped). Threads of one matmul wait for each other, so a thread
-    whose core is taken stalls them all."""
-    if requested:
-        return requested
-    cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
-    others = max(0.0, min(os.getloadavg()[0] - own_load, running_threads() - 1))
-    return max(1, min(cores, round(cores - others)))
-
-
-def eval_steps(cfg: Config) -> list[int]:
-    """The steps after which the workflow is evaluated (step 0 = before training)."""
-    return [0] + [s for s in range(1, cfg.steps + 1) if (cfg.eval_every and s % cfg.eval_every == 0)
-                  or s == cfg.steps]
-
-
-def plan(cfg: Config, device: str) -> str:
-    """The first line of a run: what it will do."""
-    evals = ", ".join(map(str, eval_steps(cfg)))
-    threads = torch.get_num_threads()
-    adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
-    return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
-            f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
-            f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; greedy "
-            f"evaluation on {cfg.eval_problems} held-out problems at steps {evals}; a checkpoint every "
-            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
-            "Time: estimated after the step-0 evaluation.")
-
-
-def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float], step: int) -> float:
-    """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
-    evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
-    plus the evaluations still to come."""
-    per_episode = eval_seconds / cfg.eval_problems
-    step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
-                 else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
-    evals_left = sum(1 for s in eval_steps(cfg) if s > step)
-    return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
-
-
-def peak_memory_mb(device: str) -> float:
-    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU.
-    Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
-    started from it (diagnose.py --reproduce, bench.py), VmHWM starts afresh."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
-    except (OSError, AttributeError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup, then cosine decay to 10 percent; `step` = training steps taken."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min((step - warmup) / max(1, total - warmup), 1.0)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# ----------------------------------------------------------------------------
-# Main
-
-
-def main(cfg: Config, typed: set[str] | None = None) -> dict:
-    """Train; `typed`: the flags given on the command line (None: those that differ from their
-    defaults), which --resume checks against the run."""
-    # ---- settings: everything is checked before a file or the model is touched
-    if cfg.resume:
-        if not os.path.exists(os.path.join(cfg.out, "config.json")):
-            raise SystemExit(f"--resume: no run in {cfg.out}")
-        cfg = resolve_resume(cfg, typed)
+def check_settings(cfg: Config,
+                   typed: set[str] | None) -> tuple[Config, UpdateSettings, CriticSettings, dict | None]:
+    """The run's config (a resumed run's own), what grpo.py and critic.py read from it, and with
+    --start_from the start's config, all checked before a file or the model is touched."""
+    cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
     check_numbers(cfg)
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles
-    critics = critic_settings(cfg)
-    device = join_processes(cfg.device)
-    rank, world = rank_and_world()
+    return cfg, update, critic_settings(cfg), start_config
+
+
+def load_problems(cfg: Config, world: int) -> tuple[Config, list, list]:
+    """The training pool and the held-out problems; --max_new_tokens 0 becomes the task's own."""
     if cfg.problems_per_step < world:
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than the {world} "
                          "processes; every process needs at least one")
-    torch.set_num_threads(pick_threads(cfg.threads, own_load=0.0))
-    torch.manual_seed(cfg.seed)  # the same adapters in every process
-    rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
-    # ---- data, model, run directory, adapters, optimizers
     try:
         train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
         test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
@@ -853,72 +478,101 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
                          f"holds {len(train_set)} problems")
     if cfg.max_new_tokens == 0:  # code needs room for a whole function
         cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
-    held = [] if cfg.resume else check_run_dir(cfg)
+    return cfg, train_set, test_set
+
+
+def launch(cfg: Config, device: str, rank: int):
+    """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. A new
+    run's directory is checked first and written only once the model has loaded, so a failed
+    launch leaves --out untouched."""
+    held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
     log(plan(cfg, device))
     model, tok = load_policy(cfg.model, device, cfg.dtype)
     try:
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
-    if not cfg.resume and rank == 0:  # only now that the model loaded: a failed launch leaves --out untouched
-        start_run_dir(cfg, held)
-    metrics_path, samples_path = (os.path.join(cfg.out, n) for n in ("metrics.jsonl", "samples.jsonl"))
+    if not cfg.resume and rank == 0:
+        start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
+    return model, tok
+
+
+def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
+    """The adapters RL trains (one shared, or one per role type) and, with --algo maac, the
+    critics: a fresh adapter and value head each."""
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
-    heads = {}
-    if cfg.algo == "maac":
-        critic_names = sorted({critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
-                               for s in slots(cfg.workflow, cfg.n_agents)})
-        heads = setup_critics(model, critic_names)  # a fresh adapter and value head per critic
+    if cfg.algo != "maac":
+        return names, {}
+    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per) for s in slots(cfg.workflow, cfg.n_agents)}
+    return names, setup_critics(model, sorted(keys))
+
+
+def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads, optimizers: dict,
+          schedulers: dict, rng: random.Random, emas: dict, start_config: dict | None,
+          references: dict[str, str]) -> tuple[int, dict, dict]:
+    """Step 0. A resumed run goes on from its newest checkpoint. A new run takes another run's
+    step 0 (--start_from), or warms up (--sft_warmup) and evaluates before training, and saves
+    it: a run stopped after step 0 resumes without its warm-up, and others can start from it.
+    The KL anchors (`references`) are frozen copies of the policy RL starts from. Returns the
+    step to go on from and the metrics rows of the first and of the last evaluation."""
+    if cfg.resume:  # the checkpoint fills the anchors in
+        start, first, last = resume_run(cfg.out, model, references, heads, optimizers, schedulers, rng, emas)
+        log(f"resuming {cfg.out} at step {start}")
+        return start, first, last
+    if cfg.start_from:
+        first = load_start(cfg.start_from, cfg.sharing, start_config, model, heads, rng)
+    else:
+        first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
+    for name, ref in references.items():
+        freeze_copy(model, name, ref)
+    if cfg.start_from:
+        log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of {cfg.start_from}")
+    else:
+        log(f"evaluating on {len(test_set)} held-out problems ...")
+        t_eval = time.time()
+        acc = evaluate(model, tok, cfg, test_set)
+        eval_seconds = time.time() - t_eval
+        log(f"step 0/{cfg.steps} | eval/accuracy {acc:.3f} | {eval_seconds:.0f}s | "
+            f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
+        first = {"step": 0, "eval/accuracy": acc, **first, "time/eval": eval_seconds}
+    start_logs(cfg.out, first)
+    save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
+    return 0, first, first
+
+
+def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
+    """The update's statistics, each its mean over the mini-batches; time/old_logp, a part of
+    time/update, sums the adapters' passes."""
+    m = {k: sum(v) / len(v) for k, v in stats.items()}
+    m["time/old_logp"] = sum(v for k, v in m.items() if k.startswith("time/old_logp/"))
+    return m
+
+
+# ----------------------------------------------------------------------------
+# Main: the settings, step 0, then the training loop (steps 1-8 of the docstring)
+
+
+def main(cfg: Config, typed: set[str] | None = None) -> dict:
+    """Train; `typed`: the flags given on the command line (None: those that differ from their
+    defaults), which --resume checks against the run."""
+    # ---- settings: everything is checked before a file or the model is touched
+    cfg, update, critics, start_config = check_settings(cfg, typed)
+    device = join_processes(cfg.device)
+    rank, world = rank_and_world()
+    torch.set_num_threads(pick_threads(cfg.threads, own_load=0.0))
+    torch.manual_seed(cfg.seed)  # the same adapters in every process
+    rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
+    # ---- data, model, run directory, adapters, optimizers
+    cfg, train_set, test_set = load_problems(cfg, world)
+    model, tok = launch(cfg, device, rank)
+    names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
     if world > 1:
         torch.manual_seed(cfg.seed + 1000 * rank)  # each process samples its own episodes
-
+    # ---- step 0: a resumed run's checkpoint, or a new run's start and its first evaluation
     emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
-    start = 0
-    if cfg.resume:
-        for name, ref in update.reference.items():  # the checkpoint fills them in
-            freeze_copy(model, name, ref)
-        start = load_checkpoint(cfg.out, model, heads, optimizers, schedulers, rng, emas)
-        if rank == 0:
-            truncate_jsonl(metrics_path, start)
-            truncate_jsonl(samples_path, start)
-        barrier()
-        evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
-        if not evaluated or evaluated[0]["step"] != 0:
-            raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training (step 0)")
-        acc_before = evaluated[0]["eval/accuracy"]  # step 0
-        acc = evaluated[-1]["eval/accuracy"]  # the last evaluation kept
-        eval_seconds = evaluated[-1].get("time/eval", 0.0)  # for the estimate of the time left
-        log(f"resuming {cfg.out} at step {start}")
-    elif cfg.start_from:
-        first = load_start(cfg, start_config, model, heads, rng)
-        for name, ref in update.reference.items():  # anchored to the start, as its own run would be
-            freeze_copy(model, name, ref)
-        acc_before = acc = first["eval/accuracy"]
-        eval_seconds = first.get("time/eval", 0.0)
-        if rank == 0:
-            for path in (metrics_path, samples_path):
-                open(path, "w").close()
-            append_jsonl(metrics_path, [first])
-        save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
-        log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | the start of {cfg.start_from}")
-    else:
-        first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
-        for name, ref in update.reference.items():  # the KL anchor: the policy RL starts from
-            freeze_copy(model, name, ref)
-        log(f"evaluating on {len(test_set)} held-out problems ...")
-        t_eval = time.time()
-        acc_before = acc = evaluate(model, tok, cfg, test_set)
-        eval_seconds = time.time() - t_eval
-        if rank == 0:
-            for path in (metrics_path, samples_path):
-                open(path, "w").close()
-            append_jsonl(metrics_path, [{"step": 0, "eval/accuracy": acc_before, **first,
-                                         "time/eval": eval_seconds}])
-        # a run stopped after step 0 resumes without its warm-up, or starts others (--start_from)
-        save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
-        log(f"step 0/{cfg.steps} | eval/accuracy {acc_before:.3f} | {eval_seconds:.0f}s | "
-            f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
+    start, first, last = begin(model, tok, cfg, train_set, test_set, names, heads, optimizers, schedulers, rng,
+                               emas, start_config, update.reference)
 
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
     cpu_before = time.process_time()
@@ -932,7 +586,6 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in problem_of],
                                                   greedy=False, label=f"step {step} rollout")
         calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, problem_of)
-        problems = [train_set[i] for i in problem_of]
         t1 = time.time()
         # 4. advantages: group-relative (GRPO) or from the critics (GAE)
         if cfg.algo == "grpo":
@@ -955,66 +608,37 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
                 f"{time.time() - t_name:.0f}s")
         # 7. maac: the critics (their adapters are separate from the actors': order is free)
         if cfg.algo == "maac":
-            stats.update(update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id,
-                                        critics))
+            stats.update(update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id, critics))
             for name in heads:
                 schedulers[name].step()
         stats = gather_stats(stats)
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
-             "adv/zero_frac": no_signal,
-             "lr": schedulers[names[0]].get_last_lr()[0],
-             "time/rollout": t1 - t0, "time/update": time.time() - t1}
-        m.update({k: sum(v) / len(v) for k, v in stats.items()})
-        m["time/old_logp"] = sum(v for k, v in m.items() if k.startswith("time/old_logp/"))  # in time/update
+             "adv/zero_frac": no_signal, "lr": schedulers[names[0]].get_last_lr()[0],
+             "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
         if cfg.algo == "maac":
             m.update(critic_metrics(calls, critic_batch))
         step_seconds.append(time.time() - t0)
         if step in eval_steps(cfg):
             t_eval = time.time()
             acc = evaluate(model, tok, cfg, test_set)
-            eval_seconds = m["time/eval"] = time.time() - t_eval
-            m["eval/accuracy"] = acc
+            m["time/eval"], m["eval/accuracy"] = time.time() - t_eval, acc
+            last = m
         m["time/step"] = time.time() - t0
         m["mem/peak_mb"] = max(gather_lists([peak_memory_mb(device)]))  # the largest process's
-        if rank == 0:
-            append_jsonl(metrics_path, [m])
-            seen = list(range(0, len(problems), cfg.group_size))[: cfg.log_samples]
-            append_jsonl(samples_path, episode_samples(step, calls, outcomes, problems, rewards, seen))
-        line = f"step {step}/{cfg.steps} | reward {m['reward/mean']:.3f} | {m['time/step']:.1f}s"
-        if "eval/accuracy" in m:
-            line += f" | eval/accuracy {acc:.3f}"
-        if step < cfg.steps:
-            line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
-        log(line)
+        problems = [train_set[i] for i in problem_of]
+        write_step(cfg.out, m, episode_samples(step, calls, outcomes, problems, rewards, cfg.group_size,
+                                               cfg.log_samples))
+        log(step_line(cfg, m, last.get("time/eval", 0.0), step_seconds))
         if step % cfg.save_every == 0 or step == cfg.steps:
             save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng, emas)
-        # the next step's threads: this process's own load is its CPU time over the step's wall time
-        own_load = (time.process_time() - cpu_before) / (time.time() - t0)
-        torch.set_num_threads(pick_threads(cfg.threads, own_load))
-        cpu_before = time.process_time()
+        cpu_before = pick_threads_again(cfg.threads, t0, cpu_before)  # for the next step
 
+    before, after = first["eval/accuracy"], last["eval/accuracy"]
     log(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
-        f"before {acc_before:.3f} -> after {acc:.3f}  [{len(test_set)} problems, greedy]")
-    if world > 1:
-        barrier()  # every process done with the group before any tears it down (gloo aborts otherwise)
-        dist.destroy_process_group()
-    return {"before": acc_before, "after": acc}
-
-
-def join_processes(device: str) -> str:
-    """This process's device; under torchrun (WORLD_SIZE > 1) also join the process group:
-    nccl and one GPU per local rank on CUDA, gloo on CPU."""
-    cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return ("cuda" if cuda else "cpu") if device == "auto" else device
-    if cuda:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return device if cuda else "cpu"
+        f"before {before:.3f} -> after {after:.3f}  [{len(test_set)} problems, greedy]")
+    leave_processes()
+    return {"before": before, "after": after}
 
 
 if __name__ == "__main__":

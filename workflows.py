@@ -17,7 +17,9 @@ Multi-Agent RL Improve LLM Workflows?", arXiv 2605.24202):
 The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the
 orchestrator lists strategies and never solves. `adherence` says whether an output
 keeps its role's contract and `similarity` how alike two roles' outputs are: the
-signals of role capture (Paper A) that train.py logs every step.
+signals of role capture (Paper A) that train.py logs every step. `contract_replies`
+gives the replies that keep each role's contract, which the supervised warm-up
+(train.py --sft_warmup) teaches before RL.
 
 Departures from the paper:
   - the prompts are this project's own, short enough for a 135M model;
@@ -27,9 +29,12 @@ Departures from the paper:
   - texts passed to a later role keep their head and tail, MAX_FEED_CHARS in all;
   - info["fallback"] flags any broken answer contract (a cheap role-capture signal).
 
-Exercised by: pytest tests/test_workflows.py, and `python workflows.py voting`,
-which prints every stage's prompts for one question using a canned fake model.
+Exercised by: pytest tests/test_workflows.py (contract_replies: tests/test_train.py), and
+`python workflows.py voting`, which prints every stage's prompts for one question using a
+canned fake model.
 """
+import dataclasses
+import random
 import re
 import sys
 from dataclasses import dataclass
@@ -388,6 +393,54 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
     if not questions:
         return []
     return WORKFLOWS[name](questions, generate, kind, n_agents, max_rounds)
+
+
+# ---------------------------------------------------------------- contract-keeping replies
+# The supervised warm-up (train.py --sft_warmup) gives RL a contract to keep, or to lose:
+# the 135M model does not keep the supervisory roles' contracts by itself. It teaches
+# every role, on the adapter it trains under, replies that keep its contract and that a
+# verifier labels: the aggregator names a correct candidate (any of them; any candidate
+# when none is), the evaluator gives the verifier's verdict, the orchestrator lists plans,
+# and the solving roles repeat their own solutions that the verifier accepts.
+
+ScoreFn = Callable[[list, list[str]], list[float]]  # (problems, texts) -> 1.0 where a text solves its problem
+SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a solution
+PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
+                  "Work backwards from what is asked."],
+         "code": ["Loop over the input and build the result.", "Use Python's built-in functions.",
+                  "Split the task into small helper functions."]}
+
+
+def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int, rng: random.Random,
+                     roles: list[str]) -> list:
+    """Warm-up pairs of the given roles: copies of a rollout's calls (rollout.Call records) with
+    the same prompt and a reply (its text; the trainer sets the token ids) that keeps the
+    role's contract. `problems`: each episode's problem; `score`: the verifier (reward.py)."""
+    solutions = {(c.episode, c.turn): [] for c in calls}  # generator outputs by episode and stage
+    for c in calls:  # in slot order within each episode, as the workflow made them
+        if c.role == "generator":
+            solutions[c.episode, c.turn].append(c.text)
+    judged = [c for c in calls if c.role in ("aggregator", "evaluator")]
+    read = [solutions[c.episode, c.turn - 1] for c in judged]  # what each judge saw
+    flat = [(c.episode, text) for c, texts in zip(judged, read) for text in texts]
+    scores = iter(score([problems[e] for e, _ in flat], [t for _, t in flat]))
+    replies = []
+    for c, texts in zip(judged, read):
+        right = [k for k, _ in enumerate(texts, 1) if next(scores) == 1.0]
+        if c.role == "aggregator":  # any correct candidate; any candidate where none is correct
+            reply = f"\\boxed{{{rng.choice(right or range(1, len(texts) + 1))}}}"
+        else:
+            reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
+        replies.append(dataclasses.replace(c, text=reply))
+    plan = "\n".join(f"{i}. {s}" for i, s in enumerate(PLANS[problems[0].kind][:n_agents], 1))
+    replies += [dataclasses.replace(c, text=plan) for c in calls if c.role == "orchestrator"]
+    # the solving roles keep their own sampled solutions that the verifier accepts (rejection
+    # sampling, as in STaR, Zelikman et al. 2022): on a shared adapter, without them the
+    # other roles' replies would teach the solvers to answer \boxed{k} too
+    solvers = [c for c in calls if c.role in SOLVERS]
+    accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
+    replies += [dataclasses.replace(c) for c, ok in zip(solvers, accepted) if ok == 1.0]
+    return [c for c in replies if c.role in roles]
 
 
 # ---------------------------------------------------------------- demo: python workflows.py NAME

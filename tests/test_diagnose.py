@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import diagnose
+import grid
+import runs
 import train
 from grpo import UpdateSettings, damped_step, loss_weight, policy_update
 from lora import add_adapter, adapter_parameters, inject_lora
@@ -365,7 +367,7 @@ def test_damaged_runs_are_one_line_errors_and_a_torn_last_line_is_dropped(tmp_pa
                             out=out))
     with open(f"{out}/metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rew')  # killed while writing
-    config, rows = diagnose.load_run(out)
+    config, rows = runs.load_run(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for name in ("shared/adapter_model.safetensors",):
         with open(f"{out}/ckpt/{name}", "r+b") as f:
@@ -389,17 +391,17 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
             "--sft_warmup", "2"]
     diagnose.main(["--demo", "capture", "--seeds", "0,1", "--out", out, *tiny])
     printed = capsys.readouterr().out
-    spec = diagnose.DEMOS["capture"]
+    spec = grid.DEMOS["capture"]
     for seed in (0, 1):
         for cell, flags in spec.cells.items():
-            config, rows = diagnose.load_run(f"{out}/capture/seed{seed}/{cell}")
+            config, rows = runs.load_run(f"{out}/capture/seed{seed}/{cell}")
             assert (config["seed"], config["steps"], config["sft_warmup"]) == (seed, 2, 2)
             assert config["sharing"] == flags[flags.index("--sharing") + 1]
             assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
             # every cell of a seed goes on from one warm-up and step-0 evaluation under a shared adapter
             assert config["start_from"] == f"{out}/capture/seed{seed}/start"
-            assert rows[0] == diagnose.load_run(config["start_from"])[1][0]
-        start, rows = diagnose.load_run(f"{out}/capture/seed{seed}/start")
+            assert rows[0] == runs.load_run(config["start_from"])[1][0]
+        start, rows = runs.load_run(f"{out}/capture/seed{seed}/start")
         assert (start["sharing"], start["steps"], [r["step"] for r in rows]) == ("shared", 0, [0])
     report = open(f"{out}/capture/report.md").read()
     assert report.startswith("# Demo: capture")
@@ -410,7 +412,7 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
     assert os.path.exists(f"{out}/capture/adherence.png")
     assert "![demo.png](demo.png)" in report and os.path.exists(f"{out}/capture/demo.png")
     for seed in (0, 1):  # the seed table: the aggregator's adherence at every RL step of each cell
-        cells = [[r["role/aggregator/adherence"] for r in diagnose.load_run(f"{out}/capture/seed{seed}/{cell}")[1]
+        cells = [[r["role/aggregator/adherence"] for r in runs.load_run(f"{out}/capture/seed{seed}/{cell}")[1]
                   if "role/aggregator/adherence" in r] for cell in spec.cells]
         assert all(len(adh) == 2 for adh in cells)
         assert f"| {seed} | " + " | ".join(", ".join(f"{v:.2f}" for v in adh) for adh in cells) + " |" in report

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import runs
 import train
 from grpo import UpdateSettings, policy_update
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
@@ -135,7 +136,7 @@ def run(out: str, resume: bool = False, dies_at_call: int = 0, **kw) -> None:
 
 def rows(out: str) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))}
-            for r in train.read_jsonl(f"{out}/metrics.jsonl")]
+            for r in runs.read_jsonl(f"{out}/metrics.jsonl")]
 
 
 def test_two_process_run_logs_like_one_and_resumes_exactly(tmp_path):
@@ -206,7 +207,7 @@ def test_two_process_critics_equal_one_process_critics(tmp_path):
 
 
 def test_torchrun_runs_train_py_with_two_processes(tmp_path):
-    """The README's command, on the tiny model: GRPO on Voting, and the central critic on Eval-Opt."""
+    """docs/torchrun.md's command, on the tiny model: GRPO on Voting, and the central critic on Eval-Opt."""
     import subprocess
     import sys
     from conftest import ROOT
@@ -220,7 +221,7 @@ def test_torchrun_runs_train_py_with_two_processes(tmp_path):
             cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.count("held-out accuracy of") == 1  # rank 0 alone logs
-        metrics = train.read_jsonl(f"{out}/metrics.jsonl")
+        metrics = runs.read_jsonl(f"{out}/metrics.jsonl")
         assert [r["step"] for r in metrics] == [0, 1, 2]
         assert metrics[-1]["role/generator/calls"] >= 3 * 2  # both processes' episodes
     done = subprocess.run(  # a process without a problem is refused, in one line per process

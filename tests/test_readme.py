@@ -1,8 +1,13 @@
-"""Every command in the README works verbatim after the two set-up commands: each is parsed
-here, and those that work offline run on the tiny model with tiny budgets, in README order."""
+"""Every command in the README and its deep pages (docs/*.md) works verbatim after the two set-up
+commands: each is parsed here, and those that work offline run on the tiny model with tiny
+budgets, the README's first, in page order."""
+import glob
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -18,10 +23,16 @@ TINY = ["--model", "tiny", "--problems_per_step", "1", "--group_size", "2", "--e
         "--max_new_tokens", "4", "--lora_r", "2", "--n_agents", "2"]
 
 
-def readme_commands() -> list[list[str]]:
-    """The argv (after .venv/bin/python) of every command in a bash block or an inline `span`."""
-    with open(f"{ROOT}/README.md") as f:
-        text = f.read()
+PAGES = [f"{ROOT}/README.md"] + sorted(glob.glob(f"{ROOT}/docs/*.md"))
+
+
+def readme_commands(pages: list[str] = PAGES[:1]) -> list[list[str]]:
+    """The argv (after .venv/bin/python) of every command in a bash block or an inline `span`
+    of the pages (default: the README), in page order."""
+    text = ""
+    for page in pages:
+        with open(page) as f:
+            text += f.read() + "\n"
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
         lines += block.replace("\\\n", " ").splitlines()
@@ -42,9 +53,18 @@ def test_the_readme_has_commands_to_check():
     assert scripts.count("train.py") >= 10 and scripts.count("diagnose.py") >= 5, scripts
 
 
+def test_the_readme_links_every_deep_page():
+    with open(f"{ROOT}/README.md") as f:
+        text = f.read()
+    pages = [os.path.basename(p) for p in PAGES[1:]]
+    assert pages and all(f"](docs/{page})" in text for page in pages), pages
+
+
 def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the commands' runs/... directories land here
-    for script, *args in readme_commands():
+    for script, *args in readme_commands(PAGES):
+        if "YOURS" in args:  # docs/course.md: the student's own topology, not written yet
+            continue
         if script == "train.py":
             if "--help" in args:
                 with pytest.raises(SystemExit) as stop:
@@ -62,6 +82,9 @@ def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypa
             parsed = course.make_parser().parse_args(args)
             if parsed.command == "make":
                 course.main(args)
+        elif script == "workflows.py":  # a workflow's prompts on a canned model
+            subprocess.run([sys.executable, f"{ROOT}/workflows.py", *args], check=True,
+                           capture_output=True, timeout=120)
         else:
             assert script == "diagnose.py", script
             if "--reproduce" in args or "--demo" in args:  # trains a grid: parsed only
@@ -73,12 +96,25 @@ def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypa
                 assert "=== final answer:" in capsys.readouterr().out
 
 
+def metric_list() -> str:
+    """The list that follows "A run directory holds:" in the README or a deep page, up to the
+    page's next heading."""
+    for page in PAGES:
+        with open(page) as f:
+            text = f.read()
+        if "A run directory holds:" in text:
+            start = text.index("A run directory holds:")
+            end = text.find("\n#", start)
+            return text[start:end if end >= 0 else len(text)]
+    raise AssertionError("no page lists what a run directory holds")
+
+
 def test_the_readme_names_every_metric_a_run_logs(tmp_path):
-    """Every key of metrics.jsonl appears in the README's list, as itself, as `<prefix>/*`, or by
+    """Every key of metrics.jsonl appears in the documented list, as itself, as `<prefix>/*`, or by
     its last part (`role/generator/kl_ref` -> `kl_ref`)."""
-    with open(f"{ROOT}/README.md") as f:
-        text = f.read()
-    listed = set(re.findall(r"`([^`]+)`", text[text.index("A run directory holds:"):text.index("## Using")]))
+    text = metric_list()
+    assert "`config.json`" in text and "`metrics.jsonl`" in text and "`ckpt/`" in text
+    listed = set(re.findall(r"`([^`]+)`", text))
     keys = set()
     for kw in [dict(workflow="voting", sharing="shared", damping=0.5, role_kl="aggregator=0.1", sft_warmup=1),
                dict(workflow="eval_opt", sharing="isolated", algo="maac", critic="central")]:

@@ -13,13 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import diagnose
+import runs
 import train
 from conftest import ROOT
 from grpo import policy_update
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
-from reward import Problem, load_task
+from reward import Problem, load_task, score_batch
 from rollout import Call, load_policy, tiny_model
-from workflows import ROLES, adherence, slots
+from workflows import ROLES, adherence, contract_replies, slots
 
 # One thread: the test model is tiny, and on a busy 2-core machine two threads
 # waiting on each other turn seconds into minutes.
@@ -175,12 +176,12 @@ def test_resume_rejects_a_contradicting_flag(tmp_path):
         train.main(train.Config(out=out, resume=True, lr=0.5))
     # typed, even when it is the default: this voting/isolated run is not eval_opt/shared
     argv = ["--out", out, "--resume", "--workflow", "eval_opt", "--sharing=shared"]
-    assert train.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
+    assert runs.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
     with pytest.raises(SystemExit, match="--workflow eval_opt differs from the run's config"):
-        train.main(train.parse_config(argv), typed=train.typed_flags(argv))
+        train.main(train.parse_config(argv), typed=runs.typed_flags(argv))
     argv = ["--out", out, "--resume", "--workflow", "voting", "--no-one_step", "--threads", "1"]
-    assert train.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
-    train.main(train.parse_config(argv), typed=train.typed_flags(argv))  # agrees with the run: resumes
+    assert runs.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
+    train.main(train.parse_config(argv), typed=runs.typed_flags(argv))  # agrees with the run: resumes
 
 
 def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
@@ -208,10 +209,11 @@ def test_learning_rate_schedule_by_hand():
 
 
 def test_isolated_roles_take_optimizer_steps_in_proportion_to_their_calls(tmp_path):
-    """Voting, B=2, G=4: 24 generator calls and 8 aggregator calls in mini-batches of 8."""
+    """Voting, B=2, G=4: 24 generator calls and 8 aggregator calls in mini-batches of 8 (every
+    mini-batch steps, live or not, as the paper's trainer does)."""
     out = str(tmp_path / "run")
     train.main(small_config(out, steps=1, problems_per_step=2, group_size=4, minibatch_size=8,
-                            eval_problems=1))
+                            eval_problems=1, skip_empty=False))
     state = torch.load(f"{out}/ckpt/state.pt", weights_only=False)
     steps = {name: int(opt["state"][0]["step"]) for name, opt in state["optimizers"].items()}
     assert steps == {"generator": 3, "aggregator": 1}
@@ -235,7 +237,7 @@ def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, m
     monkeypatch.setattr(train, "score_batch", lambda problems, texts, **kw: [len(t) % 2 for t in texts])
     out = str(tmp_path / "run")
     train.main(small_config(out, model=base_dir, workflow="voting", sharing=sharing, steps=1,
-                            max_new_tokens=16, temperature=1.0, lr=1e-2))
+                            max_new_tokens=16, temperature=1.0, lr=1e-2, dtype="fp32"))  # as the snippet loads it
     cfg, ours, _, names = diagnose.trained_model(f"{out}/ckpt")
     ids = torch.randint(0, len(tok), (2, 12), generator=torch.Generator().manual_seed(1))
     snippet = readme_python_block("PeftModel.from_pretrained")
@@ -353,13 +355,13 @@ def test_threads_are_the_free_cores(monkeypatch):
     for load, own, running, threads in [(0.1, 0.0, 1, 2), (1.2, 0.0, 2, 1), (3.0, 2.0, 2, 1), (2.1, 2.0, 3, 2),
                                         (5.0, 0.5, 9, 1), (1.9, 0.0, 1, 2)]:  # the last: a program just ended
         monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
-        monkeypatch.setattr(train, "running_threads", lambda: running)
-        assert train.pick_threads(0, own_load=own) == threads, (load, own, running)
-    assert train.pick_threads(3, own_load=0.0) == 3  # --threads wins
+        monkeypatch.setattr(runs, "running_threads", lambda: running)
+        assert runs.pick_threads(0, own_load=own) == threads, (load, own, running)
+    assert runs.pick_threads(3, own_load=0.0) == 3  # --threads wins
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert train.pick_threads(0, own_load=0.0) == 1  # the cores this process may use
-    assert train.running_threads() >= 1
+    assert runs.pick_threads(0, own_load=0.0) == 1  # the cores this process may use
+    assert runs.running_threads() >= 1
 
 
 
@@ -438,8 +440,8 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
               Call(1, "generator", "generator", 0, [1], [1], "", "\\boxed{5}"),
               Call(1, "evaluator", "evaluator", 1, [1], [1], "", "looks fine")]
     cfg = train.Config(workflow="voting")
-    replies = train.contract_replies(calls, [problem, problem], cfg, random.Random(0),
-                                     ["aggregator", "evaluator", "generator"])
+    replies = contract_replies(calls, [problem, problem], score_batch, cfg.n_agents, random.Random(0),
+                               ["aggregator", "evaluator", "generator"])
     texts = {(c.episode, c.slot): c.text for c in replies}
     assert texts[0, "aggregator"] == "\\boxed{2}"  # candidate 2 says 5, by the last number
     assert texts[1, "evaluator"] == "\\boxed{Correct}"
@@ -448,7 +450,8 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
     for c in replies:
         assert adherence(c.role, c.text) in (True, None)
     wrong = [dataclasses.replace(c, text="\\boxed{7}") if c.role == "generator" else c for c in calls]
-    replies = train.contract_replies(wrong, [problem, problem], cfg, random.Random(0), ["evaluator"])
+    replies = contract_replies(wrong, [problem, problem], score_batch, cfg.n_agents, random.Random(0),
+                               ["evaluator"])
     assert [c.text for c in replies] == ["\\boxed{Incorrect}"]
 
 

@@ -1,0 +1,493 @@
+"""A run on disk and on its machine: its directory, config.json, the metrics and samples
+logs, checkpoints, --resume and --start_from; the processes, threads and memory it runs on,
+and the time it has left.
+
+    python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, ckpt/
+    python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
+    python train.py --out runs/a --overwrite          # start it over (its own files go, nothing else)
+    python train.py --steps 0 --sft_warmup 4 --out runs/start      # a warm-up and step-0 evaluation ...
+    python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that several runs start from
+
+A directory that holds a run is never overwritten implicitly, and a launch that fails
+leaves it as it was. Every file is written so that a kill at any moment leaves a whole
+one: logs are appended a line at a time (a torn last line is dropped when read back),
+config.json through a rename, and a checkpoint as a directory that is swapped in whole.
+Under torchrun every process keeps its own sampling state in the checkpoint, and only
+rank 0 writes. The run's settings are train.py's `Config`; this file reads them field by
+field (dataclasses.fields) and never needs to import train.py.
+
+The machine: under torchrun (WORLD_SIZE > 1) a process joins the process group; torch's CPU
+threads are the cores that other programs leave free (a thread whose core is taken stalls
+the others of its matrix product), chosen again after every step; the peak memory logged is
+the accelerator's or the process's own. The clock: the run's first log line says what it
+will do, and every step line estimates the time left.
+
+Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs), tests/test_distributed.py
+"""
+import dataclasses
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import time
+from collections import defaultdict
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from lora import adapter_names, freeze_copy, load_adapter_state, load_adapters, save_adapters
+from rollout import Call, barrier, gather_lists, rank_and_world
+
+RunConfig = TypeVar("RunConfig")  # train.Config: a dataclass with a default on every field
+
+
+# ----------------------------------------------------------------------------
+# Files: config, logs (all written atomically)
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: str, rows: list[dict]) -> None:
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a log. A torn last line (the process was killed while writing it) and blank
+    lines are dropped; any other unreadable line is an error."""
+    if not os.path.exists(path):
+        raise SystemExit(f"{path} is missing: not a complete run directory")
+    with open(path) as f:
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1:
+                raise SystemExit(f"{path}, line {i}: not JSON; the log is damaged") from None
+    return rows
+
+
+def truncate_jsonl(path: str, last_step: int) -> list[dict]:
+    """Drop log lines written after the checkpoint we resume from; return the rows kept."""
+    keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in keep)
+    os.replace(path + ".tmp", path)
+    return keep
+
+
+def load_run(run_dir: str) -> tuple[dict, list[dict]]:
+    """A run's config and its metrics rows (step 0 holds the accuracy before training)."""
+    for name in ("metrics.jsonl", "config.json"):
+        if not os.path.exists(os.path.join(run_dir, name)):
+            raise SystemExit(f"{run_dir}: no {name} (not a train.py run directory)")
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)
+    except json.JSONDecodeError:
+        raise SystemExit(f"{run_dir}/config.json is not JSON") from None
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
+    if not rows:
+        raise SystemExit(f"{run_dir}: metrics.jsonl is empty (the run has not logged a step yet)")
+    return config, rows
+
+
+def write_step(out: str, row: dict, samples: list[dict]) -> None:
+    """A training step's row of metrics.jsonl and its episodes for samples.jsonl (rank 0 writes)."""
+    if rank_and_world()[0] == 0:
+        append_jsonl(os.path.join(out, "metrics.jsonl"), [row])
+        append_jsonl(os.path.join(out, "samples.jsonl"), samples)
+
+
+def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float], group_size: int,
+                    count: int) -> list[dict]:
+    """Complete episodes for samples.jsonl, the first of each of the first `count` groups: every
+    call's prompt and output, the outcome."""
+    rows = []
+    for e in list(range(0, len(problems), group_size))[:count]:
+        rows.append({"step": step, "episode": e, "problem": problems[e].id,
+                     "question": problems[e].question, "answer": problems[e].answer,
+                     "final": outcomes[e].final, "reward": rewards[e], "info": outcomes[e].info,
+                     "calls": [{"role": c.role, "slot": c.slot, "turn": c.turn, "prompt": c.prompt,
+                                "output": c.text, "advantage": c.advantage}
+                               for c in calls if c.episode == e]})
+    return rows
+
+
+# ----------------------------------------------------------------------------
+# The run directory
+
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "ckpt", "ckpt.tmp", "ckpt.old")
+
+
+def check_run_dir(out: str, overwrite: bool) -> list[str]:
+    """The run files already in --out; a directory that holds a run is never overwritten
+    implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SystemExit(f"--out {out} is a file, not a directory")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise SystemExit(f"--out {out}: cannot create a directory in {parent}")
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if held and not overwrite:
+        raise SystemExit(f"--out {out} already holds a run: add --resume to continue it, --overwrite "
+                         "to start it over, or choose another --out")
+    return held
+
+
+def start_run_dir(out: str, held: list[str], config: dict) -> None:
+    """Clear the old run's own files (--overwrite; nothing else in the directory), write the config."""
+    for f in held:
+        path = os.path.join(out, f)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "config.json"), config)
+
+
+def start_logs(out: str, first: dict) -> None:
+    """metrics.jsonl holding the step-0 row, and an empty samples.jsonl (rank 0 writes)."""
+    if rank_and_world()[0] != 0:
+        return
+    metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
+    for path in (metrics_path, samples_path):
+        open(path, "w").close()
+    append_jsonl(metrics_path, [first])
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedulers: dict,
+                    rng: random.Random, emas: dict) -> None:
+    """Every process calls it (each one's sampling state is kept); rank 0 writes."""
+    torch_rngs = gather_lists([torch.get_rng_state()])
+    cuda_rngs = gather_lists([torch.cuda.get_rng_state()]) if torch.cuda.is_available() else None
+    if rank_and_world()[0] != 0:
+        return
+    tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_adapters(model, tmp)  # one PEFT LoRA directory per adapter, critics' included
+    for name, head in heads.items():  # a critic's directory also holds its value head
+        save_file(head.state_dict(), os.path.join(tmp, name, "value_head.safetensors"))
+    torch.save({"step": step,
+                "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
+                "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
+                "torch_rngs": torch_rngs,  # one per process
+                "cuda_rngs": cuda_rngs,  # of each process's own GPU
+                "py_rng": rng.getstate(),
+                "emas": emas}, os.path.join(tmp, "state.part"))
+    os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # state.pt: tmp is whole
+    # Swap directories so a crash leaves either the old or the new checkpoint whole
+    # (newest_checkpoint finds it).
+    shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
+    if os.path.exists(final):
+        os.replace(final, final + ".old")
+    os.replace(tmp, final)
+    shutil.rmtree(final + ".old", ignore_errors=True)
+
+
+def newest_checkpoint(out: str) -> str:
+    """The newest whole checkpoint, put back in its place as ckpt: ckpt.tmp once its state.pt is
+    written (a save that crashed before its swap finished), else ckpt, else ckpt.old."""
+    final = os.path.join(out, "ckpt")
+    for path in (final + ".tmp", final, final + ".old"):
+        if os.path.exists(os.path.join(path, "state.pt")):
+            if path != final:
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(path, final)
+            return final
+    raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
+                     "start it again without --resume, with --overwrite")
+
+
+def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
+                    rng: random.Random, emas: dict) -> int:
+    rank, world = rank_and_world()
+    if rank == 0:
+        newest_checkpoint(out)  # puts the newest whole checkpoint in place as ckpt
+    barrier()
+    path = os.path.join(out, "ckpt")
+    try:
+        load_adapters(model, path, adapter_names(model))  # the references' frozen copies too
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        for k, h in heads.items():  # checkpoints from before the PEFT layout kept heads in state.pt
+            head_file = os.path.join(path, k, "value_head.safetensors")
+            h.load_state_dict(load_file(head_file) if os.path.exists(head_file) else state["heads"][k])
+    except Exception as e:  # a truncated or foreign file: say so in one line
+        raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
+                         "start the run over with --overwrite") from None
+    for k in optimizers:
+        optimizers[k].load_state_dict(state["optimizers"][k])
+        schedulers[k].load_state_dict(state["schedulers"][k])
+    torch_rngs = state["torch_rngs"] if "torch_rngs" in state else [state["torch_rng"]]  # older: one
+    if len(torch_rngs) != world:
+        raise SystemExit(f"--resume: {out} was saved by {len(torch_rngs)} process(es); resume it with "
+                         f"as many (torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
+    torch.set_rng_state(torch_rngs[rank])
+    if state.get("cuda_rngs") is not None:
+        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
+    elif state.get("cuda_rng") is not None:  # saved before one state per process
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    rng.setstate(state["py_rng"])
+    emas.update(state["emas"])
+    return state["step"]
+
+
+# ----------------------------------------------------------------------------
+# --resume
+
+# Flags that say where and how a run is executed, not what it is: --resume may change them.
+NOT_THE_RUN = ("out", "resume", "overwrite", "threads")
+
+
+def typed_flags(argv: list[str]) -> set[str]:
+    """The Config fields named on a command line: --lr 0.1, --lr=0.1, --no-one_step."""
+    names = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+    return {n[3:] if n.startswith("no-") else n for n in names}
+
+
+def resolve_resume(cfg: RunConfig, typed: set[str] | None = None) -> RunConfig:
+    """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
+    was typed (`typed`, from the command line) or differs from its default. The run lives
+    wherever --out now points, however that path is spelled."""
+    if not os.path.exists(os.path.join(cfg.out, "config.json")):
+        raise SystemExit(f"--resume: no run in {cfg.out}")
+    try:
+        with open(os.path.join(cfg.out, "config.json")) as f:
+            saved = type(cfg)(**json.load(f))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise SystemExit(f"--resume: {cfg.out}/config.json cannot be read ({type(e).__name__})") from None
+    for f in dataclasses.fields(cfg):
+        given, old = getattr(cfg, f.name), getattr(saved, f.name)
+        chosen = f.name in typed if typed is not None else given != f.default
+        if f.name not in NOT_THE_RUN and chosen and given != old:
+            raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
+    return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
+
+
+def resume_run(out: str, model, references: dict[str, str], heads, optimizers: dict, schedulers: dict,
+               rng: random.Random, emas: dict) -> tuple[int, dict, dict]:
+    """Load the newest checkpoint and cut the logs back to it; returns its step and the metrics
+    rows of the first evaluation (step 0) and of the last one kept. `references`: adapter ->
+    its frozen KL anchor, which the checkpoint fills in."""
+    for name, ref in references.items():
+        freeze_copy(model, name, ref)
+    start = load_checkpoint(out, model, heads, optimizers, schedulers, rng, emas)
+    metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
+    if rank_and_world()[0] == 0:
+        truncate_jsonl(metrics_path, start)
+        truncate_jsonl(samples_path, start)
+    barrier()
+    evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
+    if not evaluated or evaluated[0]["step"] != 0:
+        raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training (step 0)")
+    return start, evaluated[0], evaluated[-1]
+
+
+# ----------------------------------------------------------------------------
+# --start_from
+
+# Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
+# them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
+# random numbers they leave, and must match.
+RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
+               "eps_low", "eps_high", "loss_agg", "adv_group", "kl_coef", "role_kl", "balance",
+               "one_step", "damping", "eval_every", "diag_every", "log_samples", "save_every")
+
+
+def check_start(cfg: RunConfig) -> dict:
+    """--start_from: the start run's config, once it is known to differ from this run's in RL
+    settings only and to have stopped at step 0."""
+    where = cfg.start_from
+    try:
+        with open(os.path.join(where, "config.json")) as f:
+            saved = type(cfg)(**json.load(f))
+        state = torch.load(os.path.join(where, "ckpt", "state.pt"), weights_only=False)
+    except FileNotFoundError:
+        raise SystemExit(f"--start_from {where}: no run with a checkpoint there (train it with --steps 0)") from None
+    except (json.JSONDecodeError, TypeError, RuntimeError, EOFError) as e:
+        raise SystemExit(f"--start_from {where}: its run cannot be read ({type(e).__name__})") from None
+    if state["step"] != 0:
+        raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
+                         "(train the start with --steps 0)")
+    for f in dataclasses.fields(cfg):
+        given, old = getattr(cfg, f.name), getattr(saved, f.name)
+        if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
+            raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's ({old}); "
+                             "only RL settings may differ")
+    if saved.sharing == "isolated" and cfg.sharing == "shared":
+        raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot become one "
+                         "shared adapter")
+    return dataclasses.asdict(saved)
+
+
+def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.Random) -> dict:
+    """--start_from: the start's adapters (a shared one copied into each role's), critics and
+    random number states; `saved`: its config (check_start). Returns its step-0 metrics."""
+    path = os.path.join(where, "ckpt")
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    for name in adapter_names(model):
+        source = name if saved["sharing"] == sharing or name in heads else "shared"
+        load_adapter_state(model, name, load_file(os.path.join(path, source, "adapter_model.safetensors")))
+    for name, head in heads.items():
+        head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
+    rank, world = rank_and_world()
+    if len(state["torch_rngs"]) != world:
+        raise SystemExit(f"--start_from {where}: saved by {len(state['torch_rngs'])} process(es), "
+                         f"not {world}")
+    torch.set_rng_state(state["torch_rngs"][rank])
+    if state.get("cuda_rngs") is not None:
+        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
+    rng.setstate(state["py_rng"])
+    return read_jsonl(os.path.join(where, "metrics.jsonl"))[0]
+
+
+# ----------------------------------------------------------------------------
+# The machine: processes (joining, exchanging a step's episodes and statistics), threads, memory
+
+
+def join_processes(device: str) -> str:
+    """This process's device; under torchrun (WORLD_SIZE > 1) also join the process group:
+    nccl and one GPU per local rank on CUDA, gloo on CPU."""
+    cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return ("cuda" if cuda else "cpu") if device == "auto" else device
+    if cuda:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return device if cuda else "cpu"
+
+
+def leave_processes() -> None:
+    """Under torchrun, leave the process group once every process is done with it (gloo aborts
+    a process whose group is torn down while another still uses it); in one process, nothing."""
+    if rank_and_world()[1] > 1:
+        barrier()
+        dist.destroy_process_group()
+
+
+def gather_episodes(calls: list[Call], outcomes, rewards: list[float], problem_of: list[int]):
+    """Every process's episodes, in rank order, episodes numbered across the processes
+    (the lists themselves in one process)."""
+    offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
+    for c in calls:
+        c.episode += offset
+    return gather_lists(calls), gather_lists(outcomes), gather_lists(rewards), gather_lists(problem_of)
+
+
+def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The update statistics of every process, each key's lists joined."""
+    joined = defaultdict(list)
+    for part in gather_lists([dict(stats)]):
+        for k, v in part.items():
+            joined[k] += v
+    return joined
+
+
+def running_threads() -> int:
+    """Threads running or runnable on the machine right now, this one included (Linux)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return 1 << 30  # unknown: the load average alone decides
+
+
+def pick_threads(requested: int, own_load: float) -> int:
+    """Torch's CPU threads: --threads, else the cores this process may use less what other
+    processes keep busy. Those are the 1-minute load average minus this process's own share,
+    or the threads running right now besides this one when fewer (the average trails a
+    program that just stopped). Threads of one matmul wait for each other, so a thread
+    whose core is taken stalls them all."""
+    if requested:
+        return requested
+    cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    others = max(0.0, min(os.getloadavg()[0] - own_load, running_threads() - 1))
+    return max(1, min(cores, round(cores - others)))
+
+
+def pick_threads_again(requested: int, t0: float, cpu_before: float) -> float:
+    """The threads of the next step: this process's own load is its CPU time over the wall time
+    of the step that began at t0. Returns the CPU time now, where the next step's load starts."""
+    own_load = (time.process_time() - cpu_before) / (time.time() - t0)
+    torch.set_num_threads(pick_threads(requested, own_load))
+    return time.process_time()
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU.
+    Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
+    started from it (diagnose.py --reproduce, bench.py), VmHWM starts afresh."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------
+# The clock: what the run will do, and the time it has left
+
+
+def eval_steps(cfg: RunConfig) -> list[int]:
+    """The steps after which the workflow is evaluated (step 0 = before training)."""
+    return [0] + [s for s in range(1, cfg.steps + 1) if (cfg.eval_every and s % cfg.eval_every == 0)
+                  or s == cfg.steps]
+
+
+def plan(cfg: RunConfig, device: str) -> str:
+    """The first line of a run: what it will do."""
+    evals = ", ".join(map(str, eval_steps(cfg)))
+    threads = torch.get_num_threads()
+    adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
+    return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
+            f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
+            f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; greedy "
+            f"evaluation on {cfg.eval_problems} held-out problems at steps {evals}; a checkpoint every "
+            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
+            "Time: estimated after the step-0 evaluation.")
+
+
+def estimate_minutes(cfg: RunConfig, eval_seconds: float, step_seconds: list[float],
+                     step: int) -> float:
+    """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
+    evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
+    plus the evaluations still to come."""
+    per_episode = eval_seconds / cfg.eval_problems
+    step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
+                 else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
+    evals_left = sum(1 for s in eval_steps(cfg) if s > step)
+    return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
+
+
+def step_line(cfg: RunConfig, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
+    """A training step's log line: its reward and seconds, its accuracy when it was evaluated,
+    and the time left; `eval_seconds`: the last evaluation's."""
+    step = row["step"]
+    line = f"step {step}/{cfg.steps} | reward {row['reward/mean']:.3f} | {row['time/step']:.1f}s"
+    if "eval/accuracy" in row:
+        line += f" | eval/accuracy {row['eval/accuracy']:.3f}"
+    if step < cfg.steps:
+        line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
+    return line
