@@ -229,6 +229,7 @@ class Call:
     text: str                # completion decoded without special tokens
     problem: str = ""        # id of the episode's problem, set by the trainer
     reward: float = 0.0      # the episode's outcome, broadcast to every call
+    solved: float | None = None  # a solving call's own answer, scored as a final answer would be
     advantage: float = 0.0
     old_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,)
     rollout_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,) as sampled;

@@ -61,7 +61,8 @@ from runs import (check_run_dir, check_start, episode_samples, estimate_minutes,
                   pick_threads, pick_threads_again, plan, resolve_resume, resume_run, save_checkpoint,
                   start_logs, start_run_dir, step_line, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
-from workflows import ROLES, WORKFLOWS, adherence, contract_replies, role_of, run_workflow, similarity, slots
+from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, parse_verdict, role_of,
+                       run_workflow, similarity, slots)
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
@@ -253,10 +254,15 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
     for call in rollout.calls:
         call.problem = problems[call.episode].id
         call.reward = rewards[call.episode]  # the final outcome, broadcast to every call
+    if problems[0].kind == "math":  # each solving call's own answer: what the later roles did to it
+        solvers = [c for c in rollout.calls if c.role in SOLVERS]
+        for c, r in zip(solvers, score_batch([problems[c.episode] for c in solvers], [c.text for c in solvers],
+                                             strict=cfg.strict_answer)):
+            c.solved = r
     return rollout, outcomes, rewards
 
 
-def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> float:
+def evaluate(model, tok, cfg: Config, problems, batch: int = 96) -> float:
     """Held-out accuracy of the whole workflow, greedy decoding (under torchrun, each process
     runs its block of the problems)."""
     mine = [problems[i] for i in block(len(problems))]
@@ -295,6 +301,14 @@ def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: in
             m[f"{key}/{name}/len"] = tokens / len(cs)
             m[f"{key}/{name}/calls"] = len(cs)
             m[f"{key}/{name}/token_share"] = tokens / all_tokens
+            solved = [c.solved for c in cs if c.solved is not None]
+            if solved:
+                m[f"{key}/{name}/solved"] = sum(solved) / len(solved)
+    judged = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
+    verdicts = [parse_verdict(c.text)[0] == (judged[c.episode, c.turn - 1] == 1.0)
+                for c in calls if c.role == "evaluator" and (c.episode, c.turn - 1) in judged]
+    if verdicts:  # does the evaluator's verdict match the verifier on the solution it read?
+        m["role/evaluator/verdict_acc"] = sum(verdicts) / len(verdicts)
     # role capture shows in outputs: contract adherence, and likeness to the other roles
     texts = defaultdict(list)
     for c in calls:
