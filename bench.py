@@ -21,6 +21,12 @@ of them. Sections:
              its metrics.jsonl logs it: rollout, old log-probs, update, evaluation
   sharing    one Voting rollout (2 episodes of one problem), then its update under
              one shared adapter and under one adapter per role type, alternating
+  throughput what the machine allows and how near each part runs to it: the peak of a
+             large matrix product in fp32 and bf16, memory bandwidth from a large
+             copy; then tokens/s of one generator stage by batch size and dtype (the
+             base model's own generate), and of the update's forward + backward, each
+             with its arithmetic rate (2 x parameters FLOP per generated token, 6 x
+             per trained token) against the peak
 
 Memory is the peak over each part: the allocator's on CUDA, the process's resident
 set on CPU (reset between parts through /proc/self/clear_refs where Linux allows).
@@ -41,8 +47,9 @@ import torch
 from grpo import UpdateSettings, policy_update, set_old_logprobs
 from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
 from reward import DEFAULT_LEVEL, load_task
-from rollout import Rollout, chat_text, load_policy
-from train import Config, peak_memory_mb, pick_threads
+from rollout import Rollout, chat_text, cpu_has_bf16, load_policy, resolve_dtype
+from runs import peak_memory_mb, pick_threads
+from train import Config
 from workflows import chat, run_workflow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -270,6 +277,79 @@ def step_parts(row: dict) -> dict:
             "eval": row.get("time/eval", 0.0), "peak_mb": row["mem/peak_mb"]}
 
 
+def machine_limits(device: str, repeats: int) -> dict:
+    """Peak GFLOP/s of a 2048 x 2048 matrix product in fp32 and bf16, and GB/s of copying
+    256 MiB (read once, written once)."""
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = (torch.randn(2048, 2048, device=device).to(dtype) for _ in range(2))
+        r = alternate(device, {name: lambda: a @ b}, repeats, [lambda: a @ b])
+        out[f"matmul_{name}_gflops"] = 2 * 2048 ** 3 / r[name]["seconds"] / 1e9
+    src = torch.empty(2 ** 26, device=device)  # 256 MiB of fp32
+    dst = torch.empty_like(src)
+    r = alternate(device, {"copy": lambda: dst.copy_(src)}, repeats, [lambda: dst.copy_(src)])
+    out["copy_gbs"] = 2 * src.numel() * 4 / r["copy"]["seconds"] / 1e9
+    return out
+
+
+def throughput(args, device: str, questions: list[str], cfg: Config, batches: list[int]) -> dict:
+    """Tokens/s of one generator stage by batch size and dtype, and of the update's forward and
+    backward, alternating the dtypes; bf16 only where the device computes in it natively."""
+    dtypes = ["fp32", "bf16"] if device.startswith("cuda") or cpu_has_bf16() else ["fp32"]
+    models = {}
+    for d in dtypes:
+        model, tok = load_policy(args.model, device, d)
+        inject_lora(model, cfg.lora_r, cfg.lora_alpha)
+        add_adapter(model, "shared")
+        models[d] = model
+    n_params = sum(p.numel() for n, p in models["fp32"].named_parameters() if "lora_" not in n)
+    T, fig = cfg.max_new_tokens or 48, {"params": n_params, "dtypes": dtypes, "generate": {}}
+    for B in batches:
+        chats = [chat("math", "generator", question=questions[i % len(questions)]) for i in range(B)]
+        runs = {d: (lambda m=models[d]: raw_generate(m, tok, chats, T, cfg.temperature, cfg.seed)) for d in dtypes}
+        r = alternate(device, runs, args.repeats, [lambda m=models[d]: raw_generate(m, tok, chats[:2], 4, 1.0, 0)
+                                                   for d in dtypes])
+        fig["generate"][B] = {d: B * T / r[d]["seconds"] for d in dtypes}
+    calls = rollout_stage(models["fp32"], tok, chats[:16], T, cfg.temperature, cfg.seed, merge=True)
+    for i, c in enumerate(calls):
+        c.advantage = 1.0 if i % 2 else -1.0
+    trained = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)  # every position's forward
+    settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=len(calls),
+                              micro_batch_tokens=cfg.micro_batch_tokens)
+    runs = {}
+    for d in dtypes:
+        params = adapter_parameters(models[d], "shared")
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)
+        frozen = torch.optim.SGD(params, lr=0.0)
+        runs[d] = (lambda m=models[d], o=frozen: policy_update(m, "shared", calls, o, random.Random(0),
+                                                                tok.pad_token_id, settings, per_slot=False))
+    r = alternate(device, runs, args.repeats, [])
+    fig["update"] = {d: trained / r[d]["seconds"] for d in dtypes}
+    fig["update_positions"] = trained
+    return fig
+
+
+def throughput_lines(fig: dict) -> list[str]:
+    lim, t = fig["limits"], fig["throughput"]
+    peak = {d: lim[f"matmul_{d}_gflops"] for d in ("fp32", "bf16")}
+    gflop = {"generate": 2 * t["params"] / 1e9, "update": 6 * t["params"] / 1e9}  # per token
+    lines = ["", f"throughput against the machine: a 2048^3 matmul peaks at {peak['fp32']:.0f} GFLOP/s fp32, "
+             f"{peak['bf16']:.0f} bf16; copying 256 MiB runs at {lim['copy_gbs']:.1f} GB/s",
+             f"  generate, one generator stage ({fig['new_tokens']} new tokens), tokens/s "
+             f"(GFLOP/s at {gflop['generate']:.2f} GFLOP a token, % of the dtype's peak):"]
+    for B, row in t["generate"].items():
+        cells = [f"{d} {v:6.1f} ({v * gflop['generate']:5.1f}, {100 * v * gflop['generate'] / peak[d]:4.1f}%)"
+                 for d, v in row.items()]
+        lines.append(f"    batch {int(B):4d}: " + " | ".join(cells))
+    cells = [f"{d} {v:6.1f} ({v * gflop['update']:5.1f}, {100 * v * gflop['update'] / peak[d]:4.1f}%)"
+             for d, v in t["update"].items()]
+    lines.append(f"  update, forward + backward over {t['update_positions']} positions of 16 calls, "
+                 "positions/s: " + " | ".join(cells))
+    return lines
+
+
 # ----------------------------------------------------------------------------
 # The table
 
@@ -307,6 +387,8 @@ def report(fig: dict, device_name: str) -> str:
             lines.append(f"  {name:10s}{v[name]['seconds']:9.2f}{v[name]['peak_mb']:10.0f}{v['adapters'][name]:10d}")
         lines.append(f"  isolated / shared update time {v['update_ratio']:.2f}; each adapter holds "
                      f"{v['adapter_state_mb']:.1f} MiB (weights, gradient, AdamW's two moments)")
+    if "throughput" in fig:
+        lines += throughput_lines(fig)
     return "\n".join(lines)
 
 
@@ -317,7 +399,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=4, help="timed runs of each alternating part")
     p.add_argument("--problems", type=int, default=4, help="problems of the stage (x 4 episodes each)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = chosen as train.py does")
-    p.add_argument("--skip", default="", help="comma-separated parts to leave out: step, sharing")
+    p.add_argument("--dtype", default="auto", help="base weights of the first parts: auto, fp32 or bf16 "
+                   "(as train.py's --dtype; the throughput part measures both)")
+    p.add_argument("--batches", default="16,32,64", help="batch sizes of the throughput part")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out: step, sharing, "
+                   "throughput")
     p.add_argument("--json", default="", help="also write every figure to this file")
     return p
 
@@ -327,21 +413,22 @@ def main(argv: list[str] | None = None) -> dict:
     if args.repeats < 1 or args.problems < 1:
         raise SystemExit("bench: --repeats and --problems must be at least 1")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    if skip - {"step", "sharing"}:
-        raise SystemExit(f"bench: --skip {','.join(sorted(skip - {'step', 'sharing'}))}: "
-                         "choose from step, sharing")
+    parts = {"step", "sharing", "throughput"}
+    if skip - parts:
+        raise SystemExit(f"bench: --skip {','.join(sorted(skip - parts))}: choose from step, sharing, throughput")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     args.device = device
     threads = pick_threads(args.threads, own_load=0.0)
     torch.set_num_threads(threads)
     cfg = Config(model=args.model)
-    model, tok = load_policy(args.model, device)
+    resolve_dtype(args.dtype, device, args.model)  # a bad --dtype stops before any model loads
+    model, tok = load_policy(args.model, device, args.dtype)
     inject_lora(model, cfg.lora_r, cfg.lora_alpha)
     add_adapter(model, "shared")  # fresh: an exact no-op, so every variant writes the same tokens
     pool = load_task(cfg.task, "train", cfg.train_problems, DEFAULT_LEVEL, cfg.seed)
     chats = [chat("math", "generator", question=pool[i].question)
              for i in range(args.problems) for _ in range(cfg.group_size)]
-    fig = {"model": args.model, "device": device, "threads": threads, "repeats": args.repeats,
+    fig = {"model": args.model, "device": device, "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
            "rows": len(chats), "new_tokens": cfg.max_new_tokens or 48}
     print(f"bench: generate ({3 * (args.repeats + 1)} stages) ...", file=sys.stderr)
     g = generation(model, tok, device, chats, cfg, args.repeats)
@@ -357,10 +444,15 @@ def main(argv: list[str] | None = None) -> dict:
             fig["step_eval_problems"] = 2
             fig["step_flags"] = ["--steps", "1", "--eval_problems", "2"]
             fig["step"] = step_parts(train_step(args, threads, os.path.join(tmp, "step"),
-                                                ["--eval_problems", "2"]))
+                                                ["--eval_problems", "2", "--dtype", args.dtype]))
     if "sharing" not in skip:
         print("bench: Voting, shared vs isolated ...", file=sys.stderr)
         fig["sharing"] = sharing(model, tok, device, [pool[0].question] * 2, cfg, args.repeats)
+    if "throughput" not in skip:
+        print("bench: throughput against the machine's limits ...", file=sys.stderr)
+        fig["limits"] = machine_limits(device, args.repeats)
+        batches = [int(b) for b in args.batches.split(",")]
+        fig["throughput"] = throughput(args, device, [p.question for p in pool[:max(batches)]], cfg, batches)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     print(report(fig, name))
     if args.json:

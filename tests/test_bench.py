@@ -20,12 +20,16 @@ def test_bench_runs_and_its_rollout_writes_the_raw_generate_tokens(tmp_path, cap
     assert fig["update"]["update"]["tokens_per_s"] > 0
     assert set(fig["step"]) == {"rollout", "old_logp", "update", "eval", "peak_mb"}
     assert fig["sharing"]["adapters"] == {"shared": 1, "isolated": 2}
+    assert fig["limits"]["matmul_fp32_gflops"] > 0 and fig["limits"]["copy_gbs"] > 0
+    t = fig["throughput"]
+    assert set(t["generate"]) == {"16", "32", "64"} and all(v > 0 for row in t["generate"].values() for v in row.values())
+    assert set(t["update"]) == set(t["dtypes"]) and "fp32" in t["dtypes"]
     table = capsys.readouterr().out
-    assert "rollout, adapter merged" in table and "isolated / shared" in table
+    assert "rollout, adapter merged" in table and "isolated / shared" in table and "peaks at" in table
 
 
 def test_bench_refuses_an_unknown_part_before_loading_a_model():
-    with pytest.raises(SystemExit, match="--skip steps: choose from step, sharing"):
+    with pytest.raises(SystemExit, match="--skip steps: choose from step, sharing, throughput"):
         bench.main(["--model", "no-such-model", "--skip", "steps"])
 
 
