@@ -62,7 +62,8 @@ class Demo:
 # isolated cells. Neither shows its mechanism at this scale; docs/mechanisms.md gives
 # the seeds, the sweeps and what it would take.
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
-              "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16")
+              "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16",
+              "--no-one_step")  # the paper's mini-batch steps: more steps for a role with more slots
 DEMOS = {
     "amplification": Demo(
         "gradient amplification", DEMO_FLAGS,

@@ -85,7 +85,7 @@ def load_policy(name: str, device: str = "cpu", dtype: str = "auto"):
     weights in the dtype that `resolve_dtype` picks."""
     weights = resolve_dtype(dtype, device, name)
     if name == "smollm2":
-        model, tok = _load_smollm2()
+        model, tok = _load_smollm2(weights)
     elif name == "tiny":
         model, tok = tiny_model()
     else:
@@ -99,7 +99,7 @@ def load_policy(name: str, device: str = "cpu", dtype: str = "auto"):
     return model.to(device=device, dtype=weights).eval(), tok
 
 
-def _load_smollm2():
+def _load_smollm2(dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache = os.path.join(user_cache_dir("marl-workflows"), "smollm2-135m-instruct")
@@ -134,7 +134,8 @@ def _load_smollm2():
             if not os.path.exists(os.path.join(cache, "config.json")):
                 raise SystemExit(f"model smollm2: {cache} holds no complete model; "
                                  "remove it and run again") from None
-    return (AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32),
+    # loaded in its final dtype: a float32 copy on the way to bf16 would raise the peak memory
+    return (AutoModelForCausalLM.from_pretrained(cache, dtype=dtype),
             AutoTokenizer.from_pretrained(cache))
 
 

@@ -14,11 +14,11 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   4. group-relative advantages per (problem, slot, workflow step) (grpo.py),
      or with --algo maac the critics' values and GAE (critic.py);
   5. old log-probs: the first mini-batch's own, a separate pass for the later ones;
-  6. update: under shared sharing one update of the shared adapter over all
-     calls; under isolated sharing role by role, each role's calls split into
-     mini-batches of a fixed size, so a role with three slots takes about three
-     times as many optimizer steps (as in the paper); --balance, --one_step,
-     --damping and --role_kl are Paper A's mitigations (README, diagnose.py);
+  6. update, adapter by adapter (one shared adapter, or one per role type): one
+     optimizer step over all of its calls with a gradient (--one_step, the default);
+     with --no-one_step, as in the paper, one step per mini-batch of a fixed size,
+     so a role with three slots takes three times the steps; --balance, --damping
+     and --role_kl are Paper A's mitigations (README, diagnose.py);
   7. maac only: one pass of each critic over its inputs (value loss);
   8. log; evaluate the whole workflow greedily on held-out problems every
      `eval_every` steps; checkpoint.
@@ -30,9 +30,9 @@ split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
 The run on disk, the machine and the clock are runs.py's.
 
-Departures from the paper: the defaults fit a 2-core CPU in about 13 minutes,
-19 next to one busy program (a 135M model, 12 steps of 4 x 4 episodes, 48 new
-tokens, rank 16, and a learning rate of 5e-4 instead of 2e-5).
+Departures from the paper: the defaults fit a 2-core CPU in about 10 minutes
+(a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, one
+optimizer step per adapter and step, and a learning rate of 5e-4 instead of 2e-5).
 """
 import argparse
 import dataclasses
@@ -95,8 +95,8 @@ class Config:
     n_agents: int = arg(3, "generators in voting, workers in orch_workers", bounds="[1, inf)")
     max_rounds: int = arg(2, "eval_opt: most generator turns per episode", bounds="[1, inf)")
     # rollout
-    steps: int = arg(12, "training steps", bounds="[0, inf)")
-    problems_per_step: int = arg(4, "B: distinct problems per step", bounds="[1, inf)")
+    steps: int = arg(10, "training steps", bounds="[0, inf)")
+    problems_per_step: int = arg(8, "B: distinct problems per step", bounds="[1, inf)")
     group_size: int = arg(4, "G: episodes per problem (the GRPO group)", bounds="[1, inf)")
     max_new_tokens: int = arg(0, "completion length limit of every call; 0 = chosen by the task's "
                               "kind: 48 tokens for math, 320 for code (room for a whole function)",
@@ -117,7 +117,11 @@ class Config:
                          "roles the warm-up teaches, of those the workflow has")
     weight_decay: float = arg(0.0, "AdamW weight decay", bounds="[0, inf)")
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
-    minibatch_size: int = arg(16, "calls per optimizer step", bounds="[1, inf)")
+    one_step: bool = arg(True, "one optimizer step per adapter per training step over all of its "
+                         "calls (the gradient of the whole batch); --no-one_step: one step per "
+                         "--minibatch_size calls, as the paper (a role with three slots then takes "
+                         "three times the steps: Paper A's amplification)")
+    minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step", bounds="[1, inf)")
     micro_batch_tokens: int = arg(1024, "padded tokens per forward pass (memory only; same gradient)",
                                   bounds="[1, inf)")
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
@@ -132,8 +136,6 @@ class Config:
     balance: str = arg("none", "loss weight of each role: none; role = every role weighs the same "
                        "(role capture, shared); multiplicity = 1/N for N same-role slots "
                        "(amplification, isolated)", BALANCE)
-    one_step: bool = arg(False, "one optimizer step per adapter per training step, whatever its "
-                         "number of calls (isolated: one per role)")
     damping: float = arg(0.0, "coherence damping: scale each step by 1 - damping * max(0, "
                          "cos(g, EMA(g))); 0 = off", bounds="[0, 1]")
     role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
@@ -160,11 +162,12 @@ class Config:
     lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r", bounds="(0, inf)")
     lora_targets: str = arg(",".join(DEFAULT_TARGETS), "comma-separated names of the linear layers to adapt")
     # evaluation, logging, checkpoints
-    eval_every: int = arg(6, "evaluate every E steps, and before and after training (0: only "
+    eval_every: int = arg(0, "evaluate every E steps, and before and after training (0: only "
                           "before and after)", bounds="[0, inf)")
     diag_every: int = arg(1, "per-slot gradients (kappa, shares), entropy and output similarity "
                           "every k steps (0: never)", bounds="[0, inf)")
-    eval_problems: int = arg(48, "held-out problems per evaluation", bounds="[1, inf)")
+    eval_problems: int = arg(96, "held-out problems per evaluation (96: a standard error near 0.05)",
+                             bounds="[1, inf)")
     train_problems: int = arg(256, "size of the training pool", bounds="[1, inf)")
     log_samples: int = arg(2, "episodes per step written to samples.jsonl", bounds="[0, inf)")
     save_every: int = arg(1, "checkpoint every k steps (and at the end): a killed run loses at "
