@@ -265,16 +265,26 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
     return rollout, outcomes, rewards
 
 
-def evaluate(model, tok, cfg: Config, problems, batch: int = 96) -> float:
+def evaluate(model, tok, cfg: Config, problems, batch: int = 96) -> dict[str, float]:
     """Held-out accuracy of the whole workflow, greedy decoding (under torchrun, each process
-    runs its block of the problems)."""
+    runs its block of the problems); on math tasks also `eval/first_answer`, the accuracy of
+    each episode's first solving call alone: what the rest of the workflow adds to it."""
     mine = [problems[i] for i in block(len(problems))]
-    rewards = []
+    rewards, firsts = [], []
     for i in range(0, len(mine), batch):
         label = f"eval problems {i + 1}-{min(i + batch, len(mine))}/{len(mine)}"
-        rewards += rollout_step(model, tok, cfg, mine[i:i + batch], greedy=True, label=label)[2]
-    rewards = gather_lists(rewards)
-    return sum(rewards) / len(rewards)
+        rollout, _, r = rollout_step(model, tok, cfg, mine[i:i + batch], greedy=True, label=label)
+        rewards += r
+        first = {}  # episode -> its first solving call (calls are recorded stage by stage)
+        for c in rollout.calls:
+            if c.solved is not None:
+                first.setdefault(c.episode, c.solved)
+        firsts += list(first.values())
+    rewards, firsts = gather_lists(rewards), gather_lists(firsts)
+    m = {"eval/accuracy": sum(rewards) / len(rewards)}
+    if firsts:
+        m["eval/first_answer"] = sum(firsts) / len(firsts)
+    return m
 
 
 def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
@@ -547,11 +557,11 @@ def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads,
     else:
         log(f"evaluating on {len(test_set)} held-out problems ...")
         t_eval = time.time()
-        acc = evaluate(model, tok, cfg, test_set)
+        scores = evaluate(model, tok, cfg, test_set)
         eval_seconds = time.time() - t_eval
-        log(f"step 0/{cfg.steps} | eval/accuracy {acc:.3f} | {eval_seconds:.0f}s | "
+        log(f"step 0/{cfg.steps} | eval/accuracy {scores['eval/accuracy']:.3f} | {eval_seconds:.0f}s | "
             f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
-        first = {"step": 0, "eval/accuracy": acc, **first, "time/eval": eval_seconds}
+        first = {"step": 0, **scores, **first, "time/eval": eval_seconds}
     start_logs(cfg.out, first)
     save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
     return 0, first, first
@@ -638,8 +648,8 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         step_seconds.append(time.time() - t0)
         if step in eval_steps(cfg):
             t_eval = time.time()
-            acc = evaluate(model, tok, cfg, test_set)
-            m["time/eval"], m["eval/accuracy"] = time.time() - t_eval, acc
+            m.update(evaluate(model, tok, cfg, test_set))
+            m["time/eval"] = time.time() - t_eval
             last = m
         m["time/step"] = time.time() - t0
         m["mem/peak_mb"] = max(gather_lists([peak_memory_mb(device)]))  # the largest process's
