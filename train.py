@@ -265,7 +265,7 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
     return rollout, outcomes, rewards
 
 
-def evaluate(model, tok, cfg: Config, problems, batch: int = 96) -> dict[str, float]:
+def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> dict[str, float]:
     """Held-out accuracy of the whole workflow, greedy decoding (under torchrun, each process
     runs its block of the problems); on math tasks also `eval/first_answer`, the accuracy of
     each episode's first solving call alone: what the rest of the workflow adds to it."""

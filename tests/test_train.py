@@ -51,7 +51,8 @@ def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp
     assert "before" in res.stdout and "after" in res.stdout
     assert json.load(open(f"{out}/config.json"))["workflow"] == workflow
     first, last = read_jsonl(f"{out}/metrics.jsonl")
-    assert without_machine_stats([first]) == [{"step": 0, "eval/accuracy": first["eval/accuracy"]}]
+    assert without_machine_stats([first]) == [{"step": 0, "eval/accuracy": first["eval/accuracy"],
+                                               "eval/first_answer": first["eval/first_answer"]}]
     assert last["step"] == 1 and 0 <= last["reward/mean"] <= 1 and "eval/accuracy" in last
     for role in ROLES[workflow]:
         assert f"role/{role}/reward" in last and f"role/{role}/len" in last
