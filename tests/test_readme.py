@@ -41,8 +41,8 @@ def readme_commands(pages: list[str] = PAGES[:1]) -> list[list[str]]:
     for line in lines:
         for part in line.split("&&"):
             words = shlex.split(part, comments=True)
-            while words and "=" in words[0]:  # an environment assignment before the command
-                words = words[1:]
+            while words and ("=" in words[0] or words[0] in ("time", "/usr/bin/time")):
+                words = words[1:]  # an environment assignment or a timer before the command
             if words[:1] == [".venv/bin/python"] and words[1:2] != ["-m"] and words[1:] not in commands:
                 commands.append(words[1:])  # a second mention of a command means the same run
     return commands
