@@ -1,6 +1,5 @@
-"""A run on disk and on its machine: its directory, config.json, the metrics and samples
-logs, checkpoints, --resume and --start_from; the processes, threads and memory it runs on,
-and the time it has left.
+"""A run on disk: its directory, config.json, the metrics and samples logs, checkpoints,
+--resume and --start_from; and the time it has left (the machine it runs on: machine.py).
 
     python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, ckpt/
     python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
@@ -16,11 +15,8 @@ Under torchrun every process keeps its own sampling state in the checkpoint, and
 rank 0 writes. The run's settings are train.py's `Config`; this file reads them field by
 field (dataclasses.fields) and never needs to import train.py.
 
-The machine: under torchrun (WORLD_SIZE > 1) a process joins the process group; torch's CPU
-threads are the cores that other programs leave free (a thread whose core is taken stalls
-the others of its matrix product), chosen again after every step; the peak memory logged is
-the accelerator's or the process's own. The clock: the run's first log line says what it
-will do, and every step line estimates the time left.
+The clock: the run's first log line says what it will do, and every step line estimates the
+time left.
 
 Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs), tests/test_distributed.py
 """
@@ -28,11 +24,7 @@ import dataclasses
 import json
 import os
 import random
-import re
-import resource
 import shutil
-import time
-from collections import defaultdict
 from typing import TypeVar
 
 import torch
@@ -359,22 +351,7 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
 
 
 # ----------------------------------------------------------------------------
-# The machine: processes (joining, exchanging a step's episodes and statistics), threads, memory
-
-
-def join_processes(device: str) -> str:
-    """This process's device; under torchrun (WORLD_SIZE > 1) also join the process group:
-    nccl and one GPU per local rank on CUDA, gloo on CPU."""
-    cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return ("cuda" if cuda else "cpu") if device == "auto" else device
-    if cuda:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return device if cuda else "cpu"
+# The end of a run (joining processes, threads and memory: machine.py)
 
 
 def leave_processes() -> None:
@@ -383,67 +360,6 @@ def leave_processes() -> None:
     if rank_and_world()[1] > 1:
         barrier()
         dist.destroy_process_group()
-
-
-def gather_episodes(calls: list[Call], outcomes, rewards: list[float], problem_of: list[int]):
-    """Every process's episodes, in rank order, episodes numbered across the processes
-    (the lists themselves in one process)."""
-    offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
-    for c in calls:
-        c.episode += offset
-    return gather_lists(calls), gather_lists(outcomes), gather_lists(rewards), gather_lists(problem_of)
-
-
-def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
-    """The update statistics of every process, each key's lists joined."""
-    joined = defaultdict(list)
-    for part in gather_lists([dict(stats)]):
-        for k, v in part.items():
-            joined[k] += v
-    return joined
-
-
-def running_threads() -> int:
-    """Threads running or runnable on the machine right now, this one included (Linux)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return 1 << 30  # unknown: the load average alone decides
-
-
-def pick_threads(requested: int, own_load: float) -> int:
-    """Torch's CPU threads: --threads, else the cores this process may use less what other
-    processes keep busy. Those are the 1-minute load average minus this process's own share,
-    or the threads running right now besides this one when fewer (the average trails a
-    program that just stopped). Threads of one matmul wait for each other, so a thread
-    whose core is taken stalls them all."""
-    if requested:
-        return requested
-    cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
-    others = max(0.0, min(os.getloadavg()[0] - own_load, running_threads() - 1))
-    return max(1, min(cores, round(cores - others)))
-
-
-def pick_threads_again(requested: int, t0: float, cpu_before: float) -> float:
-    """The threads of the next step: this process's own load is its CPU time over the wall time
-    of the step that began at t0. Returns the CPU time now, where the next step's load starts."""
-    own_load = (time.process_time() - cpu_before) / (time.time() - t0)
-    torch.set_num_threads(pick_threads(requested, own_load))
-    return time.process_time()
-
-
-def peak_memory_mb(device: str) -> float:
-    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU.
-    Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
-    started from it (diagnose.py --reproduce, bench.py), VmHWM starts afresh."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
-    except (OSError, AttributeError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 # ----------------------------------------------------------------------------

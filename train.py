@@ -28,7 +28,7 @@ each process rolls out its block of the step's B problems, every process then
 holds all the episodes, and each mini-batch's forward and backward passes are
 split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
-The run on disk, the machine and the clock are runs.py's.
+The run on disk and the clock are runs.py's, the machine (processes, threads) machine.py's.
 
 Departures from the paper: the defaults fit a 2-core CPU in about 13 minutes,
 19 next to one busy program (a 135M model, 12 steps of 4 x 4 episodes, 48 new
@@ -54,12 +54,12 @@ from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_bat
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
                   use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
+from machine import gather_episodes, gather_stats, join_processes, peak_memory_mb, pick_threads, pick_threads_again
 from rollout import (DTYPES, Call, Rollout, block, gather_lists, load_policy, my_share, rank_and_world,
                      sequence_logprobs, sum_gradients)
-from runs import (check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
-                  gather_episodes, gather_stats, join_processes, leave_processes, load_start, peak_memory_mb,
-                  pick_threads, pick_threads_again, plan, resolve_resume, resume_run, save_checkpoint,
-                  start_logs, start_run_dir, step_line, typed_flags, write_step)
+from runs import (check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps, leave_processes,
+                  load_start, plan, resolve_resume, resume_run, save_checkpoint, start_logs, start_run_dir,
+                  step_line, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
 from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, parse_verdict, role_of,
                        run_workflow, similarity, slots)

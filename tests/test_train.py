@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import diagnose
+import machine
 import runs
 import train
 from conftest import ROOT
@@ -355,13 +356,13 @@ def test_threads_are_the_free_cores(monkeypatch):
     for load, own, running, threads in [(0.1, 0.0, 1, 2), (1.2, 0.0, 2, 1), (3.0, 2.0, 2, 1), (2.1, 2.0, 3, 2),
                                         (5.0, 0.5, 9, 1), (1.9, 0.0, 1, 2)]:  # the last: a program just ended
         monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
-        monkeypatch.setattr(runs, "running_threads", lambda: running)
-        assert runs.pick_threads(0, own_load=own) == threads, (load, own, running)
-    assert runs.pick_threads(3, own_load=0.0) == 3  # --threads wins
+        monkeypatch.setattr(machine, "running_threads", lambda: running)
+        assert machine.pick_threads(0, own_load=own) == threads, (load, own, running)
+    assert machine.pick_threads(3, own_load=0.0) == 3  # --threads wins
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert runs.pick_threads(0, own_load=0.0) == 1  # the cores this process may use
-    assert runs.running_threads() >= 1
+    assert machine.pick_threads(0, own_load=0.0) == 1  # the cores this process may use
+    assert machine.running_threads() >= 1
 
 
 
