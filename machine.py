@@ -27,9 +27,13 @@ from rollout import Call, gather_lists, rank_and_world
 
 
 def join_processes(device: str) -> str:
-    """This process's device; under torchrun (WORLD_SIZE > 1) also join the process group:
-    nccl and one GPU per local rank on CUDA, gloo on CPU."""
+    """This process's device (--device cuda without a usable GPU: a one-line error); under
+    torchrun (WORLD_SIZE > 1) also join the process group: nccl and one GPU per local rank on
+    CUDA, gloo on CPU."""
     cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise SystemExit(f"--device {device}: {why}; use --device cpu (or auto)")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return ("cuda" if cuda else "cpu") if device == "auto" else device
     if cuda:

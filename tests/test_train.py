@@ -571,3 +571,16 @@ def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path
     train.main(small_config(further, steps=1, sharing="isolated"))
     with pytest.raises(SystemExit, match="its checkpoint is at step 1, not 0"):
         train.main(small_config(str(tmp_path / "run"), start_from=further))
+
+
+# ----------------------------------------------------------------------------
+# Reliability: a device that is not there, one launch per run directory, steps that cannot be
+# applied, lengths that do not fit the model, signals
+
+
+def test_device_cuda_without_a_gpu_is_a_one_line_error_before_anything_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without one
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit, match=r"^--device cuda: .+; use --device cpu \(or auto\)$"):
+        train.main(small_config(out, device="cuda"))
+    assert not os.path.exists(out)
