@@ -1,5 +1,6 @@
-"""A run on disk: its directory, config.json, the metrics and samples logs, checkpoints,
---resume and --start_from; and the time it has left (the machine it runs on: machine.py).
+"""A run on disk: its directory and its lock, config.json, the metrics and samples logs,
+checkpoints, --resume and --start_from; and the time it has left (the machine it runs on:
+machine.py).
 
     python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, ckpt/
     python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
@@ -15,16 +16,20 @@ Under torchrun every process keeps its own sampling state in the checkpoint, and
 rank 0 writes. The run's settings are train.py's `Config`; this file reads them field by
 field (dataclasses.fields) and never needs to import train.py.
 
-The clock: the run's first log line says what it will do, and every step line estimates the
-time left.
+One launch at a time: a run holds its directory with an OS lock for its whole life, and a
+second launch on it stops at once. The clock: the run's first log line says what it will do,
+and every step line estimates the time left.
 
-Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs), tests/test_distributed.py
+Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs, the lock),
+tests/test_distributed.py
 """
 import dataclasses
+import fcntl
 import json
 import os
 import random
 import shutil
+import time
 from typing import TypeVar
 
 import torch
@@ -122,18 +127,57 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
 # The run directory
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "ckpt", "ckpt.tmp", "ckpt.old")
+LOCK = ".lock"  # in --out, kept by --overwrite: it is not one of the run's files
+held_locks: list[int] = []  # the lock file this process holds (one run at a time)
+
+
+def lock_run(out: str) -> None:
+    """Hold --out for the run's whole life, before anything in it is deleted or written: an OS
+    lock (flock) on out/.lock, which the kernel drops when the process ends, however it ends
+    (kill -9 leaves no stale lock). A second launch on the same directory stops here, naming
+    the holder's pid. Under torchrun rank 0 holds it, and every process stops alike."""
+    error = ""
+    if rank_and_world()[0] == 0:
+        unlock_run()  # this process's earlier run (an earlier train.main) is over
+        error = take_lock(out)
+    error = max(gather_lists([error]))
+    if error:
+        raise SystemExit(error)
+
+
+def take_lock(out: str) -> str:
+    """Make --out and flock its .lock for this process; returns why it cannot ("" when held)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--out {out} is a file, not a directory"
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        return f"--out {out}: cannot create a directory in {parent}"
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        time.sleep(0.1)  # the holder writes its pid just after it takes the lock
+        holder = os.read(fd, 32).decode().strip() or "unknown"
+        os.close(fd)
+        return f"--out {out} is in use by another run (pid {holder}); wait for it to end or stop it"
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    held_locks.append(fd)
+    return ""
+
+
+def unlock_run() -> None:
+    """Let the run directory go (closing the file drops its lock)."""
+    while held_locks:
+        os.close(held_locks.pop())
 
 
 def check_run_dir(out: str, overwrite: bool) -> list[str]:
     """The run files already in --out; a directory that holds a run is never overwritten
     implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise SystemExit(f"--out {out} is a file, not a directory")
-    parent = os.path.abspath(out)
-    while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise SystemExit(f"--out {out}: cannot create a directory in {parent}")
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if held and not overwrite:
         raise SystemExit(f"--out {out} already holds a run: add --resume to continue it, --overwrite "
@@ -351,12 +395,14 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
 
 
 # ----------------------------------------------------------------------------
-# The end of a run (joining processes, threads and memory: machine.py)
+# The end of a run: its directory let go, its process group left
 
 
 def leave_processes() -> None:
-    """Under torchrun, leave the process group once every process is done with it (gloo aborts
-    a process whose group is torn down while another still uses it); in one process, nothing."""
+    """The run is over: let its directory go, and under torchrun leave the process group once
+    every process is done with it (gloo aborts a process whose group is torn down while another
+    still uses it)."""
+    unlock_run()
     if rank_and_world()[1] > 1:
         barrier()
         dist.destroy_process_group()

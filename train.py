@@ -58,7 +58,7 @@ from machine import gather_episodes, gather_stats, join_processes, peak_memory_m
 from rollout import (DTYPES, Call, Rollout, block, gather_lists, load_policy, my_share, rank_and_world,
                      sequence_logprobs, sum_gradients)
 from runs import (check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps, leave_processes,
-                  load_start, plan, resolve_resume, resume_run, save_checkpoint, start_logs, start_run_dir,
+                  load_start, lock_run, plan, resolve_resume, resume_run, save_checkpoint, start_logs, start_run_dir,
                   step_line, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
 from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, parse_verdict, role_of,
@@ -496,9 +496,10 @@ def load_problems(cfg: Config, world: int) -> tuple[Config, list, list]:
 
 
 def launch(cfg: Config, device: str, rank: int):
-    """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. A new
-    run's directory is checked first and written only once the model has loaded, so a failed
-    launch leaves --out untouched."""
+    """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. The
+    run directory is locked first (runs.lock_run), a new run's is checked, and it is written only
+    once the model has loaded, so a failed launch leaves a run in --out as it was."""
+    lock_run(cfg.out)
     held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
     log(plan(cfg, device))
     model, tok = load_policy(cfg.model, device, cfg.dtype)

@@ -384,7 +384,7 @@ def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tm
     assert f"resuming {out} at step 2" in capsys.readouterr().out  # the newest whole checkpoint
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
     assert without_machine_stats(read_jsonl(f"{out}/metrics.jsonl")) == straight
-    assert sorted(os.listdir(out)) == ["ckpt", "config.json", "metrics.jsonl", "samples.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "ckpt", "config.json", "metrics.jsonl", "samples.jsonl"]
 
 
 def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_one(tmp_path, monkeypatch):
@@ -584,3 +584,35 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error_before_anything_loads(tmp
     with pytest.raises(SystemExit, match=r"^--device cuda: .+; use --device cpu \(or auto\)$"):
         train.main(small_config(out, device="cuda"))
     assert not os.path.exists(out)
+
+
+def directory_state(path: str) -> dict[str, bytes]:
+    found = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.relpath(os.path.join(root, name), path)] = f.read()
+    return found
+
+
+def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
+    """While another process holds the run (kill -9 releases it), every launch on it stops at
+    once, naming that process, and touches nothing: a new run, --overwrite, --resume."""
+    out = str(tmp_path / "run")
+    train.main(small_config(out, steps=1))
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, runs; runs.lock_run(sys.argv[1]); print('held', "
+                               "flush=True); sys.stdin.read()", out], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = directory_state(out)
+        for cfg in (small_config(out, steps=1), small_config(out, steps=2, overwrite=True),
+                    train.Config(out=out, resume=True)):
+            with pytest.raises(SystemExit, match=re.escape(f"--out {out} is in use by another run (pid {holder.pid});")):
+                train.main(cfg)
+        assert directory_state(out) == before
+    finally:
+        holder.kill()  # SIGKILL: no clean-up runs, the kernel drops the lock
+        holder.wait()
+    train.main(small_config(out, steps=2, overwrite=True))
+    assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2]
