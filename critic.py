@@ -357,15 +357,18 @@ def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, o
         for k, v in update_critic(model, heads[name], name, batch, optimizers[name], rows,
                                   pad_id, s).items():
             stats[f"critic/{k}"] += v
+    stats["critic/skipped_nonfinite"] = [sum(stats["critic/skipped_nonfinite"])]  # of all critics
     return stats
 
 
 def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
                   order: list[int], pad_id: int, s: CriticSettings) -> dict[str, list[float]]:
-    """One pass of critic `name` over the rows `order` of the batch."""
+    """One pass of critic `name` over the rows `order` of the batch. A mini-batch whose gradient
+    (after the sum across processes) is not finite is not applied, and counted."""
     params = optimizer.param_groups[0]["params"]
     ids, old_values, returns = batch.ids, batch.values, batch.returns
     stats = defaultdict(list)
+    nonfinite = 0
     for start in range(0, len(order), s.minibatch_size):
         mb = order[start:start + s.minibatch_size]
         optimizer.zero_grad(set_to_none=False)
@@ -379,8 +382,13 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
             (s.vf_coef * loss * len(micro) / len(mb)).backward()
             stats["value_loss"].append(st["value_loss"])
         sum_gradients(params)
-        stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, s.grad_clip).item())
+        total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+        if not torch.isfinite(total):  # a NaN or inf loss: the step would make the critic NaN
+            nonfinite += 1
+            continue
+        stats["grad_norm"].append(total.item())
         optimizer.step()
+    stats["skipped_nonfinite"].append(nonfinite)
     return stats
 
 

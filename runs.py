@@ -1,6 +1,6 @@
 """A run on disk: its directory and its lock, config.json, the metrics and samples logs,
-checkpoints, --resume and --start_from; and the time it has left (the machine it runs on:
-machine.py).
+checkpoints, --resume and --start_from; how it ends, early or not; and the time it has left
+(the machine it runs on: machine.py).
 
     python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, ckpt/
     python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
@@ -17,10 +17,12 @@ rank 0 writes. The run's settings are train.py's `Config`; this file reads them 
 field (dataclasses.fields) and never needs to import train.py.
 
 One launch at a time: a run holds its directory with an OS lock for its whole life, and a
-second launch on it stops at once. The clock: the run's first log line says what it will do,
-and every step line estimates the time left.
+second launch on it stops at once. A run ends early, with one line that says how to go on,
+after steps whose loss or gradient was not finite; the checkpoint it keeps is one that
+--resume continues, with a lower learning rate if need be. The clock: the run's first log
+line says what it will do, and every step line estimates the time left.
 
-Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs, the lock),
+Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs, the lock, stopping early),
 tests/test_distributed.py
 """
 import dataclasses
@@ -28,6 +30,7 @@ import fcntl
 import json
 import os
 import random
+import shlex
 import shutil
 import time
 from typing import TypeVar
@@ -269,8 +272,14 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
         raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
                          "start the run over with --overwrite") from None
     for k in optimizers:
+        lrs = [group["initial_lr"] for group in optimizers[k].param_groups]  # this launch's --lr
         optimizers[k].load_state_dict(state["optimizers"][k])
         schedulers[k].load_state_dict(state["schedulers"][k])
+        if lrs != schedulers[k].base_lrs:  # --resume --lr: the same schedule, scaled to the new peak
+            schedulers[k].base_lrs = lrs
+            for group, lr, factor in zip(optimizers[k].param_groups, lrs, schedulers[k].lr_lambdas):
+                group["initial_lr"], group["lr"] = lr, lr * factor(schedulers[k].last_epoch)
+            schedulers[k]._last_lr = [group["lr"] for group in optimizers[k].param_groups]
     torch_rngs = state["torch_rngs"] if "torch_rngs" in state else [state["torch_rng"]]  # older: one
     if len(torch_rngs) != world:
         raise SystemExit(f"--resume: {out} was saved by {len(torch_rngs)} process(es); resume it with "
@@ -290,6 +299,8 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
 
 # Flags that say where and how a run is executed, not what it is: --resume may change them.
 NOT_THE_RUN = ("out", "resume", "overwrite", "threads")
+# And the learning rates, from the step it resumes at on (a run stopped by non-finite steps).
+NEW_LR = ("lr", "critic_lr")
 
 
 def typed_flags(argv: list[str]) -> set[str]:
@@ -298,10 +309,10 @@ def typed_flags(argv: list[str]) -> set[str]:
     return {n[3:] if n.startswith("no-") else n for n in names}
 
 
-def resolve_resume(cfg: RunConfig, typed: set[str] | None = None) -> RunConfig:
+def resolve_resume(cfg: RunConfig, typed: set[str] | None = None, new_lr: tuple[str, ...] = NEW_LR) -> RunConfig:
     """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
-    was typed (`typed`, from the command line) or differs from its default. The run lives
-    wherever --out now points, however that path is spelled."""
+    was typed (`typed`, from the command line) or differs from its default, except the learning
+    rates in `new_lr`. The run lives wherever --out now points, however that path is spelled."""
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
         raise SystemExit(f"--resume: no run in {cfg.out}")
     try:
@@ -312,16 +323,19 @@ def resolve_resume(cfg: RunConfig, typed: set[str] | None = None) -> RunConfig:
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         chosen = f.name in typed if typed is not None else given != f.default
-        if f.name not in NOT_THE_RUN and chosen and given != old:
+        if f.name in new_lr and chosen:
+            saved = dataclasses.replace(saved, **{f.name: given})
+        elif f.name not in NOT_THE_RUN and chosen and given != old:
             raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
 
 
 def resume_run(out: str, model, references: dict[str, str], heads, optimizers: dict, schedulers: dict,
-               rng: random.Random, emas: dict) -> tuple[int, dict, dict]:
+               rng: random.Random, emas: dict, lrs: dict[str, float]) -> tuple[int, dict, dict]:
     """Load the newest checkpoint and cut the logs back to it; returns its step and the metrics
     rows of the first evaluation (step 0) and of the last one kept. `references`: adapter ->
-    its frozen KL anchor, which the checkpoint fills in."""
+    its frozen KL anchor, which the checkpoint fills in; `lrs`: the learning rates from now on
+    (NEW_LR), which config.json records."""
     for name, ref in references.items():
         freeze_copy(model, name, ref)
     start = load_checkpoint(out, model, heads, optimizers, schedulers, rng, emas)
@@ -329,6 +343,8 @@ def resume_run(out: str, model, references: dict[str, str], heads, optimizers: d
     if rank_and_world()[0] == 0:
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
+        with open(os.path.join(out, "config.json")) as f:
+            write_json(os.path.join(out, "config.json"), {**json.load(f), **lrs})
     barrier()
     evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
     if not evaluated or evaluated[0]["step"] != 0:
@@ -395,7 +411,10 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
 
 
 # ----------------------------------------------------------------------------
-# The end of a run: its directory let go, its process group left
+# The end of a run: its directory let go, its process group left; stopping early, after steps
+# that could not be applied
+
+NONFINITE_STOP = 3  # training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
 
 
 def leave_processes() -> None:
@@ -406,6 +425,18 @@ def leave_processes() -> None:
     if rank_and_world()[1] > 1:
         barrier()
         dist.destroy_process_group()
+
+
+def stop_run(out: str, step: int, saved: int) -> None:
+    """End the run after `step`, the NONFINITE_STOP-th in a row with a mini-batch not applied,
+    its checkpoint of step `saved` kept, with one line that says how to go on (exit status 1)."""
+    rank, world = rank_and_world()
+    launcher = f"torchrun --nproc_per_node {world}" if world > 1 else "python"
+    resume = f"{launcher} train.py --resume --out {shlex.quote(out)}"
+    leave_processes()
+    raise SystemExit(1 if rank else f"step {step}: {NONFINITE_STOP} steps in a row with a non-finite loss or "
+                     f"gradient (those mini-batches were not applied); the last good checkpoint is step {saved} "
+                     f"in {out}/ckpt; to go on from it with a lower learning rate: {resume} --lr <lower>")
 
 
 # ----------------------------------------------------------------------------

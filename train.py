@@ -57,9 +57,9 @@ from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
 from machine import gather_episodes, gather_stats, join_processes, peak_memory_mb, pick_threads, pick_threads_again
 from rollout import (DTYPES, Call, Rollout, block, gather_lists, load_policy, my_share, rank_and_world,
                      sequence_logprobs, sum_gradients)
-from runs import (check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps, leave_processes,
-                  load_start, lock_run, plan, resolve_resume, resume_run, save_checkpoint, start_logs, start_run_dir,
-                  step_line, typed_flags, write_step)
+from runs import (NEW_LR, NONFINITE_STOP, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
+                  leave_processes, load_start, lock_run, plan, resolve_resume, resume_run, save_checkpoint,
+                  start_logs, start_run_dir, step_line, stop_run, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
 from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, parse_verdict, role_of,
                        run_workflow, similarity, slots)
@@ -531,7 +531,8 @@ def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads,
     The KL anchors (`references`) are frozen copies of the policy RL starts from. Returns the
     step to go on from and the metrics rows of the first and of the last evaluation."""
     if cfg.resume:  # the checkpoint fills the anchors in
-        start, first, last = resume_run(cfg.out, model, references, heads, optimizers, schedulers, rng, emas)
+        start, first, last = resume_run(cfg.out, model, references, heads, optimizers, schedulers, rng, emas,
+                                        {k: getattr(cfg, k) for k in NEW_LR})
         log(f"resuming {cfg.out} at step {start}")
         return start, first, last
     if cfg.start_from:
@@ -591,6 +592,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
 
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
     cpu_before = time.process_time()
+    saved, nonfinite = start, 0  # the last checkpoint's step; steps in a row with a mini-batch not applied
     for step in tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps,
                      desc="train", file=sys.stderr, disable=None if rank == 0 else True):
         t0 = time.time()
@@ -619,13 +621,18 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
                                       update, per_slot=diag, ema=emas[name]).items():
                 stats[k] += v
             schedulers[name].step()
+            skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
             log(f"step {step} update | {name}: {len(live)} of {len(mine)} calls with signal, "
-                f"{time.time() - t_name:.0f}s")
+                f"{time.time() - t_name:.0f}s" + (f", {skipped} mini-batch(es) not applied: loss or "
+                                                   "gradient not finite" if skipped else ""))
         # 7. maac: the critics (their adapters are separate from the actors': order is free)
         if cfg.algo == "maac":
             stats.update(update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id, critics))
             for name in heads:
                 schedulers[name].step()
+            if stats["critic/skipped_nonfinite"][0]:
+                log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not applied: "
+                    "loss or gradient not finite")
         stats = gather_stats(stats)
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
@@ -645,8 +652,13 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         write_step(cfg.out, m, episode_samples(step, calls, outcomes, problems, rewards, cfg.group_size,
                                                cfg.log_samples))
         log(step_line(cfg, m, last.get("time/eval", 0.0), step_seconds))
-        if step % cfg.save_every == 0 or step == cfg.steps:
+        # a step with a mini-batch not applied writes no checkpoint: the last one is from before the trouble
+        nonfinite = nonfinite + 1 if any(v for k, v in m.items() if k.endswith("skipped_nonfinite")) else 0
+        if not nonfinite and (step % cfg.save_every == 0 or step == cfg.steps):
             save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng, emas)
+            saved = step
+        if nonfinite == NONFINITE_STOP:
+            stop_run(cfg.out, step, saved)
         cpu_before = pick_threads_again(cfg.threads, t0, cpu_before)  # for the next step
 
     before, after = first["eval/accuracy"], last["eval/accuracy"]

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import diagnose
+import grpo
 import machine
 import runs
 import train
@@ -173,8 +174,8 @@ def test_a_checkpoint_in_the_former_layout_resumes_exactly(tmp_path, monkeypatch
 def test_resume_rejects_a_contradicting_flag(tmp_path):
     out = str(tmp_path / "run")
     train.main(small_config(out, steps=1))
-    with pytest.raises(SystemExit, match="lr"):
-        train.main(train.Config(out=out, resume=True, lr=0.5))
+    with pytest.raises(SystemExit, match="--seed 5 differs from the run's config"):
+        train.main(train.Config(out=out, resume=True, seed=5))
     # typed, even when it is the default: this voting/isolated run is not eval_opt/shared
     argv = ["--out", out, "--resume", "--workflow", "eval_opt", "--sharing=shared"]
     assert runs.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
@@ -616,3 +617,30 @@ def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
         holder.wait()
     train.main(small_config(out, steps=2, overwrite=True))
     assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2]
+
+
+def test_non_finite_steps_are_not_applied_and_three_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
+    """Every mini-batch's loss is NaN: nothing is applied, each step says so, the third stops the
+    run with the checkpoint from before the trouble, and --resume --lr goes on from there."""
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    real = grpo.aggregate
+    monkeypatch.setattr(grpo, "aggregate", lambda *args, **kw: real(*args, **kw) * float("nan"))
+    out = str(tmp_path / "run")
+    stop = re.escape(f"step 3: 3 steps in a row with a non-finite loss or gradient (those mini-batches were not "
+                     f"applied); the last good checkpoint is step 0 in {out}/ckpt; to go on from it with a lower "
+                     f"learning rate: python train.py --resume --out {out} --lr <lower>")
+    with pytest.raises(SystemExit, match=stop):
+        train.main(small_config(out, kl_coef=0.1, save_every=1))  # the KL term: every call has a loss
+    assert re.search(r"step 1 update \| generator: 18 of 18 calls with signal, \d+s, 5 mini-batch\(es\) not applied: "
+                     "loss or gradient not finite", capsys.readouterr().out)
+    rows = read_jsonl(f"{out}/metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["adapter/generator/skipped_nonfinite"] == 5 and r["adapter/aggregator/skipped_nonfinite"] == 2
+               for r in rows[1:])
+    assert torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"] == 0
+    monkeypatch.setattr(grpo, "aggregate", real)
+    train.main(train.Config(out=out, resume=True, lr=1e-4))
+    rows = read_jsonl(f"{out}/metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[1]["lr"] == pytest.approx(1e-4)
+    assert not any(v for r in rows for k, v in r.items() if k.endswith("skipped_nonfinite"))
+    assert json.load(open(f"{out}/config.json"))["lr"] == 1e-4
