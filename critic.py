@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from lora import add_adapter, use_adapter
-from rollout import Call, my_share, sum_across, sum_gradients, token_batches
+from rollout import Call, left_pad, my_share, sum_across, sum_gradients, token_batches
 
 CRITICS = ("central", "decentral")
 PER = ("slot", "role")
@@ -85,17 +85,6 @@ def setup_critics(model: nn.Module, names: list[str]) -> nn.ModuleDict:
         add_adapter(model, name)
         heads[name] = ValueHead(model.config.hidden_size)
     return heads.to(model.device)
-
-
-def left_pad(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids (B, L) and attention_mask (B, L), padded on the left: the last column is real."""
-    L = max(len(ids) for ids in id_lists)
-    ids = torch.full((len(id_lists), L), pad_id, dtype=torch.long)
-    attn = torch.zeros(len(id_lists), L, dtype=torch.long)
-    for i, row in enumerate(id_lists):
-        ids[i, L - len(row):] = torch.tensor(row, dtype=torch.long)
-        attn[i, L - len(row):] = 1
-    return ids, attn
 
 
 def critic_values(model: nn.Module, head: ValueHead, adapter: str,

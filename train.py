@@ -55,14 +55,14 @@ from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy,
                   use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
 from machine import gather_episodes, gather_stats, join_processes, peak_memory_mb, pick_threads, pick_threads_again
-from rollout import (DTYPES, Call, Rollout, block, gather_lists, load_policy, my_share, rank_and_world,
-                     sequence_logprobs, sum_gradients)
+from rollout import (DTYPES, Call, Rollout, block, chat_text, context_length, gather_lists, load_policy, my_share,
+                     rank_and_world, sequence_logprobs, sum_gradients)
 from runs import (NEW_LR, NONFINITE_STOP, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
                   leave_processes, load_start, lock_run, plan, resolve_resume, resume_run, save_checkpoint,
                   start_logs, start_run_dir, step_line, stop_run, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
-from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, parse_verdict, role_of,
-                       run_workflow, similarity, slots)
+from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, every_prompt, parse_verdict,
+                       role_of, run_workflow, similarity, slots)
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
@@ -495,10 +495,10 @@ def load_problems(cfg: Config, world: int) -> tuple[Config, list, list]:
     return cfg, train_set, test_set
 
 
-def launch(cfg: Config, device: str, rank: int):
+def launch(cfg: Config, device: str, rank: int, problems: list):
     """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. The
     run directory is locked first (runs.lock_run), a new run's is checked, and it is written only
-    once the model has loaded, so a failed launch leaves a run in --out as it was."""
+    once the model has loaded and the flags fit it, so a failed launch leaves a run in --out as it was."""
     lock_run(cfg.out)
     held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
     log(plan(cfg, device))
@@ -507,9 +507,31 @@ def launch(cfg: Config, device: str, rank: int):
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
+    check_context(model, tok, cfg, problems)
     if not cfg.resume and rank == 0:
         start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
     return model, tok
+
+
+def check_context(model, tok, cfg: Config, problems: list) -> None:
+    """The lengths fit the model's context, before any generation: --critic_max_tokens, and
+    --max_new_tokens after the longest prompt the workflow builds for the longest problem with
+    the agents' texts left out (those are known at run time, and cut to fit then: Rollout)."""
+    context = context_length(model)
+    if context is None:
+        return
+    if cfg.algo == "maac" and cfg.critic_max_tokens > context:
+        raise SystemExit(f"--critic_max_tokens {cfg.critic_max_tokens}: more than the {context} positions of "
+                         f"model {cfg.model}; lower it to at most {context}")
+    sizes = [len(ids) for ids in tok([p.question for p in problems], add_special_tokens=False).input_ids]
+    longest = problems[sizes.index(max(sizes))]
+    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents, cfg.max_rounds)
+    prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
+    if prompt + cfg.max_new_tokens > context:
+        fix = (f"lower --max_new_tokens to at most {context - prompt}" if prompt < context
+               else "choose a model with a longer context")
+        raise SystemExit(f"--max_new_tokens {cfg.max_new_tokens}: the longest prompt of {cfg.workflow} on "
+                         f"{cfg.task} takes {prompt} tokens, and model {cfg.model} reads {context}; {fix}")
 
 
 def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
@@ -580,7 +602,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
     # ---- data, model, run directory, adapters, optimizers
     cfg, train_set, test_set = load_problems(cfg, world)
-    model, tok = launch(cfg, device, rank)
+    model, tok = launch(cfg, device, rank, train_set + test_set)
     names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
     if world > 1:
@@ -637,6 +659,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
              "adv/zero_frac": no_signal, "lr": schedulers[names[0]].get_last_lr()[0],
+             "contract/truncated_prompts": sum(gather_lists([rollout.truncated])),
              "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
         if cfg.algo == "maac":
             m.update(critic_metrics(calls, critic_batch))

@@ -644,3 +644,22 @@ def test_non_finite_steps_are_not_applied_and_three_in_a_row_stop_the_run(tmp_pa
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[1]["lr"] == pytest.approx(1e-4)
     assert not any(v for r in rows for k, v in r.items() if k.endswith("skipped_nonfinite"))
     assert json.load(open(f"{out}/config.json"))["lr"] == 1e-4
+
+
+def test_lengths_that_do_not_fit_the_model_stop_before_it_generates(tmp_path, monkeypatch):
+    def no_generation(*args, **kw):
+        raise AssertionError("the model generated")
+    monkeypatch.setattr(train, "Rollout", no_generation)
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit, match=r"^--critic_max_tokens 4096: more than the 2048 positions of model tiny; "
+                                         r"lower it to at most 2048$"):
+        train.main(small_config(out, algo="maac", critic_max_tokens=4096))
+    too_long = (r"^--max_new_tokens 2000: the longest prompt of voting on arith takes \d+ tokens, and model tiny "
+                r"reads 2048; lower --max_new_tokens to at most \d+$")
+    with pytest.raises(SystemExit, match=too_long) as stop:
+        train.main(small_config(out, max_new_tokens=2000))
+    assert not os.path.exists(f"{out}/config.json")
+    prompt, most = (int(x) for x in re.search(r"takes (\d+) .* at most (\d+)", str(stop.value)).groups())
+    assert prompt + most == 2048
+    model, tok = load_policy("tiny")  # the largest length it names fits
+    train.check_context(model, tok, small_config(out, max_new_tokens=most), load_task("arith", "test", 3, 2, 0))
