@@ -1,18 +1,24 @@
 """A run on its machine: the processes under torchrun and the device of each, what they
-exchange in a step, torch's CPU threads and the peak memory.
+exchange in a step, torch's CPU threads, the peak memory, and the signals that ask a run to
+stop.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --out runs/two   # docs/torchrun.md
+    kill -TERM PID      # the run stops after its current step, its checkpoint kept (docs/runs.md)
 
 Under torchrun (WORLD_SIZE > 1) a process joins the process group. Torch's CPU threads are
 the cores that other programs leave free (a thread whose core is taken stalls the others of
 its matrix product), chosen again after every step; the peak memory logged is the
-accelerator's or the process's own.
+accelerator's or the process's own. Ctrl-C (SIGINT) and SIGTERM, what a cluster sends before
+it pre-empts a job, only set a flag: the training loop reads it at the end of every step,
+where under torchrun the processes agree on it, so that all of them stop after the same step
+(runs.stop_run ends the run).
 
-Exercised by: pytest tests/test_train.py (threads), tests/test_distributed.py, tests/test_bench.py
+Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py, tests/test_bench.py
 """
 import os
 import re
 import resource
+import signal
 import time
 from collections import defaultdict
 
@@ -104,3 +110,41 @@ def peak_memory_mb(device: str) -> float:
             return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
     except (OSError, AttributeError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------
+# Signals: Ctrl-C (SIGINT) and SIGTERM stop the run at the end of a step
+
+requested: list[int] = []  # the stop signal received, once one is
+
+
+def catch_stop_signals() -> None:
+    """From now on SIGINT and SIGTERM ask the run to stop after its current step (ask_to_stop)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, ask_to_stop)
+
+
+def ask_to_stop(signum: int, frame: object = None) -> None:
+    """The handler: the first signal is noted for stop_requested; a second one stops the process
+    at once, as it would without the handler. Not under torchrun: it passes a signal on to its
+    processes, which may have had it already (Ctrl-C, a cluster signalling a whole job), and
+    kills them itself 30 s later."""
+    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if requested:
+        if not alone:
+            return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    requested.append(signum)
+    if rank_and_world()[0] == 0:  # unbuffered: the signal may have come in the middle of a print
+        again = "; again to stop at once" if alone else ""
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step{again}\n".encode())
+
+
+def stop_requested() -> int:
+    """The signal that stops the run at this step's end, 0 for none. Every process calls it at
+    the same points, and under torchrun they agree: one's signal stops them all at the same step."""
+    return max(gather_lists([requested[0] if requested else 0]))

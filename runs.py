@@ -18,9 +18,10 @@ field (dataclasses.fields) and never needs to import train.py.
 
 One launch at a time: a run holds its directory with an OS lock for its whole life, and a
 second launch on it stops at once. A run ends early, with one line that says how to go on,
-after steps whose loss or gradient was not finite; the checkpoint it keeps is one that
---resume continues, with a lower learning rate if need be. The clock: the run's first log
-line says what it will do, and every step line estimates the time left.
+after a stop signal (machine.py) or after steps whose loss or gradient was not finite; the
+checkpoint it keeps is one that --resume continues, with a lower learning rate if need be.
+The clock: the run's first log line says what it will do, and every step line estimates the
+time left.
 
 Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs, the lock, stopping early),
 tests/test_distributed.py
@@ -32,6 +33,8 @@ import os
 import random
 import shlex
 import shutil
+import signal
+import sys
 import time
 from typing import TypeVar
 
@@ -411,8 +414,8 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
 
 
 # ----------------------------------------------------------------------------
-# The end of a run: its directory let go, its process group left; stopping early, after steps
-# that could not be applied
+# The end of a run: its directory let go, its process group left; stopping early, after a
+# signal (machine.py) or after steps that could not be applied
 
 NONFINITE_STOP = 3  # training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
 
@@ -427,13 +430,19 @@ def leave_processes() -> None:
         dist.destroy_process_group()
 
 
-def stop_run(out: str, step: int, saved: int) -> None:
-    """End the run after `step`, the NONFINITE_STOP-th in a row with a mini-batch not applied,
-    its checkpoint of step `saved` kept, with one line that says how to go on (exit status 1)."""
+def stop_run(out: str, step: int, saved: int, signum: int) -> None:
+    """End the run after `step`, its checkpoint of step `saved` kept, with one line that says how
+    to go on: after a signal (`signum`; exit status 128 + signum), or after NONFINITE_STOP steps
+    in a row with a mini-batch not applied (signum 0; exit status 1)."""
     rank, world = rank_and_world()
     launcher = f"torchrun --nproc_per_node {world}" if world > 1 else "python"
     resume = f"{launcher} train.py --resume --out {shlex.quote(out)}"
     leave_processes()
+    if signum:
+        if rank == 0:
+            print(f"stopped by {signal.Signals(signum).name} after step {step}, the checkpoint of step {saved} "
+                  f"kept; to go on: {resume}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
     raise SystemExit(1 if rank else f"step {step}: {NONFINITE_STOP} steps in a row with a non-finite loss or "
                      f"gradient (those mini-batches were not applied); the last good checkpoint is step {saved} "
                      f"in {out}/ckpt; to go on from it with a lower learning rate: {resume} --lr <lower>")

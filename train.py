@@ -28,7 +28,7 @@ each process rolls out its block of the step's B problems, every process then
 holds all the episodes, and each mini-batch's forward and backward passes are
 split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
-The run on disk and the clock are runs.py's, the machine (processes, threads) machine.py's.
+The run on disk and the clock are runs.py's, the machine (processes, threads, signals) machine.py's.
 
 Departures from the paper: the defaults fit a 2-core CPU in about 13 minutes,
 19 next to one busy program (a 135M model, 12 steps of 4 x 4 episodes, 48 new
@@ -54,7 +54,8 @@ from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_bat
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
                   use_adapter)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
-from machine import gather_episodes, gather_stats, join_processes, peak_memory_mb, pick_threads, pick_threads_again
+from machine import (catch_stop_signals, gather_episodes, gather_stats, join_processes, peak_memory_mb,
+                     pick_threads, pick_threads_again, stop_requested)
 from rollout import (DTYPES, Call, Rollout, block, chat_text, context_length, gather_lists, load_policy, my_share,
                      rank_and_world, sequence_logprobs, sum_gradients)
 from runs import (NEW_LR, NONFINITE_STOP, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
@@ -615,6 +616,8 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
     cpu_before = time.process_time()
     saved, nonfinite = start, 0  # the last checkpoint's step; steps in a row with a mini-batch not applied
+    if start < cfg.steps and (stop := stop_requested()):  # Ctrl-C or SIGTERM before the first step
+        stop_run(cfg.out, start, saved, stop)
     for step in tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps,
                      desc="train", file=sys.stderr, disable=None if rank == 0 else True):
         t0 = time.time()
@@ -677,11 +680,12 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         log(step_line(cfg, m, last.get("time/eval", 0.0), step_seconds))
         # a step with a mini-batch not applied writes no checkpoint: the last one is from before the trouble
         nonfinite = nonfinite + 1 if any(v for k, v in m.items() if k.endswith("skipped_nonfinite")) else 0
-        if not nonfinite and (step % cfg.save_every == 0 or step == cfg.steps):
+        stop = stop_requested() if step < cfg.steps else 0  # Ctrl-C or SIGTERM, in any process
+        if not nonfinite and (step % cfg.save_every == 0 or step == cfg.steps or stop):
             save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng, emas)
             saved = step
-        if nonfinite == NONFINITE_STOP:
-            stop_run(cfg.out, step, saved)
+        if stop or nonfinite == NONFINITE_STOP:
+            stop_run(cfg.out, step, saved, stop)
         cpu_before = pick_threads_again(cfg.threads, t0, cpu_before)  # for the next step
 
     before, after = first["eval/accuracy"], last["eval/accuracy"]
@@ -692,10 +696,17 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config(), typed=typed_flags(sys.argv[1:]))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    catch_stop_signals()  # Ctrl-C and SIGTERM stop the run after its current step (machine.py)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        main(parse_config(), typed=typed_flags(sys.argv[1:]))
+    else:
+        try:
+            main(parse_config(), typed=typed_flags(sys.argv[1:]))
+            status = 0
+        except SystemExit as stop:  # a one-line error, or a run stopped early
+            status = stop.code if isinstance(stop.code, int) else print(stop.code, file=sys.stderr) or 1
         # the run is saved and its process group destroyed; under torchrun on CPU, gloo's threads
         # could still abort the interpreter's own shutdown (SIGABRT), so the process leaves without it
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)

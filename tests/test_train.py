@@ -5,8 +5,10 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -663,3 +665,46 @@ def test_lengths_that_do_not_fit_the_model_stop_before_it_generates(tmp_path, mo
     assert prompt + most == 2048
     model, tok = load_policy("tiny")  # the largest length it names fits
     train.check_context(model, tok, small_config(out, max_new_tokens=most), load_task("arith", "test", 3, 2, 0))
+
+
+def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, save_every=2)  # step 3 is saved all the same
+    train.main(small_config(str(tmp_path / "straight"), **toy))
+    monkeypatch.setattr(machine, "requested", [])
+    real_rollout, calls = train.rollout_step, []
+
+    def signalled_in_step_3(*args, **kw):
+        calls.append(1)
+        if len(calls) == 5:  # evaluation, step 1, step 2 and its evaluation; step 3
+            machine.ask_to_stop(signal.SIGTERM)
+        return real_rollout(*args, **kw)
+    monkeypatch.setattr(train, "rollout_step", signalled_in_step_3)
+    out = str(tmp_path / "resumed")
+    with pytest.raises(SystemExit) as stop:
+        train.main(small_config(out, **toy))
+    assert stop.value.code == 143 == 128 + signal.SIGTERM
+    assert (f"stopped by SIGTERM after step 3, the checkpoint of step 3 kept; to go on: python train.py --resume "
+            f"--out {out}") in capsys.readouterr().err
+    assert torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"] == 3
+    monkeypatch.setattr(train, "rollout_step", real_rollout)
+    monkeypatch.setattr(machine, "requested", [])
+    train.main(train.Config(out=out, resume=True))
+    straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
+    assert without_machine_stats(read_jsonl(out + "/metrics.jsonl")) == straight
+    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
+
+
+def test_a_sigterm_stops_a_training_process_with_its_checkpoint_and_the_resume_command(tmp_path):
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "train.py", *SMALL, "--steps", "500", "--out", out], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    while not os.path.exists(f"{out}/ckpt/state.pt"):  # after the step-0 evaluation
+        assert proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143, err[-2000:]
+    assert f"; to go on: python train.py --resume --out {out}\n" in err and "Traceback" not in err
+    saved = torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"]
+    assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == list(range(saved + 1)) and saved < 500
