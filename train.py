@@ -53,9 +53,9 @@ from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key,
 from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_batches, policy_update
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
                   use_adapter)
-from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
 from machine import (catch_stop_signals, gather_episodes, gather_stats, join_processes, peak_memory_mb,
                      pick_threads, pick_threads_again, stop_requested)
+from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
 from rollout import (DTYPES, Call, Rollout, block, chat_text, context_length, gather_lists, load_policy, my_share,
                      rank_and_world, sequence_logprobs, sum_gradients)
 from runs import (NEW_LR, NONFINITE_STOP, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
