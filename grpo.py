@@ -304,14 +304,16 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     share the adapter (gradient_stats, on each slot's gradient summed over the
     step); without it, calls are grouped by role only (cheaper, same update). A
     call with advantage 0 and no KL term is skipped: its gradient is exactly 0,
-    and it still counts in the denominators. `ema` holds
+    and it still counts in the denominators. A mini-batch whose gradient norm is not
+    finite takes no step and leaves AdamW's state as it was (counted in
+    adapter/<name>/skipped_nonfinite; its loss statistics are still logged). `ema` holds
     the gradient EMA of --damping across steps. Sets every call's old_logp: None
     where the call is on-policy (see the module docstring).
 
     Under torchrun every process passes the same calls and the same rng state; each
     back-propagates its share of every slot's calls (rollout.my_share) with the whole
     mini-batch's denominators, and the gradients are summed before the step, so all
-    processes take the step one process would take on the same calls.
+    processes take the step one process would take on the same calls (or all skip it).
     """
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
