@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from lora import add_adapter, use_adapter
-from rollout import Call, my_share, sum_across, sum_gradients, token_batches
+from rollout import Call, left_pad, my_share, sum_across, sum_gradients, token_batches
 
 CRITICS = ("central", "decentral")
 PER = ("slot", "role")
@@ -85,17 +85,6 @@ def setup_critics(model: nn.Module, names: list[str]) -> nn.ModuleDict:
         add_adapter(model, name)
         heads[name] = ValueHead(model.config.hidden_size)
     return heads.to(model.device)
-
-
-def left_pad(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids (B, L) and attention_mask (B, L), padded on the left: the last column is real."""
-    L = max(len(ids) for ids in id_lists)
-    ids = torch.full((len(id_lists), L), pad_id, dtype=torch.long)
-    attn = torch.zeros(len(id_lists), L, dtype=torch.long)
-    for i, row in enumerate(id_lists):
-        ids[i, L - len(row):] = torch.tensor(row, dtype=torch.long)
-        attn[i, L - len(row):] = 1
-    return ids, attn
 
 
 def critic_values(model: nn.Module, head: ValueHead, adapter: str,
@@ -357,15 +346,18 @@ def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, o
         for k, v in update_critic(model, heads[name], name, batch, optimizers[name], rows,
                                   pad_id, s).items():
             stats[f"critic/{k}"] += v
+    stats["critic/skipped_nonfinite"] = [sum(stats["critic/skipped_nonfinite"])]  # of all critics
     return stats
 
 
 def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
                   order: list[int], pad_id: int, s: CriticSettings) -> dict[str, list[float]]:
-    """One pass of critic `name` over the rows `order` of the batch."""
+    """One pass of critic `name` over the rows `order` of the batch. A mini-batch whose gradient
+    (after the sum across processes) is not finite is not applied, and counted."""
     params = optimizer.param_groups[0]["params"]
     ids, old_values, returns = batch.ids, batch.values, batch.returns
     stats = defaultdict(list)
+    nonfinite = 0
     for start in range(0, len(order), s.minibatch_size):
         mb = order[start:start + s.minibatch_size]
         optimizer.zero_grad(set_to_none=False)
@@ -379,8 +371,13 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
             (s.vf_coef * loss * len(micro) / len(mb)).backward()
             stats["value_loss"].append(st["value_loss"])
         sum_gradients(params)
-        stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, s.grad_clip).item())
+        total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+        if not torch.isfinite(total):  # a NaN or inf loss: the step would make the critic NaN
+            nonfinite += 1
+            continue
+        stats["grad_norm"].append(total.item())
         optimizer.step()
+    stats["skipped_nonfinite"].append(nonfinite)
     return stats
 
 

@@ -121,8 +121,8 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
         run_dirs.append(run_dir)
         if finished(run_dir):
             argv = [*flags, "--out", run_dir]
-            try:  # the check --resume makes: every flag given must match the run's config
-                resolve_resume(train.parse_config(argv), typed_flags(argv))
+            try:  # the check --resume makes: every flag given must match the run's config, --lr too
+                resolve_resume(train.parse_config(argv), typed_flags(argv), new_lr=())
             except SystemExit as e:
                 raise SystemExit(f"{run_dir} was trained with other settings ({str(e).removeprefix('--resume: ')}): "
                                  "remove it or choose another --out") from None

@@ -304,14 +304,16 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     share the adapter (gradient_stats, on each slot's gradient summed over the
     step); without it, calls are grouped by role only (cheaper, same update). A
     call with advantage 0 and no KL term is skipped: its gradient is exactly 0,
-    and it still counts in the denominators. `ema` holds
+    and it still counts in the denominators. A mini-batch whose gradient norm is not
+    finite takes no step and leaves AdamW's state as it was (counted in
+    adapter/<name>/skipped_nonfinite; its loss statistics are still logged). `ema` holds
     the gradient EMA of --damping across steps. Sets every call's old_logp: None
     where the call is on-policy (see the module docstring).
 
     Under torchrun every process passes the same calls and the same rng state; each
     back-propagates its share of every slot's calls (rollout.my_share) with the whole
     mini-batch's denominators, and the gradients are summed before the step, so all
-    processes take the step one process would take on the same calls.
+    processes take the step one process would take on the same calls (or all skip it).
     """
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
@@ -328,14 +330,15 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     set_old_logprobs(model, [c for mb in off_policy for _, mine in slot_groups(mb, s, by) for c in mine],
                      adapter, pad_id, s.temperature, s.micro_batch_tokens)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
-    step_grads, role_of = {}, {}  # each slot's gradient, summed over the step's mini-batches
-    empty = 0  # mini-batches without a live call
+    step_grads, role_of = {}, {}  # each slot's gradient, summed over the step's applied mini-batches
+    empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
     for mb in batches:
         optimizer.zero_grad(set_to_none=False)
         if not any(is_live(c, s) for c in mb):
             empty += 1
             if s.skip_empty:  # AdamW would still move the adapter, on its momentum alone
                 continue
+        mb_grads = {}
         for group, mine in slot_groups(mb, s, by):
             role = role_of[group] = next(c.role for c in mb if getattr(c, by) == group)
             weight = loss_weight(mb, role, s.balance)
@@ -347,16 +350,21 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
                     if per_slot:
                         stats[f"slot/{group}/{k}"].append(v)
             if per_slot:
-                alone = sum_across(flat_grad(params) - before)  # (n_params,) this slot's loss alone
-                step_grads[group] = step_grads.get(group, 0) + alone
+                mb_grads[group] = sum_across(flat_grad(params) - before)  # (n_params,) this slot's loss alone
         sum_gradients(params)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+        if not torch.isfinite(total):  # a NaN or inf in the loss reaches the gradient, and its norm
+            nonfinite += 1  # not applied: one step would make the adapter and AdamW's moments NaN
+            continue
+        for group, g in mb_grads.items():
+            step_grads[group] = step_grads.get(group, 0) + g
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
         if s.damping > 0:
             stats[f"adapter/{adapter}/damping"].append(damped_step(optimizer, params, ema, s.damping))
         else:
             optimizer.step()
     stats[f"adapter/{adapter}/empty_batches"].append(empty)
+    stats[f"adapter/{adapter}/skipped_nonfinite"].append(nonfinite)
     # kappa and shares of the whole step: within one shuffled mini-batch the slots' calls
     # come from different episodes, so a mini-batch's slot gradients are not comparable
     for k, v in gradient_stats(step_grads, role_of).items():

@@ -4,7 +4,9 @@ A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once
 per stage. `Rollout.__call__` is that callback: it runs every call of the
 stage - all episodes, all agent slots - through one `model.generate` under the
 role's LoRA adapter, and keeps a `Call` record of each (prompt ids,
-completion ids, text), which the trainer later turns into a loss.
+completion ids, text), which the trainer later turns into a loss. A prompt that
+leaves no room for max_new_tokens in the model's context is cut to its head and
+tail first (fit_prompt), and counted.
 
 Sequence layout, shared by generation and scoring (as `generate` returns it):
 
@@ -244,6 +246,20 @@ def chat_text(tok, chat: list[dict[str, str]]) -> str:
                                    enable_thinking=False)
 
 
+def context_length(model) -> int | None:
+    """The most positions the model reads, prompt and completion together (None: not stated)."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def fit_prompt(ids: list[int], room: int) -> list[int]:
+    """A prompt cut to `room` tokens: its head (system message, question) and its tail (the
+    instruction, the assistant's turn), the middle - earlier agents' texts - dropped."""
+    if len(ids) <= room:
+        return ids
+    head = room // 2
+    return ids[:head] + ids[len(ids) - (room - head):]
+
+
 def cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
     """Keep tokens up to and including the first eos (pad may equal eos, so never mask by pad)."""
     return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
@@ -266,6 +282,17 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
         attn[i, P - len(p): P + len(c)] = 1
         cmask[i, : len(c)] = 1
     return ids, attn, cmask
+
+
+def left_pad(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids (B, L) and attention_mask (B, L), padded on the left: the last column is real."""
+    L = max(len(ids) for ids in id_lists)
+    ids = torch.full((len(id_lists), L), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(id_lists), L, dtype=torch.long)
+    for i, row in enumerate(id_lists):
+        ids[i, L - len(row):] = torch.tensor(row, dtype=torch.long)
+        attn[i, L - len(row):] = 1
+    return ids, attn
 
 
 def token_batches(sizes: list[tuple[int, int]], max_tokens: int) -> list[list[int]]:
@@ -365,14 +392,22 @@ class Rollout:
         self.progress = progress  # told of every finished stage: a stage can take minutes on a CPU
         self.calls: list[Call] = []
         self.stages = 0  # one per generate call; also the `turn` of its calls
+        context = context_length(model)  # a prompt longer than the room left for it is cut (fit_prompt)
+        self.room = None if context is None else context - max_new_tokens
+        self.truncated = 0  # prompts cut to fit
 
     @torch.no_grad()
     def __call__(self, role: str, slots: list[str], episodes: list[int],
                  chats: list[list[dict[str, str]]]) -> list[str]:
         tok, model, start = self.tok, self.model, time.time()
         prompts = [chat_text(tok, c) for c in chats]
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        ids, attn = enc.input_ids.to(model.device), enc.attention_mask.to(model.device)
+        rows = tok(prompts, add_special_tokens=False).input_ids
+        fitted = [row if self.room is None else fit_prompt(row, self.room) for row in rows]
+        cut = [i for i, (row, fit) in enumerate(zip(rows, fitted)) if fit is not row]
+        for i in cut:  # the record says what the model read
+            prompts[i] = tok.decode(fitted[i])
+        self.truncated += len(cut)
+        ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
         sampling = dict(do_sample=False) if self.greedy else dict(
             do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
         recorder = None if self.greedy else SamplerLogprobs(self.temperature)
@@ -395,7 +430,8 @@ class Rollout:
                                    rollout_logp=None if sampled is None else sampled[i, : len(completion)]))
         self.stages += 1
         if self.progress:
-            self.progress(f"stage {self.stages} {role} x{len(chats)}: {time.time() - start:.0f}s")
+            fits = f", {len(cut)} prompt(s) cut to fit the context" if cut else ""
+            self.progress(f"stage {self.stages} {role} x{len(chats)}: {time.time() - start:.0f}s{fits}")
         return texts
 
 

@@ -1,6 +1,6 @@
-"""A run on disk and on its machine: its directory, config.json, the metrics and samples
-logs, checkpoints, --resume and --start_from; the processes, threads and memory it runs on,
-and the time it has left.
+"""A run on disk: its directory and its lock, config.json, the metrics and samples logs,
+checkpoints, --resume and --start_from; how it ends, early or not; and the time it has left
+(the machine it runs on: machine.py).
 
     python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, ckpt/
     python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
@@ -16,23 +16,26 @@ Under torchrun every process keeps its own sampling state in the checkpoint, and
 rank 0 writes. The run's settings are train.py's `Config`; this file reads them field by
 field (dataclasses.fields) and never needs to import train.py.
 
-The machine: under torchrun (WORLD_SIZE > 1) a process joins the process group; torch's CPU
-threads are the cores that other programs leave free (a thread whose core is taken stalls
-the others of its matrix product), chosen again after every step; the peak memory logged is
-the accelerator's or the process's own. The clock: the run's first log line says what it
-will do, and every step line estimates the time left.
+One launch at a time: a run holds its directory with an OS lock for its whole life, and a
+second launch on it stops at once. A run ends early, with one line that says how to go on,
+after a stop signal (machine.py) or after steps whose loss or gradient was not finite; the
+checkpoint it keeps is one that --resume continues, with a lower learning rate if need be.
+The clock: the run's first log line says what it will do, and every step line estimates the
+time left.
 
-Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs), tests/test_distributed.py
+Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs, the lock, stopping early),
+tests/test_distributed.py
 """
 import dataclasses
+import fcntl
 import json
 import os
 import random
-import re
-import resource
+import shlex
 import shutil
+import signal
+import sys
 import time
-from collections import defaultdict
 from typing import TypeVar
 
 import torch
@@ -130,18 +133,57 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
 # The run directory
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "ckpt", "ckpt.tmp", "ckpt.old")
+LOCK = ".lock"  # in --out, kept by --overwrite: it is not one of the run's files
+held_locks: list[int] = []  # the lock file this process holds (one run at a time)
+
+
+def lock_run(out: str) -> None:
+    """Hold --out for the run's whole life, before anything in it is deleted or written: an OS
+    lock (flock) on out/.lock, which the kernel drops when the process ends, however it ends
+    (kill -9 leaves no stale lock). A second launch on the same directory stops here, naming
+    the holder's pid. Under torchrun rank 0 holds it, and every process stops alike."""
+    error = ""
+    if rank_and_world()[0] == 0:
+        unlock_run()  # this process's earlier run (an earlier train.main) is over
+        error = take_lock(out)
+    error = max(gather_lists([error]))
+    if error:
+        raise SystemExit(error)
+
+
+def take_lock(out: str) -> str:
+    """Make --out and flock its .lock for this process; returns why it cannot ("" when held)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--out {out} is a file, not a directory"
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        return f"--out {out}: cannot create a directory in {parent}"
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        time.sleep(0.1)  # the holder writes its pid just after it takes the lock
+        holder = os.read(fd, 32).decode().strip() or "unknown"
+        os.close(fd)
+        return f"--out {out} is in use by another run (pid {holder}); wait for it to end or stop it"
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    held_locks.append(fd)
+    return ""
+
+
+def unlock_run() -> None:
+    """Let the run directory go (closing the file drops its lock)."""
+    while held_locks:
+        os.close(held_locks.pop())
 
 
 def check_run_dir(out: str, overwrite: bool) -> list[str]:
     """The run files already in --out; a directory that holds a run is never overwritten
     implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise SystemExit(f"--out {out} is a file, not a directory")
-    parent = os.path.abspath(out)
-    while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise SystemExit(f"--out {out}: cannot create a directory in {parent}")
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if held and not overwrite:
         raise SystemExit(f"--out {out} already holds a run: add --resume to continue it, --overwrite "
@@ -233,8 +275,14 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
         raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
                          "start the run over with --overwrite") from None
     for k in optimizers:
+        lrs = [group["initial_lr"] for group in optimizers[k].param_groups]  # this launch's --lr
         optimizers[k].load_state_dict(state["optimizers"][k])
         schedulers[k].load_state_dict(state["schedulers"][k])
+        if lrs != schedulers[k].base_lrs:  # --resume --lr: the same schedule, scaled to the new peak
+            schedulers[k].base_lrs = lrs
+            for group, lr, factor in zip(optimizers[k].param_groups, lrs, schedulers[k].lr_lambdas):
+                group["initial_lr"], group["lr"] = lr, lr * factor(schedulers[k].last_epoch)
+            schedulers[k]._last_lr = [group["lr"] for group in optimizers[k].param_groups]
     torch_rngs = state["torch_rngs"] if "torch_rngs" in state else [state["torch_rng"]]  # older: one
     if len(torch_rngs) != world:
         raise SystemExit(f"--resume: {out} was saved by {len(torch_rngs)} process(es); resume it with "
@@ -254,6 +302,8 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
 
 # Flags that say where and how a run is executed, not what it is: --resume may change them.
 NOT_THE_RUN = ("out", "resume", "overwrite", "threads")
+# And the learning rates, from the step it resumes at on (a run stopped by non-finite steps).
+NEW_LR = ("lr", "critic_lr")
 
 
 def typed_flags(argv: list[str]) -> set[str]:
@@ -262,10 +312,10 @@ def typed_flags(argv: list[str]) -> set[str]:
     return {n[3:] if n.startswith("no-") else n for n in names}
 
 
-def resolve_resume(cfg: RunConfig, typed: set[str] | None = None) -> RunConfig:
+def resolve_resume(cfg: RunConfig, typed: set[str] | None = None, new_lr: tuple[str, ...] = NEW_LR) -> RunConfig:
     """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
-    was typed (`typed`, from the command line) or differs from its default. The run lives
-    wherever --out now points, however that path is spelled."""
+    was typed (`typed`, from the command line) or differs from its default, except the learning
+    rates in `new_lr`. The run lives wherever --out now points, however that path is spelled."""
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
         raise SystemExit(f"--resume: no run in {cfg.out}")
     try:
@@ -276,16 +326,19 @@ def resolve_resume(cfg: RunConfig, typed: set[str] | None = None) -> RunConfig:
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         chosen = f.name in typed if typed is not None else given != f.default
-        if f.name not in NOT_THE_RUN and chosen and given != old:
+        if f.name in new_lr and chosen:
+            saved = dataclasses.replace(saved, **{f.name: given})
+        elif f.name not in NOT_THE_RUN and chosen and given != old:
             raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
 
 
 def resume_run(out: str, model, references: dict[str, str], heads, optimizers: dict, schedulers: dict,
-               rng: random.Random, emas: dict) -> tuple[int, dict, dict]:
+               rng: random.Random, emas: dict, lrs: dict[str, float]) -> tuple[int, dict, dict]:
     """Load the newest checkpoint and cut the logs back to it; returns its step and the metrics
     rows of the first evaluation (step 0) and of the last one kept. `references`: adapter ->
-    its frozen KL anchor, which the checkpoint fills in."""
+    its frozen KL anchor, which the checkpoint fills in; `lrs`: the learning rates from now on
+    (NEW_LR), which config.json records."""
     for name, ref in references.items():
         freeze_copy(model, name, ref)
     start = load_checkpoint(out, model, heads, optimizers, schedulers, rng, emas)
@@ -293,6 +346,8 @@ def resume_run(out: str, model, references: dict[str, str], heads, optimizers: d
     if rank_and_world()[0] == 0:
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
+        with open(os.path.join(out, "config.json")) as f:
+            write_json(os.path.join(out, "config.json"), {**json.load(f), **lrs})
     barrier()
     evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
     if not evaluated or evaluated[0]["step"] != 0:
@@ -359,91 +414,38 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
 
 
 # ----------------------------------------------------------------------------
-# The machine: processes (joining, exchanging a step's episodes and statistics), threads, memory
+# The end of a run: its directory let go, its process group left; stopping early, after a
+# signal (machine.py) or after steps that could not be applied
 
-
-def join_processes(device: str) -> str:
-    """This process's device; under torchrun (WORLD_SIZE > 1) also join the process group:
-    nccl and one GPU per local rank on CUDA, gloo on CPU."""
-    cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return ("cuda" if cuda else "cpu") if device == "auto" else device
-    if cuda:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return device if cuda else "cpu"
+NONFINITE_STOP = 3  # training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
 
 
 def leave_processes() -> None:
-    """Under torchrun, leave the process group once every process is done with it (gloo aborts
-    a process whose group is torn down while another still uses it); in one process, nothing."""
+    """The run is over: let its directory go, and under torchrun leave the process group once
+    every process is done with it (gloo aborts a process whose group is torn down while another
+    still uses it)."""
+    unlock_run()
     if rank_and_world()[1] > 1:
         barrier()
         dist.destroy_process_group()
 
 
-def gather_episodes(calls: list[Call], outcomes, rewards: list[float], problem_of: list[int]):
-    """Every process's episodes, in rank order, episodes numbered across the processes
-    (the lists themselves in one process)."""
-    offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
-    for c in calls:
-        c.episode += offset
-    return gather_lists(calls), gather_lists(outcomes), gather_lists(rewards), gather_lists(problem_of)
-
-
-def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
-    """The update statistics of every process, each key's lists joined."""
-    joined = defaultdict(list)
-    for part in gather_lists([dict(stats)]):
-        for k, v in part.items():
-            joined[k] += v
-    return joined
-
-
-def running_threads() -> int:
-    """Threads running or runnable on the machine right now, this one included (Linux)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return 1 << 30  # unknown: the load average alone decides
-
-
-def pick_threads(requested: int, own_load: float) -> int:
-    """Torch's CPU threads: --threads, else the cores this process may use less what other
-    processes keep busy. Those are the 1-minute load average minus this process's own share,
-    or the threads running right now besides this one when fewer (the average trails a
-    program that just stopped). Threads of one matmul wait for each other, so a thread
-    whose core is taken stalls them all."""
-    if requested:
-        return requested
-    cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
-    others = max(0.0, min(os.getloadavg()[0] - own_load, running_threads() - 1))
-    return max(1, min(cores, round(cores - others)))
-
-
-def pick_threads_again(requested: int, t0: float, cpu_before: float) -> float:
-    """The threads of the next step: this process's own load is its CPU time over the wall time
-    of the step that began at t0. Returns the CPU time now, where the next step's load starts."""
-    own_load = (time.process_time() - cpu_before) / (time.time() - t0)
-    torch.set_num_threads(pick_threads(requested, own_load))
-    return time.process_time()
-
-
-def peak_memory_mb(device: str) -> float:
-    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU.
-    Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
-    started from it (diagnose.py --reproduce, bench.py), VmHWM starts afresh."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
-    except (OSError, AttributeError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+def stop_run(out: str, step: int, saved: int, signum: int) -> None:
+    """End the run after `step`, its checkpoint of step `saved` kept, with one line that says how
+    to go on: after a signal (`signum`; exit status 128 + signum), or after NONFINITE_STOP steps
+    in a row with a mini-batch not applied (signum 0; exit status 1)."""
+    rank, world = rank_and_world()
+    launcher = f"torchrun --nproc_per_node {world}" if world > 1 else "python"
+    resume = f"{launcher} train.py --resume --out {shlex.quote(out)}"
+    leave_processes()
+    if signum:
+        if rank == 0:
+            print(f"stopped by {signal.Signals(signum).name} after step {step}, the checkpoint of step {saved} "
+                  f"kept; to go on: {resume}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
+    raise SystemExit(1 if rank else f"step {step}: {NONFINITE_STOP} steps in a row with a non-finite loss or "
+                     f"gradient (those mini-batches were not applied); the last good checkpoint is step {saved} "
+                     f"in {out}/ckpt; to go on from it with a lower learning rate: {resume} --lr <lower>")
 
 
 # ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ each process rolls out its block of the step's B problems, every process then
 holds all the episodes, and each mini-batch's forward and backward passes are
 split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
-The run on disk, the machine and the clock are runs.py's.
+The run on disk and the clock are runs.py's, the machine (processes, threads, signals) machine.py's.
 
 Departures from the paper: the defaults fit a 2-core CPU in about 10 minutes
 (a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, one
@@ -53,16 +53,17 @@ from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key,
 from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_batches, policy_update
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
                   use_adapter)
+from machine import (catch_stop_signals, gather_episodes, gather_stats, join_processes, peak_memory_mb,
+                     pick_threads, pick_threads_again, stop_requested)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
-from rollout import (DTYPES, Call, Rollout, block, gather_lists, load_policy, my_share, rank_and_world,
-                     sequence_logprobs, sum_gradients)
-from runs import (check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
-                  gather_episodes, gather_stats, join_processes, leave_processes, load_start, peak_memory_mb,
-                  pick_threads, pick_threads_again, plan, resolve_resume, resume_run, save_checkpoint,
-                  start_logs, start_run_dir, step_line, typed_flags, write_step)
+from rollout import (DTYPES, Call, Rollout, block, chat_text, context_length, gather_lists, load_policy, my_share,
+                     rank_and_world, sequence_logprobs, sum_gradients)
+from runs import (NEW_LR, NONFINITE_STOP, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
+                  leave_processes, load_start, lock_run, plan, resolve_resume, resume_run, save_checkpoint,
+                  start_logs, start_run_dir, step_line, stop_run, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
-from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, parse_verdict, role_of,
-                       run_workflow, similarity, slots)
+from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, every_prompt, parse_verdict,
+                       role_of, run_workflow, similarity, slots)
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
@@ -508,10 +509,11 @@ def load_problems(cfg: Config, world: int) -> tuple[Config, list, list]:
     return cfg, train_set, test_set
 
 
-def launch(cfg: Config, device: str, rank: int):
-    """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. A new
-    run's directory is checked first and written only once the model has loaded, so a failed
-    launch leaves --out untouched."""
+def launch(cfg: Config, device: str, rank: int, problems: list):
+    """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. The
+    run directory is locked first (runs.lock_run), a new run's is checked, and it is written only
+    once the model has loaded and the flags fit it, so a failed launch leaves a run in --out as it was."""
+    lock_run(cfg.out)
     held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
     log(plan(cfg, device))
     model, tok = load_policy(cfg.model, device, cfg.dtype)
@@ -519,9 +521,31 @@ def launch(cfg: Config, device: str, rank: int):
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
+    check_context(model, tok, cfg, problems)
     if not cfg.resume and rank == 0:
         start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
     return model, tok
+
+
+def check_context(model, tok, cfg: Config, problems: list) -> None:
+    """The lengths fit the model's context, before any generation: --critic_max_tokens, and
+    --max_new_tokens after the longest prompt the workflow builds for the longest problem with
+    the agents' texts left out (those are known at run time, and cut to fit then: Rollout)."""
+    context = context_length(model)
+    if context is None:
+        return
+    if cfg.algo == "maac" and cfg.critic_max_tokens > context:
+        raise SystemExit(f"--critic_max_tokens {cfg.critic_max_tokens}: more than the {context} positions of "
+                         f"model {cfg.model}; lower it to at most {context}")
+    sizes = [len(ids) for ids in tok([p.question for p in problems], add_special_tokens=False).input_ids]
+    longest = problems[sizes.index(max(sizes))]
+    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents, cfg.max_rounds)
+    prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
+    if prompt + cfg.max_new_tokens > context:
+        fix = (f"lower --max_new_tokens to at most {context - prompt}" if prompt < context
+               else "choose a model with a longer context")
+        raise SystemExit(f"--max_new_tokens {cfg.max_new_tokens}: the longest prompt of {cfg.workflow} on "
+                         f"{cfg.task} takes {prompt} tokens, and model {cfg.model} reads {context}; {fix}")
 
 
 def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
@@ -543,7 +567,8 @@ def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads,
     The KL anchors (`references`) are frozen copies of the policy RL starts from. Returns the
     step to go on from and the metrics rows of the first and of the last evaluation."""
     if cfg.resume:  # the checkpoint fills the anchors in
-        start, first, last = resume_run(cfg.out, model, references, heads, optimizers, schedulers, rng, emas)
+        start, first, last = resume_run(cfg.out, model, references, heads, optimizers, schedulers, rng, emas,
+                                        {k: getattr(cfg, k) for k in NEW_LR})
         log(f"resuming {cfg.out} at step {start}")
         return start, first, last
     if cfg.start_from:
@@ -591,7 +616,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
     # ---- data, model, run directory, adapters, optimizers
     cfg, train_set, test_set = load_problems(cfg, world)
-    model, tok = launch(cfg, device, rank)
+    model, tok = launch(cfg, device, rank, train_set + test_set)
     names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
     if world > 1:
@@ -603,6 +628,9 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
 
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
     cpu_before = time.process_time()
+    saved, nonfinite = start, 0  # the last checkpoint's step; steps in a row with a mini-batch not applied
+    if start < cfg.steps and (stop := stop_requested()):  # Ctrl-C or SIGTERM before the first step
+        stop_run(cfg.out, start, saved, stop)
     for step in tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps,
                      desc="train", file=sys.stderr, disable=None if rank == 0 else True):
         t0 = time.time()
@@ -631,17 +659,23 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
                                       update, per_slot=diag, ema=emas[name]).items():
                 stats[k] += v
             schedulers[name].step()
+            skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
             log(f"step {step} update | {name}: {len(live)} of {len(mine)} calls with signal, "
-                f"{time.time() - t_name:.0f}s")
+                f"{time.time() - t_name:.0f}s" + (f", {skipped} mini-batch(es) not applied: loss or "
+                                                   "gradient not finite" if skipped else ""))
         # 7. maac: the critics (their adapters are separate from the actors': order is free)
         if cfg.algo == "maac":
             stats.update(update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id, critics))
             for name in heads:
                 schedulers[name].step()
+            if stats["critic/skipped_nonfinite"][0]:
+                log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not applied: "
+                    "loss or gradient not finite")
         stats = gather_stats(stats)
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
              "adv/zero_frac": no_signal, "lr": schedulers[names[0]].get_last_lr()[0],
+             "contract/truncated_prompts": sum(gather_lists([rollout.truncated])),
              "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
         if cfg.algo == "maac":
             m.update(critic_metrics(calls, critic_batch))
@@ -657,8 +691,14 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         write_step(cfg.out, m, episode_samples(step, calls, outcomes, problems, rewards, cfg.group_size,
                                                cfg.log_samples))
         log(step_line(cfg, m, last.get("time/eval", 0.0), step_seconds))
-        if step % cfg.save_every == 0 or step == cfg.steps:
+        # a step with a mini-batch not applied writes no checkpoint: the last one is from before the trouble
+        nonfinite = nonfinite + 1 if any(v for k, v in m.items() if k.endswith("skipped_nonfinite")) else 0
+        stop = stop_requested() if step < cfg.steps else 0  # Ctrl-C or SIGTERM, in any process
+        if not nonfinite and (step % cfg.save_every == 0 or step == cfg.steps or stop):
             save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng, emas)
+            saved = step
+        if stop or nonfinite == NONFINITE_STOP:
+            stop_run(cfg.out, step, saved, stop)
         cpu_before = pick_threads_again(cfg.threads, t0, cpu_before)  # for the next step
 
     before, after = first["eval/accuracy"], last["eval/accuracy"]
@@ -669,10 +709,17 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_config(), typed=typed_flags(sys.argv[1:]))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    catch_stop_signals()  # Ctrl-C and SIGTERM stop the run after its current step (machine.py)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        main(parse_config(), typed=typed_flags(sys.argv[1:]))
+    else:
+        try:
+            main(parse_config(), typed=typed_flags(sys.argv[1:]))
+            status = 0
+        except SystemExit as stop:  # a one-line error, or a run stopped early
+            status = stop.code if isinstance(stop.code, int) else print(stop.code, file=sys.stderr) or 1
         # the run is saved and its process group destroyed; under torchrun on CPU, gloo's threads
         # could still abort the interpreter's own shutdown (SIGABRT), so the process leaves without it
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)

@@ -38,6 +38,7 @@ import random
 import re
 import sys
 from dataclasses import dataclass
+from functools import partial
 from string import Template
 from typing import Callable
 
@@ -393,6 +394,22 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
     if not questions:
         return []
     return WORKFLOWS[name](questions, generate, kind, n_agents, max_rounds)
+
+
+def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3,
+                 max_rounds: int = 2) -> list[Chat]:
+    """Every prompt workflow `name` builds for `question` when the agents write nothing: what
+    can be known of its prompts before a run (train.py checks them against the model's context)."""
+    chats: list[Chat] = []
+    run_workflow(name, [question], partial(silent_agents, chats), kind, n_agents, max_rounds)
+    return chats
+
+
+def silent_agents(chats: list[Chat], role: str, slot_list: list[str], episodes: list[int],
+                  new: list[Chat]) -> list[str]:
+    """A generate callback that keeps the prompts in `chats` and answers each with ""."""
+    chats += new
+    return [""] * len(new)
 
 
 # ---------------------------------------------------------------- contract-keeping replies

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import lora
-from critic import (ValueHead, call_advantages, critic_inputs, critic_key, critic_values, encode,
-                    explained_variance, gae, joint_history, local_observation, normalize,
-                    outcome_rewards, predict_values, setup_critics, value_loss)
+from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_inputs, critic_key,
+                    critic_values, encode, explained_variance, gae, joint_history, local_observation, normalize,
+                    outcome_rewards, predict_values, setup_critics, update_critics, value_loss)
 from rollout import Call
 
 
@@ -262,3 +262,27 @@ def test_critic_learns_a_known_value(tiny):
         optimizer.step()
     assert held_out_ev() > 0.5
     assert any(p.abs().sum() > 0 for p in lora.adapter_parameters(model, "critic")[1::2])  # B moved
+
+
+def test_a_critic_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
+    """Two critics, two mini-batches each; critic-a's gradients are NaN: its weights and AdamW
+    state stay as they were, critic-b learns, and critic/skipped_nonfinite counts both critics'."""
+    model, tok = tiny
+    lora.inject_lora(model, r=4, alpha=8)
+    heads = setup_critics(model, ["critic-a", "critic-b"])
+    params = {k: lora.adapter_parameters(model, k) + list(heads[k].parameters()) for k in heads}
+    optimizers = {k: torch.optim.AdamW(ps, lr=1e-2) for k, ps in params.items()}
+    for ps in params.values():
+        for p in ps:
+            p.grad = torch.zeros_like(p)
+    ids, returns = toy_batch(tok, random.Random(0), 8)
+    batch = CriticBatch(["critic-a", "critic-b"] * 4, ids, torch.zeros(8), returns)
+    s = CriticSettings(minibatch_size=2)
+    before = {k: [p.detach().clone() for p in ps] for k, ps in params.items()}
+    hook = heads["critic-a"].out.weight.register_hook(lambda g: g * float("nan"))
+    stats = update_critics(model, heads, batch, optimizers, random.Random(0), tok.pad_token_id, s)
+    hook.remove()
+    assert stats["critic/skipped_nonfinite"] == [2] and len(stats["critic/grad_norm"]) == 2
+    assert all(torch.equal(p, b) for p, b in zip(params["critic-a"], before["critic-a"]))
+    assert not optimizers["critic-a"].state and optimizers["critic-b"].state
+    assert not torch.equal(heads["critic-b"].out.bias, before["critic-b"][-1])

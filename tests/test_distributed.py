@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import machine
 import runs
 import train
 from grpo import UpdateSettings, policy_update
@@ -159,6 +160,34 @@ def test_two_process_run_logs_like_one_and_resumes_exactly(tmp_path):
         assert json.load(f)["problems_per_step"] == 3
     with pytest.raises(Exception):  # a 2-process checkpoint does not resume in one process
         in_processes(1, run, straight, True)
+
+
+def stop_and_lock(out: str) -> None:
+    """A signal that reached rank 1 alone stops both processes; a run directory that another
+    process holds stops both. Each process writes what it saw to out.<rank>."""
+    import signal
+    rank = rank_and_world()[0]
+    machine.requested[:] = [signal.SIGTERM] if rank == 1 else []
+    seen = [machine.stop_requested()]
+    try:
+        runs.lock_run(out)
+    except SystemExit as e:
+        seen.append(str(e))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(seen, f)
+
+
+def test_processes_agree_to_stop_and_that_a_held_run_directory_is_held(tmp_path):
+    out = str(tmp_path / "run")
+    runs.lock_run(out)  # this process holds it
+    try:
+        in_processes(2, stop_and_lock, out)
+    finally:
+        runs.unlock_run()
+    for rank in (0, 1):
+        with open(f"{out}.{rank}") as f:
+            assert json.load(f) == [15, f"--out {out} is in use by another run (pid {os.getpid()}); wait for it to "
+                                        "end or stop it"]
 
 
 # ----------------------------------------------------------------------------

@@ -252,3 +252,25 @@ def test_the_update_logs_no_precision_gap_where_sampler_and_trainer_agree(tiny):
     stats = policy_update(model, "generator", calls, torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0),
                           random.Random(0), tok.pad_token_id, settings)
     assert max(stats["role/generator/mismatch_max"]) < 1e-4
+
+
+def test_a_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
+    """A NaN in one gradient: that mini-batch leaves the adapter and AdamW's state as they were
+    and is counted; the next one steps as usual."""
+    calls = sampled_calls(tiny)
+    model, tok = tiny
+    params = adapter_parameters(model, "generator")
+    opt = torch.optim.AdamW(params, lr=0.01)
+    settings = UpdateSettings(temperature=1.0, minibatch_size=len(calls))
+    policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)  # momentum
+    weights = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+    hook = params[0].register_hook(lambda g: g * float("nan"))
+    stats = policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
+    hook.remove()
+    assert stats["adapter/generator/skipped_nonfinite"] == [1] and "adapter/generator/grad_norm" not in stats
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))
+    assert all(torch.equal(v, old[k]) for s, old in zip(opt.state.values(), state) for k, v in s.items())
+    stats = policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
+    assert stats["adapter/generator/skipped_nonfinite"] == [0]
+    assert max((p - w).abs().max().item() for p, w in zip(params, weights)) > 1e-4

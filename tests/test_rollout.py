@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from conftest import ROOT
 from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters, use_adapter
-from rollout import (Call, Rollout, cut_at_eos, load_policy, pack, resolve_dtype, sequence_logprobs,
-                     token_batches)
+from rollout import (Call, Rollout, chat_text, cut_at_eos, fit_prompt, load_policy, pack, resolve_dtype,
+                     sequence_logprobs, token_batches)
 from workflows import run_workflow
 
 
@@ -262,3 +262,18 @@ def test_the_sampler_records_the_log_probs_it_sampled_from(tiny):
     greedy = Rollout(rollout.model, rollout.tok, "shared", max_new_tokens=12, greedy=True)
     run_workflow("single", ["What is 1 + 2?"], greedy)
     assert greedy.calls[0].rollout_logp is None  # evaluation records none
+
+
+def test_a_prompt_too_long_for_the_context_keeps_its_head_and_tail_and_is_counted(tiny):
+    model, tok = tiny
+    model.config.max_position_embeddings = 60  # room for 48 prompt tokens before the 12 new ones
+    rollout = make_rollout(tiny)
+    long_chat = [{"role": "user", "content": "What is 1 + 2? " + "Candidate 1 says 3. " * 20 + "Pick one."}]
+    short_chat = [{"role": "user", "content": "What is 1 + 2?"}]
+    full = tok(chat_text(tok, long_chat), add_special_tokens=False).input_ids
+    rollout("generator", ["generator0", "generator1"], [0, 1], [long_chat, short_chat])
+    cut, kept = rollout.calls
+    assert rollout.truncated == 1 and len(full) > 48
+    assert cut.prompt_ids == full[:24] + full[-24:] and cut.prompt == tok.decode(cut.prompt_ids)
+    assert kept.prompt_ids == tok(chat_text(tok, short_chat), add_special_tokens=False).input_ids
+    assert fit_prompt(list(range(10)), 4) == [0, 1, 8, 9] and fit_prompt([1, 2], 4) == [1, 2]

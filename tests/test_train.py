@@ -5,14 +5,18 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import diagnose
+import grpo
+import machine
 import runs
 import train
 from conftest import ROOT
@@ -173,8 +177,8 @@ def test_a_checkpoint_in_the_former_layout_resumes_exactly(tmp_path, monkeypatch
 def test_resume_rejects_a_contradicting_flag(tmp_path):
     out = str(tmp_path / "run")
     train.main(small_config(out, steps=1))
-    with pytest.raises(SystemExit, match="lr"):
-        train.main(train.Config(out=out, resume=True, lr=0.5))
+    with pytest.raises(SystemExit, match="--seed 5 differs from the run's config"):
+        train.main(train.Config(out=out, resume=True, seed=5))
     # typed, even when it is the default: this voting/isolated run is not eval_opt/shared
     argv = ["--out", out, "--resume", "--workflow", "eval_opt", "--sharing=shared"]
     assert runs.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
@@ -356,13 +360,13 @@ def test_threads_are_the_free_cores(monkeypatch):
     for load, own, running, threads in [(0.1, 0.0, 1, 2), (1.2, 0.0, 2, 1), (3.0, 2.0, 2, 1), (2.1, 2.0, 3, 2),
                                         (5.0, 0.5, 9, 1), (1.9, 0.0, 1, 2)]:  # the last: a program just ended
         monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
-        monkeypatch.setattr(runs, "running_threads", lambda: running)
-        assert runs.pick_threads(0, own_load=own) == threads, (load, own, running)
-    assert runs.pick_threads(3, own_load=0.0) == 3  # --threads wins
+        monkeypatch.setattr(machine, "running_threads", lambda: running)
+        assert machine.pick_threads(0, own_load=own) == threads, (load, own, running)
+    assert machine.pick_threads(3, own_load=0.0) == 3  # --threads wins
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert runs.pick_threads(0, own_load=0.0) == 1  # the cores this process may use
-    assert runs.running_threads() >= 1
+    assert machine.pick_threads(0, own_load=0.0) == 1  # the cores this process may use
+    assert machine.running_threads() >= 1
 
 
 
@@ -384,7 +388,7 @@ def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tm
     assert f"resuming {out} at step 2" in capsys.readouterr().out  # the newest whole checkpoint
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
     assert without_machine_stats(read_jsonl(f"{out}/metrics.jsonl")) == straight
-    assert sorted(os.listdir(out)) == ["ckpt", "config.json", "metrics.jsonl", "samples.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "ckpt", "config.json", "metrics.jsonl", "samples.jsonl"]
 
 
 def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_one(tmp_path, monkeypatch):
@@ -571,3 +575,137 @@ def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path
     train.main(small_config(further, steps=1, sharing="isolated"))
     with pytest.raises(SystemExit, match="its checkpoint is at step 1, not 0"):
         train.main(small_config(str(tmp_path / "run"), start_from=further))
+
+
+# ----------------------------------------------------------------------------
+# Reliability: a device that is not there, one launch per run directory, steps that cannot be
+# applied, lengths that do not fit the model, signals
+
+
+def test_device_cuda_without_a_gpu_is_a_one_line_error_before_anything_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without one
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit, match=r"^--device cuda: .+; use --device cpu \(or auto\)$"):
+        train.main(small_config(out, device="cuda"))
+    assert not os.path.exists(out)
+
+
+def directory_state(path: str) -> dict[str, bytes]:
+    found = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.relpath(os.path.join(root, name), path)] = f.read()
+    return found
+
+
+def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
+    """While another process holds the run (kill -9 releases it), every launch on it stops at
+    once, naming that process, and touches nothing: a new run, --overwrite, --resume."""
+    out = str(tmp_path / "run")
+    train.main(small_config(out, steps=1))
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, runs; runs.lock_run(sys.argv[1]); print('held', "
+                               "flush=True); sys.stdin.read()", out], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = directory_state(out)
+        for cfg in (small_config(out, steps=1), small_config(out, steps=2, overwrite=True),
+                    train.Config(out=out, resume=True)):
+            with pytest.raises(SystemExit, match=re.escape(f"--out {out} is in use by another run (pid {holder.pid});")):
+                train.main(cfg)
+        assert directory_state(out) == before
+    finally:
+        holder.kill()  # SIGKILL: no clean-up runs, the kernel drops the lock
+        holder.wait()
+    train.main(small_config(out, steps=2, overwrite=True))
+    assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2]
+
+
+def test_non_finite_steps_are_not_applied_and_three_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
+    """Every mini-batch's loss is NaN: nothing is applied, each step says so, the third stops the
+    run with the checkpoint from before the trouble, and --resume --lr goes on from there."""
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    real = grpo.aggregate
+    monkeypatch.setattr(grpo, "aggregate", lambda *args, **kw: real(*args, **kw) * float("nan"))
+    out = str(tmp_path / "run")
+    stop = re.escape(f"step 3: 3 steps in a row with a non-finite loss or gradient (those mini-batches were not "
+                     f"applied); the last good checkpoint is step 0 in {out}/ckpt; to go on from it with a lower "
+                     f"learning rate: python train.py --resume --out {out} --lr <lower>")
+    with pytest.raises(SystemExit, match=stop):
+        train.main(small_config(out, kl_coef=0.1, save_every=1))  # the KL term: every call has a loss
+    assert re.search(r"step 1 update \| generator: 18 of 18 calls with signal, \d+s, 5 mini-batch\(es\) not applied: "
+                     "loss or gradient not finite", capsys.readouterr().out)
+    rows = read_jsonl(f"{out}/metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["adapter/generator/skipped_nonfinite"] == 5 and r["adapter/aggregator/skipped_nonfinite"] == 2
+               for r in rows[1:])
+    assert torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"] == 0
+    monkeypatch.setattr(grpo, "aggregate", real)
+    train.main(train.Config(out=out, resume=True, lr=1e-4))
+    rows = read_jsonl(f"{out}/metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[1]["lr"] == pytest.approx(1e-4)
+    assert not any(v for r in rows for k, v in r.items() if k.endswith("skipped_nonfinite"))
+    assert json.load(open(f"{out}/config.json"))["lr"] == 1e-4
+
+
+def test_lengths_that_do_not_fit_the_model_stop_before_it_generates(tmp_path, monkeypatch):
+    def no_generation(*args, **kw):
+        raise AssertionError("the model generated")
+    monkeypatch.setattr(train, "Rollout", no_generation)
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit, match=r"^--critic_max_tokens 4096: more than the 2048 positions of model tiny; "
+                                         r"lower it to at most 2048$"):
+        train.main(small_config(out, algo="maac", critic_max_tokens=4096))
+    too_long = (r"^--max_new_tokens 2000: the longest prompt of voting on arith takes \d+ tokens, and model tiny "
+                r"reads 2048; lower --max_new_tokens to at most \d+$")
+    with pytest.raises(SystemExit, match=too_long) as stop:
+        train.main(small_config(out, max_new_tokens=2000))
+    assert not os.path.exists(f"{out}/config.json")
+    prompt, most = (int(x) for x in re.search(r"takes (\d+) .* at most (\d+)", str(stop.value)).groups())
+    assert prompt + most == 2048
+    model, tok = load_policy("tiny")  # the largest length it names fits
+    train.check_context(model, tok, small_config(out, max_new_tokens=most), load_task("arith", "test", 3, 2, 0))
+
+
+def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, save_every=2)  # step 3 is saved all the same
+    train.main(small_config(str(tmp_path / "straight"), **toy))
+    monkeypatch.setattr(machine, "requested", [])
+    real_rollout, calls = train.rollout_step, []
+
+    def signalled_in_step_3(*args, **kw):
+        calls.append(1)
+        if len(calls) == 5:  # evaluation, step 1, step 2 and its evaluation; step 3
+            machine.ask_to_stop(signal.SIGTERM)
+        return real_rollout(*args, **kw)
+    monkeypatch.setattr(train, "rollout_step", signalled_in_step_3)
+    out = str(tmp_path / "resumed")
+    with pytest.raises(SystemExit) as stop:
+        train.main(small_config(out, **toy))
+    assert stop.value.code == 143 == 128 + signal.SIGTERM
+    assert (f"stopped by SIGTERM after step 3, the checkpoint of step 3 kept; to go on: python train.py --resume "
+            f"--out {out}") in capsys.readouterr().err
+    assert torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"] == 3
+    monkeypatch.setattr(train, "rollout_step", real_rollout)
+    monkeypatch.setattr(machine, "requested", [])
+    train.main(train.Config(out=out, resume=True))
+    straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
+    assert without_machine_stats(read_jsonl(out + "/metrics.jsonl")) == straight
+    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
+
+
+def test_a_sigterm_stops_a_training_process_with_its_checkpoint_and_the_resume_command(tmp_path):
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "train.py", *SMALL, "--steps", "500", "--out", out], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    while not os.path.exists(f"{out}/ckpt/state.pt"):  # after the step-0 evaluation
+        assert proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143, err[-2000:]
+    assert f"; to go on: python train.py --resume --out {out}\n" in err and "Traceback" not in err
+    saved = torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"]
+    assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == list(range(saved + 1)) and saved < 500

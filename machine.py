@@ -1,0 +1,150 @@
+"""A run on its machine: the processes under torchrun and the device of each, what they
+exchange in a step, torch's CPU threads, the peak memory, and the signals that ask a run to
+stop.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --out runs/two   # docs/torchrun.md
+    kill -TERM PID      # the run stops after its current step, its checkpoint kept (docs/runs.md)
+
+Under torchrun (WORLD_SIZE > 1) a process joins the process group. Torch's CPU threads are
+the cores that other programs leave free (a thread whose core is taken stalls the others of
+its matrix product), chosen again after every step; the peak memory logged is the
+accelerator's or the process's own. Ctrl-C (SIGINT) and SIGTERM, what a cluster sends before
+it pre-empts a job, only set a flag: the training loop reads it at the end of every step,
+where under torchrun the processes agree on it, so that all of them stop after the same step
+(runs.stop_run ends the run).
+
+Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py, tests/test_bench.py
+"""
+import os
+import re
+import resource
+import signal
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from rollout import Call, gather_lists, rank_and_world
+
+
+# ----------------------------------------------------------------------------
+# Processes (joining, exchanging a step's episodes and statistics), threads, memory
+
+
+def join_processes(device: str) -> str:
+    """This process's device (--device cuda without a usable GPU: a one-line error); under
+    torchrun (WORLD_SIZE > 1) also join the process group: nccl and one GPU per local rank on
+    CUDA, gloo on CPU."""
+    cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise SystemExit(f"--device {device}: {why}; use --device cpu (or auto)")
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return ("cuda" if cuda else "cpu") if device == "auto" else device
+    if cuda:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return device if cuda else "cpu"
+
+
+def gather_episodes(calls: list[Call], outcomes, rewards: list[float], problem_of: list[int]):
+    """Every process's episodes, in rank order, episodes numbered across the processes
+    (the lists themselves in one process)."""
+    offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
+    for c in calls:
+        c.episode += offset
+    return gather_lists(calls), gather_lists(outcomes), gather_lists(rewards), gather_lists(problem_of)
+
+
+def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The update statistics of every process, each key's lists joined."""
+    joined = defaultdict(list)
+    for part in gather_lists([dict(stats)]):
+        for k, v in part.items():
+            joined[k] += v
+    return joined
+
+
+def running_threads() -> int:
+    """Threads running or runnable on the machine right now, this one included (Linux)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return 1 << 30  # unknown: the load average alone decides
+
+
+def pick_threads(requested: int, own_load: float) -> int:
+    """Torch's CPU threads: --threads, else the cores this process may use less what other
+    processes keep busy. Those are the 1-minute load average minus this process's own share,
+    or the threads running right now besides this one when fewer (the average trails a
+    program that just stopped). Threads of one matmul wait for each other, so a thread
+    whose core is taken stalls them all."""
+    if requested:
+        return requested
+    cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    others = max(0.0, min(os.getloadavg()[0] - own_load, running_threads() - 1))
+    return max(1, min(cores, round(cores - others)))
+
+
+def pick_threads_again(requested: int, t0: float, cpu_before: float) -> float:
+    """The threads of the next step: this process's own load is its CPU time over the wall time
+    of the step that began at t0. Returns the CPU time now, where the next step's load starts."""
+    own_load = (time.process_time() - cpu_before) / (time.time() - t0)
+    torch.set_num_threads(pick_threads(requested, own_load))
+    return time.process_time()
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU.
+    Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
+    started from it (diagnose.py --reproduce, bench.py), VmHWM starts afresh."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------
+# Signals: Ctrl-C (SIGINT) and SIGTERM stop the run at the end of a step
+
+requested: list[int] = []  # the stop signal received, once one is
+
+
+def catch_stop_signals() -> None:
+    """From now on SIGINT and SIGTERM ask the run to stop after its current step (ask_to_stop)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, ask_to_stop)
+
+
+def ask_to_stop(signum: int, frame: object = None) -> None:
+    """The handler: the first signal is noted for stop_requested; a second one stops the process
+    at once, as it would without the handler. Not under torchrun: it passes a signal on to its
+    processes, which may have had it already (Ctrl-C, a cluster signalling a whole job), and
+    kills them itself 30 s later."""
+    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if requested:
+        if not alone:
+            return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    requested.append(signum)
+    if rank_and_world()[0] == 0:  # unbuffered: the signal may have come in the middle of a print
+        again = "; again to stop at once" if alone else ""
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step{again}\n".encode())
+
+
+def stop_requested() -> int:
+    """The signal that stops the run at this step's end, 0 for none. Every process calls it at
+    the same points, and under torchrun they agree: one's signal stops them all at the same step."""
+    return max(gather_lists([requested[0] if requested else 0]))
