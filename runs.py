@@ -2,7 +2,7 @@
 checkpoints, --resume and --start_from; how it ends, early or not; and the time it has left
 (the machine it runs on: machine.py).
 
-    python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, ckpt/
+    python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, tb/, ckpt/
     python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
     python train.py --out runs/a --overwrite          # start it over (its own files go, nothing else)
     python train.py --steps 0 --sft_warmup 4 --out runs/start      # a warm-up and step-0 evaluation ...
@@ -112,6 +112,30 @@ def write_step(out: str, row: dict, samples: list[dict]) -> None:
     if rank_and_world()[0] == 0:
         append_jsonl(os.path.join(out, "metrics.jsonl"), [row])
         append_jsonl(os.path.join(out, "samples.jsonl"), samples)
+        tensorboard_row(out, row)
+
+
+tb_writers: dict[str, object] = {}  # run directory -> this process's TensorBoard writer
+
+
+def tensorboard_row(out: str, row: dict) -> None:
+    """Every number of a metrics.jsonl row as a TensorBoard scalar in <out>/tb, so that
+    `tensorboard --logdir runs` shows runs as they train. A process opens its writer at its
+    first row with purge_step at that row's step: after --resume, TensorBoard drops what the
+    stopped run wrote past the checkpoint, as metrics.jsonl does."""
+    from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+    if out not in tb_writers:
+        tb_writers[out] = SummaryWriter(os.path.join(out, "tb"), purge_step=row["step"])
+    for key, value in row.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            tb_writers[out].add_scalar(key, value, row["step"])
+    tb_writers[out].flush()
+
+
+def close_tensorboard() -> None:
+    while tb_writers:
+        tb_writers.popitem()[1].close()
 
 
 def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float], group_size: int,
@@ -132,7 +156,7 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
 # ----------------------------------------------------------------------------
 # The run directory
 
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "ckpt", "ckpt.tmp", "ckpt.old")
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tb", "ckpt", "ckpt.tmp", "ckpt.old")
 LOCK = ".lock"  # in --out, kept by --overwrite: it is not one of the run's files
 held_locks: list[int] = []  # the lock file this process holds (one run at a time)
 
@@ -208,6 +232,7 @@ def start_logs(out: str, first: dict) -> None:
     for path in (metrics_path, samples_path):
         open(path, "w").close()
     append_jsonl(metrics_path, [first])
+    tensorboard_row(out, first)
 
 
 # ----------------------------------------------------------------------------
@@ -424,6 +449,7 @@ def leave_processes() -> None:
     """The run is over: let its directory go, and under torchrun leave the process group once
     every process is done with it (gloo aborts a process whose group is torn down while another
     still uses it)."""
+    close_tensorboard()
     unlock_run()
     if rank_and_world()[1] > 1:
         barrier()

@@ -709,3 +709,34 @@ def test_a_sigterm_stops_a_training_process_with_its_checkpoint_and_the_resume_c
     assert f"; to go on: python train.py --resume --out {out}\n" in err and "Traceback" not in err
     saved = torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"]
     assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == list(range(saved + 1)) and saved < 500
+
+
+def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar event TensorBoard reads back from a run, (step, value) in its order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tb"), size_guidance={"scalars": 0}).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_holds_every_number_of_metrics_jsonl(tmp_path):
+    out = str(tmp_path / "run")
+    train.main(small_config(out, steps=3))
+    scalars = tensorboard_scalars(out)
+    for row in read_jsonl(f"{out}/metrics.jsonl"):
+        for key, value in row.items():
+            if key != "step":
+                assert dict(scalars[key])[row["step"]] == pytest.approx(value, rel=1e-6), (key, row["step"])
+    assert "slot/generator0/len" in scalars and "role/aggregator/len" in scalars
+
+
+def test_tensorboard_after_a_resume_keeps_one_value_per_step(tmp_path):
+    """A resumed run writes again the steps after its checkpoint; purge_step drops the old ones."""
+    out = str(tmp_path)
+    for step in range(4):
+        runs.tensorboard_row(out, {"step": step, "reward/mean": float(step)})
+    runs.close_tensorboard()
+    for step in (2, 3):  # resumed from the checkpoint of step 1
+        runs.tensorboard_row(out, {"step": step, "reward/mean": 10.0 + step})
+    runs.close_tensorboard()
+    assert tensorboard_scalars(out)["reward/mean"] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
