@@ -289,7 +289,8 @@ def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens
     monkeypatch.setattr(train, "load_task", lambda *args: TOY)
     monkeypatch.setattr(train, "score_batch", odd_length_wins)  # reward contrast in every group
     norms = {}
-    for name, kw in [("single", dict(workflow="single")), ("voting", dict(workflow="voting")),
+    for name, kw in [("single", dict(workflow="single", one_step=False)),
+                     ("voting", dict(workflow="voting", one_step=False)),
                      ("one_step", dict(workflow="voting", one_step=True))]:
         out = str(tmp_path / name)
         cfg = train.Config(model="tiny", sharing="isolated", steps=1, problems_per_step=4, group_size=8,

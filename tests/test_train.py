@@ -90,7 +90,7 @@ def test_bad_input_is_a_one_line_error(tmp_path):
 def small_config(out: str, **kw) -> train.Config:
     base = dict(model="tiny", workflow="voting", sharing="isolated", steps=4, problems_per_step=2,
                 group_size=3, eval_problems=3, max_new_tokens=6, lora_r=4, minibatch_size=4,
-                eval_every=2, save_every=2, out=out)
+                one_step=False, eval_every=2, save_every=2, out=out)  # the paper's mini-batch steps
     return train.Config(**{**base, **kw})
 
 
@@ -388,7 +388,7 @@ def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tm
     assert f"resuming {out} at step 2" in capsys.readouterr().out  # the newest whole checkpoint
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
     assert without_machine_stats(read_jsonl(f"{out}/metrics.jsonl")) == straight
-    assert sorted(os.listdir(out)) == [".lock", "ckpt", "config.json", "metrics.jsonl", "samples.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "ckpt", "config.json", "metrics.jsonl", "samples.jsonl", "tb"]
 
 
 def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_one(tmp_path, monkeypatch):
