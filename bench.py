@@ -25,8 +25,9 @@ of them. Sections:
              large matrix product in fp32 and bf16, memory bandwidth from a large
              copy; then tokens/s of one generator stage by batch size and dtype (the
              base model's own generate), and of the update's forward + backward, each
-             with its arithmetic rate (2 x parameters FLOP per generated token, 6 x
-             per trained token) against the peak
+             with its arithmetic rate (2 x parameters FLOP per generated token, 4 x
+             per trained position: the frozen weights get no gradient of their own)
+             against the peak
 
 Memory is the peak over each part: the allocator's on CUDA, the process's resident
 set on CPU (reset between parts through /proc/self/clear_refs where Linux allows).
@@ -334,7 +335,9 @@ def throughput(args, device: str, questions: list[str], cfg: Config, batches: li
 def throughput_lines(fig: dict) -> list[str]:
     lim, t = fig["limits"], fig["throughput"]
     peak = {d: lim[f"matmul_{d}_gflops"] for d in ("fp32", "bf16")}
-    gflop = {"generate": 2 * t["params"] / 1e9, "update": 6 * t["params"] / 1e9}  # per token
+    # per token: a forward pass is 2 FLOP a parameter; backward adds 2 for the gradient of the
+    # input (the frozen weights need none of their own; LoRA's few parameters are left out)
+    gflop = {"generate": 2 * t["params"] / 1e9, "update": 4 * t["params"] / 1e9}
     lines = ["", f"throughput against the machine: a 2048^3 matmul peaks at {peak['fp32']:.0f} GFLOP/s fp32, "
              f"{peak['bf16']:.0f} bf16; copying 256 MiB runs at {lim['copy_gbs']:.1f} GB/s",
              f"  generate, one generator stage ({fig['new_tokens']} new tokens), tokens/s "
