@@ -51,7 +51,8 @@ import torch
 import torch.nn as nn
 
 from lora import add_adapter, use_adapter
-from rollout import Call, left_pad, my_share, sum_across, sum_gradients, token_batches
+from machine import my_share, sum_across, sum_gradients
+from rollout import Call, left_pad, token_batches
 
 CRITICS = ("central", "decentral")
 PER = ("slot", "role")

@@ -36,6 +36,14 @@ kappa and each role's gradient share) and carries Paper A's mitigations:
 role-balanced or 1/multiplicity loss weights (loss_weight), coherence damping
 (damped_step) and a KL anchor per role.
 
+The sampler and the trainer round differently (bf16, KV cache, merged weights), so
+the tokens come from pi_rollout, not exactly pi_old: the update logs the gap
+(mismatch_stats) and, with tis_cap > 0, weights each token's term by
+min(pi_old / pi_rollout, C), truncated importance sampling (Yao et al. 2025, "Your
+efficient RL framework secretly brings you off-policy RL training"). With skip_empty
+a mini-batch without a live call takes no optimizer step: AdamW would still move the
+adapter on its moments.
+
 Exercised by: pytest tests/test_grpo.py
 """
 import random
@@ -47,7 +55,8 @@ from typing import Hashable, NamedTuple
 import torch
 
 from lora import adapter_parameters, use_adapter
-from rollout import Call, my_share, sequence_logprobs, sum_across, sum_gradients, token_batches
+from machine import my_share, sum_across, sum_gradients
+from rollout import Call, sequence_logprobs, token_batches
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 BALANCE = ("none", "role", "multiplicity")
@@ -311,7 +320,7 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     where the call is on-policy (see the module docstring).
 
     Under torchrun every process passes the same calls and the same rng state; each
-    back-propagates its share of every slot's calls (rollout.my_share) with the whole
+    back-propagates its share of every slot's calls (machine.my_share) with the whole
     mini-batch's denominators, and the gradients are summed before the step, so all
     processes take the step one process would take on the same calls (or all skip it).
     """
@@ -387,6 +396,15 @@ def slot_groups(mb: list[Call], s: UpdateSettings, by: str) -> list[tuple[str, l
             for group in sorted({getattr(c, by) for c in live})]
 
 
+def overlay(base: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor:
+    """A copy of base (b, T) with each given row (T_i,) written over the start of its own row."""
+    out = base.clone()
+    for i, row in enumerate(rows):
+        if row is not None:
+            out[i, : len(row)] = row.to(out.device)
+    return out
+
+
 def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: UpdateSettings,
                         weight: LossWeight, with_entropy: bool) -> dict[str, float]:
     """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its
@@ -399,14 +417,11 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: 
     if kl_coef > 0:
         with torch.no_grad(), use_adapter(model, s.reference.get(adapter)):  # None: the base model
             ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, s.temperature)
-    old_logp = logp.detach().clone()  # (b, T); on-policy rows keep it, padding is masked
-    for i, c in enumerate(micro):
-        if c.old_logp is not None:  # a later mini-batch: pi_old from the pass before the first step
-            old_logp[i, : len(c.old_logp)] = c.old_logp.to(logp.device)
-    rollout_logp = old_logp.clone()  # (b, T); greedy or hand-made calls: no gap
-    for i, c in enumerate(micro):
-        if c.rollout_logp is not None:
-            rollout_logp[i, : len(c.rollout_logp)] = c.rollout_logp.to(logp.device)
+    # pi_old: on-policy rows keep their own log-probs, detached; a later mini-batch's rows take
+    # the pass before the first step. pi_rollout: the sampler's, where it recorded them (greedy
+    # or hand-made calls did not: no gap). Padding is masked either way.
+    old_logp = overlay(logp.detach(), [c.old_logp for c in micro])  # (b, T)
+    rollout_logp = overlay(old_logp, [c.rollout_logp for c in micro])  # (b, T)
     is_weight = tis_weight(old_logp, rollout_logp, s.tis_cap) if s.tis_cap > 0 else None
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,

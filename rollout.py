@@ -33,9 +33,6 @@ differ visibly. `Rollout` records log pi_rollout of every sampled token
 (`SamplerLogprobs`), so the update can log the gap and, optionally, correct for
 it with truncated importance sampling (grpo.py).
 
-Under torchrun, the helpers at the end split work between processes and
-exchange the results (train.py, grpo.py, critic.py use them); in one process
-they do nothing.
 
 Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """
@@ -48,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from platformdirs import user_cache_dir
 from transformers import LogitsProcessor
@@ -433,71 +429,3 @@ class Rollout:
             fits = f", {len(cut)} prompt(s) cut to fit the context" if cut else ""
             self.progress(f"stage {self.stages} {role} x{len(chats)}: {time.time() - start:.0f}s{fits}")
         return texts
-
-
-# ----------------------------------------------------------------------------
-# Several processes (torchrun): data parallel over problems
-# Every process rolls out its block of the step's problems; the calls are then
-# gathered, so every process holds the same list of all of them, and the update
-# splits each mini-batch's forward and backward passes between the processes and
-# sums their gradients. With one process these are no-ops.
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the number of processes (0, 1 without torch.distributed)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def my_share(items: list) -> list:
-    """This process's part of a list that every process holds: every world-th item."""
-    rank, world = rank_and_world()
-    return items[rank::world]
-
-
-def block(n: int) -> range:
-    """This process's contiguous block of n items (the first n % world processes get one more)."""
-    rank, world = rank_and_world()
-    size, extra = divmod(n, world)
-    start = rank * size + min(rank, extra)
-    return range(start, start + size + (rank < extra))
-
-
-def gather_lists(items: list) -> list:
-    """Every process's list, concatenated in rank order (picklable items; the list itself
-    in one process)."""
-    _, world = rank_and_world()
-    if world == 1:
-        return items
-    parts = [None] * world
-    dist.all_gather_object(parts, items)
-    return [x for part in parts for x in part]
-
-
-def barrier() -> None:
-    if rank_and_world()[1] > 1:
-        dist.barrier()
-
-
-def sum_across(t: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over the processes, in place; returns it."""
-    if rank_and_world()[1] > 1:
-        on = t if t.is_cuda or dist.get_backend() != "nccl" else t.cuda()  # nccl reduces on the GPU
-        dist.all_reduce(on)
-        if on is not t:
-            t.copy_(on)
-    return t
-
-
-def sum_gradients(params: list[torch.Tensor]) -> None:
-    """Add up the processes' gradients of `params`: each process's backward covered its
-    share of the mini-batch with the whole mini-batch's denominators, so the sum is the
-    gradient of the mini-batch's loss, as one process would have computed it."""
-    if rank_and_world()[1] == 1:
-        return
-    flat = sum_across(torch.cat([p.grad.reshape(-1) for p in params]))  # one message, not one per tensor
-    i = 0
-    for p in params:
-        p.grad.copy_(flat[i:i + p.numel()].view_as(p))
-        i += p.numel()

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from lora import adapter_names, freeze_copy, load_adapter_state, load_adapters, save_adapters
-from rollout import Call, barrier, gather_lists, rank_and_world
+from machine import barrier, gather_lists, rank_and_world
+from rollout import Call
 
 RunConfig = TypeVar("RunConfig")  # train.Config: a dataclass with a default on every field
 

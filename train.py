@@ -53,11 +53,11 @@ from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key,
 from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_batches, policy_update
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
                   use_adapter)
-from machine import (catch_stop_signals, gather_episodes, gather_stats, join_processes, peak_memory_mb,
-                     pick_threads, pick_threads_again, stop_requested)
+from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes,
+                     my_share, peak_memory_mb, pick_threads, pick_threads_again, rank_and_world,
+                     stop_requested, sum_gradients)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
-from rollout import (DTYPES, Call, Rollout, block, chat_text, context_length, gather_lists, load_policy, my_share,
-                     rank_and_world, sequence_logprobs, sum_gradients)
+from rollout import DTYPES, Call, Rollout, chat_text, context_length, load_policy, sequence_logprobs
 from runs import (NEW_LR, NONFINITE_STOP, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
                   leave_processes, load_start, lock_run, plan, resolve_resume, resume_run, save_checkpoint,
                   start_logs, start_run_dir, step_line, stop_run, typed_flags, write_step)

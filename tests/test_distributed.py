@@ -19,7 +19,8 @@ import train
 from grpo import UpdateSettings, policy_update
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
 from reward import Problem
-from rollout import Rollout, rank_and_world, tiny_model
+from machine import rank_and_world
+from rollout import Rollout, tiny_model
 from workflows import ROLES, run_workflow
 
 
