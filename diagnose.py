@@ -1,9 +1,6 @@
 """Diagnose a multi-agent training run: Paper A's two failure mechanisms, measured and named.
 
     python diagnose.py runs/a runs/b              # report.md and plots of these runs
-    python diagnose.py --reproduce                # the small grid on the embedded model, then the report
-    python diagnose.py --demo amplification       # one mechanism made visible, next to its mitigation
-    python diagnose.py --demo capture --seeds 0,1,2
     python diagnose.py --probe runs/a/ckpt        # kappa, coherence and gradient shares on one batch
     python diagnose.py --watch runs/a "What is 7 + 5?"   # every call of the trained workflow, printed
 
@@ -23,8 +20,8 @@ base model fails in two ways, one per way of sharing the LoRA policy:
 train.py logs every signal used here (metrics.jsonl); this file reads the
 logs, plots them side by side and applies three detectors with explicit
 thresholds. The thresholds are choices of this project, not the paper's. It
-sits on top of the project: it imports train.py (the probe drives it) and
-grid.py (which trains the grid's and the demos' cells), and nothing imports it.
+imports train.py (the probe drives it); grid.py, which trains the main table's
+and the demos' cells, builds its tables on this file.
 
 Exercised by: pytest tests/test_diagnose.py
 """
@@ -38,7 +35,6 @@ import random
 import re
 import statistics
 import sys
-import time
 from collections import Counter
 
 import matplotlib
@@ -52,7 +48,6 @@ from grpo import policy_update
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from reward import KINDS, load_task
 from rollout import Rollout, load_policy
-from grid import DEMOS, demo_cells, grid_cells, seed_of, train_cells
 from runs import load_run
 from workflows import ROLES, role_of, run_workflow, slots
 
@@ -293,143 +288,6 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
 
 
 # ----------------------------------------------------------------------------
-# The reproduction grid and the demos (grid.py trains their cells)
-
-
-def reproduce(out: str, train_flags: list[str]) -> str:
-    """Train every grid cell with train.py, then write the report."""
-    return report(train_cells(out, grid_cells(train_flags)), out)
-
-
-def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """The signals the demos follow, step by step, in one run: the crowded role's kappa, its
-    adapter's update norm, the first supervisory role's adherence, each role's gradient share,
-    reward and accuracy."""
-    n = multiplicity(config)
-    crowded = max(n, key=n.get)  # the role with the most slots
-    judge = next((r for r in ROLES[config["workflow"]] if r != crowded), crowded)
-    adapter = "shared" if config["sharing"] == "shared" else crowded
-    keys = {"kappa": f"role/{crowded}/kappa", "update norm": f"adapter/{adapter}/update_norm",
-            "adherence": f"role/{judge}/adherence", "reward": "reward/mean", "accuracy": "eval/accuracy"}
-    keys |= {f"{r} share": f"role/{r}/grad_share" for r in ROLES[config["workflow"]]}
-    return {name: series(rows, key) for name, key in keys.items()}
-
-
-def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """What the demos compare, from one run: the crowded role's kappa (mean, and the share of
-    steps at >= 0.8 sqrt(N)), its adapter's update norm, the first supervisory role's
-    adherence (first and last step), the largest gradient share, reward and accuracy."""
-    n = max(multiplicity(config).values())
-    got = {name: [v for _, v in points] for name, points in cell_series(config, rows).items()}
-    kappa, adh, reward, acc = got["kappa"], got["adherence"], got["reward"], got["accuracy"]
-    shares = [statistics.mean(vs) for name, vs in got.items() if name.endswith(" share") and vs]
-    mean = statistics.mean
-    return {"kappa": mean(kappa) if kappa else math.nan,
-            "coherent steps": mean(k >= KAPPA_FRAC * math.sqrt(n) for k in kappa) if kappa else math.nan,
-            "update norm": mean(got["update norm"] or [math.nan]),
-            "adherence first": adh[0] if adh else math.nan, "adherence last": adh[-1] if adh else math.nan,
-            "top share": max(shares) if shares else math.nan,
-            "reward first": reward[0] if reward else math.nan, "reward last": reward[-1] if reward else math.nan,
-            "accuracy start": acc[0], "accuracy peak": max(acc), "accuracy end": acc[-1]}
-
-
-Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's (config, rows)
-
-
-def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
-    """Train the demo's cells for every seed (out/<name>/seed<S>/<cell>), then write
-    out/<name>/report.md and its plots, headed by a table of the cells (mean and range over the
-    seeds) and by which cells the detector names."""
-    spec, home = DEMOS[name], os.path.join(out, name)
-    cells = demo_cells(name, home, train_flags, seeds)
-    run_dirs = [d for d in train_cells(home, cells) if os.path.basename(d) in spec.cells]
-    path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
-    by_cell = {cell: {seed_of(d): load_run(d) for d in run_dirs if os.path.basename(d) == cell}
-               for cell in spec.cells}  # cell -> seed -> (config, rows)
-    lines, verdict = demo_table(by_cell) + [""] + seed_table(spec.signals[0], by_cell), []
-    for cell, runs in by_cell.items():
-        found = sum(any(f.startswith(spec.finding) for f in findings(*run)) for run in runs.values())
-        meant = "the mechanism" if cell in spec.shows else "a contrast or a mitigation"
-        verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(runs)} seeds")
-    picture = demo_plot(spec.signals, by_cell, os.path.join(home, "demo.png"))
-    with open(path) as f:
-        text = f.read()
-    with open(path, "w") as f:
-        f.write(f"# Demo: {name}\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {v}" for v in verdict)
-                + f"\n\n![demo.png]({os.path.basename(picture)})\n\n" + text)
-    print("\n".join(lines + [""] + verdict))
-    return path
-
-
-def demo_table(by_cell: Runs) -> list[str]:
-    """One row per cell: each number's mean over the seeds, and its range when there are several."""
-    rows = {cell: [cell_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()}
-    keys = list(next(iter(rows.values()))[0])
-    lines = ["| cell | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
-    for cell, numbers in rows.items():
-        parts = []
-        for k in keys:
-            vs = [x[k] for x in numbers if not math.isnan(x[k])]
-            if not vs:
-                parts.append("-")
-            elif len(vs) == 1:
-                parts.append(f"{vs[0]:.2f}")
-            else:
-                parts.append(f"{statistics.mean(vs):.2f} ({min(vs):.2f}-{max(vs):.2f})")
-        lines.append(f"| {cell} | " + " | ".join(parts) + " |")
-    return lines
-
-
-def seed_table(signal: str, by_cell: Runs) -> list[str]:
-    """The signal at every step it was logged, a row per seed and a column per cell."""
-    cells = {cell: {seed: cell_series(*run)[signal] for seed, run in runs.items()} for cell, runs in by_cell.items()}
-    seeds = sorted({seed for runs in cells.values() for seed in runs}, key=int)
-    lines = [f"{signal}, step by step:", "", "| seed | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
-    for seed in seeds:
-        parts = [", ".join(f"{v:.2f}" for _, v in runs.get(seed, [])) or "-" for runs in cells.values()]
-        lines.append(f"| {seed} | " + " | ".join(parts) + " |")
-    return lines
-
-
-SIGNALS = {"kappa": "kappa of the crowded role's slots (dashed: the detector's 0.8 sqrt(N))",
-           "update norm": "change of the crowded role's adapter in a step (L2)",
-           "adherence": "the supervisory role's calls that keep its contract",
-           "generator share": "the generators' share of the shared gradient"}
-
-
-def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
-    """A panel per signal: every seed of a cell as a thin line, their mean as a thick one (at each
-    step, over the seeds that logged the signal there: a role with no reward contrast in a step
-    has no gradient share)."""
-    fig, axes = plt.subplots(1, len(signals), figsize=(5.5 * len(signals), 3.8), squeeze=False)
-    for ax, signal in zip(axes[0], signals):
-        for i, (cell, runs) in enumerate(by_cell.items()):
-            curves = [dict(cell_series(*run)[signal]) for run in runs.values()]
-            curves = [c for c in curves if c]
-            if not curves:  # e.g. no gradient share under isolated adapters
-                continue
-            for c in curves:
-                ax.plot(list(c), list(c.values()), color=f"C{i}", alpha=0.25, linewidth=1)
-            steps = sorted(set().union(*curves))  # a step's mean is over the seeds that logged it
-            ax.plot(steps, [statistics.mean(c[t] for c in curves if t in c) for t in steps], color=f"C{i}",
-                    linewidth=2.5, marker="o", markersize=4, label=f"{cell}, {len(curves)} seeds")
-        if signal == "kappa":
-            config = next(config for runs in by_cell.values() for config, _ in runs.values())
-            n = max(multiplicity(config).values())
-            ax.axhline(KAPPA_FRAC * math.sqrt(n), color="grey", linestyle="--", linewidth=1)
-        ax.set_title(SIGNALS.get(signal, signal), fontsize=9)
-        ax.set_xlabel("RL step")
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not logged in these runs", ha="center", transform=ax.transAxes)
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-# ----------------------------------------------------------------------------
 # A trained run: the gradient probe, and watching it answer
 
 
@@ -497,15 +355,10 @@ def watch(run_dir: str, question: str, sample: bool = False, seed: int = 0) -> s
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     epilog="With --reproduce or --demo, unknown flags go to train.py "
-                                            "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
+                                     epilog="grid.py trains the main table's and the demos' cells.")
     parser.add_argument("runs", nargs="*", help="train.py run directories")
     parser.add_argument("--out", default=None, help="where report.md and the plots go "
                         "(default: the run directory, or the runs' common parent)")
-    parser.add_argument("--reproduce", action="store_true", help="train the grid, then report")
-    parser.add_argument("--demo", choices=list(DEMOS), help="train one mechanism's demo cells "
-                        "(the mechanism, its contrast, its mitigation), then report")
-    parser.add_argument("--seeds", default="0", help="--demo: the seeds to run, e.g. 0,1,2")
     parser.add_argument("--probe", metavar="CHECKPOINT", help="a run's ckpt directory")
     parser.add_argument("--probe_problems", type=int, default=4, help="problems in the probe batch")
     parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"),
@@ -516,36 +369,9 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def split_reproduce(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """--reproduce, --demo, --seeds and --out for this file; every other flag, in order, for
-    train.py. (The full parser would let its run-directory positional swallow the value of
-    --model and the like.)"""
-    own = argparse.ArgumentParser(prog="diagnose.py", add_help=False)
-    own.add_argument("--reproduce", action="store_true")
-    own.add_argument("--demo", choices=list(DEMOS))
-    own.add_argument("--seeds", default="0")
-    own.add_argument("--out", default=None)
-    args, train_flags = own.parse_known_args(argv)
-    try:
-        args.seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        own.error(f"--seeds {args.seeds!r}: give seeds as 0,1,2")
-    return args, train_flags
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
-    if ("--reproduce" in argv or "--demo" in argv) and "--help" not in argv and "-h" not in argv:
-        args, train_flags = split_reproduce(argv)
-        train.parse_config(train_flags)  # a wrong flag fails here, before the first cell
-        t0 = time.time()
-        if args.demo:
-            path = demo(args.demo, args.out or f"runs/demo-{args.demo}", train_flags, args.seeds)
-        else:
-            path = reproduce(args.out or "runs/reproduce", train_flags)
-        print(f"{path} ({time.time() - t0:.0f} s in all)")
-        return
     args = parser.parse_args(argv)
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)
@@ -560,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
             [os.path.abspath(r) for r in args.runs]))
         print(report(args.runs, out))
     else:
-        parser.error("give run directories, --reproduce, --probe CHECKPOINT or --watch RUN QUESTION")
+        parser.error("give run directories, --probe CHECKPOINT or --watch RUN QUESTION")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def test_bench_refuses_an_unknown_part_before_loading_a_model():
 
 def test_a_process_started_from_a_big_one_reports_its_own_peak():
     """ru_maxrss carries a parent's peak over to the process it starts; machine.peak_memory_mb
-    must not (bench.py and diagnose.py --reproduce start train.py)."""
+    must not (bench.py and grid.py --reproduce start train.py)."""
     ballast = bytearray(1 << 30)
     ballast[:: 1 << 12] = b"x" * len(ballast[:: 1 << 12])  # touch every page: 1 GiB resident
     child = subprocess.run([sys.executable, "-c", "import machine; print(machine.peak_memory_mb('cpu'))"],

@@ -176,11 +176,12 @@ def test_a_stubbed_copy_fails_its_own_tests_and_passes_the_others(number, tmp_pa
 
 
 def test_every_command_of_the_syllabus_parses():
-    """docs/course.md's commands take the flags train.py, diagnose.py, bench.py and course.py take
+    """docs/course.md's commands take the flags train.py, diagnose.py, grid.py, bench.py and course.py take
     today, and a report reads runs that the page trains (YOURS, the student's workflow, is read as
     single)."""
     import bench
     import diagnose
+    import grid
     import train
     with open(f"{ROOT}/docs/course.md") as f:
         blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.DOTALL)
@@ -194,10 +195,10 @@ def test_every_command_of_the_syllabus_parses():
         scripts.add(script)
         if script == "train.py":
             trained.add(train.parse_config(args).out)
-        elif script == "diagnose.py" and "--demo" in args:
-            train.parse_config(diagnose.split_reproduce(args)[1])
+        elif script == "grid.py":
+            train.parse_config(grid.parse_args(args)[1])
         elif script == "diagnose.py":
             assert set(diagnose.make_parser().parse_args(args).runs) <= trained, line
         else:
             {"bench.py": bench.make_parser, "course.py": course.make_parser}[script]().parse_args(args)
-    assert scripts == {"train.py", "diagnose.py", "bench.py", "course.py"}, scripts
+    assert scripts == {"train.py", "diagnose.py", "grid.py", "bench.py", "course.py"}, scripts

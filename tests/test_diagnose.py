@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import diagnose
-import grid
 import runs
 import train
 from grpo import UpdateSettings, damped_step, loss_weight, policy_update
@@ -351,17 +350,6 @@ def test_watch_needs_a_checkpoint(tmp_path):
         diagnose.main(["--watch", out, "What is 2 + 3?"])
 
 
-def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_path):
-    seen = []
-    monkeypatch.setattr(diagnose, "reproduce", lambda out, flags: seen.append((out, flags)) or "report.md")
-    diagnose.main(["--reproduce", "--model", "Qwen/Qwen3-1.7B", "--out", str(tmp_path), "--steps", "200"])
-    assert seen == [(str(tmp_path), ["--model", "Qwen/Qwen3-1.7B", "--steps", "200"])]
-    with pytest.raises(SystemExit):  # a flag train.py does not know stops before the first cell
-        diagnose.main(["--reproduce", "--stepz", "3"])
-    assert len(seen) == 1
-
-
-
 def test_damaged_runs_are_one_line_errors_and_a_torn_last_line_is_dropped(tmp_path, capsys):
     out = str(tmp_path / "run")
     train.main(train.Config(model="tiny", workflow="single", steps=2, eval_every=1, eval_problems=1, lora_r=4,
@@ -381,48 +369,3 @@ def test_damaged_runs_are_one_line_errors_and_a_torn_last_line_is_dropped(tmp_pa
     os.remove(f"{out}/config.json")
     with pytest.raises(SystemExit, match="no config.json"):
         diagnose.main([out])
-
-
-def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys):
-    """The plumbing of --demo on the tiny model: every cell and seed trained with the demo's flags,
-    the flags after --demo passed on (and overriding), one table row per cell, a verdict per cell."""
-    out = str(tmp_path / "demo")
-    tiny = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems", "2",
-            "--problems_per_step", "2", "--group_size", "2", "--max_new_tokens", "6", "--lora_r", "4",
-            "--sft_warmup", "2"]
-    diagnose.main(["--demo", "capture", "--seeds", "0,1", "--out", out, *tiny])
-    printed = capsys.readouterr().out
-    spec = grid.DEMOS["capture"]
-    for seed in (0, 1):
-        for cell, flags in spec.cells.items():
-            config, rows = runs.load_run(f"{out}/capture/seed{seed}/{cell}")
-            assert (config["seed"], config["steps"], config["sft_warmup"]) == (seed, 2, 2)
-            assert config["sharing"] == flags[flags.index("--sharing") + 1]
-            assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
-            # every cell of a seed goes on from one warm-up and step-0 evaluation under a shared adapter
-            assert config["start_from"] == f"{out}/capture/seed{seed}/start"
-            assert rows[0] == runs.load_run(config["start_from"])[1][0]
-        start, rows = runs.load_run(f"{out}/capture/seed{seed}/start")
-        assert (start["sharing"], start["steps"], [r["step"] for r in rows]) == ("shared", 0, [0])
-    report = open(f"{out}/capture/report.md").read()
-    assert report.startswith("# Demo: capture")
-    for cell in spec.cells:
-        assert f"| {cell} | " in report
-        assert f"{cell} (" in printed and "found in" in printed
-    assert "seed1/shared-balance_role" in report  # runs named by seed and cell
-    assert os.path.exists(f"{out}/capture/adherence.png")
-    assert "![demo.png](demo.png)" in report and os.path.exists(f"{out}/capture/demo.png")
-    for seed in (0, 1):  # the seed table: the aggregator's adherence at every RL step of each cell
-        cells = [[r["role/aggregator/adherence"] for r in runs.load_run(f"{out}/capture/seed{seed}/{cell}")[1]
-                  if "role/aggregator/adherence" in r] for cell in spec.cells]
-        assert all(len(adh) == 2 for adh in cells)
-        assert f"| {seed} | " + " | ".join(", ".join(f"{v:.2f}" for v in adh) for adh in cells) + " |" in report
-    diagnose.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny])  # done: nothing trains
-    assert "train.py" not in capsys.readouterr().out
-    with pytest.raises(SystemExit, match=r"seed0/\S+ was trained with other settings \(--lr 0.01 differs"):
-        diagnose.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny, "--lr", "0.01"])
-
-
-def test_demo_names_must_be_known():
-    with pytest.raises(SystemExit):
-        diagnose.main(["--demo", "collapse"])

@@ -9,8 +9,8 @@ LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "machine": 0,
           "rollout": 1, "reward": 1,
           "grpo": 2, "critic": 2, "runs": 2,
           "train": 3,
-          "grid": 4, "bench": 4,
-          "diagnose": 5, "course": 5}
+          "bench": 4,
+          "diagnose": 5, "course": 5, "grid": 6}
 
 
 def project_imports(source: str) -> set[str]:

@@ -14,6 +14,7 @@ import pytest
 import bench
 import course
 import diagnose
+import grid
 import train
 from conftest import ROOT
 
@@ -50,7 +51,8 @@ def readme_commands(pages: list[str] = PAGES[:1]) -> list[list[str]]:
 
 def test_the_readme_has_commands_to_check():
     scripts = [c[0] for c in readme_commands()]
-    assert scripts.count("train.py") >= 10 and scripts.count("diagnose.py") >= 5, scripts
+    assert scripts.count("train.py") >= 10 and scripts.count("diagnose.py") >= 3, scripts
+    assert "grid.py" in scripts, scripts
 
 
 def test_the_readme_links_every_deep_page():
@@ -85,11 +87,10 @@ def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypa
         elif script == "workflows.py":  # a workflow's prompts on a canned model
             subprocess.run([sys.executable, f"{ROOT}/workflows.py", *args], check=True,
                            capture_output=True, timeout=120)
+        elif script == "grid.py":  # trains many runs: parsed only, what it hands to train.py too
+            train.parse_config(grid.parse_args(args)[1])
         else:
             assert script == "diagnose.py", script
-            if "--reproduce" in args or "--demo" in args:  # trains a grid: parsed only
-                train.parse_config(diagnose.split_reproduce(args)[1])  # what it hands to train.py
-                continue
             parsed = diagnose.make_parser().parse_args(args)
             if parsed.watch:  # --probe and a report need runs/a: parsed only
                 diagnose.main(args)

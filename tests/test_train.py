@@ -1,5 +1,6 @@
 """train.py end to end on the tiny model: every workflow x sharing, resume, learning."""
 import dataclasses
+import glob
 import json
 import os
 import random
@@ -225,14 +226,18 @@ def test_isolated_roles_take_optimizer_steps_in_proportion_to_their_calls(tmp_pa
 
 
 def readme_python_block(containing: str) -> str:
-    with open(os.path.join(ROOT, "README.md")) as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)
+    """The python block of the README or of a page in docs/ that contains `containing`."""
+    text = ""
+    for page in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        with open(page) as f:
+            text += f.read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
     return next(b for b in blocks if containing in b)
 
 
 @pytest.mark.parametrize("sharing", ["shared", "isolated"])
 def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, monkeypatch):
-    """The README's PEFT snippet, run as written on a trained run's adapters, gives our logits."""
+    """The PEFT snippet of docs/runs.md, run as written on a trained run's adapters, gives our logits."""
     import peft  # noqa: F401  a test dependency: fail here, not inside the snippet, if it is missing
     base_dir = str(tmp_path / "base")  # a base model that transformers can load by path, as PEFT needs
     model, tok = tiny_model()

@@ -1,0 +1,125 @@
+"""The main table in miniature and the demos: which cells they train, resuming, and their tables."""
+import math
+import os
+
+import pytest
+
+import grid
+import runs
+
+TINY = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems", "2",
+        "--problems_per_step", "2", "--group_size", "2", "--max_new_tokens", "6", "--lora_r", "4"]
+
+
+def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(grid, "reproduce", lambda out, flags, seeds: seen.append((out, flags, seeds)) or "report.md")
+    grid.main(["--reproduce", "--model", "Qwen/Qwen3-1.7B", "--out", str(tmp_path), "--steps", "200"])
+    assert seen == [(str(tmp_path), ["--model", "Qwen/Qwen3-1.7B", "--steps", "200"], [0, 1, 2])]
+    with pytest.raises(SystemExit):  # a flag train.py does not know stops before the first cell
+        grid.main(["--reproduce", "--stepz", "3"])
+    assert len(seen) == 1
+
+
+def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys):
+    """The plumbing of --demo on the tiny model: every cell and seed trained with the demo's flags,
+    the flags after --demo passed on (and overriding), one table row per cell, a verdict per cell."""
+    out = str(tmp_path / "demo")
+    tiny = [*TINY, "--sft_warmup", "2"]
+    grid.main(["--demo", "capture", "--seeds", "0,1", "--out", out, *tiny])
+    printed = capsys.readouterr().out
+    spec = grid.DEMOS["capture"]
+    for seed in (0, 1):
+        for cell, flags in spec.cells.items():
+            config, rows = runs.load_run(f"{out}/capture/seed{seed}/{cell}")
+            assert (config["seed"], config["steps"], config["sft_warmup"]) == (seed, 2, 2)
+            assert config["sharing"] == flags[flags.index("--sharing") + 1]
+            assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
+            # every cell of a seed goes on from one warm-up and step-0 evaluation under a shared adapter
+            assert config["start_from"] == f"{out}/capture/seed{seed}/start"
+            assert rows[0] == runs.load_run(config["start_from"])[1][0]
+        start, rows = runs.load_run(f"{out}/capture/seed{seed}/start")
+        assert (start["sharing"], start["steps"], [r["step"] for r in rows]) == ("shared", 0, [0])
+    report = open(f"{out}/capture/report.md").read()
+    assert report.startswith("# Demo: capture")
+    for cell in spec.cells:
+        assert f"| {cell} | " in report
+        assert f"{cell} (" in printed and "found in" in printed
+    assert "seed1/shared-balance_role" in report  # runs named by seed and cell
+    assert os.path.exists(f"{out}/capture/adherence.png")
+    assert "![demo.png](demo.png)" in report and os.path.exists(f"{out}/capture/demo.png")
+    for seed in (0, 1):  # the seed table: the aggregator's adherence at every RL step of each cell
+        cells = [[r["role/aggregator/adherence"] for r in runs.load_run(f"{out}/capture/seed{seed}/{cell}")[1]
+                  if "role/aggregator/adherence" in r] for cell in spec.cells]
+        assert all(len(adh) == 2 for adh in cells)
+        assert f"| {seed} | " + " | ".join(", ".join(f"{v:.2f}" for v in adh) for adh in cells) + " |" in report
+    grid.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny])  # done: nothing trains
+    assert "train.py" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"seed0/\S+ was trained with other settings \(--lr 0.01 differs"):
+        grid.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny, "--lr", "0.01"])
+
+
+def test_demo_names_must_be_known():
+    with pytest.raises(SystemExit):
+        grid.main(["--demo", "collapse"])
+
+
+def test_reproduce_trains_every_cell_for_every_seed_and_tables_them(tmp_path, capsys):
+    """The plumbing of --reproduce on the tiny model: a run per cell and seed with the grid's flags
+    (the flags after them override), the main table and the findings, and a second call trains
+    nothing."""
+    out = str(tmp_path / "grid")
+    grid.main(["--reproduce", "--seeds", "0,1", "--out", out, *TINY])
+    for seed in (0, 1):
+        for workflow, sharing in grid.GRID:
+            config, rows = runs.load_run(f"{out}/seed{seed}/{workflow}-{sharing}")
+            assert (config["workflow"], config["sharing"], config["seed"]) == (workflow, sharing, seed)
+            assert (config["eval_every"], config["eval_problems"]) == (1, 2)  # TINY overrides GRID_FLAGS
+            assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1, 2]
+    report = open(f"{out}/report.md").read()
+    assert report.startswith("# Paper A's main table in miniature")
+    assert "| cell | start | peak | end | peak - end | end - start | end - middle |" in report
+    for workflow, sharing in grid.GRID:
+        assert f"| {workflow}-{sharing} | " in report
+    assert "- isolated peaks higher, voting: peak" in report and "- shared plateaus, eval_opt:" in report
+    assert "![curves.png](curves.png)" in report and os.path.exists(f"{out}/curves.png")
+    assert "| seed1/voting-isolated |" in report  # diagnose.py's report on every run follows
+    capsys.readouterr()
+    grid.main(["--reproduce", "--seeds", "0,1", "--out", out, *TINY])  # done: nothing trains
+    assert "train.py" not in capsys.readouterr().out
+
+
+def fake_run(workflow: str, sharing: str, accuracy: list[float]) -> tuple[dict, list[dict]]:
+    """A run's (config, rows) with held-out accuracy at steps 0, 2, 4 (50 problems)."""
+    config = {"workflow": workflow, "sharing": sharing, "steps": 4, "eval_every": 2, "eval_problems": 50}
+    return config, [{"step": 2 * i, "eval/accuracy": a} for i, a in enumerate(accuracy)]
+
+
+def test_the_findings_by_hand():
+    """Means over two seeds: p = mean end accuracy = (0.6 + 0.6 + 0.4 + 0.2) / 4 = 0.45, and a
+    finding holds beyond 2 sqrt(2 p (1 - p) / (50 x 2)) = 0.1407."""
+    by_cell = {"single-shared": {s: fake_run("single", "shared", [0.4, 0.5, 0.6]) for s in "01"},
+               "voting-shared": {s: fake_run("voting", "shared", [0.4, 0.6, 0.6]) for s in "01"},
+               "voting-isolated": {"0": fake_run("voting", "isolated", [0.4, 0.8, 0.5]),
+                                   "1": fake_run("voting", "isolated", [0.4, 0.8, 0.3])},
+               "eval_opt-shared": {s: fake_run("eval_opt", "shared", [0.5, 0.4, 0.2]) for s in "01"}}
+    numbers = grid.accuracy_numbers(*by_cell["voting-isolated"]["1"])
+    assert numbers["peak"] == 0.8 and math.isclose(numbers["peak - end"], 0.5)
+    assert math.isclose(numbers["end - middle"], -0.5) and math.isclose(numbers["end - start"], -0.1)
+    lines = grid.claims(by_cell)
+    for expected in [
+            "- multi-agent RL above its base, voting-shared: end - start +0.200 (2 of 2 seeds up): holds",
+            "- multi-agent RL above single-agent RL, voting-shared: end 0.600 vs 0.600: within the noise",
+            "- multi-agent RL above its base, voting-isolated: end - start +0.000 (1 of 2 seeds up): within the noise",
+            "- multi-agent RL above its base, eval_opt-shared: end - start -0.300 (0 of 2 seeds up): "
+            "the opposite holds",
+            "- isolated peaks higher, voting: peak 0.800 vs shared 0.600: holds",
+            "- isolated falls further at the end, voting: peak - end 0.400 vs shared 0.000: holds",
+            "- shared plateaus, voting: end - middle +0.000: holds",
+            "- shared plateaus, eval_opt: end - middle -0.200: does not (it still moves)"]:
+        assert expected in lines, (expected, lines)
+    assert not any("isolated peaks higher, eval_opt" in line for line in lines)  # no isolated cell to compare
+    assert "exceeds 0.141, twice its standard error at p = 0.45" in lines[-1]
+    table = grid.main_table(by_cell)
+    assert "| voting-isolated | 0.40 (0.40-0.40) | 0.80 (0.80-0.80) | 0.40 (0.30-0.50) | 0.40 (0.30-0.50) |" in \
+        "\n".join(table)
