@@ -592,6 +592,41 @@ def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads,
     return 0, first, first
 
 
+def update_adapters(model, tok, cfg: Config, step: int, calls: list[Call], names: list[str], optimizers: dict,
+                    schedulers: dict, rng: random.Random, update: UpdateSettings, emas: dict,
+                    diag: bool) -> dict[str, list[float]]:
+    """Steps 5-6 of a training step for each adapter RL trains: its calls' old log-probs and its
+    update (grpo.policy_update), then its learning-rate schedule; returns every mini-batch's
+    statistics."""
+    stats = defaultdict(list)
+    for name in names:
+        t_name = time.time()
+        mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
+        live = [c for c in mine if c.advantage != 0 or update.kl_coef[c.role] > 0]
+        for k, v in policy_update(model, name, mine, optimizers[name], rng, tok.pad_token_id,
+                                  update, per_slot=diag, ema=emas[name]).items():
+            stats[k] += v
+        schedulers[name].step()
+        skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
+        log(f"step {step} update | {name}: {len(live)} of {len(mine)} calls with signal, "
+            f"{time.time() - t_name:.0f}s" + (f", {skipped} mini-batch(es) not applied: loss or "
+                                               "gradient not finite" if skipped else ""))
+    return stats
+
+
+def train_critics(model, tok, step: int, heads, critic_batch, optimizers: dict, schedulers: dict,
+                  rng: random.Random, critics: CriticSettings) -> dict[str, list[float]]:
+    """Step 7 (maac): one pass of each critic over its inputs (critic.update_critics), then its
+    learning-rate schedule; the critics' adapters are separate from the actors', so the order is free."""
+    stats = update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id, critics)
+    for name in heads:
+        schedulers[name].step()
+    if stats["critic/skipped_nonfinite"][0]:
+        log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not applied: "
+            "loss or gradient not finite")
+    return stats
+
+
 def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
     """The update's statistics, each its mean over the mini-batches; time/old_logp, a part of
     time/update, sums the adapters' passes."""
@@ -648,29 +683,11 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         else:
             critic_batch = critic_advantages(model, tok, heads, calls, critics)
             no_signal = sum(c.advantage == 0 for c in calls) / len(calls)
-        # 5-6. old log-probs and the update, adapter by adapter
+        # 5-7. old log-probs and the update, adapter by adapter; maac: then the critics
         diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
-        stats = defaultdict(list)
-        for name in names:
-            t_name = time.time()
-            mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
-            live = [c for c in mine if c.advantage != 0 or update.kl_coef[c.role] > 0]
-            for k, v in policy_update(model, name, mine, optimizers[name], rng, tok.pad_token_id,
-                                      update, per_slot=diag, ema=emas[name]).items():
-                stats[k] += v
-            schedulers[name].step()
-            skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
-            log(f"step {step} update | {name}: {len(live)} of {len(mine)} calls with signal, "
-                f"{time.time() - t_name:.0f}s" + (f", {skipped} mini-batch(es) not applied: loss or "
-                                                   "gradient not finite" if skipped else ""))
-        # 7. maac: the critics (their adapters are separate from the actors': order is free)
+        stats = update_adapters(model, tok, cfg, step, calls, names, optimizers, schedulers, rng, update, emas, diag)
         if cfg.algo == "maac":
-            stats.update(update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id, critics))
-            for name in heads:
-                schedulers[name].step()
-            if stats["critic/skipped_nonfinite"][0]:
-                log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not applied: "
-                    "loss or gradient not finite")
+            stats.update(train_critics(model, tok, step, heads, critic_batch, optimizers, schedulers, rng, critics))
         stats = gather_stats(stats)
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
