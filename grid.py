@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -169,13 +170,15 @@ Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's 
 
 def reproduce(out: str, train_flags: list[str], seeds: list[int]) -> str:
     """Train every grid cell for every seed, then write out/report.md: the main table, Paper A's
-    findings checked against it, the accuracy curves (accuracy.png) and diagnose.py's report on
-    every run."""
+    findings checked against it, where each cell's learning signal went, the accuracy curves
+    (curves.png) and diagnose.py's report on every run."""
     run_dirs = train_cells(out, grid_cells(train_flags, seeds))
     path = report(run_dirs, out, names=lambda d: os.path.relpath(d, out))
     by_cell = {f"{w}-{s}": {seed_of(d): load_run(d) for d in run_dirs if os.path.basename(d) == f"{w}-{s}"}
                for w, s in GRID}
     lines = main_table(by_cell) + ["", "Paper A's findings at this scale:", ""] + claims(by_cell)
+    lines += ["", "Where the learning signal went (means over the training steps, then over the seeds):", ""]
+    lines += mean_table({cell: [signal_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()})
     picture = demo_plot(("accuracy",), by_cell, os.path.join(out, "curves.png"))
     with open(path) as f:
         text = f.read()
@@ -203,6 +206,32 @@ def main_table(by_cell: Runs) -> list[str]:
     config = next(config for runs in by_cell.values() for config, _ in runs.values())
     return lines + ["", f"Held-out accuracy, greedy, on {config['eval_problems']} problems, every "
                     f"{config['eval_every']} of {config['steps']} steps; start = step 0, before any update."]
+
+
+def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
+    """Where one run's learning signal went, each a mean over its training steps: the calls in
+    groups without reward contrast, mini-batches without a live call (no optimizer step with
+    --skip_empty), each adapter's change per step, the crowded role's share of a shared adapter's
+    gradient, the supervisory role's contract adherence, the evaluator's verdicts that agree with
+    the verifier, and at the last evaluation how the final answer compares with the first one."""
+    def mean(pattern: str) -> float:  # over the steps, of the sum (empty_batches) or mean of the matches
+        values = []
+        for r in rows:
+            hits = [v for k, v in r.items() if re.fullmatch(pattern, k)]
+            if hits and r["step"] > 0:
+                values.append(sum(hits) if "empty" in pattern else statistics.mean(hits))
+        return statistics.mean(values) if values else math.nan
+
+    n = multiplicity(config)
+    crowded = max(n, key=n.get)
+    judge = next((r for r in ROLES[config["workflow"]] if r != crowded), None)
+    last = next(r for r in reversed(rows) if "eval/accuracy" in r)
+    return {"no contrast": mean(r"adv/zero_frac"), "empty mini-batches": mean(r"adapter/[^/]+/empty_batches"),
+            "update norm": mean(r"adapter/[^/]+/update_norm"),
+            "crowded share": mean(rf"role/{crowded}/grad_share"),
+            "judge adherence": mean(rf"role/{judge}/adherence") if judge else math.nan,
+            "verdict agrees": mean(r"role/evaluator/verdict_acc"),
+            "final - first answer": last["eval/accuracy"] - last.get("eval/first_answer", math.nan)}
 
 
 def claims(by_cell: Runs) -> list[str]:
