@@ -268,9 +268,10 @@ def claims(by_cell: Runs) -> list[str]:
             lines.append(f"isolated falls further at the end, {w}: peak - end {iso['peak - end']:.3f} vs shared "
                          f"{sh['peak - end']:.3f}: {verdict(iso['peak - end'] - sh['peak - end'])}")
         if sh and w != "single":
-            flat = abs(sh["end - middle"]) <= noise
-            lines.append(f"shared plateaus, {w}: end - middle {signed(sh['end - middle'])}: "
-                         + ("holds" if flat else "does not (it still moves)"))
+            move = sh["end - middle"]
+            lines.append(f"shared plateaus, {w}: end - middle {signed(move)}: " + (
+                "consistent (no change beyond the noise after the middle)" if abs(move) <= noise
+                else "does not (it still rises)" if move > 0 else "does not (it falls)"))
     return [f"- {line}" for line in lines] + [
         "", f"A difference holds when it exceeds {noise:.3f}, twice its standard error at p = {p:.2f}. The peak "
         "is the best of several noisy evaluations, so peak - end leans positive even for a flat curve."]

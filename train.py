@@ -54,7 +54,7 @@ from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_bat
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
                   use_adapter)
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes,
-                     my_share, peak_memory_mb, pick_threads, pick_threads_again, rank_and_world,
+                     my_share, peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory,
                      stop_requested, sum_gradients)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
 from rollout import DTYPES, Call, Rollout, chat_text, context_length, load_policy, sequence_logprobs
@@ -689,6 +689,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         if cfg.algo == "maac":
             stats.update(train_critics(model, tok, step, heads, critic_batch, optimizers, schedulers, rng, critics))
         stats = gather_stats(stats)
+        release_free_memory()  # what the backward pass freed, before the evaluation and the next rollout
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
              "adv/zero_frac": no_signal, "lr": schedulers[names[0]].get_last_lr()[0],

@@ -116,8 +116,8 @@ def test_the_findings_by_hand():
             "the opposite holds",
             "- isolated peaks higher, voting: peak 0.800 vs shared 0.600: holds",
             "- isolated falls further at the end, voting: peak - end 0.400 vs shared 0.000: holds",
-            "- shared plateaus, voting: end - middle +0.000: holds",
-            "- shared plateaus, eval_opt: end - middle -0.200: does not (it still moves)"]:
+            "- shared plateaus, voting: end - middle +0.000: consistent (no change beyond the noise after the middle)",
+            "- shared plateaus, eval_opt: end - middle -0.200: does not (it falls)"]:
         assert expected in lines, (expected, lines)
     assert not any("isolated peaks higher, eval_opt" in line for line in lines)  # no isolated cell to compare
     assert "exceeds 0.141, twice its standard error at p = 0.45" in lines[-1]
