@@ -209,8 +209,10 @@ def main_table(by_cell: Runs) -> list[str]:
 
 
 def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """Where one run's learning signal went, each a mean over its training steps: the calls in
-    groups without reward contrast, mini-batches without a live call (no optimizer step with
+    """Where one run's learning signal went, each a mean over its training steps: the episodes'
+    reward, the share of the crowded role's own answers that were right (what its calls would
+    earn if they were scored alone), the episodes whose final answer came from a fallback rule
+    because a role broke its contract, the calls in groups without reward contrast, mini-batches without a live call (no optimizer step with
     --skip_empty), each adapter's change per step, the crowded role's share of a shared adapter's
     gradient, the supervisory role's contract adherence, the evaluator's verdicts that agree with
     the verifier, and at the last evaluation how the final answer compares with the first one."""
@@ -226,7 +228,9 @@ def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
     crowded = max(n, key=n.get)
     judge = next((r for r in ROLES[config["workflow"]] if r != crowded), None)
     last = next(r for r in reversed(rows) if "eval/accuracy" in r)
-    return {"no contrast": mean(r"adv/zero_frac"), "empty mini-batches": mean(r"adapter/[^/]+/empty_batches"),
+    return {"reward": mean(r"reward/mean"), "crowded solved": mean(rf"role/{crowded}/solved"),
+            "fallback": mean(r"contract/fallback_rate"),
+            "no contrast": mean(r"adv/zero_frac"), "empty mini-batches": mean(r"adapter/[^/]+/empty_batches"),
             "update norm": mean(r"adapter/[^/]+/update_norm"),
             "crowded share": mean(rf"role/{crowded}/grad_share"),
             "judge adherence": mean(rf"role/{judge}/adherence") if judge else math.nan,
@@ -353,7 +357,7 @@ def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
             elif len(vs) == 1:
                 parts.append(f"{vs[0]:.2f}")
             else:
-                parts.append(f"{statistics.mean(vs):.2f} ({min(vs):.2f}-{max(vs):.2f})")
+                parts.append(f"{statistics.mean(vs):.2f} ({min(vs):.2f} to {max(vs):.2f})")
         lines.append(f"| {cell} | " + " | ".join(parts) + " |")
     return lines
 

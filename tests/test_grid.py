@@ -82,7 +82,7 @@ def test_reproduce_trains_every_cell_for_every_seed_and_tables_them(tmp_path, ca
     for workflow, sharing in grid.GRID:
         assert f"| {workflow}-{sharing} | " in report
     assert "- isolated peaks higher, voting: peak" in report and "- shared plateaus, eval_opt:" in report
-    assert "| cell | no contrast | empty mini-batches | update norm | crowded share |" in report
+    assert "| cell | reward | crowded solved | fallback | no contrast | empty mini-batches | update norm |" in report
     assert "![curves.png](curves.png)" in report and os.path.exists(f"{out}/curves.png")
     assert "| seed1/voting-isolated |" in report  # diagnose.py's report on every run follows
     capsys.readouterr()
@@ -122,7 +122,7 @@ def test_the_findings_by_hand():
     assert not any("isolated peaks higher, eval_opt" in line for line in lines)  # no isolated cell to compare
     assert "exceeds 0.141, twice its standard error at p = 0.45" in lines[-1]
     table = grid.main_table(by_cell)
-    assert "| voting-isolated | 0.40 (0.40-0.40) | 0.80 (0.80-0.80) | 0.40 (0.30-0.50) | 0.40 (0.30-0.50) |" in \
+    assert "| voting-isolated | 0.40 (0.40 to 0.40) | 0.80 (0.80 to 0.80) | 0.40 (0.30 to 0.50) | 0.40 (0.30 to 0.50) |" in \
         "\n".join(table)
 
 
@@ -133,7 +133,8 @@ def test_where_the_signal_went_by_hand():
     rows = [{"step": 0, "eval/accuracy": 0.5, "eval/first_answer": 0.25},
             {"step": 1, "adv/zero_frac": 0.25, "adapter/generator/empty_batches": 1,
              "adapter/aggregator/empty_batches": 1, "adapter/generator/update_norm": 0.2,
-             "adapter/aggregator/update_norm": 0.4, "role/aggregator/adherence": 0.1},
+             "adapter/aggregator/update_norm": 0.4, "role/aggregator/adherence": 0.1,
+             "reward/mean": 0.25, "role/generator/solved": 0.5},
             {"step": 2, "adv/zero_frac": 0.75, "adapter/generator/empty_batches": 0,
              "adapter/aggregator/empty_batches": 0, "adapter/generator/update_norm": 0.6,
              "adapter/aggregator/update_norm": 0.8, "role/aggregator/adherence": 0.3,
@@ -141,5 +142,6 @@ def test_where_the_signal_went_by_hand():
     got = grid.signal_numbers(config, rows)
     assert math.isclose(got["no contrast"], 0.5) and math.isclose(got["empty mini-batches"], 1.0)
     assert math.isclose(got["update norm"], (0.3 + 0.7) / 2) and math.isclose(got["judge adherence"], 0.2)
+    assert got["reward"] == 0.25 and got["crowded solved"] == 0.5  # only step 1 logged them
     assert math.isclose(got["final - first answer"], -0.125)  # the last evaluation's, not the first's
-    assert math.isnan(got["crowded share"]) and math.isnan(got["verdict agrees"])  # not logged here
+    assert math.isnan(got["crowded share"]) and math.isnan(got["verdict agrees"]) and math.isnan(got["fallback"])  # not logged here
