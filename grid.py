@@ -212,16 +212,18 @@ def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
     """Where one run's learning signal went, each a mean over its training steps: the episodes'
     reward, the share of the crowded role's own answers that were right (what its calls would
     earn if they were scored alone), the episodes whose final answer came from a fallback rule
-    because a role broke its contract, the calls in groups without reward contrast, mini-batches without a live call (no optimizer step with
-    --skip_empty), each adapter's change per step, the crowded role's share of a shared adapter's
+    because a role broke its contract, the calls in groups without reward contrast, the
+    mini-batches without a live call (no optimizer step with --skip_empty; summed over the
+    adapters), each adapter's change per step, the crowded role's share of a shared adapter's
     gradient, the supervisory role's contract adherence, the evaluator's verdicts that agree with
     the verifier, and at the last evaluation how the final answer compares with the first one."""
-    def mean(pattern: str) -> float:  # over the steps, of the sum (empty_batches) or mean of the matches
+    def mean(pattern: str, per_step=statistics.mean) -> float:
+        """The mean over the training steps of per_step(the step's values of the matching keys)."""
         values = []
         for r in rows:
             hits = [v for k, v in r.items() if re.fullmatch(pattern, k)]
-            if hits and r["step"] > 0:
-                values.append(sum(hits) if "empty" in pattern else statistics.mean(hits))
+            if hits and r["step"] > 0:  # step 0 is the evaluation before training
+                values.append(per_step(hits))
         return statistics.mean(values) if values else math.nan
 
     n = multiplicity(config)
@@ -229,8 +231,8 @@ def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
     judge = next((r for r in ROLES[config["workflow"]] if r != crowded), None)
     last = next(r for r in reversed(rows) if "eval/accuracy" in r)
     return {"reward": mean(r"reward/mean"), "crowded solved": mean(rf"role/{crowded}/solved"),
-            "fallback": mean(r"contract/fallback_rate"),
-            "no contrast": mean(r"adv/zero_frac"), "empty mini-batches": mean(r"adapter/[^/]+/empty_batches"),
+            "fallback": mean(r"contract/fallback_rate"), "no contrast": mean(r"adv/zero_frac"),
+            "empty mini-batches": mean(r"adapter/[^/]+/empty_batches", per_step=sum),
             "update norm": mean(r"adapter/[^/]+/update_norm"),
             "crowded share": mean(rf"role/{crowded}/grad_share"),
             "judge adherence": mean(rf"role/{judge}/adherence") if judge else math.nan,
