@@ -44,7 +44,7 @@ matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 import train
-from grpo import policy_update
+from grpo import policy_update, set_advantages
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from reward import KINDS, load_task
 from rollout import Rollout, load_policy
@@ -317,7 +317,7 @@ def probe(ckpt: str, problems: int) -> dict[str, float]:
     pool = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
     problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
     rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[i] for i in problem_of], greedy=False)
-    train.set_advantages(rollout.calls, problem_of, cfg.adv_group)
+    set_advantages(rollout.calls, problem_of, cfg.adv_group)
     result = {"reward/mean": sum(rewards) / len(rewards)}
     for name in names:
         mine = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]

@@ -21,11 +21,14 @@ import os
 import re
 import resource
 import signal
+import sys
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 # ----------------------------------------------------------------------------
@@ -118,6 +121,32 @@ def join_processes(device: str) -> str:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return device if cuda else "cpu"
+
+
+def log(line: str) -> None:
+    """One line of the run's log: rank 0's, above the progress bar on a terminal, plain in a file."""
+    if rank_and_world()[0] != 0:
+        return
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()  # a redirected log shows each line as it happens
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """Run a script's `main`. Under torchrun the process then leaves without the interpreter's
+    shutdown: the run is saved and its process group destroyed, but on CPU gloo's threads could
+    still abort that shutdown (SIGABRT); a SystemExit (a one-line error, or a run stopped early)
+    becomes the exit status."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        main()
+        return
+    try:
+        main()
+        status = 0
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else print(stop.code, file=sys.stderr) or 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def gather_episodes(calls: list, outcomes, rewards: list[float], problem_of: list[int]):

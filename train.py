@@ -37,7 +37,6 @@ optimizer step per adapter and step, and a learning rate of 5e-4 instead of 2e-5
 import argparse
 import dataclasses
 import math
-import os
 import random
 import sys
 import time
@@ -50,14 +49,13 @@ from tqdm import tqdm
 
 from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
                     setup_critics, update_critics)
-from grpo import AGG_MODES, BALANCE, UpdateSettings, group_advantages, micro_batches, policy_update
-from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters,
-                  use_adapter)
-from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes,
-                     my_share, peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory,
-                     stop_requested, sum_gradients)
+from grpo import AGG_MODES, BALANCE, UpdateSettings, policy_update, set_advantages, supervised_steps
+from lora import DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters
+from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
+                     peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
+                     stop_requested)
 from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
-from rollout import DTYPES, Call, Rollout, chat_text, context_length, load_policy, sequence_logprobs
+from rollout import DTYPES, Call, Rollout, chat_text, context_length, load_policy
 from runs import (NEW_LR, NONFINITE_STOP, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
                   leave_processes, load_start, lock_run, plan, resolve_resume, resume_run, save_checkpoint,
                   start_logs, start_run_dir, step_line, stop_run, typed_flags, write_step)
@@ -231,26 +229,13 @@ def check_numbers(cfg: Config) -> None:
 # Pieces of one step
 
 
-def log(line: str) -> None:
-    """One line of the run's log, above the progress bar on a terminal, plain in a file
-    (rank 0's, under torchrun)."""
-    if rank_and_world()[0] != 0:
-        return
-    tqdm.write(line, file=sys.stdout)
-    sys.stdout.flush()  # a redirected log shows each line as it happens
-
-
-def log_stage(label: str, message: str) -> None:
-    log(f"{label} | {message}")
-
-
 def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
                  label: str = "rollout") -> tuple[Rollout, list, list[float]]:
     """Run the workflow once per problem; return the recorder, outcomes and rewards.
     Each finished stage is logged, prefixed by `label`."""
     rollout = Rollout(model, tok, cfg.sharing, max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy,
-                      progress=partial(log_stage, label))
+                      progress=lambda message: log(f"{label} | {message}"))
     outcomes = run_workflow(cfg.workflow, [p.question for p in problems], rollout, kind=problems[0].kind,
                             n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)
     rewards = score_batch(problems, [o.final for o in outcomes], strict=cfg.strict_answer,
@@ -286,18 +271,6 @@ def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> dict[str, fl
     if firsts:
         m["eval/first_answer"] = sum(firsts) / len(firsts)
     return m
-
-
-def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
-    """GRPO advantages on every call; returns the share of calls with no signal."""
-    if by == "slot":
-        keys = [(problem_of[c.episode], c.slot, c.turn) for c in calls]
-    else:
-        keys = [(problem_of[c.episode], c.role) for c in calls]
-    adv = group_advantages(torch.tensor([c.reward for c in calls]), keys)
-    for call, a in zip(calls, adv.tolist()):
-        call.advantage = a
-    return sum(a == 0 for a in adv.tolist()) / len(calls)
 
 
 def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: int,
@@ -442,37 +415,9 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
         c.completion_ids = tok(c.text, add_special_tokens=False).input_ids + [tok.eos_token_id]
     before = step_metrics(calls, rewards, outcomes, cfg.n_agents, diag=False)
     m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items() if k.endswith("/adherence")}
-    optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=cfg.sft_lr, weight_decay=0.0)
-                  for name in names}
-    losses = []
-    for i in range(cfg.sft_warmup):
-        mb = rng.sample(pairs, min(cfg.minibatch_size, len(pairs)))
-        step_loss = {}
-        for name in names:
-            batch = [c for c in mb if adapter_for(c.role, cfg.sharing) == name]
-            if batch:
-                step_loss[name] = supervised_step(model, name, batch, optimizers[name], tok.pad_token_id, cfg)
-        losses.append(sum(step_loss.values()) / len(step_loss))
-        log(f"warm-up {i + 1}/{cfg.sft_warmup} | loss " + ", ".join(f"{k} {v:.3f}" for k, v in step_loss.items()))
+    losses = supervised_steps(model, pairs, names, cfg.sharing, cfg.sft_warmup, cfg.minibatch_size, cfg.sft_lr, rng,
+                              tok.pad_token_id, cfg.micro_batch_tokens, cfg.grad_clip, log)
     return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
-
-
-def supervised_step(model, adapter: str, batch: list[Call], optimizer, pad_id: int, cfg: Config) -> float:
-    """One optimizer step on the mean negative log-likelihood of the batch's completion tokens;
-    returns that loss (under torchrun each process back-propagates its share, gradients summed)."""
-    params = adapter_parameters(model, adapter)
-    optimizer.zero_grad(set_to_none=False)
-    n_tokens, total = sum(len(c.completion_ids) for c in batch), 0.0
-    with use_adapter(model, adapter):
-        for micro in micro_batches(my_share(batch), cfg.micro_batch_tokens):
-            logp, mask, _ = sequence_logprobs(model, micro, pad_id)  # (b, T)
-            loss = -(logp * mask).sum() / n_tokens
-            loss.backward()
-            total += loss.item()
-    sum_gradients(params)
-    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    optimizer.step()
-    return sum(gather_lists([total]))
 
 
 # ----------------------------------------------------------------------------
@@ -728,16 +673,4 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     catch_stop_signals()  # Ctrl-C and SIGTERM stop the run after its current step (machine.py)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        main(parse_config(), typed=typed_flags(sys.argv[1:]))
-    else:
-        try:
-            main(parse_config(), typed=typed_flags(sys.argv[1:]))
-            status = 0
-        except SystemExit as stop:  # a one-line error, or a run stopped early
-            status = stop.code if isinstance(stop.code, int) else print(stop.code, file=sys.stderr) or 1
-        # the run is saved and its process group destroyed; under torchrun on CPU, gloo's threads
-        # could still abort the interpreter's own shutdown (SIGABRT), so the process leaves without it
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+    run_main(lambda: main(parse_config(), typed=typed_flags(sys.argv[1:])))

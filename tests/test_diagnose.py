@@ -10,7 +10,7 @@ import torch
 import diagnose
 import runs
 import train
-from grpo import UpdateSettings, damped_step, loss_weight, policy_update
+from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_advantages
 from lora import add_adapter, adapter_parameters, inject_lora
 from reward import Problem
 from rollout import Call, Rollout
@@ -220,7 +220,7 @@ def voting_calls(tiny, episodes: int, reward_of, seed: int = 0) -> list[Call]:
         for c in rollout.calls:
             if c.episode == e:
                 c.reward = reward
-    train.set_advantages(rollout.calls, [0] * episodes, "slot")
+    set_advantages(rollout.calls, [0] * episodes, "slot")
     return rollout.calls
 
 
