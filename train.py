@@ -81,13 +81,10 @@ SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation
 class Config:
     # what to train
     workflow: str = arg("eval_opt", "workflow topology", tuple(WORKFLOWS))
-    sharing: str = arg("shared", "shared: one adapter for all roles; isolated: one per role type",
-                       ("shared", "isolated"))
-    algo: str = arg("grpo", "grpo: group-relative advantages; maac: actor-critic with GAE",
-                    ("grpo", "maac"))
+    sharing: str = arg("shared", "one adapter for all roles, or one per role type", ("shared", "isolated"))
+    algo: str = arg("grpo", "group-relative advantages, or actor-critic with GAE", ("grpo", "maac"))
     model: str = arg("smollm2", "smollm2 (embedded), tiny (random, for tests), or a HF id/path")
-    task: str = arg("arith", "problem set: arith and humaneval work offline; dapo_math and "
-                    "deepcoder need the Hugging Face hub", tuple(TASKS))
+    task: str = arg("arith", "problem set; dapo_math and deepcoder need the Hugging Face hub", tuple(TASKS))
     level: int = arg(DEFAULT_LEVEL, "difficulty level of the arith task (1-5)")
     code_workers: int = arg(2, "code tasks: sandboxed programs run in parallel", bounds="[1, inf)")
     code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program", bounds="(0, inf)")
@@ -97,62 +94,50 @@ class Config:
     steps: int = arg(10, "training steps", bounds="[0, inf)")
     problems_per_step: int = arg(8, "B: distinct problems per step", bounds="[1, inf)")
     group_size: int = arg(4, "G: episodes per problem (the GRPO group)", bounds="[1, inf)")
-    max_new_tokens: int = arg(0, "completion length limit of every call; 0 = chosen by the task's "
-                              "kind: 48 tokens for math, 320 for code (room for a whole function)",
-                              bounds="[0, inf)")
+    max_new_tokens: int = arg(0, "completion length limit of every call; 0 = the task's: 48 for math, 320 for "
+                              "code", bounds="[0, inf)")
     temperature: float = arg(0.7, "sampling temperature of training rollouts", bounds="(0, inf)")
     top_p: float = arg(1.0, "nucleus sampling of training rollouts", bounds="(0, 1]")
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
     # optimisation
-    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)",
-                    bounds="(0, inf)")
+    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)", bounds="(0, inf)")
     warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent", bounds="[0, inf)")
-    sft_warmup: int = arg(0, "supervised steps before RL, on the same adapters: the evaluator, "
-                          "aggregator and orchestrator learn verifier-labelled replies that keep "
-                          "their contracts, the solvers their own accepted solutions (0 = none)",
-                          bounds="[0, inf)")
+    sft_warmup: int = arg(0, "supervised steps before RL on replies that keep each role's contract (0 = none; "
+                          "README)", bounds="[0, inf)")
     sft_lr: float = arg(1e-3, "AdamW learning rate of the supervised warm-up", bounds="(0, inf)")
     sft_roles: str = arg("generator,evaluator,aggregator,orchestrator,worker,synthesizer",
                          "roles the warm-up teaches, of those the workflow has")
     weight_decay: float = arg(0.0, "AdamW weight decay", bounds="[0, inf)")
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
-    one_step: bool = arg(True, "one optimizer step per adapter per training step over all of its "
-                         "calls (the gradient of the whole batch); --no-one_step: one step per "
-                         "--minibatch_size calls, as the paper (a role with three slots then takes "
-                         "three times the steps: Paper A's amplification)")
+    one_step: bool = arg(True, "one optimizer step per adapter and training step, over all of its calls; "
+                         "--no-one_step: one per --minibatch_size calls, as the paper")
     minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step", bounds="[1, inf)")
     micro_batch_tokens: int = arg(1024, "padded tokens per forward pass (memory only; same gradient)",
                                   bounds="[1, inf)")
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
     eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)", bounds="[0, inf)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
-    adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)",
-                         ("slot", "role"))
-    kl_coef: float = arg(0.0, "k3 KL to the reference policy: the base model (adapters off), or "
-                         "the adapters as the warm-up left them after --sft_warmup; 0 = off, as in the paper",
-                         bounds="[0, inf)")
+    adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)", ("slot", "role"))
+    kl_coef: float = arg(0.0, "k3 KL to the base model, or to the warmed-up adapters after --sft_warmup; "
+                         "0 = off, as the paper", bounds="[0, inf)")
     # mitigations of Paper A's failure modes (see diagnose.py)
-    balance: str = arg("none", "loss weight of each role: none; role = every role weighs the same "
-                       "(role capture, shared); multiplicity = 1/N for N same-role slots "
-                       "(amplification, isolated)", BALANCE)
-    damping: float = arg(0.0, "coherence damping: scale each step by 1 - damping * max(0, "
-                         "cos(g, EMA(g))); 0 = off", bounds="[0, 1]")
+    balance: str = arg("none", "loss weight per role: role = equal roles (against capture), multiplicity = "
+                       "1/N for N same-role slots (against amplification)", BALANCE)
+    damping: float = arg(0.0, "coherence damping: scale a step by 1 - damping * max(0, cos(g, EMA(g)))",
+                         bounds="[0, 1]")
     role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
     skip_empty: bool = arg(True, "no optimizer step on a mini-batch whose calls all have advantage 0 "
-                           "(AdamW would still move the adapters on its momentum)")
-    tis_cap: float = arg(0.0, "truncated importance sampling: weight each token's loss by "
-                         "min(pi_old / pi_rollout, C), correcting the sampler's precision gap; "
-                         "0 = off", bounds="[0, inf)")
+                           "(AdamW would move on its momentum)")
+    tis_cap: float = arg(0.0, "truncated importance sampling: weight a token's loss by min(pi_old / "
+                         "pi_rollout, C); 0 = off", bounds="[0, inf)")
     # actor-critic (--algo maac, critic.py)
-    critic: str = arg("central", "one critic over the joint history (CoLLM-CC) or one per agent "
-                      "(CoLLM-DC)", CRITICS)
+    critic: str = arg("central", "one critic over the joint history (CoLLM-CC) or one per agent (CoLLM-DC)",
+                      CRITICS)
     critic_per: str = arg("slot", "decentral critics: one per agent slot or per role type", PER)
     gamma: float = arg(1.0, "discount per agent turn", bounds="[0, 1]")
     lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo", bounds="[0, 1]")
-    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)",
-                           bounds="(0, inf)")
-    vf_coef: float = arg(1.0, "value-loss coefficient (critics have their own optimizer, so "
-                         "it only matters against grad_clip)", bounds="[0, inf)")
+    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)", bounds="(0, inf)")
+    vf_coef: float = arg(1.0, "value-loss coefficient (matters only against grad_clip)", bounds="[0, inf)")
     value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)", bounds="[0, inf)")
     norm_adv: bool = arg(False, "normalise actor-critic advantages over the batch")
     critic_max_tokens: int = arg(768, "a critic reads the last N tokens of its input", bounds="[1, inf)")
@@ -161,32 +146,28 @@ class Config:
     lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r", bounds="(0, inf)")
     lora_targets: str = arg(",".join(DEFAULT_TARGETS), "comma-separated names of the linear layers to adapt")
     # evaluation, logging, checkpoints
-    eval_every: int = arg(0, "evaluate every E steps, and before and after training (0: only "
-                          "before and after)", bounds="[0, inf)")
-    diag_every: int = arg(1, "per-slot gradients (kappa, shares), entropy and output similarity "
-                          "every k steps (0: never)", bounds="[0, inf)")
+    eval_every: int = arg(0, "evaluate every E steps, and before and after training (0: only before and "
+                          "after)", bounds="[0, inf)")
+    diag_every: int = arg(1, "per-slot gradients, entropy and output similarity every k steps (0: never)",
+                          bounds="[0, inf)")
     eval_problems: int = arg(96, "held-out problems per evaluation (96: a standard error near 0.05)",
                              bounds="[1, inf)")
     train_problems: int = arg(256, "size of the training pool", bounds="[1, inf)")
     log_samples: int = arg(2, "episodes per step written to samples.jsonl", bounds="[0, inf)")
-    save_every: int = arg(1, "checkpoint every k steps (and at the end): a killed run loses at "
-                          "most k steps", bounds="[1, inf)")
+    save_every: int = arg(1, "checkpoint every k steps and at the end: a killed run loses at most k steps",
+                          bounds="[1, inf)")
     out: str = arg("runs/default", "run directory")
     seed: int = arg(0, "seed of problems, sampling and adapters")
     resume: bool = arg(False, "continue the run in --out from its last checkpoint")
-    start_from: str = arg("", "begin RL where the run in this directory stopped at step 0 (its "
-                          "warm-up and step-0 evaluation; train it with --steps 0) instead of "
-                          "warming up again; only RL settings may differ, and --sharing from "
-                          "shared to isolated: each role's adapter then starts as the shared one")
+    start_from: str = arg("", "begin RL at the step 0 (warm-up, first evaluation) of the run in this directory "
+                          "(docs/runs.md)")
     overwrite: bool = arg(False, "start over in an --out that already holds a run (deletes it)")
     # machine
     device: str = arg("auto", "auto, cpu or cuda")
-    dtype: str = arg("auto", "the frozen base weights: auto = bf16 on CUDA and on CPUs with native "
-                     "bf16 (AVX-512 BF16, AMX), fp32 elsewhere and for --model tiny; the adapters "
-                     "and their optimizer state are fp32 always", DTYPES)
-    threads: int = arg(0, "CPU threads of torch; 0 = the cores this process may use, less the "
-                       "load of other processes, re-chosen every step (on a shared CPU, threads "
-                       "that wait for each other's cores turn seconds into minutes)", bounds="[0, inf)")
+    dtype: str = arg("auto", "the frozen base weights: auto = bf16 on CUDA and on CPUs with native bf16, "
+                     "else fp32; adapters are fp32", DTYPES)
+    threads: int = arg(0, "CPU threads of torch; 0 = the free cores, chosen again every step",
+                       bounds="[0, inf)")
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
