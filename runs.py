@@ -1,6 +1,6 @@
 """A run on disk: its directory and its lock, config.json, the metrics and samples logs,
 checkpoints, --resume and --start_from; how it ends, early or not; and the time it has left
-(the machine it runs on: machine.py).
+(the machine it runs on: machine.py; the rules in full: docs/runs.md).
 
     python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, tb/, ckpt/
     python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
@@ -8,20 +8,14 @@ checkpoints, --resume and --start_from; how it ends, early or not; and the time 
     python train.py --steps 0 --sft_warmup 4 --out runs/start      # a warm-up and step-0 evaluation ...
     python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that several runs start from
 
-A directory that holds a run is never overwritten implicitly, and a launch that fails
-leaves it as it was. Every file is written so that a kill at any moment leaves a whole
-one: logs are appended a line at a time (a torn last line is dropped when read back),
-config.json through a rename, and a checkpoint as a directory that is swapped in whole.
-Under torchrun every process keeps its own sampling state in the checkpoint, and only
-rank 0 writes. The run's settings are train.py's `Config`; this file reads them field by
-field (dataclasses.fields) and never needs to import train.py.
-
-One launch at a time: a run holds its directory with an OS lock for its whole life, and a
-second launch on it stops at once. A run ends early, with one line that says how to go on,
-after a stop signal (machine.py) or after steps whose loss or gradient was not finite; the
-checkpoint it keeps is one that --resume continues, with a lower learning rate if need be.
-The clock: the run's first log line says what it will do, and every step line estimates the
-time left.
+A directory that holds a run is never overwritten implicitly, and a launch that fails leaves it
+as it was. A kill at any moment leaves whole files: logs are appended a line at a time (a torn
+last line is dropped when read back), config.json is written through a rename, a checkpoint as a
+directory swapped in whole. One launch at a time: a run holds its directory with an OS lock. A run
+ends early, with one line that says how to go on, after a stop signal (machine.py) or after steps
+whose loss or gradient was not finite. Under torchrun every process keeps its own sampling state
+in the checkpoint, and only rank 0 writes. The settings are train.py's `Config`, read field by
+field (dataclasses.fields): this file never imports train.py.
 
 Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs, the lock, stopping early),
 tests/test_distributed.py
