@@ -47,7 +47,7 @@ import torch
 
 from grpo import UpdateSettings, policy_update, set_old_logprobs
 from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
-from reward import DEFAULT_LEVEL, load_task
+from tasks import DEFAULT_LEVEL, load_task
 from rollout import Rollout, chat_text, cpu_has_bf16, load_policy, resolve_dtype
 from machine import peak_memory_mb, pick_threads
 from train import Config

@@ -46,7 +46,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import train
 from grpo import policy_update, set_advantages
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
-from reward import KINDS, load_task
+from tasks import KINDS, load_task
 from rollout import Rollout, load_policy
 from runs import load_run
 from workflows import ROLES, role_of, run_workflow, slots

@@ -54,12 +54,13 @@ from lora import DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, 
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
                      stop_requested)
-from reward import DEFAULT_LEVEL, TASKS, load_task, score_batch
+from reward import score_batch
 from rollout import DTYPES, Call, Rollout, chat_text, context_length, load_policy
 from runs import (NEW_LR, NONFINITE_STOP, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
                   leave_processes, load_start, lock_run, plan, resolve_resume, resume_run, save_checkpoint,
                   start_logs, start_run_dir, step_line, stop_run, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
+from tasks import DEFAULT_LEVEL, TASKS, load_task
 from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, every_prompt, parse_verdict,
                        role_of, run_workflow, similarity, slots)
 

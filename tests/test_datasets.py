@@ -9,8 +9,8 @@ import time
 import datasets  # noqa: F401  imported here once, so the time bounds below time the hub probe, not the import
 import pytest
 
-from reward import (TASKS, dapo_problem, deepcoder_problem, humaneval_problems, load_task, math_reward,
-                    run_code, score)
+from reward import math_reward, run_code, score
+from tasks import TASKS, dapo_problem, deepcoder_problem, humaneval_problems, load_task
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +129,7 @@ def test_hub_tasks_fail_fast_offline(task, monkeypatch):
 
 def test_unreachable_hub_fails_fast_without_the_offline_flag():
     """In a fresh process with no network route to the hub, the probe gives up within seconds."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from reward import load_task\n"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from tasks import load_task\n"
             "try:\n    load_task('dapo_math', 'train', 8, 1, 0)\nexcept ValueError as e:\n    print(e)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     env["HF_ENDPOINT"] = "https://hub.invalid"  # a reserved name that never resolves
@@ -147,36 +147,36 @@ def test_hub_rows_flow_into_problems(monkeypatch):
     """The loading path with the hub replaced by the fixture rows: conversion, filtering and splits."""
     import datasets
 
-    import reward
-    monkeypatch.setattr(reward, "_hub_reachable", lambda: True)
+    import tasks
+    monkeypatch.setattr(tasks, "_hub_reachable", lambda: True)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(datasets, "load_dataset", lambda repo, config, split: rows(
         {"open-r1/DAPO-Math-17k-Processed": "dapo_rows.json",
          "agentica-org/DeepCoder-Preview-Dataset": "deepcoder_rows.json"}[repo]))
-    reward._hub_pool.cache_clear()
+    tasks._hub_pool.cache_clear()
     try:
         for task, size in (("dapo_math", 3), ("deepcoder", 2)):
             train, test = load_task(task, "train", 100, 1, 0), load_task(task, "test", 100, 1, 0)
             assert len(train) + len(test) == size and not {p.id for p in train} & {p.id for p in test}
     finally:
-        reward._hub_pool.cache_clear()
+        tasks._hub_pool.cache_clear()
 
 
 def test_malformed_rows_are_skipped(monkeypatch):
     import datasets
 
-    import reward
+    import tasks
     good = rows("deepcoder_rows.json")[:2]
     bad = [{"problem": None, "tests": "[{}]"}, {"problem": "x", "tests": "not json"}, {"tests": 3}]
-    monkeypatch.setattr(reward, "_hub_reachable", lambda: True)
+    monkeypatch.setattr(tasks, "_hub_reachable", lambda: True)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    reward._hub_pool.cache_clear()
+    tasks._hub_pool.cache_clear()
     try:
         monkeypatch.setattr(datasets, "load_dataset", lambda repo, config, split: bad + good)
-        assert len(reward._hub_pool("deepcoder")) == 2
-        reward._hub_pool.cache_clear()
+        assert len(tasks._hub_pool("deepcoder")) == 2
+        tasks._hub_pool.cache_clear()
         monkeypatch.setattr(datasets, "load_dataset", lambda repo, config, split: bad)
         with pytest.raises(ValueError, match="no usable rows"):
             load_task("deepcoder", "train", 4, 1, 0)
     finally:
-        reward._hub_pool.cache_clear()
+        tasks._hub_pool.cache_clear()

@@ -12,7 +12,7 @@ import runs
 import train
 from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_advantages
 from lora import add_adapter, adapter_parameters, inject_lora
-from reward import Problem
+from tasks import Problem
 from rollout import Call, Rollout
 from workflows import adherence, role_of, run_workflow, similarity, slots
 

@@ -18,7 +18,7 @@ import runs
 import train
 from grpo import UpdateSettings, policy_update
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
-from reward import Problem
+from tasks import Problem
 from machine import rank_and_world
 from rollout import Rollout, tiny_model
 from workflows import ROLES, run_workflow

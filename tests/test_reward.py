@@ -1,4 +1,4 @@
-"""Tests for reward.py: the math verifier on a table of hand-written cases, and the arith task generator."""
+"""Tests for reward.py and tasks.py: the math verifier on a table of hand-written cases, and the arith task generator."""
 import random
 import re
 import time
@@ -7,7 +7,8 @@ from functools import lru_cache
 import pytest
 import sympy  # noqa: F401  imported here once, so the time bounds below time the verifier, not the import
 
-from reward import LEVELS, arith_problems, extract_answer, load_task, math_equal, math_reward
+from reward import extract_answer, math_equal, math_reward
+from tasks import LEVELS, arith_problems, load_task
 
 HUGE = "blah 7 " * 30_000 + "\\boxed{42}"  # about 210k chars, answer at the very end
 

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from conftest import ROOT as ROOT_DIR
-from reward import Problem, code_reward, extract_code, score, score_batch
+from reward import code_reward, extract_code, score, score_batch
+from tasks import Problem
 from sandbox import harness_source, plain, run_code, sandbox
 
 TIMEOUT = 2.0  # per program; hostile programs that must be killed take this long

@@ -23,7 +23,8 @@ import train
 from conftest import ROOT
 from grpo import policy_update
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
-from reward import Problem, load_task, score_batch
+from reward import score_batch
+from tasks import Problem, load_task
 from rollout import Call, load_policy, tiny_model
 from workflows import ROLES, adherence, contract_replies, slots
 
