@@ -43,6 +43,7 @@ import torch
 matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+import launch
 import train
 from grpo import policy_update, set_advantages
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
@@ -326,7 +327,7 @@ def probe(ckpt: str, problems: int) -> dict[str, float]:
             p.requires_grad_(True)
             p.grad = torch.zeros_like(p)
         # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
-        settings = dataclasses.replace(train.update_settings(cfg), one_step=True, grad_clip=float("inf"),
+        settings = dataclasses.replace(launch.update_settings(cfg), one_step=True, grad_clip=float("inf"),
                                        balance="none", damping=0.0)
         stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id, settings)
         result.update({k: v[0] for k, v in stats.items()

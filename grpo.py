@@ -44,6 +44,9 @@ efficient RL framework secretly brings you off-policy RL training"). With skip_e
 a mini-batch without a live call takes no optimizer step: AdamW would still move the
 adapter on its moments.
 
+Before RL, train.py's warm-up (--sft_warmup) trains the same adapters on given replies, by their
+negative log-likelihood (supervised_steps).
+
 Exercised by: pytest tests/test_grpo.py
 """
 import random

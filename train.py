@@ -28,7 +28,8 @@ each process rolls out its block of the step's B problems, every process then
 holds all the episodes, and each mini-batch's forward and backward passes are
 split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
-The run on disk and the clock are runs.py's, the machine (processes, threads, signals) machine.py's.
+What comes before step 0 (settings, problems, model, optimizers) is launch.py's, the run on
+disk and the clock runs.py's, the machine (processes, threads, signals) machine.py's.
 
 Departures from the paper: the defaults fit a 2-core CPU in about 10 minutes
 (a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, one
@@ -36,7 +37,6 @@ optimizer step per adapter and step, and a learning rate of 5e-4 instead of 2e-5
 """
 import argparse
 import dataclasses
-import math
 import random
 import sys
 import time
@@ -47,22 +47,20 @@ from functools import partial
 import torch
 from tqdm import tqdm
 
-from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
-                    setup_critics, update_critics)
+from critic import CRITICS, PER, CriticSettings, critic_advantages, critic_metrics, update_critics
 from grpo import AGG_MODES, BALANCE, UpdateSettings, policy_update, set_advantages, supervised_steps
-from lora import DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters
+from launch import actors_and_critics, check_settings, launch, load_problems, make_optimizers, warmup_roles
+from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
                      stop_requested)
 from reward import score_batch
-from rollout import DTYPES, Call, Rollout, chat_text, context_length, load_policy
-from runs import (NEW_LR, NONFINITE_STOP, check_run_dir, check_start, episode_samples, estimate_minutes, eval_steps,
-                  leave_processes, load_start, lock_run, plan, resolve_resume, resume_run, save_checkpoint,
-                  start_logs, start_run_dir, step_line, stop_run, typed_flags, write_step)
+from rollout import DTYPES, Call, Rollout
+from runs import (NEW_LR, NONFINITE_STOP, episode_samples, estimate_minutes, eval_steps, leave_processes,
+                  load_start, resume_run, save_checkpoint, start_logs, step_line, stop_run, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
-from tasks import DEFAULT_LEVEL, TASKS, load_task
-from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, contract_replies, every_prompt, parse_verdict,
-                       role_of, run_workflow, similarity, slots)
+from tasks import DEFAULT_LEVEL, TASKS
+from workflows import SOLVERS, WORKFLOWS, adherence, contract_replies, parse_verdict, run_workflow, similarity
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
@@ -188,25 +186,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return Config(**vars(parser.parse_args(argv)))
 
 
-def in_bounds(value: float, bounds: str) -> bool:
-    """Whether value lies in an interval written "[low, high)", "(0, inf)" and so on."""
-    low, high = (float(x) for x in bounds[1:-1].split(","))
-    above = value >= low if bounds[0] == "[" else value > low
-    below = value <= high if bounds[-1] == "]" else value < high
-    return above and below
-
-
-def check_numbers(cfg: Config) -> None:
-    """Every numeric flag in its interval, before any file or model is touched."""
-    for f in dataclasses.fields(Config):
-        value, bounds = getattr(cfg, f.name), f.metadata["bounds"]
-        if bounds and not in_bounds(value, bounds):
-            raise SystemExit(f"--{f.name} {value}: must be in {bounds}")
-    if cfg.algo == "grpo" and cfg.group_size < 2:
-        raise SystemExit(f"--group_size {cfg.group_size}: must be >= 2 with --algo grpo (a group of one "
-                         "has no contrast: every advantage is 0)")
-
-
 # ----------------------------------------------------------------------------
 # Pieces of one step
 
@@ -293,232 +272,6 @@ def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: in
     return m
 
 
-# ----------------------------------------------------------------------------
-# Settings: what the library files read, from the config; the optimizers
-
-
-def kl_coefs(cfg: Config) -> dict[str, float]:
-    """--kl_coef for every role of the workflow, overridden per role by --role_kl."""
-    coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
-    for item in filter(None, cfg.role_kl.split(",")):
-        role, _, value = item.partition("=")
-        if role.strip() not in coefs:
-            raise SystemExit(f"--role_kl: {role.strip()!r} is not a role of {cfg.workflow} "
-                             f"({', '.join(coefs)})")
-        try:
-            coefs[role.strip()] = float(value)
-        except ValueError:
-            raise SystemExit(f"--role_kl: {item!r} is not role=number") from None
-    return coefs
-
-
-def update_settings(cfg: Config) -> UpdateSettings:
-    """What grpo.policy_update reads, from the config (the same for every adapter). After a
-    warm-up, a KL term anchors each adapter to a frozen copy of itself, "<adapter>-ref"."""
-    kl = kl_coefs(cfg)
-    adapters = {adapter_for(role, cfg.sharing) for role in ROLES[cfg.workflow]}
-    anchored = cfg.sft_warmup > 0 and any(v > 0 for v in kl.values())
-    return UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
-                          one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
-                          eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
-                          kl_coef=kl, grad_clip=cfg.grad_clip, balance=cfg.balance,
-                          damping=cfg.damping, tis_cap=cfg.tis_cap, skip_empty=cfg.skip_empty,
-                          reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
-
-
-def critic_settings(cfg: Config) -> CriticSettings:
-    """What critic.py's critic_advantages and update_critics read, from the config."""
-    return CriticSettings(critic=cfg.critic, per=cfg.critic_per, max_tokens=cfg.critic_max_tokens,
-                          gamma=cfg.gamma, lam=cfg.lam, normalize_advantages=cfg.norm_adv,
-                          minibatch_size=cfg.minibatch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None, grad_clip=cfg.grad_clip)
-
-
-def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, dict]:
-    """AdamW and the warmup-cosine schedule for every adapter, and for every critic
-    (its adapter and value head)."""
-    optimizers, schedulers = {}, {}
-    for name in names + list(heads):
-        params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads else [])
-        for p in params:
-            p.requires_grad_(True)
-            p.grad = torch.zeros_like(p)  # kept allocated: per-slot gradients are differences of it
-        lr = cfg.critic_lr if name in heads else cfg.lr
-        optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-        schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
-            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps))
-    return optimizers, schedulers
-
-
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup, then cosine decay to 10 percent; `step` = training steps taken."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min((step - warmup) / max(1, total - warmup), 1.0)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# ----------------------------------------------------------------------------
-# Supervised warm-up (--sft_warmup): before RL, every role learns replies that keep its
-# contract (workflows.contract_replies), so that RL has a contract to keep or to lose
-
-
-def warmup_roles(cfg: Config) -> list[str]:
-    """The workflow's roles named in --sft_roles (an unknown name is a one-line error)."""
-    roles = [r.strip() for r in cfg.sft_roles.split(",") if r.strip()]
-    known = {r for rs in ROLES.values() for r in rs}
-    for role in roles:
-        if role not in known:
-            raise SystemExit(f"--sft_roles: {role!r} is not a role (roles: {', '.join(sorted(known))})")
-    return [r for r in roles if r in ROLES[cfg.workflow]]
-
-
-def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, float]:
-    """--sft_warmup steps of supervised learning on contract-keeping replies, before RL.
-
-    One sampled rollout of the workflow on B x G distinct training problems (at
-    least --minibatch_size of them) gives the prompts; each warm-up step draws a mini-batch of them and takes one AdamW
-    step (its own optimizer, lr --sft_lr) per adapter on the mean negative
-    log-likelihood of the replies' tokens. Returns the step-0 metrics: the loss of
-    the first and last mini-batch, and each role's adherence in the rollout (before)."""
-    rng = random.Random(cfg.seed + 1)  # its own problems: RL draws the same ones as without warm-up
-    n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)  # at least a mini-batch's worth
-    picked = rng.sample(range(len(train_set)), min(len(train_set), n))
-    mine = [picked[i] for i in block(len(picked))]
-    rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in mine],
-                                              greedy=False, label="warm-up rollout")
-    calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, mine)
-    score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers, timeout=cfg.code_timeout)
-    pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
-                             warmup_roles(cfg))
-    if not pairs:
-        raise SystemExit(f"--sft_warmup: no role of {cfg.workflow} to warm up among {', '.join(warmup_roles(cfg))}")
-    for c in pairs:
-        c.completion_ids = tok(c.text, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    before = step_metrics(calls, rewards, outcomes, cfg.n_agents, diag=False)
-    m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items() if k.endswith("/adherence")}
-    losses = supervised_steps(model, pairs, names, cfg.sharing, cfg.sft_warmup, cfg.minibatch_size, cfg.sft_lr, rng,
-                              tok.pad_token_id, cfg.micro_batch_tokens, cfg.grad_clip, log)
-    return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
-
-
-# ----------------------------------------------------------------------------
-# Before the loop: the settings, the problems, the model, step 0
-
-
-def check_settings(cfg: Config,
-                   typed: set[str] | None) -> tuple[Config, UpdateSettings, CriticSettings, dict | None]:
-    """The run's config (a resumed run's own), what grpo.py and critic.py read from it, and with
-    --start_from the start's config, all checked before a file or the model is touched."""
-    cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
-    check_numbers(cfg)
-    start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
-    update = update_settings(cfg)  # stops here on a bad --role_kl
-    warmup_roles(cfg)  # and here on a bad --sft_roles
-    return cfg, update, critic_settings(cfg), start_config
-
-
-def load_problems(cfg: Config, world: int) -> tuple[Config, list, list]:
-    """The training pool and the held-out problems; --max_new_tokens 0 becomes the task's own."""
-    if cfg.problems_per_step < world:
-        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than the {world} "
-                         "processes; every process needs at least one")
-    try:
-        train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
-        test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
-    except ValueError as e:
-        raise SystemExit(f"task {cfg.task}: {e}") from None
-    if cfg.problems_per_step > len(train_set):
-        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} training pool "
-                         f"holds {len(train_set)} problems")
-    if cfg.max_new_tokens == 0:  # code needs room for a whole function
-        cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
-    return cfg, train_set, test_set
-
-
-def launch(cfg: Config, device: str, rank: int, problems: list):
-    """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. The
-    run directory is locked first (runs.lock_run), a new run's is checked, and it is written only
-    once the model has loaded and the flags fit it, so a failed launch leaves a run in --out as it was."""
-    lock_run(cfg.out)
-    held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
-    log(plan(cfg, device))
-    model, tok = load_policy(cfg.model, device, cfg.dtype)
-    try:
-        inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
-    except ValueError as e:
-        raise SystemExit(f"--lora_targets: {e}") from None
-    check_context(model, tok, cfg, problems)
-    if not cfg.resume and rank == 0:
-        start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
-    return model, tok
-
-
-def check_context(model, tok, cfg: Config, problems: list) -> None:
-    """The lengths fit the model's context, before any generation: --critic_max_tokens, and
-    --max_new_tokens after the longest prompt the workflow builds for the longest problem with
-    the agents' texts left out (those are known at run time, and cut to fit then: Rollout)."""
-    context = context_length(model)
-    if context is None:
-        return
-    if cfg.algo == "maac" and cfg.critic_max_tokens > context:
-        raise SystemExit(f"--critic_max_tokens {cfg.critic_max_tokens}: more than the {context} positions of "
-                         f"model {cfg.model}; lower it to at most {context}")
-    sizes = [len(ids) for ids in tok([p.question for p in problems], add_special_tokens=False).input_ids]
-    longest = problems[sizes.index(max(sizes))]
-    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents, cfg.max_rounds)
-    prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
-    if prompt + cfg.max_new_tokens > context:
-        fix = (f"lower --max_new_tokens to at most {context - prompt}" if prompt < context
-               else "choose a model with a longer context")
-        raise SystemExit(f"--max_new_tokens {cfg.max_new_tokens}: the longest prompt of {cfg.workflow} on "
-                         f"{cfg.task} takes {prompt} tokens, and model {cfg.model} reads {context}; {fix}")
-
-
-def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
-    """The adapters RL trains (one shared, or one per role type) and, with --algo maac, the
-    critics: a fresh adapter and value head each."""
-    names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
-    if cfg.algo != "maac":
-        return names, {}
-    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per) for s in slots(cfg.workflow, cfg.n_agents)}
-    return names, setup_critics(model, sorted(keys))
-
-
-def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads, optimizers: dict,
-          schedulers: dict, rng: random.Random, emas: dict, start_config: dict | None,
-          references: dict[str, str]) -> tuple[int, dict, dict]:
-    """Step 0. A resumed run goes on from its newest checkpoint. A new run takes another run's
-    step 0 (--start_from), or warms up (--sft_warmup) and evaluates before training, and saves
-    it: a run stopped after step 0 resumes without its warm-up, and others can start from it.
-    The KL anchors (`references`) are frozen copies of the policy RL starts from. Returns the
-    step to go on from and the metrics rows of the first and of the last evaluation."""
-    if cfg.resume:  # the checkpoint fills the anchors in
-        start, first, last = resume_run(cfg.out, model, references, heads, optimizers, schedulers, rng, emas,
-                                        {k: getattr(cfg, k) for k in NEW_LR})
-        log(f"resuming {cfg.out} at step {start}")
-        return start, first, last
-    if cfg.start_from:
-        first = load_start(cfg.start_from, cfg.sharing, start_config, model, heads, rng)
-    else:
-        first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
-    for name, ref in references.items():
-        freeze_copy(model, name, ref)
-    if cfg.start_from:
-        log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of {cfg.start_from}")
-    else:
-        log(f"evaluating on {len(test_set)} held-out problems ...")
-        t_eval = time.time()
-        scores = evaluate(model, tok, cfg, test_set)
-        eval_seconds = time.time() - t_eval
-        log(f"step 0/{cfg.steps} | eval/accuracy {scores['eval/accuracy']:.3f} | {eval_seconds:.0f}s | "
-            f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
-        first = {"step": 0, **scores, **first, "time/eval": eval_seconds}
-    start_logs(cfg.out, first)
-    save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
-    return 0, first, first
-
-
 def update_adapters(model, tok, cfg: Config, step: int, calls: list[Call], names: list[str], optimizers: dict,
                     schedulers: dict, rng: random.Random, update: UpdateSettings, emas: dict,
                     diag: bool) -> dict[str, list[float]]:
@@ -560,6 +313,75 @@ def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
     m = {k: sum(v) / len(v) for k, v in stats.items()}
     m["time/old_logp"] = sum(v for k, v in m.items() if k.startswith("time/old_logp/"))
     return m
+
+
+# ----------------------------------------------------------------------------
+# Step 0: a resumed run's checkpoint, another run's step 0 (--start_from), or the supervised
+# warm-up (--sft_warmup: every role learns replies that keep its contract, workflows.contract_replies,
+# so that RL has a contract to keep or to lose) and the first evaluation
+
+
+def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, float]:
+    """--sft_warmup steps of supervised learning on contract-keeping replies, before RL.
+
+    One sampled rollout of the workflow on B x G distinct training problems (at least
+    --minibatch_size of them) gives the prompts and the verifier's labels; each warm-up step
+    draws a mini-batch of the replies and takes one AdamW step per adapter on their negative
+    log-likelihood (grpo.supervised_steps, learning rate --sft_lr). Returns the step-0 metrics:
+    the loss of the first and last step, and each role's adherence in the rollout (before)."""
+    rng = random.Random(cfg.seed + 1)  # its own problems: RL draws the same ones as without warm-up
+    n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)  # at least a mini-batch's worth
+    picked = rng.sample(range(len(train_set)), min(len(train_set), n))
+    mine = [picked[i] for i in block(len(picked))]
+    rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in mine],
+                                              greedy=False, label="warm-up rollout")
+    calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, mine)
+    score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers, timeout=cfg.code_timeout)
+    pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
+                             warmup_roles(cfg))
+    if not pairs:
+        raise SystemExit(f"--sft_warmup: no role of {cfg.workflow} to warm up among {', '.join(warmup_roles(cfg))}")
+    for c in pairs:
+        c.completion_ids = tok(c.text, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    before = step_metrics(calls, rewards, outcomes, cfg.n_agents, diag=False)
+    m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items() if k.endswith("/adherence")}
+    losses = supervised_steps(model, pairs, names, cfg.sharing, cfg.sft_warmup, cfg.minibatch_size, cfg.sft_lr, rng,
+                              tok.pad_token_id, cfg.micro_batch_tokens, cfg.grad_clip, log)
+    return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
+
+
+def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads, optimizers: dict,
+          schedulers: dict, rng: random.Random, emas: dict, start_config: dict | None,
+          references: dict[str, str]) -> tuple[int, dict, dict]:
+    """Step 0. A resumed run goes on from its newest checkpoint. A new run takes another run's
+    step 0 (--start_from), or warms up (--sft_warmup) and evaluates before training, and saves
+    it: a run stopped after step 0 resumes without its warm-up, and others can start from it.
+    The KL anchors (`references`) are frozen copies of the policy RL starts from. Returns the
+    step to go on from and the metrics rows of the first and of the last evaluation."""
+    if cfg.resume:  # the checkpoint fills the anchors in
+        start, first, last = resume_run(cfg.out, model, references, heads, optimizers, schedulers, rng, emas,
+                                        {k: getattr(cfg, k) for k in NEW_LR})
+        log(f"resuming {cfg.out} at step {start}")
+        return start, first, last
+    if cfg.start_from:
+        first = load_start(cfg.start_from, cfg.sharing, start_config, model, heads, rng)
+    else:
+        first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
+    for name, ref in references.items():
+        freeze_copy(model, name, ref)
+    if cfg.start_from:
+        log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of {cfg.start_from}")
+    else:
+        log(f"evaluating on {len(test_set)} held-out problems ...")
+        t_eval = time.time()
+        scores = evaluate(model, tok, cfg, test_set)
+        eval_seconds = time.time() - t_eval
+        log(f"step 0/{cfg.steps} | eval/accuracy {scores['eval/accuracy']:.3f} | {eval_seconds:.0f}s | "
+            f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
+        first = {"step": 0, **scores, **first, "time/eval": eval_seconds}
+    start_logs(cfg.out, first)
+    save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
+    return 0, first, first
 
 
 # ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import diagnose
+import launch
 import runs
 import train
 from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_advantages
@@ -285,7 +286,7 @@ TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i
 def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens_it(tmp_path, monkeypatch):
     """Same data and learning rate: Voting's generator adapter gets three slots' calls, so three
     times the optimizer steps and a larger update than the single agent's; --one_step removes it."""
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     monkeypatch.setattr(train, "score_batch", odd_length_wins)  # reward contrast in every group
     norms = {}
     for name, kw in [("single", dict(workflow="single", one_step=False)),
@@ -303,7 +304,7 @@ def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens
 
 
 def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     monkeypatch.setattr(train, "score_batch", odd_length_wins)
     out = str(tmp_path / "run")
     train.main(train.Config(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2,
@@ -317,12 +318,12 @@ def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
 
 
 def test_role_kl_names_must_be_roles_of_the_workflow():
-    assert train.kl_coefs(train.Config(workflow="voting", kl_coef=0.01, role_kl="aggregator=0.1")) == \
+    assert launch.kl_coefs(train.Config(workflow="voting", kl_coef=0.01, role_kl="aggregator=0.1")) == \
         {"generator": 0.01, "aggregator": 0.1}
     with pytest.raises(SystemExit, match="'evaluator' is not a role of voting"):
-        train.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
+        launch.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
     with pytest.raises(SystemExit, match="not role=number"):
-        train.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
+        launch.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
 
 
 @pytest.mark.parametrize("workflow,sharing", [("single", "shared"), ("eval_opt", "isolated"),

@@ -8,9 +8,10 @@ from conftest import ROOT
 LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "machine": 0, "tasks": 0,
           "rollout": 1, "reward": 1,
           "grpo": 2, "critic": 2, "runs": 2,
-          "train": 3,
-          "bench": 4,
-          "diagnose": 5, "course": 5, "grid": 6}
+          "launch": 3,
+          "train": 4,
+          "bench": 5,
+          "diagnose": 6, "course": 6, "grid": 7}
 
 
 def project_imports(source: str) -> set[str]:

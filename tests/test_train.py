@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 import diagnose
 import grpo
 import machine
+import launch
 import runs
 import train
 from conftest import ROOT
@@ -123,7 +124,7 @@ def killed_in_step_3(cfg: train.Config, monkeypatch, dies_at_call: int = 5) -> N
                                   dict(algo="maac", critic="central", sharing="shared",
                                        workflow="eval_opt", critic_lr=1e-2)])
 def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, **algo)
     train.main(small_config(str(tmp_path / "straight"), **toy))
 
@@ -159,7 +160,7 @@ def to_former_layout(ckpt: str) -> None:
 
 
 def test_a_checkpoint_in_the_former_layout_resumes_exactly(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, critic_lr=1e-2, algo="maac", critic="decentral",
                workflow="eval_opt", sharing="isolated")
     train.main(small_config(str(tmp_path / "straight"), **toy))
@@ -197,7 +198,7 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
     The toy task always has the answer 7; the random tiny model says a number whose last
     digit group is 7 a few percent of the time.
     """
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     cfg = train.Config(model="tiny", workflow="single", steps=25, problems_per_step=4, group_size=8,
                        max_new_tokens=16, temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=8,
                        minibatch_size=64, eval_problems=4, save_every=100, out=str(tmp_path))
@@ -208,11 +209,11 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
 
 
 def test_learning_rate_schedule_by_hand():
-    assert train.lr_factor(0, warmup=1, total=12) == pytest.approx(0.5)
-    assert train.lr_factor(1, warmup=1, total=12) == pytest.approx(1.0)
-    assert train.lr_factor(12, warmup=1, total=12) == pytest.approx(0.1)
-    assert train.lr_factor(0, warmup=0, total=4) == pytest.approx(1.0)
-    assert train.lr_factor(2, warmup=0, total=4) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert launch.lr_factor(0, warmup=1, total=12) == pytest.approx(0.5)
+    assert launch.lr_factor(1, warmup=1, total=12) == pytest.approx(1.0)
+    assert launch.lr_factor(12, warmup=1, total=12) == pytest.approx(0.1)
+    assert launch.lr_factor(0, warmup=0, total=4) == pytest.approx(1.0)
+    assert launch.lr_factor(2, warmup=0, total=4) == pytest.approx(0.1 + 0.9 * 0.5)
 
 
 def test_isolated_roles_take_optimizer_steps_in_proportion_to_their_calls(tmp_path):
@@ -293,17 +294,17 @@ def test_help_is_grouped_and_shows_defaults_whole(capsys):
 def test_bad_numbers_stop_before_any_model_work(flags, words, tmp_path, monkeypatch):
     def no_model(*args):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(train, "load_policy", no_model)
+    monkeypatch.setattr(launch, "load_policy", no_model)
     with pytest.raises(SystemExit, match=re.escape(words)):
         train.main(train.parse_config(["--model", "tiny", *flags, "--out", str(tmp_path / "run")]))
     assert not os.path.exists(tmp_path / "run")
 
 
 def test_intervals_by_hand():
-    assert train.in_bounds(0, "[0, inf)") and not train.in_bounds(0, "(0, inf)")
-    assert train.in_bounds(1, "(0, 1]") and not train.in_bounds(1, "[0, 1)")
-    assert not train.in_bounds(-1e-9, "[0, 1]") and train.in_bounds(1e300, "(0, inf)")
-    train.check_numbers(train.Config())  # the defaults are valid
+    assert launch.in_bounds(0, "[0, inf)") and not launch.in_bounds(0, "(0, inf)")
+    assert launch.in_bounds(1, "(0, 1]") and not launch.in_bounds(1, "[0, 1)")
+    assert not launch.in_bounds(-1e-9, "[0, 1]") and launch.in_bounds(1e300, "(0, inf)")
+    launch.check_numbers(train.Config())  # the defaults are valid
 
 
 def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
@@ -379,7 +380,7 @@ def test_threads_are_the_free_cores(monkeypatch):
 def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tmp_path, monkeypatch, capsys):
     """Killed between the two renames of a save: ckpt.old (step 1) and ckpt.tmp (step 2, whole)
     are on disk, ckpt is not; and the log's last line was cut in half."""
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, save_every=1)
     train.main(small_config(str(tmp_path / "straight"), **toy))
     out, older = str(tmp_path / "run"), str(tmp_path / "older")
@@ -479,7 +480,7 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     pool = load_task("arith", "train", 4, 2, 0)
     torch.manual_seed(0)
     train.warm_up(model, tok, cfg, pool, names)
-    settings = train.update_settings(cfg)
+    settings = launch.update_settings(cfg)
     assert settings.reference == {"shared": "shared-ref"}
     sampling = torch.get_rng_state()
     freeze_copy(model, "shared", "shared-ref")
@@ -508,7 +509,7 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
 
 
 def test_a_resumed_run_keeps_its_warmed_up_kl_anchor(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
                role_kl="aggregator=0.5")
     train.main(small_config(str(tmp_path / "straight"), **toy))
@@ -533,7 +534,7 @@ def test_sft_roles_must_be_roles(tmp_path):
 def test_a_run_started_from_another_runs_step_0_matches_one_that_warmed_up_itself(tmp_path, monkeypatch):
     """--start_from: a run that takes its warm-up and step-0 evaluation from a --steps 0 run, and
     differs from it in an RL setting (--balance), logs what the same run does on its own."""
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
                role_kl="aggregator=0.5")
     train.main(small_config(str(tmp_path / "straight"), balance="role", **toy))
@@ -631,7 +632,7 @@ def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
 def test_non_finite_steps_are_not_applied_and_three_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
     """Every mini-batch's loss is NaN: nothing is applied, each step says so, the third stops the
     run with the checkpoint from before the trouble, and --resume --lr goes on from there."""
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     real = grpo.aggregate
     monkeypatch.setattr(grpo, "aggregate", lambda *args, **kw: real(*args, **kw) * float("nan"))
     out = str(tmp_path / "run")
@@ -671,11 +672,11 @@ def test_lengths_that_do_not_fit_the_model_stop_before_it_generates(tmp_path, mo
     prompt, most = (int(x) for x in re.search(r"takes (\d+) .* at most (\d+)", str(stop.value)).groups())
     assert prompt + most == 2048
     model, tok = load_policy("tiny")  # the largest length it names fits
-    train.check_context(model, tok, small_config(out, max_new_tokens=most), load_task("arith", "test", 3, 2, 0))
+    launch.check_context(model, tok, small_config(out, max_new_tokens=most), load_task("arith", "test", 3, 2, 0))
 
 
 def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, save_every=2)  # step 3 is saved all the same
     train.main(small_config(str(tmp_path / "straight"), **toy))
     monkeypatch.setattr(machine, "requested", [])

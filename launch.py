@@ -1,0 +1,206 @@
+"""Launching a run, everything before its step 0: the settings checked and turned into what each
+library file reads (grpo.UpdateSettings, critic.CriticSettings), the problems, the base model with
+its LoRA layers, the adapters RL trains and the critics, and an AdamW optimizer with its
+learning-rate schedule for each. Step 0 itself (a warm-up and the first evaluation, or a resumed
+checkpoint) and the training loop are train.py's; the run directory is runs.py's: it is locked
+first and written only once the model has loaded and the flags fit it, so a launch that fails
+leaves a run in --out as it was.
+
+The settings are train.py's `Config`, read by name: this file never imports train.py.
+
+Exercised by: pytest tests/test_train.py (bad flags, the context check, the schedule)
+"""
+import dataclasses
+import math
+from functools import partial
+from typing import TypeVar
+
+import torch
+
+from critic import CriticSettings, critic_key, setup_critics
+from grpo import UpdateSettings
+from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
+from machine import log
+from rollout import chat_text, context_length, load_policy
+from runs import check_run_dir, check_start, lock_run, plan, resolve_resume, start_run_dir
+from tasks import load_task
+from workflows import ROLES, every_prompt, role_of, slots
+
+RunConfig = TypeVar("RunConfig")  # train.Config
+
+
+# ----------------------------------------------------------------------------
+# The settings: checked before a file or the model is touched
+
+
+def check_settings(cfg: RunConfig,
+                   typed: set[str] | None) -> tuple[RunConfig, UpdateSettings, CriticSettings, dict | None]:
+    """The run's config (a resumed run's own), what grpo.py and critic.py read from it, and with
+    --start_from the start's config, all checked before a file or the model is touched."""
+    cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
+    check_numbers(cfg)
+    start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
+    update = update_settings(cfg)  # stops here on a bad --role_kl
+    warmup_roles(cfg)  # and here on a bad --sft_roles
+    return cfg, update, critic_settings(cfg), start_config
+
+
+def in_bounds(value: float, bounds: str) -> bool:
+    """Whether value lies in an interval written "[low, high)", "(0, inf)" and so on."""
+    low, high = (float(x) for x in bounds[1:-1].split(","))
+    above = value >= low if bounds[0] == "[" else value > low
+    below = value <= high if bounds[-1] == "]" else value < high
+    return above and below
+
+
+def check_numbers(cfg: RunConfig) -> None:
+    """Every numeric flag in its interval, before any file or model is touched."""
+    for f in dataclasses.fields(cfg):
+        value, bounds = getattr(cfg, f.name), f.metadata["bounds"]
+        if bounds and not in_bounds(value, bounds):
+            raise SystemExit(f"--{f.name} {value}: must be in {bounds}")
+    if cfg.algo == "grpo" and cfg.group_size < 2:
+        raise SystemExit(f"--group_size {cfg.group_size}: must be >= 2 with --algo grpo (a group of one "
+                         "has no contrast: every advantage is 0)")
+
+
+def kl_coefs(cfg: RunConfig) -> dict[str, float]:
+    """--kl_coef for every role of the workflow, overridden per role by --role_kl."""
+    coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
+    for item in filter(None, cfg.role_kl.split(",")):
+        role, _, value = item.partition("=")
+        if role.strip() not in coefs:
+            raise SystemExit(f"--role_kl: {role.strip()!r} is not a role of {cfg.workflow} "
+                             f"({', '.join(coefs)})")
+        try:
+            coefs[role.strip()] = float(value)
+        except ValueError:
+            raise SystemExit(f"--role_kl: {item!r} is not role=number") from None
+    return coefs
+
+
+def update_settings(cfg: RunConfig) -> UpdateSettings:
+    """What grpo.policy_update reads, from the config (the same for every adapter). After a
+    warm-up, a KL term anchors each adapter to a frozen copy of itself, "<adapter>-ref"."""
+    kl = kl_coefs(cfg)
+    adapters = {adapter_for(role, cfg.sharing) for role in ROLES[cfg.workflow]}
+    anchored = cfg.sft_warmup > 0 and any(v > 0 for v in kl.values())
+    return UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
+                          one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
+                          eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
+                          kl_coef=kl, grad_clip=cfg.grad_clip, balance=cfg.balance,
+                          damping=cfg.damping, tis_cap=cfg.tis_cap, skip_empty=cfg.skip_empty,
+                          reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
+
+
+def critic_settings(cfg: RunConfig) -> CriticSettings:
+    """What critic.py's critic_advantages and update_critics read, from the config."""
+    return CriticSettings(critic=cfg.critic, per=cfg.critic_per, max_tokens=cfg.critic_max_tokens,
+                          gamma=cfg.gamma, lam=cfg.lam, normalize_advantages=cfg.norm_adv,
+                          minibatch_size=cfg.minibatch_size, micro_batch_tokens=cfg.micro_batch_tokens,
+                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None, grad_clip=cfg.grad_clip)
+
+
+def warmup_roles(cfg: RunConfig) -> list[str]:
+    """The workflow's roles named in --sft_roles (an unknown name is a one-line error)."""
+    roles = [r.strip() for r in cfg.sft_roles.split(",") if r.strip()]
+    known = {r for rs in ROLES.values() for r in rs}
+    for role in roles:
+        if role not in known:
+            raise SystemExit(f"--sft_roles: {role!r} is not a role (roles: {', '.join(sorted(known))})")
+    return [r for r in roles if r in ROLES[cfg.workflow]]
+
+
+# ----------------------------------------------------------------------------
+# The problems, the model, the adapters and their optimizers
+
+
+def load_problems(cfg: RunConfig, world: int) -> tuple[RunConfig, list, list]:
+    """The training pool and the held-out problems; --max_new_tokens 0 becomes the task's own."""
+    if cfg.problems_per_step < world:
+        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than the {world} "
+                         "processes; every process needs at least one")
+    try:
+        train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
+        test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
+    except ValueError as e:
+        raise SystemExit(f"task {cfg.task}: {e}") from None
+    if cfg.problems_per_step > len(train_set):
+        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} training pool "
+                         f"holds {len(train_set)} problems")
+    if cfg.max_new_tokens == 0:  # code needs room for a whole function
+        cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
+    return cfg, train_set, test_set
+
+
+def launch(cfg: RunConfig, device: str, rank: int, problems: list):
+    """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. The
+    run directory is locked first (runs.lock_run), a new run's is checked, and it is written only
+    once the model has loaded and the flags fit it, so a failed launch leaves a run in --out as it was."""
+    lock_run(cfg.out)
+    held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
+    log(plan(cfg, device))
+    model, tok = load_policy(cfg.model, device, cfg.dtype)
+    try:
+        inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
+    except ValueError as e:
+        raise SystemExit(f"--lora_targets: {e}") from None
+    check_context(model, tok, cfg, problems)
+    if not cfg.resume and rank == 0:
+        start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
+    return model, tok
+
+
+def check_context(model, tok, cfg: RunConfig, problems: list) -> None:
+    """The lengths fit the model's context, before any generation: --critic_max_tokens, and
+    --max_new_tokens after the longest prompt the workflow builds for the longest problem with
+    the agents' texts left out (those are known at run time, and cut to fit then: Rollout)."""
+    context = context_length(model)
+    if context is None:
+        return
+    if cfg.algo == "maac" and cfg.critic_max_tokens > context:
+        raise SystemExit(f"--critic_max_tokens {cfg.critic_max_tokens}: more than the {context} positions of "
+                         f"model {cfg.model}; lower it to at most {context}")
+    sizes = [len(ids) for ids in tok([p.question for p in problems], add_special_tokens=False).input_ids]
+    longest = problems[sizes.index(max(sizes))]
+    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents, cfg.max_rounds)
+    prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
+    if prompt + cfg.max_new_tokens > context:
+        fix = (f"lower --max_new_tokens to at most {context - prompt}" if prompt < context
+               else "choose a model with a longer context")
+        raise SystemExit(f"--max_new_tokens {cfg.max_new_tokens}: the longest prompt of {cfg.workflow} on "
+                         f"{cfg.task} takes {prompt} tokens, and model {cfg.model} reads {context}; {fix}")
+
+
+def actors_and_critics(model, cfg: RunConfig) -> tuple[list[str], dict]:
+    """The adapters RL trains (one shared, or one per role type) and, with --algo maac, the
+    critics: a fresh adapter and value head each."""
+    names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
+    if cfg.algo != "maac":
+        return names, {}
+    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per) for s in slots(cfg.workflow, cfg.n_agents)}
+    return names, setup_critics(model, sorted(keys))
+
+
+def make_optimizers(model, cfg: RunConfig, names: list[str], heads) -> tuple[dict, dict]:
+    """AdamW and the warmup-cosine schedule for every adapter, and for every critic
+    (its adapter and value head)."""
+    optimizers, schedulers = {}, {}
+    for name in names + list(heads):
+        params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads else [])
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)  # kept allocated: per-slot gradients are differences of it
+        lr = cfg.critic_lr if name in heads else cfg.lr
+        optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+        schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
+            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps))
+    return optimizers, schedulers
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then cosine decay to 10 percent; `step` = training steps taken."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min((step - warmup) / max(1, total - warmup), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
