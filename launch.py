@@ -23,7 +23,7 @@ from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
 from machine import log
 from rollout import chat_text, context_length, load_policy
 from runs import check_run_dir, check_start, lock_run, plan, resolve_resume, start_run_dir
-from tasks import load_task
+from tasks import KINDS, load_task
 from workflows import ROLES, every_prompt, role_of, slots
 
 RunConfig = TypeVar("RunConfig")  # train.Config
@@ -39,6 +39,9 @@ def check_settings(cfg: RunConfig,
     --start_from the start's config, all checked before a file or the model is touched."""
     cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
     check_numbers(cfg)
+    if cfg.credit == "own" and KINDS[cfg.task] != "math":
+        raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier (its answers are programs); "
+                         "use --credit final")
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles

@@ -227,7 +227,7 @@ class Call:
     prompt: str
     text: str                # completion decoded without special tokens
     problem: str = ""        # id of the episode's problem, set by the trainer
-    reward: float = 0.0      # the episode's outcome, broadcast to every call
+    reward: float = 0.0      # the episode's outcome, broadcast to every call (--credit own: its own part)
     solved: float | None = None  # a solving call's own answer, scored as a final answer would be
     advantage: float = 0.0
     old_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,)

@@ -98,6 +98,8 @@ class Config:
     temperature: float = arg(0.7, "sampling temperature of training rollouts", bounds="(0, inf)")
     top_p: float = arg(1.0, "nucleus sampling of training rollouts", bounds="(0, 1]")
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
+    credit: str = arg("final", "each call's reward: final = the episode's answer, broadcast (the paper); own = "
+                      "a solver's own answer, an evaluator's verdict (math)", ("final", "own"))
     # optimisation
     lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)", bounds="(0, inf)")
     warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent", bounds="[0, inf)")
@@ -209,7 +211,28 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
         for c, r in zip(solvers, score_batch([problems[c.episode] for c in solvers], [c.text for c in solvers],
                                              strict=cfg.strict_answer)):
             c.solved = r
+    if cfg.credit == "own":
+        own_credit(rollout.calls)
     return rollout, outcomes, rewards
+
+
+def verdicts(calls: list[Call]) -> list[tuple[Call, bool]]:
+    """Each evaluator call that read a scored solution, and whether its verdict agrees with the
+    verifier on that solution."""
+    judged = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
+    return [(c, parse_verdict(c.text)[0] == (judged[c.episode, c.turn - 1] == 1.0))
+            for c in calls if c.role == "evaluator" and (c.episode, c.turn - 1) in judged]
+
+
+def own_credit(calls: list[Call]) -> None:
+    """--credit own: every call is rewarded for its own part instead of the episode's final answer: a
+    solver for its own answer, an evaluator for a verdict that agrees with the verifier; the roles that
+    pick or compose the final answer (aggregator, orchestrator) keep the episode's reward."""
+    for c in calls:
+        if c.solved is not None:
+            c.reward = c.solved
+    for c, right in verdicts(calls):
+        c.reward = float(right)
 
 
 def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> dict[str, float]:
@@ -252,11 +275,9 @@ def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: in
             solved = [c.solved for c in cs if c.solved is not None]
             if solved:
                 m[f"{key}/{name}/solved"] = sum(solved) / len(solved)
-    judged = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
-    verdicts = [parse_verdict(c.text)[0] == (judged[c.episode, c.turn - 1] == 1.0)
-                for c in calls if c.role == "evaluator" and (c.episode, c.turn - 1) in judged]
-    if verdicts:  # does the evaluator's verdict match the verifier on the solution it read?
-        m["role/evaluator/verdict_acc"] = sum(verdicts) / len(verdicts)
+    agreed = [right for _, right in verdicts(calls)]
+    if agreed:  # does the evaluator's verdict match the verifier on the solution it read?
+        m["role/evaluator/verdict_acc"] = sum(agreed) / len(agreed)
     # role capture shows in outputs: contract adherence, and likeness to the other roles
     texts = defaultdict(list)
     for c in calls:

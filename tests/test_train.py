@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 import diagnose
 import grpo
-import machine
 import launch
+import machine
 import runs
 import train
 from conftest import ROOT
@@ -281,6 +281,24 @@ def test_help_is_grouped_and_shows_defaults_whole(capsys):
     assert "48" in max_new and "320" in max_new
 
 
+def test_own_credit_pays_each_call_for_its_own_part():
+    """--credit own: a solver is paid for its own answer, an evaluator for a verdict that agrees with the
+    verifier, an aggregator keeps its episode's reward; by default every call keeps the broadcast reward."""
+    def call(episode, role, slot, turn, text="", solved=None, reward=0.0):
+        return Call(episode, role, slot, turn, [], [], "", text, reward=reward, solved=solved)
+    eval_opt = [call(0, "generator", "generator", 0, solved=0.0, reward=1.0),  # wrong first answer ...
+                call(0, "evaluator", "evaluator", 1, "\\boxed{Incorrect}", reward=1.0),  # ... rightly refused
+                call(0, "generator", "generator", 2, solved=1.0, reward=1.0),  # ... and refined: final right
+                call(1, "generator", "generator", 0, solved=0.0, reward=0.0),
+                call(1, "evaluator", "evaluator", 1, "\\boxed{Correct}", reward=0.0)]  # a wrong answer passed
+    voting = [call(0, "generator", f"generator{i}", 0, solved=s, reward=0.0) for i, s in enumerate((1.0, 0.0, 1.0))]
+    voting.append(call(0, "aggregator", "aggregator", 1, "\\boxed{2}", reward=0.0))  # picked the wrong one
+    for calls, own in ((eval_opt, [0.0, 1.0, 1.0, 0.0, 0.0]), (voting, [1.0, 0.0, 1.0, 0.0])):
+        assert [c.reward for c in calls] != own  # the broadcast reward differs from each call's own part
+        train.own_credit(calls)
+        assert [c.reward for c in calls] == own
+
+
 @pytest.mark.parametrize("flags,words", [(["--steps", "-1"], "--steps -1: must be in [0, inf)"),
                                          (["--group_size", "1"], "--group_size 1: must be >= 2 with --algo grpo"),
                                          (["--group_size", "0", "--algo", "maac"], "--group_size 0: must be in [1, inf)"),
@@ -290,7 +308,8 @@ def test_help_is_grouped_and_shows_defaults_whole(capsys):
                                          (["--top_p", "1.5"], "--top_p 1.5: must be in (0, 1]"),
                                          (["--eval_problems", "0"], "--eval_problems 0: must be in [1, inf)"),
                                          (["--problems_per_step", "300"], "training pool holds 256"),
-                                         (["--damping", "2"], "--damping 2.0")])
+                                         (["--damping", "2"], "--damping 2.0"),
+                                         (["--credit", "own", "--task", "humaneval"], "--credit own: task humaneval")])
 def test_bad_numbers_stop_before_any_model_work(flags, words, tmp_path, monkeypatch):
     def no_model(*args):
         raise AssertionError("the model was loaded")
