@@ -10,7 +10,7 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   2. run the workflow on every episode (workflows.py); each stage is one
      batched `generate` under its role's adapter (rollout.py), every call recorded;
   3. score the final answers (reward.py) and broadcast each episode's outcome
-     to all of its calls;
+     to all of its calls (--credit own: reward each call for its own part);
   4. group-relative advantages per (problem, slot, workflow step) (grpo.py),
      or with --algo maac the critics' values and GAE (critic.py);
   5. old log-probs: the first mini-batch's own, a separate pass for the later ones;
