@@ -227,7 +227,8 @@ def verdicts(calls: list[Call]) -> list[tuple[Call, bool]]:
 def own_credit(calls: list[Call]) -> None:
     """--credit own: every call is rewarded for its own part instead of the episode's final answer: a
     solver for its own answer, an evaluator for a verdict that agrees with the verifier; the roles that
-    pick or compose the final answer (aggregator, orchestrator) keep the episode's reward."""
+    pick or compose the final answer (aggregator, orchestrator) keep the episode's reward. A departure:
+    Paper A (Sec. 3) and CoLLM broadcast the outcome; docs/learning.md measures both."""
     for c in calls:
         if c.solved is not None:
             c.reward = c.solved
