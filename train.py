@@ -172,7 +172,9 @@ class Config:
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # no abbreviations: --resume checks the flags typed, by their full names (runs.typed_flags);
+    # --work voting, taken for --workflow, would escape that check
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     group = parser
     for f in dataclasses.fields(Config):
         if f.name in SECTIONS:

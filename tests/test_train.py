@@ -192,6 +192,15 @@ def test_resume_rejects_a_contradicting_flag(tmp_path):
     train.main(train.parse_config(argv), typed=runs.typed_flags(argv))  # agrees with the run: resumes
 
 
+def test_an_abbreviated_flag_is_refused_so_that_resume_sees_every_flag(tmp_path, capsys):
+    """--work would be --workflow to argparse but "work" to the --resume check, which let it pass."""
+    for flag in (["--work", "voting"], ["--ste", "3"], ["--ste=3"]):
+        with pytest.raises(SystemExit) as stop:
+            train.parse_config(["--model", "tiny", "--out", str(tmp_path), "--resume", *flag])
+        assert stop.value.code == 2 and f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
+    assert train.parse_config(["--steps=3", "--no-one_step"]).steps == 3  # full names, in either form
+
+
 def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
     """Reward rises from chance to >= 0.9: fails if the loss sign or the advantages are wrong.
 
