@@ -390,6 +390,8 @@ def check_start(cfg: RunConfig) -> dict:
     """--start_from: the start run's config, once it is known to differ from this run's in RL
     settings only and to have stopped at step 0."""
     where = cfg.start_from
+    if os.path.realpath(where) == os.path.realpath(cfg.out):  # --overwrite would delete it before it is read
+        raise SystemExit(f"--start_from {where} is this run's own --out; start it in another directory")
     try:
         with open(os.path.join(where, "config.json")) as f:
             saved = type(cfg)(**json.load(f))

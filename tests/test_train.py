@@ -606,6 +606,11 @@ def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path
         with pytest.raises(SystemExit, match=words):
             train.main(small_config(str(tmp_path / "run"), **{"start_from": start, **kw}))
     assert not os.path.exists(tmp_path / "run")  # stopped before anything was made
+    before = directory_state(start)
+    os.symlink(start, tmp_path / "link")  # the start itself, spelled otherwise
+    with pytest.raises(SystemExit, match="is this run's own --out"):
+        train.main(small_config(str(tmp_path / "link"), start_from=start, overwrite=True))
+    assert directory_state(start) == before  # --overwrite deleted nothing
     further = str(tmp_path / "further")
     train.main(small_config(further, steps=1, sharing="isolated"))
     with pytest.raises(SystemExit, match="its checkpoint is at step 1, not 0"):
