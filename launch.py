@@ -79,6 +79,8 @@ def kl_coefs(cfg: RunConfig) -> dict[str, float]:
             coefs[role.strip()] = float(value)
         except ValueError:
             raise SystemExit(f"--role_kl: {item!r} is not role=number") from None
+        if not in_bounds(coefs[role.strip()], "[0, inf)"):  # as --kl_coef: a negative, nan or inf is no anchor
+            raise SystemExit(f"--role_kl {item.strip()}: must be in [0, inf)")
     return coefs
 
 

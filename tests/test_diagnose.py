@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 import shutil
 
 import pytest
@@ -324,6 +325,9 @@ def test_role_kl_names_must_be_roles_of_the_workflow():
         launch.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
     with pytest.raises(SystemExit, match="not role=number"):
         launch.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
+    for value in ("-1", "nan", "inf"):  # checked as --kl_coef is, not taken for off or trained into NaN
+        with pytest.raises(SystemExit, match=re.escape(f"--role_kl aggregator={value}: must be in [0, inf)")):
+            launch.kl_coefs(train.Config(workflow="voting", role_kl=f"generator=0.1, aggregator={value}"))
 
 
 @pytest.mark.parametrize("workflow,sharing", [("single", "shared"), ("eval_opt", "isolated"),
