@@ -22,6 +22,7 @@ tests/test_distributed.py
 """
 import dataclasses
 import fcntl
+import glob
 import json
 import os
 import random
@@ -47,10 +48,22 @@ RunConfig = TypeVar("RunConfig")  # train.Config: a dataclass with a default on 
 # Files: config, logs (all written atomically)
 
 
+def fsync(*paths: str) -> None:
+    """Flush files, or a directory's entries (its renames), to the disk. Before a rename names a
+    file: after a power loss the rename may be on disk and the file's data not."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def write_json(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2)
+    fsync(tmp)
     os.replace(tmp, path)
 
 
@@ -82,6 +95,7 @@ def truncate_jsonl(path: str, last_step: int) -> list[dict]:
     keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in keep)
+    fsync(path + ".tmp")
     os.replace(path + ".tmp", path)
     return keep
 
@@ -254,34 +268,44 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
                 "cuda_rngs": cuda_rngs,  # of each process's own GPU
                 "py_rng": rng.getstate(),
                 "emas": emas}, os.path.join(tmp, "state.part"))
+    for root, _, files in os.walk(tmp):
+        fsync(root, *(os.path.join(root, name) for name in files))
     os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # state.pt: tmp is whole
+    fsync(tmp)
     # Swap directories so a crash leaves either the old or the new checkpoint whole
     # (newest_checkpoint finds it).
     shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
     if os.path.exists(final):
         os.replace(final, final + ".old")
     os.replace(tmp, final)
+    fsync(out)  # the swap on disk before the old checkpoint goes
     shutil.rmtree(final + ".old", ignore_errors=True)
 
 
 def newest_checkpoint(out: str) -> str:
-    """The newest whole checkpoint, put back in its place as ckpt: ckpt.tmp once its state.pt is
-    written (a save that crashed before its swap finished), else ckpt, else ckpt.old."""
+    """The newest checkpoint that reads back whole, put back in its place as ckpt: ckpt.tmp (a save
+    that crashed before its swap finished), else ckpt, else ckpt.old."""
     final = os.path.join(out, "ckpt")
     for path in (final + ".tmp", final, final + ".old"):
-        if os.path.exists(os.path.join(path, "state.pt")):
-            if path != final:
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(path, final)
-            return final
+        try:  # the files load_checkpoint reads: one torn by a crash or a power loss replaces nothing
+            torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            for tensors in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
+                load_file(tensors)
+        except Exception:  # missing, truncated or foreign
+            continue
+        if path != final:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(path, final)
+        return final
+    if os.path.exists(os.path.join(final, "state.pt")):  # there but damaged: load_checkpoint says so
+        return final
     raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
                      "start it again without --resume, with --overwrite")
 
 
 def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
                     rng: random.Random, emas: dict) -> int:
-    rank, world = rank_and_world()
-    if rank == 0:
+    if rank_and_world()[0] == 0:
         newest_checkpoint(out)  # puts the newest whole checkpoint in place as ckpt
     barrier()
     path = os.path.join(out, "ckpt")
@@ -303,18 +327,24 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
             for group, lr, factor in zip(optimizers[k].param_groups, lrs, schedulers[k].lr_lambdas):
                 group["initial_lr"], group["lr"] = lr, lr * factor(schedulers[k].last_epoch)
             schedulers[k]._last_lr = [group["lr"] for group in optimizers[k].param_groups]
+    set_rngs(state, rng, f"--resume: {out}")
+    emas.update(state["emas"])
+    return state["step"]
+
+
+def set_rngs(state: dict, rng: random.Random, source: str) -> None:
+    """This process's random number states from a checkpoint's state.pt, saved by as many processes."""
+    rank, world = rank_and_world()
     torch_rngs = state["torch_rngs"] if "torch_rngs" in state else [state["torch_rng"]]  # older: one
     if len(torch_rngs) != world:
-        raise SystemExit(f"--resume: {out} was saved by {len(torch_rngs)} process(es); resume it with "
-                         f"as many (torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
+        raise SystemExit(f"{source} was saved by {len(torch_rngs)} process(es); run it with as many "
+                         f"(torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
     torch.set_rng_state(torch_rngs[rank])
     if state.get("cuda_rngs") is not None:
         torch.cuda.set_rng_state(state["cuda_rngs"][rank])
     elif state.get("cuda_rng") is not None:  # saved before one state per process
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     rng.setstate(state["py_rng"])
-    emas.update(state["emas"])
-    return state["step"]
 
 
 # ----------------------------------------------------------------------------
@@ -424,14 +454,7 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
         load_adapter_state(model, name, load_file(os.path.join(path, source, "adapter_model.safetensors")))
     for name, head in heads.items():
         head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
-    rank, world = rank_and_world()
-    if len(state["torch_rngs"]) != world:
-        raise SystemExit(f"--start_from {where}: saved by {len(state['torch_rngs'])} process(es), "
-                         f"not {world}")
-    torch.set_rng_state(state["torch_rngs"][rank])
-    if state.get("cuda_rngs") is not None:
-        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
-    rng.setstate(state["py_rng"])
+    set_rngs(state, rng, f"--start_from {where}")
     return read_jsonl(os.path.join(where, "metrics.jsonl"))[0]
 
 

@@ -426,6 +426,41 @@ def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tm
     assert sorted(os.listdir(out)) == [".lock", "ckpt", "config.json", "metrics.jsonl", "samples.jsonl", "tb"]
 
 
+def test_a_torn_save_never_replaces_a_good_checkpoint_and_a_save_is_on_disk_before_its_renames(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """A power loss after the rename that makes ckpt.tmp whole (state.pt), before an adapter's data
+    reached the disk: ckpt.tmp holds a torn file beside a good ckpt, and --resume takes the good one.
+    Every file of a save is fsynced before state.pt names it whole, and the swap before ckpt.old goes."""
+    out = str(tmp_path / "run")
+    killed_in_step_3(small_config(out), monkeypatch)  # its ckpt: step 2
+    shutil.copytree(f"{out}/ckpt", f"{out}/ckpt.tmp")
+    with open(f"{out}/ckpt.tmp/generator/adapter_model.safetensors", "r+b") as f:
+        f.truncate(100)
+    events, real_fsync, real_replace = [], runs.fsync, os.replace
+
+    def fsync(*paths):
+        events.extend(paths)
+        real_fsync(*paths)
+
+    def replace(src, dst):
+        events.append((src, dst))
+        real_replace(src, dst)
+    monkeypatch.setattr(runs, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    capsys.readouterr()
+    train.main(train.Config(out=out, resume=True))
+    assert f"resuming {out} at step 2" in capsys.readouterr().out
+    assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2, 3, 4]
+    tmp = f"{out}/ckpt.tmp"
+    whole = events.index((f"{tmp}/state.part", f"{tmp}/state.pt"))  # the first save after the resume
+    saved = [os.path.join(root, n) for root, _, files in os.walk(f"{out}/ckpt") for n in files + ["."]]
+    synced = {os.path.normpath(p.replace(tmp, f"{out}/ckpt").replace("state.part", "state.pt"))
+              for p in events[:whole] if isinstance(p, str)}
+    assert {os.path.normpath(p) for p in saved} <= synced
+    swap = events.index((tmp, f"{out}/ckpt"))
+    assert tmp in events[whole:swap] and out in events[swap:]
+
+
 def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_one(tmp_path, monkeypatch):
     out = str(tmp_path / "run")
     killed_in_step_3(small_config(out), monkeypatch, dies_at_call=1)  # in the step-0 evaluation
