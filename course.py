@@ -179,6 +179,8 @@ def copy_project(root: str, out: str) -> None:
 
 
 def make(number: int, out: str, root: str = ROOT) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SystemExit(f"--out {out} is a file, not a directory; choose another --out")
     if os.path.exists(out) and os.listdir(out):
         raise SystemExit(f"{out} exists and is not empty; choose another --out")
     copy_project(root, out)

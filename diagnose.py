@@ -263,11 +263,23 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
     return row
 
 
+def writable(directory: str, what: str) -> None:
+    """Make `directory` if it is missing; stop with one line if `what` cannot be written in it (a
+    file, a read-only run), before any work that would be lost."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:  # a file in the way, or a parent that cannot be written
+        why = "a file, not a directory" if os.path.isfile(directory) else e.strerror
+        raise SystemExit(f"{directory}: cannot write {what} there ({why})") from None
+    if not os.access(directory, os.W_OK):
+        raise SystemExit(f"{directory}: cannot write {what} there (read-only)")
+
+
 def report(run_dirs: list[str], out: str, names=run_name) -> str:
     """Write report.md and the plots into `out`; return the report's path. `names` gives each
     run's name in the tables and plots (default: its directory's name)."""
-    os.makedirs(out, exist_ok=True)
     runs = {names(d): load_run(d) for d in run_dirs}  # name -> (config, rows)
+    writable(out, "report.md")
     table = [{"run": name, **summary(config, rows)} for name, (config, rows) in runs.items()]
     header = list(table[0])
     lines = ["# Diagnosis", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -314,8 +326,11 @@ def probe(ckpt: str, problems: int) -> dict[str, float]:
     Advantages are group-relative (GRPO) whatever the run's algorithm: the probe asks how
     the slots' policy gradients line up, not what a critic would make of them."""
     cfg, model, tok, names = trained_model(ckpt)
+    writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")  # where main writes it, known before the work
     torch.manual_seed(cfg.seed + 1)  # a batch the run did not train on, the same every time
     pool = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
+    if not 1 <= problems <= len(pool):
+        raise SystemExit(f"--probe_problems {problems}: must be in [1, {len(pool)}] (the run's training pool)")
     problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
     rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[i] for i in problem_of], greedy=False)
     set_advantages(rollout.calls, problem_of, cfg.adv_group)

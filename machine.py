@@ -105,13 +105,16 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
 
 
 def join_processes(device: str) -> str:
-    """This process's device (--device cuda without a usable GPU: a one-line error); under
-    torchrun (WORLD_SIZE > 1) also join the process group: nccl and one GPU per local rank on
-    CUDA, gloo on CPU."""
+    """This process's device (one that is not here: a one-line error); under torchrun (WORLD_SIZE > 1)
+    also join the process group: nccl and one GPU per local rank on CUDA, gloo on CPU."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise SystemExit(f"--device {device}: not a device of this project; use auto, cpu, cuda or cuda:N")
     cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
         raise SystemExit(f"--device {device}: {why}; use --device cpu (or auto)")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise SystemExit(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s), from cuda:0")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return ("cuda" if cuda else "cpu") if device == "auto" else device
     if cuda:

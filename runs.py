@@ -11,7 +11,8 @@ checkpoints, --resume and --start_from; how it ends, early or not; and the time 
 A directory that holds a run is never overwritten implicitly, and a launch that fails leaves it
 as it was. A kill at any moment leaves whole files: logs are appended a line at a time (a torn
 last line is dropped when read back), config.json is written through a rename, a checkpoint as a
-directory swapped in whole. One launch at a time: a run holds its directory with an OS lock. A run
+directory swapped in whole (flushed to the disk first, and resumed only if it reads back: a power
+loss costs no checkpoint). One launch at a time: a run holds its directory with an OS lock. A run
 ends early, with one line that says how to go on, after a stop signal (machine.py) or after steps
 whose loss or gradient was not finite. Under torchrun every process keeps its own sampling state
 in the checkpoint, and only rank 0 writes. The settings are train.py's `Config`, read field by
@@ -59,12 +60,12 @@ def fsync(*paths: str) -> None:
             os.close(fd)
 
 
-def write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    fsync(tmp)
-    os.replace(tmp, path)
+def write_whole(path: str, text: str) -> None:
+    """Write a file through a rename, on the disk first: a kill or a power loss leaves the old or the new."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    fsync(path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def append_jsonl(path: str, rows: list[dict]) -> None:
@@ -93,10 +94,7 @@ def read_jsonl(path: str) -> list[dict]:
 def truncate_jsonl(path: str, last_step: int) -> list[dict]:
     """Drop log lines written after the checkpoint we resume from; return the rows kept."""
     keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in keep)
-    fsync(path + ".tmp")
-    os.replace(path + ".tmp", path)
+    write_whole(path, "".join(json.dumps(row) + "\n" for row in keep))
     return keep
 
 
@@ -186,13 +184,20 @@ def lock_run(out: str) -> None:
 
 def take_lock(out: str) -> str:
     """Make --out and flock its .lock for this process; returns why it cannot ("" when held)."""
+    if not out:
+        return "--out is empty: name the run's directory"
     if os.path.exists(out) and not os.path.isdir(out):
         return f"--out {out} is a file, not a directory"
     parent = os.path.abspath(out)
     while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        return f"--out {out}: cannot create a directory in {parent}"
+        where = "write in it" if parent == os.path.abspath(out) else f"create a directory in {parent}"
+        return f"--out {out}: cannot {where}"
+    own = [os.path.join(out, name) for name in (LOCK,) + RUN_FILES]  # a run kept or copied read-only
+    own += [os.path.join(root, n) for path in own for root, dirs, files in os.walk(path) for n in dirs + files]
+    if read_only := [p for p in own if os.path.exists(p) and not os.access(p, os.W_OK)]:
+        return f"--out {out}: {read_only[0]} is read-only; make the run writable (chmod -R u+w) or copy it"
     os.makedirs(out, exist_ok=True)
     fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
     try:
@@ -230,7 +235,7 @@ def start_run_dir(out: str, held: list[str], config: dict) -> None:
         path = os.path.join(out, f)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(out, exist_ok=True)
-    write_json(os.path.join(out, "config.json"), config)
+    write_whole(os.path.join(out, "config.json"), json.dumps(config, indent=2))
 
 
 def start_logs(out: str, first: dict) -> None:
@@ -397,7 +402,7 @@ def resume_run(out: str, model, references: dict[str, str], heads, optimizers: d
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
         with open(os.path.join(out, "config.json")) as f:
-            write_json(os.path.join(out, "config.json"), {**json.load(f), **lrs})
+            write_whole(os.path.join(out, "config.json"), json.dumps({**json.load(f), **lrs}, indent=2))
     barrier()
     evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
     if not evaluated or evaluated[0]["step"] != 0:

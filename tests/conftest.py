@@ -16,6 +16,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # and train.py's automatic choice
 from rollout import tiny_model  # noqa: E402
 
 
+def make_read_only(path: str, monkeypatch) -> None:
+    """Take write permission from `path` and everything in it. Root may write anyway, so under root
+    os.access (what the checks ask) answers as it would for a user: from the owner's mode bits."""
+    for root, _, files in os.walk(path):
+        for p in [root] + [os.path.join(root, name) for name in files]:
+            os.chmod(p, os.stat(p).st_mode & ~0o222)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and (
+            not mode & os.W_OK or bool(os.stat(p).st_mode & 0o200)))
+
+
 @pytest.fixture
 def tiny():
     """(model, tokenizer) of the random 2-layer test model, in eval mode."""

@@ -108,6 +108,8 @@ def test_a_copy_leaves_out_history_environments_runs_caches_and_other_copies(tmp
     (root / "hw3" / "notes").write_text("x")
     with pytest.raises(SystemExit, match="not empty"):
         course.make(1, str(root / "hw3"), str(root))
+    with pytest.raises(SystemExit, match="hw3/notes is a file, not a directory; choose another --out"):
+        course.main(["make", "1", "--out", str(root / "hw3" / "notes")])
 
 
 def test_the_reference_passes_every_assignments_tests():

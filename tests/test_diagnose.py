@@ -12,6 +12,7 @@ import diagnose
 import launch
 import runs
 import train
+from conftest import make_read_only
 from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_advantages
 from lora import add_adapter, adapter_parameters, inject_lora
 from tasks import Problem
@@ -155,6 +156,21 @@ def test_capture_is_only_looked_for_on_a_shared_adapter():
 def test_diagnose_rejects_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         diagnose.main([str(tmp_path)])
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="notes.txt: no metrics.jsonl"):  # a file: not made the report's directory
+        diagnose.main([str(tmp_path / "notes.txt")])
+    run = write_run(tmp_path / "run", {"workflow": "single", "sharing": "shared"}, healthy_rows(["generator"]))
+    with pytest.raises(SystemExit, match=re.escape("notes.txt: cannot write report.md there (a file, not a dir")):
+        diagnose.main([run, "--out", str(tmp_path / "notes.txt")])
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_read_only_run_is_diagnosed_and_probed_only_where_it_can_be_written(tmp_path, monkeypatch):
+    run = write_run(tmp_path / "run", {"workflow": "single", "sharing": "shared"}, healthy_rows(["generator"]))
+    make_read_only(run, monkeypatch)
+    with pytest.raises(SystemExit, match=re.escape(f"{run}: cannot write report.md there (read-only)")):
+        diagnose.main([run])
+    assert os.path.exists(diagnose.report([run], str(tmp_path / "elsewhere")))
 
 
 # ----------------------------------------------------------------------------
@@ -316,6 +332,11 @@ def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
     assert {"reward/mean", "slot/generator0/grad_norm", "role/aggregator/grad_norm"} <= set(result)
     assert 0 < result["role/generator/kappa"] <= 3 ** 0.5 + 1e-6
     assert "role/generator" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=re.escape("--probe_problems 0: must be in [1, 256] (the run's training pool)")):
+        diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "0"])
+    make_read_only(out, monkeypatch)  # said before the probe runs, whose result would be lost
+    with pytest.raises(SystemExit, match=re.escape(f"{out}: cannot write probe.json there (read-only)")):
+        diagnose.main(["--probe", f"{out}/ckpt"])
 
 
 def test_role_kl_names_must_be_roles_of_the_workflow():

@@ -21,7 +21,7 @@ import launch
 import machine
 import runs
 import train
-from conftest import ROOT
+from conftest import ROOT, make_read_only
 from grpo import policy_update
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
 from reward import score_batch
@@ -353,6 +353,27 @@ def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
         train.main(small_config(str(tmp_path / "run" / "notes.txt")))
     with pytest.raises(SystemExit, match="cannot create a directory in"):
         train.main(small_config(str(tmp_path / "run" / "notes.txt" / "deeper")))
+    with pytest.raises(SystemExit, match="^--out is empty: name the run's directory$"):
+        train.main(small_config(""))
+
+
+def test_a_read_only_run_is_a_one_line_error_that_touches_nothing(tmp_path, monkeypatch):
+    """A run kept or copied read-only, its files or its directory: every launch on it stops before
+    it deletes or writes anything, naming what cannot be written."""
+    out = str(tmp_path / "run")
+    train.main(small_config(out, steps=1))
+    before = directory_state(out)
+    make_read_only(out, monkeypatch)
+    os.chmod(out, 0o755)  # the directory writable, the run's files not
+    launches = (train.Config(out=out, resume=True), small_config(out, steps=1, overwrite=True))
+    for cfg in launches:
+        with pytest.raises(SystemExit, match=re.escape(f"--out {out}: {out}/.lock is read-only; make the run")):
+            train.main(cfg)
+    os.chmod(out, 0o555)
+    for cfg in launches:
+        with pytest.raises(SystemExit, match=re.escape(f"--out {out}: cannot write in it")):
+            train.main(cfg)
+    assert directory_state(out) == before
 
 
 def test_default_checkpoint_every_step_and_resume_from_anywhere(tmp_path, monkeypatch):
@@ -662,6 +683,17 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error_before_anything_loads(tmp
     out = str(tmp_path / "run")
     with pytest.raises(SystemExit, match=r"^--device cuda: .+; use --device cpu \(or auto\)$"):
         train.main(small_config(out, device="cuda"))
+    assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("device,words", [("tpu", "--device tpu: not a device of this project"),
+                                          ("cuda:2", "--device cuda:2: this machine has 1 GPU(s)")])
+def test_a_device_that_is_not_here_is_a_one_line_error_before_anything_loads(device, words, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        train.main(small_config(out, device=device))
     assert not os.path.exists(out)
 
 
