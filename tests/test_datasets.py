@@ -24,10 +24,10 @@ def rows(name: str) -> list[dict]:
 # ----------------------------------------------------------------------------- HumanEval
 
 def test_humaneval_loads_offline_with_a_disjoint_split():
-    train, test = humaneval_problems("train", 1000), humaneval_problems("test", 1000)
-    assert len(train) + len(test) == 164 and len(test) == 32  # every problem, one fifth held out
-    assert not {p.id for p in train} & {p.id for p in test}
-    assert all(p.kind == "code" and p.test_format == "assert" and p.entry_point for p in train + test)
+    train, val, test = (humaneval_problems(split, 1000) for split in ("train", "val", "test"))
+    assert (len(train), len(val), len(test)) == (103, 21, 40)  # every problem; a quarter and an eighth held out
+    assert not {p.id for p in train} & {p.id for p in test} and not {p.id for p in val} & {p.id for p in train + test}
+    assert all(p.kind == "code" and p.test_format == "assert" and p.entry_point for p in train + val + test)
     assert load_task("humaneval", "test", 1000, 3, 0) == test  # the level is ignored
 
 
@@ -37,6 +37,17 @@ def test_humaneval_is_seeded_and_deterministic():
     assert [p.id for p in a] != [p.id for p in load_task("humaneval", "train", 20, 1, 1)]
     # asking for more than a split holds returns all of it
     assert {p.id for p in load_task("humaneval", "test", 48, 1, 0)} == {p.id for p in humaneval_problems("test", 99)}
+
+
+def test_copies_of_a_hub_problem_share_a_split():
+    """Hub problems are split by their normalised text: a copy that differs in case, spacing or
+    punctuation lands beside the original, wherever that is."""
+    from tasks import Problem, _pick
+    pool = [Problem(f"p{i}", f"What is {i} plus {i + 1}?", str(2 * i + 1)) for i in range(40)]
+    pool += [Problem(f"copy{i}", f"  what IS {i} plus {i + 1} ", str(2 * i + 1)) for i in range(40)]
+    for split in ("train", "val", "test"):
+        ids = {p.id for p in _pick(pool, split, 100, 0)}
+        assert ids and all((f"p{i}" in ids) == (f"copy{i}" in ids) for i in range(40))
 
 
 def test_humaneval_problem_fields():
@@ -156,8 +167,9 @@ def test_hub_rows_flow_into_problems(monkeypatch):
     tasks._hub_pool.cache_clear()
     try:
         for task, size in (("dapo_math", 3), ("deepcoder", 2)):
-            train, test = load_task(task, "train", 100, 1, 0), load_task(task, "test", 100, 1, 0)
-            assert len(train) + len(test) == size and not {p.id for p in train} & {p.id for p in test}
+            train, val, test = (load_task(task, split, 100, 1, 0) for split in ("train", "val", "test"))
+            assert len(train) + len(val) + len(test) == size
+            assert not {p.id for p in train} & {p.id for p in test} and not {p.id for p in val} & {p.id for p in train}
     finally:
         tasks._hub_pool.cache_clear()
 

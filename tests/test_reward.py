@@ -7,8 +7,8 @@ from functools import lru_cache
 import pytest
 import sympy  # noqa: F401  imported here once, so the time bounds below time the verifier, not the import
 
-from reward import extract_answer, math_equal, math_reward
-from tasks import LEVELS, arith_problems, load_task
+from reward import credit_calls, extract_answer, math_equal, math_reward, role_jobs
+from tasks import LEVELS, SPLITS, Problem, arith_problems, load_task
 
 HUGE = "blah 7 " * 30_000 + "\\boxed{42}"  # about 210k chars, answer at the very end
 
@@ -337,7 +337,31 @@ def test_splits_are_disjoint(level):
     test = {p.question for seed in (0, 1) for p in arith_problems("test", 100, level=level, seed=seed)}
     assert train and test and not train & test
     # and not just these samples: every question the level holds
-    assert not _every_question(level, "train").keys() & _every_question(level, "test").keys()
+    every = {split: _every_question(level, split).keys() for split in SPLITS}
+    assert not every["train"] & every["test"] and not every["val"] & (every["train"] | every["test"])
+
+
+SUBTRACTION = re.compile(r" - | minus |Subtract|less than|away|gives|takes|lost")
+
+
+def level2_fact(question: str) -> tuple:
+    """The arithmetic fact a level-2 question asks for, read from its words: (op, operands),
+    operands unordered for an addition."""
+    a, b = map(int, re.findall(r"\d+", question))
+    if SUBTRACTION.search(question):
+        named_last = question.startswith(("Subtract", "Take")) or "less than" in question  # b before a
+        return ("-", (b, a) if named_last else (a, b))
+    return ("+", tuple(sorted((a, b))))
+
+
+def test_no_test_fact_is_trained_on():
+    """"What is 3 + 5?" held out means "Add 5 and 3." and "Sam has 3 apples and gets 5 more" are
+    too: the splits are disjoint by fact, not only by wording."""
+    facts = {split: {level2_fact(q) for q in _every_question(2, split)} for split in SPLITS}
+    assert not facts["test"] & facts["train"] and not facts["val"] & (facts["train"] | facts["test"])
+    assert len(facts["test"]) >= 25 and len(facts["val"]) >= 12  # a quarter and an eighth of 110 facts
+    # a held-out sample covers as many facts as it can
+    assert len({level2_fact(p.question) for p in arith_problems("test", 96, level=2)}) == len(facts["test"])
 
 
 @pytest.mark.parametrize("level", sorted(LEVELS))
@@ -419,3 +443,58 @@ def test_bad_arguments():
 
 def test_load_task_matches_generator():
     assert load_task("arith", "test", 20, 4, 3) == arith_problems("test", 20, level=4, seed=3)
+
+
+# ----------------------------------------------------------------------------- each call's reward, each role's job
+
+def _call(episode, role, slot, turn, text, truncated=False):
+    from rollout import Call
+    return Call(episode, role, slot, turn, [1], [1], "", text, truncated=truncated)
+
+
+def _voting_episodes():
+    """Two voting episodes on "2 + 3": candidates 5, 6, 5 then 6, 6, 5; the aggregator picks
+    candidate 2 (wrong) in the first and candidate 3 (right) in the second."""
+    problems = [Problem("p", "What is 2 + 3?", "5")] * 2
+    calls = [_call(0, "generator", f"generator{i}", 0, f"\\boxed{{{a}}}") for i, a in enumerate((5, 6, 5))]
+    calls += [_call(1, "generator", f"generator{i}", 0, f"\\boxed{{{a}}}") for i, a in enumerate((6, 6, 5))]
+    calls += [_call(0, "aggregator", "aggregator", 1, "\\boxed{2}"), _call(1, "aggregator", "aggregator", 1, "\\boxed{3}")]
+    return problems, calls
+
+
+def test_credit_broadcasts_the_outcome_or_pays_each_call_its_own():
+    problems, calls = _voting_episodes()
+    credit_calls(calls, problems, [0.0, 1.0], "final", "keep")
+    assert [c.reward for c in calls] == [0.0] * 3 + [1.0] * 3 + [0.0, 1.0]
+    assert [c.solved for c in calls] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, None, None]
+    credit_calls(calls, problems, [0.0, 1.0], "own", "keep")
+    assert [c.reward for c in calls] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0]  # the aggregator keeps the outcome
+
+
+def test_a_truncated_call_earns_nothing_under_penalize_only():
+    problems, calls = _voting_episodes()
+    calls[5].truncated = calls[7].truncated = True
+    credit_calls(calls, problems, [0.0, 1.0], "final", "penalize")
+    assert [c.reward for c in calls] == [0.0] * 3 + [1.0, 1.0, 0.0, 0.0, 0.0]
+    for kept in ("keep", "mask"):  # mask acts in the update, on the advantage
+        credit_calls(calls, problems, [0.0, 1.0], "final", kept)
+        assert [c.reward for c in calls] == [0.0] * 3 + [1.0] * 3 + [0.0, 1.0]
+
+
+def test_role_jobs_by_hand():
+    problems, calls = _voting_episodes()
+    credit_calls(calls, problems, [0.0, 1.0], "final", "keep")
+    # episode 0: picked 0 against a mean of 2/3; episode 1: picked 1 against 1/3
+    assert role_jobs(calls) == pytest.approx({"role/aggregator/skill": ((0 - 2 / 3) + (1 - 1 / 3)) / 2})
+    # Eval-Opt: three episodes on "2 + 3", answers 5 (right), 4 and 6 (wrong); verdicts Correct,
+    # Correct, Incorrect; the third is refined to 5
+    problems = [Problem("p", "What is 2 + 3?", "5")] * 3
+    calls = [_call(e, "generator", "generator", 0, f"\\boxed{{{a}}}") for e, a in enumerate((5, 4, 6))]
+    calls += [_call(e, "evaluator", "evaluator", 1, f"\\boxed{{{v}}}")
+              for e, v in enumerate(("Correct", "Correct", "Incorrect"))]
+    calls += [_call(2, "generator", "generator", 2, "\\boxed{5}")]
+    credit_calls(calls, problems, [1.0, 0.0, 1.0], "final", "keep")
+    assert role_jobs(calls) == pytest.approx({
+        "role/evaluator/verdict_acc": 2 / 3,   # right on 5 and on 6, wrong on 4
+        "role/evaluator/verdict_base": 2 / 3,  # always Incorrect is right on 4 and 6: no better
+        "refine/fixed": 1.0, "refine/broken": 0.0})
