@@ -120,14 +120,17 @@ def warmup_roles(cfg: RunConfig) -> list[str]:
 # The problems, the model, the adapters and their optimizers
 
 
-def load_problems(cfg: RunConfig, world: int) -> tuple[RunConfig, list, list]:
-    """The training pool and the held-out problems; --max_new_tokens 0 becomes the task's own."""
+def load_problems(cfg: RunConfig, world: int) -> tuple[RunConfig, list, dict[str, list]]:
+    """The training pool and the held-out problems, {"eval": test, "val": val} (no "val" without
+    --val_problems); --max_new_tokens 0 becomes the task's own."""
     if cfg.problems_per_step < world:
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than the {world} "
                          "processes; every process needs at least one")
     try:
         train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
-        test_set = load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)
+        held_out = {"eval": load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)}
+        if cfg.val_problems:
+            held_out["val"] = load_task(cfg.task, "val", cfg.val_problems, cfg.level, cfg.seed)
     except ValueError as e:
         raise SystemExit(f"task {cfg.task}: {e}") from None
     if cfg.problems_per_step > len(train_set):
@@ -135,7 +138,7 @@ def load_problems(cfg: RunConfig, world: int) -> tuple[RunConfig, list, list]:
                          f"holds {len(train_set)} problems")
     if cfg.max_new_tokens == 0:  # code needs room for a whole function
         cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
-    return cfg, train_set, test_set
+    return cfg, train_set, held_out
 
 
 def launch(cfg: RunConfig, device: str, rank: int, problems: list):

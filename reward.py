@@ -25,15 +25,22 @@ for a probability rejects "50\%").
 Code reward. The last fenced python block runs against every test of the problem; 1.0 only if all pass.
 It runs in sandbox.py, never in the trainer's process.
 
+Each call's reward. `credit_calls` decides, in one place, what every call of a workflow is paid (the
+episode's outcome broadcast, as Paper A does, or each call's own part), and `role_jobs` measures
+whether the supervisory roles do their jobs: an evaluator's verdicts against a constant one, what a
+refine does, an aggregator's pick against a random one.
+
     pytest tests/test_reward.py tests/test_datasets.py
 """
 import re
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from functools import partial
 
 from sandbox import CODE_TIMEOUT, run_code
 from tasks import Problem
+from workflows import SOLVERS, parse_choice, parse_verdict
 
 
 # ----------------------------------------------------------------------------- math verifier
@@ -308,3 +315,89 @@ def score_batch(problems: list[Problem], texts: list[str], strict: bool = False,
         raise ValueError(f"{len(problems)} problems but {len(texts)} texts")
     with ThreadPoolExecutor(max(1, workers)) as pool:
         return list(pool.map(partial(score, strict=strict, timeout=timeout), problems, texts))
+
+
+# ----------------------------------------------------------------------------- each call's reward
+# A workflow's calls are rollout.Call records (read by field name here): role, slot, episode, turn,
+# text, truncated, and the fields set below, problem, solved and reward.
+
+CREDITS = ("final", "own")
+TRUNCATED = ("penalize", "mask", "keep")
+
+
+def credit_calls(calls: list, problems: list[Problem], rewards: list[float], credit: str, truncated: str,
+                 strict: bool = False) -> None:
+    """Decide every call's reward, in this one place. `rewards`: each episode's final outcome.
+
+    final: the outcome is broadcast to every call of the episode (Paper A, Sec. 3; CoLLM).
+    own: each call is paid for its own part (math only): a solver for its own answer, an evaluator
+      for a verdict that agrees with the verifier; the roles that pick or plan (aggregator,
+      orchestrator) keep the episode's outcome. A departure; docs/learning.md measures both.
+    truncated "penalize": a call cut by the length limit earns 0, whatever its episode earned (an
+      unfinished answer is no answer; DAPO's overlong punishment, Yu et al. 2025, at its hardest).
+      "mask" (its gradient dropped, TRL's mask_truncated_completions) acts in the update instead.
+    On math every solving call's own answer is also scored, into `solved`: what the later roles did
+    to it (role_jobs), and own credit."""
+    for c in calls:
+        c.problem = problems[c.episode].id
+        c.reward = rewards[c.episode]
+    if problems[0].kind == "math":
+        solvers = [c for c in calls if c.role in SOLVERS]
+        for c, r in zip(solvers, score_batch([problems[c.episode] for c in solvers], [c.text for c in solvers],
+                                             strict=strict)):
+            c.solved = r
+    if credit == "own":
+        for c in calls:
+            c.reward = c.solved if c.solved is not None else c.reward
+        for c, right in verdicts(calls):
+            c.reward = float(right)
+    if truncated == "penalize":
+        for c in calls:
+            c.reward = 0.0 if c.truncated else c.reward
+
+
+def read_by(calls: list) -> list[tuple]:
+    """Each judging call (evaluator, aggregator, synthesizer) with the solutions it read: the solving
+    calls of its episode one stage before it, in slot order."""
+    made = {}
+    for c in calls:
+        if c.solved is not None:
+            made.setdefault((c.episode, c.turn), []).append(c)
+    return [(c, made[c.episode, c.turn - 1]) for c in calls
+            if c.role in ("evaluator", "aggregator", "synthesizer") and (c.episode, c.turn - 1) in made]
+
+
+def verdicts(calls: list) -> list[tuple]:
+    """Each evaluator call that read a scored solution, and whether its verdict agrees with the
+    verifier on that solution."""
+    return [(c, parse_verdict(c.text)[0] == (read[0].solved == 1.0))
+            for c, read in read_by(calls) if c.role == "evaluator"]
+
+
+def role_jobs(calls: list) -> dict[str, float]:
+    """Whether each supervisory role does its job, beyond its format (math: needs `solved`).
+
+    evaluator: verdict_acc, how often its verdict agrees with the verifier, against verdict_base, the
+      same for a constant evaluator that always says Incorrect (the share of wrong solutions);
+    refine/fixed and refine/broken: of the answers judged Incorrect and rewritten, the share the
+      rewrite turned right, and turned wrong;
+    aggregator and synthesizer: skill, the reward of the answer it chose or wrote minus the mean of
+      the candidates it read (0: no better than a random pick)."""
+    m, skill = {}, defaultdict(list)
+    judged = [(c, read[0].solved) for c, read in read_by(calls) if c.role == "evaluator"]
+    if judged:
+        m["role/evaluator/verdict_acc"] = sum(parse_verdict(c.text)[0] == (s == 1.0) for c, s in judged) / len(judged)
+        m["role/evaluator/verdict_base"] = sum(s != 1.0 for _, s in judged) / len(judged)
+    after = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
+    refined = [(s, after[c.episode, c.turn + 1]) for c, s in judged if (c.episode, c.turn + 1) in after]
+    if refined:
+        m["refine/fixed"] = sum(a < b for a, b in refined) / len(refined)
+        m["refine/broken"] = sum(a > b for a, b in refined) / len(refined)
+    for c, read in read_by(calls):
+        mean = sum(r.solved for r in read) / len(read)
+        if c.role == "aggregator":
+            skill[c.role].append(read[parse_choice(c.text, len(read))[0] - 1].solved - mean)
+        elif c.role == "synthesizer":
+            skill[c.role].append(c.solved - mean)
+    m.update({f"role/{role}/skill": sum(v) / len(v) for role, v in skill.items()})
+    return m

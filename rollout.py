@@ -226,6 +226,7 @@ class Call:
     completion_ids: list[int]  # (T_i,) up to and including the first eos
     prompt: str
     text: str                # completion decoded without special tokens
+    truncated: bool = False  # stopped by max_new_tokens before its eos: an unfinished answer
     problem: str = ""        # id of the episode's problem, set by the trainer
     reward: float = 0.0      # the episode's outcome, broadcast to every call (--credit own: its own part)
     solved: float | None = None  # a solving call's own answer, scored as a final answer would be
@@ -390,7 +391,7 @@ class Rollout:
         self.stages = 0  # one per generate call; also the `turn` of its calls
         context = context_length(model)  # a prompt longer than the room left for it is cut (fit_prompt)
         self.room = None if context is None else context - max_new_tokens
-        self.truncated = 0  # prompts cut to fit
+        self.prompts_cut = 0  # prompts cut to fit
 
     @torch.no_grad()
     def __call__(self, role: str, slots: list[str], episodes: list[int],
@@ -402,7 +403,7 @@ class Rollout:
         cut = [i for i, (row, fit) in enumerate(zip(rows, fitted)) if fit is not row]
         for i in cut:  # the record says what the model read
             prompts[i] = tok.decode(fitted[i])
-        self.truncated += len(cut)
+        self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
         sampling = dict(do_sample=False) if self.greedy else dict(
             do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
@@ -422,7 +423,7 @@ class Rollout:
             text = tok.decode(completion, skip_special_tokens=True)
             texts.append(text)
             self.calls.append(Call(episodes[i], role, slots[i], self.stages, prompt_ids,
-                                   completion, prompts[i], text,
+                                   completion, prompts[i], text, truncated=completion[-1:] != [tok.eos_token_id],
                                    rollout_logp=None if sampled is None else sampled[i, : len(completion)]))
         self.stages += 1
         if self.progress:

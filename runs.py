@@ -418,7 +418,7 @@ def resume_run(out: str, model, references: dict[str, str], heads, optimizers: d
 # random numbers they leave, and must match.
 RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
                "eps_low", "eps_high", "loss_agg", "adv_group", "kl_coef", "role_kl", "balance",
-               "one_step", "damping", "credit", "eval_every", "diag_every", "log_samples", "save_every")
+               "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every")
 
 
 def check_start(cfg: RunConfig) -> dict:

@@ -54,13 +54,13 @@ from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
                      stop_requested)
-from reward import score_batch
+from reward import CREDITS, TRUNCATED, credit_calls, role_jobs, score_batch
 from rollout import DTYPES, Call, Rollout
 from runs import (NEW_LR, NONFINITE_STOP, episode_samples, estimate_minutes, eval_steps, leave_processes,
                   load_start, resume_run, save_checkpoint, start_logs, step_line, stop_run, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
 from tasks import DEFAULT_LEVEL, TASKS
-from workflows import SOLVERS, WORKFLOWS, adherence, contract_replies, parse_verdict, run_workflow, similarity
+from workflows import SOLVERS, WORKFLOWS, adherence, boxed_contents, contract_replies, run_workflow, similarity
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
@@ -99,7 +99,9 @@ class Config:
     top_p: float = arg(1.0, "nucleus sampling of training rollouts", bounds="(0, 1]")
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
     credit: str = arg("final", "each call's reward: final = the episode's answer, broadcast (the paper); own = "
-                      "a solver's own answer, an evaluator's verdict (math)", ("final", "own"))
+                      "a solver's own answer, an evaluator's verdict (math)", CREDITS)
+    truncated: str = arg("penalize", "a call cut by --max_new_tokens: penalize = reward 0 (DAPO), mask = no "
+                         "gradient (TRL), keep = scored like any other", TRUNCATED)
     # optimisation
     lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)", bounds="(0, inf)")
     warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent", bounds="[0, inf)")
@@ -151,8 +153,12 @@ class Config:
                           "after)", bounds="[0, inf)")
     diag_every: int = arg(1, "per-slot gradients, entropy and output similarity every k steps (0: never)",
                           bounds="[0, inf)")
-    eval_problems: int = arg(96, "held-out problems per evaluation (96: a standard error near 0.05)",
-                             bounds="[1, inf)")
+    eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)", bounds="[1, inf)")
+    val_problems: int = arg(48, "validation problems per evaluation, where a peak is chosen (0: none)",
+                            bounds="[0, inf)")
+    eval_sampling: str = arg("auto", "evaluation decoding: greedy, sample (at --temperature), or auto = sample "
+                             "for voting only", ("auto", "greedy", "sample"))
+    eval_samples: int = arg(1, "samples per held-out problem when evaluation samples", bounds="[1, inf)")
     train_problems: int = arg(256, "size of the training pool", bounds="[1, inf)")
     log_samples: int = arg(2, "episodes per step written to samples.jsonl", bounds="[0, inf)")
     save_every: int = arg(1, "checkpoint every k steps and at the end: a killed run loses at most k steps",
@@ -205,59 +211,53 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
                             n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)
     rewards = score_batch(problems, [o.final for o in outcomes], strict=cfg.strict_answer,
                           workers=cfg.code_workers, timeout=cfg.code_timeout)
-    for call in rollout.calls:
-        call.problem = problems[call.episode].id
-        call.reward = rewards[call.episode]  # the final outcome, broadcast to every call
-    if problems[0].kind == "math":  # each solving call's own answer: what the later roles did to it
-        solvers = [c for c in rollout.calls if c.role in SOLVERS]
-        for c, r in zip(solvers, score_batch([problems[c.episode] for c in solvers], [c.text for c in solvers],
-                                             strict=cfg.strict_answer)):
-            c.solved = r
-    if cfg.credit == "own":
-        own_credit(rollout.calls)
+    credit_calls(rollout.calls, problems, rewards, cfg.credit, cfg.truncated, cfg.strict_answer)
     return rollout, outcomes, rewards
 
 
-def verdicts(calls: list[Call]) -> list[tuple[Call, bool]]:
-    """Each evaluator call that read a scored solution, and whether its verdict agrees with the
-    verifier on that solution."""
-    judged = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
-    return [(c, parse_verdict(c.text)[0] == (judged[c.episode, c.turn - 1] == 1.0))
-            for c in calls if c.role == "evaluator" and (c.episode, c.turn - 1) in judged]
-
-
-def own_credit(calls: list[Call]) -> None:
-    """--credit own: every call is rewarded for its own part instead of the episode's final answer: a
-    solver for its own answer, an evaluator for a verdict that agrees with the verifier; the roles that
-    pick or compose the final answer (aggregator, orchestrator) keep the episode's reward. A departure:
-    Paper A (Sec. 3) and CoLLM broadcast the outcome; docs/learning.md measures both."""
-    for c in calls:
-        if c.solved is not None:
-            c.reward = c.solved
-    for c, right in verdicts(calls):
-        c.reward = float(right)
-
-
-def evaluate(model, tok, cfg: Config, problems, batch: int = 32) -> dict[str, float]:
-    """Held-out accuracy of the whole workflow, greedy decoding (under torchrun, each process
-    runs its block of the problems); on math tasks also `eval/first_answer`, the accuracy of
-    each episode's first solving call alone: what the rest of the workflow adds to it."""
-    mine = [problems[i] for i in block(len(problems))]
-    rewards, firsts = [], []
-    for i in range(0, len(mine), batch):
-        label = f"eval problems {i + 1}-{min(i + batch, len(mine))}/{len(mine)}"
-        rollout, _, r = rollout_step(model, tok, cfg, mine[i:i + batch], greedy=True, label=label)
-        rewards += r
-        first = {}  # episode -> its first solving call (calls are recorded stage by stage)
-        for c in rollout.calls:
-            if c.solved is not None:
-                first.setdefault(c.episode, c.solved)
-        firsts += list(first.values())
-    rewards, firsts = gather_lists(rewards), gather_lists(firsts)
-    m = {"eval/accuracy": sum(rewards) / len(rewards)}
-    if firsts:
-        m["eval/first_answer"] = sum(firsts) / len(firsts)
+def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval", batch: int = 32) -> dict[str, float]:
+    """Accuracy of the whole workflow on held-out problems (eval/: the test split; val/: the
+    validation split, where a peak or a checkpoint is chosen). Greedy, except where --eval_sampling
+    samples (Voting: greedy generators would give one answer three times), each problem
+    --eval_samples times; `accuracy_se` is the standard error over problems. The test split also
+    logs what changed besides the answers: `first_answer` (each episode's first solving call
+    alone), `boxed` (final answers in \\boxed{}), `len` and `truncated` (the solving calls' tokens,
+    and the share of all calls cut by the length limit), each supervisory role's `adherence`.
+    Sampling draws from a generator of its own, so an evaluation never moves the training's."""
+    sample = cfg.eval_sampling == "sample" or (cfg.eval_sampling == "auto" and cfg.workflow == "voting")
+    repeats = cfg.eval_samples if sample else 1
+    mine = [p for i in block(len(problems)) for p in [problems[i]] * repeats]  # under torchrun, a block
+    seen = defaultdict(list)
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+        torch.manual_seed(cfg.seed + 7919)
+        for i in range(0, len(mine), batch):
+            label = f"{prefix} problems {i + 1}-{min(i + batch, len(mine))}/{len(mine)}"
+            rollout, outcomes, r = rollout_step(model, tok, cfg, mine[i:i + batch], greedy=not sample, label=label)
+            seen["reward"] += r
+            seen["boxed"] += [bool(boxed_contents(o.final)) for o in outcomes]
+            first = {}  # episode -> its first solving call (calls are recorded stage by stage)
+            for c in rollout.calls:
+                if c.solved is not None:
+                    first.setdefault(c.episode, c.solved)
+                if c.role in SOLVERS:
+                    seen["len"].append(len(c.completion_ids))
+                seen["truncated"].append(c.truncated)
+                seen[f"adherence/{c.role}"].append(adherence(c.role, c.text, cfg.n_agents))
+            seen["first_answer"] += list(first.values())
+    seen = {k: [x for part in gather_lists([seen]) for x in part.get(k, [])] for k in sorted(seen)}
+    per_problem = [sum(seen["reward"][i:i + repeats]) / repeats for i in range(0, len(seen["reward"]), repeats)]
+    mean = sum(per_problem) / len(per_problem)
+    m = {f"{prefix}/accuracy": mean, f"{prefix}/accuracy_se": (sum((x - mean) ** 2 for x in per_problem)
+                                                           / max(1, len(per_problem) - 1) / len(per_problem)) ** 0.5}
+    if prefix == "eval":
+        m.update({f"eval/{k}": sum(v) / len(v) for k, v in seen.items()
+                  if k != "reward" and v and None not in v})
     return m
+
+
+def evaluations(model, tok, cfg: Config, held_out: dict[str, list]) -> dict[str, float]:
+    """One evaluation point: the test split (eval/...) and, where --val_problems, the val split (val/...)."""
+    return {k: v for prefix, problems in held_out.items() for k, v in evaluate(model, tok, cfg, problems, prefix).items()}
 
 
 def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: int,
@@ -278,9 +278,11 @@ def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: in
             solved = [c.solved for c in cs if c.solved is not None]
             if solved:
                 m[f"{key}/{name}/solved"] = sum(solved) / len(solved)
-    agreed = [right for _, right in verdicts(calls)]
-    if agreed:  # does the evaluator's verdict match the verifier on the solution it read?
-        m["role/evaluator/verdict_acc"] = sum(agreed) / len(agreed)
+    m.update(role_jobs(calls))  # does each supervisory role do its job, beyond its format?
+    rules = [o.info["rule"] for o in outcomes if "rule" in o.info]
+    for rule in sorted(set(rules)):  # which rule decided the final answer: the contract's, or a fallback
+        m[f"contract/rule/{rule}"] = rules.count(rule) / len(rules)
+    m["contract/truncated"] = sum(c.truncated for c in calls) / len(calls)
     # role capture shows in outputs: contract adherence, and likeness to the other roles
     texts = defaultdict(list)
     for c in calls:
@@ -374,7 +376,7 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
 
 
-def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads, optimizers: dict,
+def begin(model, tok, cfg: Config, train_set, held_out: dict, names: list[str], heads, optimizers: dict,
           schedulers: dict, rng: random.Random, emas: dict, start_config: dict | None,
           references: dict[str, str]) -> tuple[int, dict, dict]:
     """Step 0. A resumed run goes on from its newest checkpoint. A new run takes another run's
@@ -396,9 +398,9 @@ def begin(model, tok, cfg: Config, train_set, test_set, names: list[str], heads,
     if cfg.start_from:
         log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of {cfg.start_from}")
     else:
-        log(f"evaluating on {len(test_set)} held-out problems ...")
+        log(f"evaluating on {' and '.join(f'{len(v)} {k}' for k, v in held_out.items())} held-out problems ...")
         t_eval = time.time()
-        scores = evaluate(model, tok, cfg, test_set)
+        scores = evaluations(model, tok, cfg, held_out)
         eval_seconds = time.time() - t_eval
         log(f"step 0/{cfg.steps} | eval/accuracy {scores['eval/accuracy']:.3f} | {eval_seconds:.0f}s | "
             f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
@@ -423,15 +425,15 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     torch.manual_seed(cfg.seed)  # the same adapters in every process
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
     # ---- data, model, run directory, adapters, optimizers
-    cfg, train_set, test_set = load_problems(cfg, world)
-    model, tok = launch(cfg, device, rank, train_set + test_set)
+    cfg, train_set, held_out = load_problems(cfg, world)
+    model, tok = launch(cfg, device, rank, train_set + [p for ps in held_out.values() for p in ps])
     names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
     if world > 1:
         torch.manual_seed(cfg.seed + 1000 * rank)  # each process samples its own episodes
     # ---- step 0: a resumed run's checkpoint, or a new run's start and its first evaluation
     emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
-    start, first, last = begin(model, tok, cfg, train_set, test_set, names, heads, optimizers, schedulers, rng,
+    start, first, last = begin(model, tok, cfg, train_set, held_out, names, heads, optimizers, schedulers, rng,
                                emas, start_config, update.reference)
 
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
@@ -452,10 +454,13 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         t1 = time.time()
         # 4. advantages: group-relative (GRPO) or from the critics (GAE)
         if cfg.algo == "grpo":
-            no_signal = set_advantages(calls, problem_of, cfg.adv_group)
+            set_advantages(calls, problem_of, cfg.adv_group)
         else:
             critic_batch = critic_advantages(model, tok, heads, calls, critics)
-            no_signal = sum(c.advantage == 0 for c in calls) / len(calls)
+        if cfg.truncated == "mask":  # a cut call keeps its place in its group's baseline, not its gradient
+            for c in calls:
+                c.advantage = 0.0 if c.truncated else c.advantage
+        no_signal = sum(c.advantage == 0 for c in calls) / len(calls)
         # 5-7. old log-probs and the update, adapter by adapter; maac: then the critics
         diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
         stats = update_adapters(model, tok, cfg, step, calls, names, optimizers, schedulers, rng, update, emas, diag)
@@ -466,14 +471,14 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
              "adv/zero_frac": no_signal, "lr": schedulers[names[0]].get_last_lr()[0],
-             "contract/truncated_prompts": sum(gather_lists([rollout.truncated])),
+             "contract/truncated_prompts": sum(gather_lists([rollout.prompts_cut])),
              "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
         if cfg.algo == "maac":
             m.update(critic_metrics(calls, critic_batch))
         step_seconds.append(time.time() - t0)
         if step in eval_steps(cfg):
             t_eval = time.time()
-            m.update(evaluate(model, tok, cfg, test_set))
+            m.update(evaluations(model, tok, cfg, held_out))
             m["time/eval"] = time.time() - t_eval
             last = m
         m["time/step"] = time.time() - t0
@@ -494,7 +499,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
 
     before, after = first["eval/accuracy"], last["eval/accuracy"]
     log(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
-        f"before {before:.3f} -> after {after:.3f}  [{len(test_set)} problems, greedy]")
+        f"before {before:.3f} -> after {after:.3f}  [{len(held_out['eval'])} test problems]")
     leave_processes()
     return {"before": before, "after": after}
 

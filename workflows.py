@@ -55,12 +55,13 @@ DEFAULT_STRATEGY = "Solve it directly, step by step."
 # string.Template ($question) so the braces of \boxed{} need no escaping.
 PROMPTS: dict[tuple[str, str], dict[str, str]] = {
     ("math", "generator"): {
-        "system": "You are a careful math solver. Solve the problem step by step. "
-                  "End with the final answer in \\boxed{}, for example \\boxed{42}.",
+        "system": "You are a careful math solver. Write the calculation in one line, then the final "
+                  "answer in \\boxed{}. Example: 3 + 4 = 7, so the answer is \\boxed{7}.",
         "user": "Problem: $question",
         "refine": "Problem: $question\n\nYour previous solution:\n$solution\n\n"
                   "A reviewer said it is incorrect:\n$critique\n\n"
-                  "Write a corrected solution. End with the final answer in \\boxed{}.",
+                  "Check the calculation. Write the corrected solution in one line, or the same one if "
+                  "it was right. End with the final answer in \\boxed{}.",
     },
     ("math", "evaluator"): {
         "system": "You are a strict math reviewer. Check whether a solution is correct. "
@@ -151,8 +152,9 @@ ROLES: dict[str, list[str]] = {
 class Outcome:
     final: str  # the text the reward scores (its last \boxed{} is the answer)
     # What happened, for logs. Every workflow sets "fallback" (a role broke its answer
-    # contract); eval_opt adds "rounds" and "stopped", voting "choice" and "rule",
-    # orch_workers "strategies" (how many were parsed).
+    # contract) and all but single "rule", the parsing rule that decided the final answer
+    # (eval_opt: of the last verdict; "none" without one); eval_opt adds "rounds" and
+    # "stopped", voting "choice", orch_workers "strategies" (how many were parsed).
     info: dict
 
 
@@ -314,7 +316,7 @@ def eval_opt(questions: list[str], generate: GenerateFn, kind: str,
              n_agents: int, max_rounds: int) -> list[Outcome]:
     """Generator and evaluator alternate; each episode stops on its own first Correct."""
     solution, critique = [""] * len(questions), [""] * len(questions)
-    info = [{"rounds": 0, "stopped": False, "fallback": False} for _ in questions]
+    info = [{"rounds": 0, "stopped": False, "fallback": False, "rule": "none"} for _ in questions]
     active = list(range(len(questions)))
     for turn in range(max_rounds):
         calls = [("generator", e, chat(kind, "generator", "refine" if turn else "user",
@@ -332,6 +334,7 @@ def eval_opt(questions: list[str], generate: GenerateFn, kind: str,
             correct, rule = parse_verdict(out)
             critique[e] = out
             info[e]["fallback"] |= rule != "boxed"
+            info[e]["rule"] = rule  # the rule that read the last verdict
             info[e]["stopped"] = correct
             if not correct:
                 still_active.append(e)
@@ -374,7 +377,8 @@ def orch_workers(questions: list[str], generate: GenerateFn, kind: str,
     calls = [("synthesizer", e, chat(kind, "synthesizer", question=q,
                                      solutions=numbered("Solution", solutions[e])))
              for e, q in enumerate(questions)]
-    return [Outcome(final=out, info={"strategies": len(p), "fallback": len(p) < n_agents})
+    return [Outcome(final=out, info={"strategies": len(p), "fallback": len(p) < n_agents,
+                                     "rule": "numbered" if len(p) == n_agents else "default"})
             for out, p in zip(stage(generate, "synthesizer", calls), plans)]
 
 
@@ -449,15 +453,29 @@ def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int,
         else:
             reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
         replies.append(dataclasses.replace(c, text=reply))
+    replies = balanced_verdicts(replies, rng)
     plan = "\n".join(f"{i}. {s}" for i, s in enumerate(PLANS[problems[0].kind][:n_agents], 1))
     replies += [dataclasses.replace(c, text=plan) for c in calls if c.role == "orchestrator"]
     # the solving roles keep their own sampled solutions that the verifier accepts (rejection
-    # sampling, as in STaR, Zelikman et al. 2022): on a shared adapter, without them the
-    # other roles' replies would teach the solvers to answer \boxed{k} too
+    # sampling, as in STaR, Zelikman et al. 2022), finished within the length limit: on a shared
+    # adapter, without them the other roles' replies would teach the solvers to answer \boxed{k} too
     solvers = [c for c in calls if c.role in SOLVERS]
     accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
-    replies += [dataclasses.replace(c) for c, ok in zip(solvers, accepted) if ok == 1.0]
+    replies += [dataclasses.replace(c) for c, ok in zip(solvers, accepted) if ok == 1.0 and not c.truncated]
     return [c for c in replies if c.role in roles]
+
+
+def balanced_verdicts(replies: list, rng: random.Random) -> list:
+    """The evaluator's warm-up replies with the rarer verdict repeated until both are as many: at a
+    training reward near 0.3, the verifier's labels alone would teach a constant Incorrect, and a
+    refine of every answer (Eval-Opt's final answer would be the refine's, not the generator's)."""
+    by = {v: [c for c in replies if c.role == "evaluator" and c.text == f"\\boxed{{{v}}}"]
+          for v in ("Correct", "Incorrect")}
+    rare, common = sorted(by.values(), key=len)
+    if not rare:
+        return replies
+    extra = [dataclasses.replace(rng.choice(rare)) for _ in range(len(common) - len(rare))]
+    return replies + extra
 
 
 # ---------------------------------------------------------------- demo: python workflows.py NAME

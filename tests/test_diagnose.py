@@ -311,7 +311,7 @@ def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens
                      ("one_step", dict(workflow="voting", one_step=True))]:
         out = str(tmp_path / name)
         cfg = train.Config(model="tiny", sharing="isolated", steps=1, problems_per_step=4, group_size=8,
-                           max_new_tokens=16, temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=4,
+                           max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=4,
                            minibatch_size=16, eval_problems=1, out=out, **kw)
         train.main(cfg)
         last = [json.loads(l) for l in open(f"{out}/metrics.jsonl")][-1]
@@ -325,7 +325,7 @@ def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train, "score_batch", odd_length_wins)
     out = str(tmp_path / "run")
     train.main(train.Config(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2,
-                            group_size=8, max_new_tokens=16, temperature=1.0, lora_r=4,
+                            group_size=8, max_new_tokens=16, truncated="keep", temperature=1.0, lora_r=4,
                             eval_problems=1, out=out))
     diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4"])
     result = json.load(open(f"{out}/probe.json"))

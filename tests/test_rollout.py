@@ -273,7 +273,7 @@ def test_a_prompt_too_long_for_the_context_keeps_its_head_and_tail_and_is_counte
     full = tok(chat_text(tok, long_chat), add_special_tokens=False).input_ids
     rollout("generator", ["generator0", "generator1"], [0, 1], [long_chat, short_chat])
     cut, kept = rollout.calls
-    assert rollout.truncated == 1 and len(full) > 48
+    assert rollout.prompts_cut == 1 and len(full) > 48
     assert cut.prompt_ids == full[:24] + full[-24:] and cut.prompt == tok.decode(cut.prompt_ids)
     assert kept.prompt_ids == tok(chat_text(tok, short_chat), add_special_tokens=False).input_ids
     assert fit_prompt(list(range(10)), 4) == [0, 1, 8, 9] and fit_prompt([1, 2], 4) == [1, 2]

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
 
 import pytest
 import torch
@@ -125,7 +126,7 @@ def killed_in_step_3(cfg: train.Config, monkeypatch, dies_at_call: int = 5) -> N
                                        workflow="eval_opt", critic_lr=1e-2)])
 def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
-    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, **algo)
+    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, **algo)
     train.main(small_config(str(tmp_path / "straight"), **toy))
 
     out = str(tmp_path / "resumed")
@@ -161,7 +162,7 @@ def to_former_layout(ckpt: str) -> None:
 
 def test_a_checkpoint_in_the_former_layout_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
-    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, critic_lr=1e-2, algo="maac", critic="decentral",
+    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, critic_lr=1e-2, algo="maac", critic="decentral",
                workflow="eval_opt", sharing="isolated")
     train.main(small_config(str(tmp_path / "straight"), **toy))
     out = str(tmp_path / "old")
@@ -209,7 +210,7 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
     """
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     cfg = train.Config(model="tiny", workflow="single", steps=25, problems_per_step=4, group_size=8,
-                       max_new_tokens=16, temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=8,
+                       max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=8,
                        minibatch_size=64, eval_problems=4, save_every=100, out=str(tmp_path))
     train.main(cfg)
     rewards = [m["reward/mean"] for m in read_jsonl(f"{tmp_path}/metrics.jsonl")[1:]]
@@ -258,7 +259,7 @@ def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, m
     monkeypatch.setattr(train, "score_batch", lambda problems, texts, **kw: [len(t) % 2 for t in texts])
     out = str(tmp_path / "run")
     train.main(small_config(out, model=base_dir, workflow="voting", sharing=sharing, steps=1,
-                            max_new_tokens=16, temperature=1.0, lr=1e-2, dtype="fp32"))  # as the snippet loads it
+                            max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, dtype="fp32"))  # as the snippet loads it
     cfg, ours, _, names = diagnose.trained_model(f"{out}/ckpt")
     ids = torch.randint(0, len(tok), (2, 12), generator=torch.Generator().manual_seed(1))
     snippet = readme_python_block("PeftModel.from_pretrained")
@@ -430,7 +431,7 @@ def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tm
     """Killed between the two renames of a save: ckpt.old (step 1) and ckpt.tmp (step 2, whole)
     are on disk, ckpt is not; and the log's last line was cut in half."""
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
-    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, save_every=1)
+    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, save_every=1)
     train.main(small_config(str(tmp_path / "straight"), **toy))
     out, older = str(tmp_path / "run"), str(tmp_path / "older")
     killed_in_step_3(small_config(out, **toy), monkeypatch)  # its ckpt: step 2
@@ -551,6 +552,20 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
     assert [c.text for c in replies] == ["\\boxed{Incorrect}"]
 
 
+def test_warm_up_verdicts_are_balanced_and_unfinished_solutions_are_not_taught():
+    """Three Eval-Opt episodes, one right answer: the evaluator is taught Correct as often as
+    Incorrect (the verifier's labels alone would teach a constant), and a right answer cut by the
+    length limit is no example of a finished one."""
+    problem = Problem("p", "What is 2 + 3?", "5")
+    calls = [Call(e, "generator", "generator", 0, [1], [1], "", text, truncated=cut)
+             for e, (text, cut) in enumerate([("\\boxed{5}", False), ("\\boxed{4}", False), ("so 5 and", True)])]
+    calls += [Call(e, "evaluator", "evaluator", 1, [1], [1], "", "hm") for e in range(3)]
+    replies = contract_replies(calls, [problem] * 3, score_batch, 3, random.Random(0), ["evaluator", "generator"])
+    verdicts = sorted(c.text for c in replies if c.role == "evaluator")
+    assert verdicts == ["\\boxed{Correct}"] * 2 + ["\\boxed{Incorrect}"] * 2  # 2 Correct, one of them a copy
+    assert [(c.episode, c.text) for c in replies if c.role == "generator"] == [(0, "\\boxed{5}")]
+
+
 def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     """With a warm-up and a KL term, RL starts exactly at its reference (KL 0 on the first
     mini-batch; the base model, the reference without a warm-up, is far from it), the
@@ -594,7 +609,7 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
 
 def test_a_resumed_run_keeps_its_warmed_up_kl_anchor(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
-    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
+    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
                role_kl="aggregator=0.5")
     train.main(small_config(str(tmp_path / "straight"), **toy))
     out = str(tmp_path / "resumed")
@@ -619,7 +634,7 @@ def test_a_run_started_from_another_runs_step_0_matches_one_that_warmed_up_itsel
     """--start_from: a run that takes its warm-up and step-0 evaluation from a --steps 0 run, and
     differs from it in an RL setting (--balance), logs what the same run does on its own."""
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
-    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
+    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
                role_kl="aggregator=0.5")
     train.main(small_config(str(tmp_path / "straight"), balance="role", **toy))
     start = str(tmp_path / "start")
@@ -777,7 +792,7 @@ def test_lengths_that_do_not_fit_the_model_stop_before_it_generates(tmp_path, mo
 
 def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
-    toy = dict(max_new_tokens=16, temperature=1.0, lr=1e-2, save_every=2)  # step 3 is saved all the same
+    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, save_every=2)  # step 3 is saved all the same
     train.main(small_config(str(tmp_path / "straight"), **toy))
     monkeypatch.setattr(machine, "requested", [])
     real_rollout, calls = train.rollout_step, []
@@ -847,3 +862,47 @@ def test_tensorboard_after_a_resume_keeps_one_value_per_step(tmp_path):
         runs.tensorboard_row(out, {"step": step, "reward/mean": 10.0 + step})
     runs.close_tensorboard()
     assert tensorboard_scalars(out)["reward/mean"] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
+
+
+@pytest.mark.parametrize("truncated, zero_frac", [("keep", 0.0), ("mask", 1.0), ("penalize", 1.0)])
+def test_truncated_calls_are_treated_as_the_flag_says(tmp_path, monkeypatch, truncated, zero_frac):
+    """The tiny model never ends a 4-token completion, so every call is cut; each group's episodes
+    are scored 0 and 1. keep: every call has an advantage; mask: none keeps one (no gradient);
+    penalize: every call earns 0, so no group has a contrast. Either way no update moves."""
+    monkeypatch.setattr(train, "score_batch", lambda problems, texts, **kw: [float(i % 2) for i in range(len(texts))])
+    train.main(small_config(str(tmp_path), workflow="single", steps=1, group_size=2, max_new_tokens=4,
+                            eval_problems=1, val_problems=0, truncated=truncated))
+    row = read_jsonl(f"{tmp_path}/metrics.jsonl")[1]
+    assert row["contract/truncated"] == 1.0 and row["reward/mean"] == 0.5
+    assert row["adv/zero_frac"] == zero_frac
+    assert (row["adapter/generator/update_norm"] == 0) == (zero_frac == 1.0)
+
+
+def test_voting_is_evaluated_on_candidates_that_can_differ(tmp_path, monkeypatch):
+    """Greedy generators given one prompt write one answer three times, so a greedy Voting
+    evaluation measures one generator; --eval_sampling auto samples Voting (and only Voting)."""
+    model, tok = load_policy("tiny")
+    inject_lora(model, 4, 8.0, ("q_proj", "v_proj"))
+    setup_adapters(model, ROLES["voting"], "shared")
+    seen = []
+    def recording(*args, greedy, **kw):
+        rollout, outcomes, rewards = rollout_step(*args, greedy=greedy, **kw)
+        seen.append((greedy, rollout.calls))
+        return rollout, outcomes, rewards
+    rollout_step = train.rollout_step
+    monkeypatch.setattr(train, "rollout_step", recording)
+    problems = load_task("arith", "test", 4, 2, 0)
+    for sampling, greedy in (("auto", False), ("greedy", True)):
+        cfg = train.Config(model="tiny", workflow="voting", max_new_tokens=6, eval_sampling=sampling, eval_samples=2)
+        m = train.evaluate(model, tok, cfg, problems)
+        assert seen[-1][0] == greedy and 0 <= m["eval/accuracy_se"] <= 0.5
+        answers = defaultdict(set)
+        for c in seen[-1][1]:
+            if c.role == "generator":
+                answers[c.episode].add(c.text)
+        assert len(answers) == 4 * (1 if greedy else 2)  # sampled: each problem twice
+        assert all(len(a) == 1 for a in answers.values()) == greedy
+    cfg = dataclasses.replace(cfg, workflow="eval_opt", eval_sampling="auto")
+    setup_adapters(model, ROLES["eval_opt"], "shared")
+    train.evaluate(model, tok, cfg, problems)
+    assert seen[-1][0] is True  # the other workflows stay greedy

@@ -177,9 +177,9 @@ def test_eval_opt_stops_each_episode_on_its_own() -> None:
     assert [c.episodes for c in model.calls] == [[0, 1], [0, 1], [1], [1], [1]]
     assert model.calls[1].slots == ["evaluator"] * 2 and model.calls[2].slots == ["generator"]
     assert a.final == "solution 0 from call 0"
-    assert a.info == {"rounds": 1, "stopped": True, "fallback": False}
+    assert a.info == {"rounds": 1, "stopped": True, "fallback": False, "rule": "boxed"}
     assert b.final == "solution 1 from call 4"
-    assert b.info == {"rounds": 3, "stopped": False, "fallback": False}
+    assert b.info == {"rounds": 3, "stopped": False, "fallback": False, "rule": "boxed"}
 
 
 def test_eval_opt_prompts_carry_solution_and_critique() -> None:
@@ -210,7 +210,7 @@ def test_eval_opt_missing_verdict_refines_and_is_flagged() -> None:
     (outcome,) = run_workflow("eval_opt", ["Q"], model, max_rounds=3)
     # "fine" is no verdict -> refine; then the word "correct" stops the episode.
     assert model.stages == ["generator", "evaluator", "generator", "evaluator"]
-    assert outcome.info == {"rounds": 2, "stopped": True, "fallback": True}
+    assert outcome.info == {"rounds": 2, "stopped": True, "fallback": True, "rule": "word"}
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -248,7 +248,7 @@ def test_orch_workers_stages_prompts_and_final() -> None:
             assert f"Solution {k + 1}:\nworker{k} on episode {e} (call 1)" in user(chat)
     assert [o.final for o in outcomes] == [rf"synthesizer on episode {e} (call 2) \boxed{{{e}}}"
                                            for e in range(2)]
-    assert outcomes[0].info == {"strategies": 3, "fallback": False}
+    assert outcomes[0].info == {"strategies": 3, "fallback": False, "rule": "numbered"}
 
 
 @pytest.mark.parametrize("plan, parsed", [
@@ -261,7 +261,8 @@ def test_orch_workers_fills_missing_strategies(plan: str, parsed: int) -> None:
     (outcome,) = run_workflow("orch_workers", ["Q"], model)
     strategies = [user(c).split("Strategy: ")[1] for c in model.calls[1].chats]
     assert len(strategies) == 3 and strategies.count(DEFAULT_STRATEGY) == 3 - parsed
-    assert outcome.info == {"strategies": parsed, "fallback": parsed < 3}
+    assert outcome.info == {"strategies": parsed, "fallback": parsed < 3,
+                            "rule": "numbered" if parsed == 3 else "default"}
 
 
 @pytest.mark.parametrize("text, expected", [
