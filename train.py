@@ -105,7 +105,7 @@ class Config:
     # optimisation
     lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)", bounds="(0, inf)")
     warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent", bounds="[0, inf)")
-    sft_warmup: int = arg(0, "supervised steps before RL on replies that keep each role's contract (0 = none; "
+    sft_warmup: int = arg(6, "supervised steps before RL on replies that keep each role's contract (0 = none; "
                           "README)", bounds="[0, inf)")
     sft_lr: float = arg(1e-3, "AdamW learning rate of the supervised warm-up", bounds="(0, inf)")
     sft_roles: str = arg("generator,evaluator,aggregator,orchestrator,worker,synthesizer",
@@ -154,8 +154,8 @@ class Config:
     diag_every: int = arg(1, "per-slot gradients, entropy and output similarity every k steps (0: never)",
                           bounds="[0, inf)")
     eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)", bounds="[1, inf)")
-    val_problems: int = arg(48, "validation problems per evaluation, where a peak is chosen (0: none)",
-                            bounds="[0, inf)")
+    val_problems: int = arg(0, "validation problems per evaluation, where a peak is chosen (0: none; grid.py "
+                            "uses 48)", bounds="[0, inf)")
     eval_sampling: str = arg("auto", "evaluation decoding: greedy, sample (at --temperature), or auto = sample "
                              "for voting only", ("auto", "greedy", "sample"))
     eval_samples: int = arg(1, "samples per held-out problem when evaluation samples", bounds="[1, inf)")

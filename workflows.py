@@ -461,7 +461,13 @@ def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int,
     # adapter, without them the other roles' replies would teach the solvers to answer \boxed{k} too
     solvers = [c for c in calls if c.role in SOLVERS]
     accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
-    replies += [dataclasses.replace(c) for c, ok in zip(solvers, accepted) if ok == 1.0 and not c.truncated]
+    right = {(c.episode, c.turn): c.text for c, ok in zip(solvers, accepted) if ok == 1.0 and not c.truncated}
+    replies += [dataclasses.replace(c) for c in solvers if (c.episode, c.turn) in right]
+    # Eval-Opt's refine of a right answer keeps it (the generator's turn before sits two stages
+    # back, the verdict between): without it, on a shared adapter the refine copies the format of
+    # the verdict it has just read, \boxed{Incorrect}, instead of writing a solution
+    replies += [dataclasses.replace(c, text=right[c.episode, c.turn - 2]) for c in solvers
+                if c.role == "generator" and (c.episode, c.turn) not in right and (c.episode, c.turn - 2) in right]
     return [c for c in replies if c.role in roles]
 
 

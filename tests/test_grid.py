@@ -90,37 +90,49 @@ def test_reproduce_trains_every_cell_for_every_seed_and_tables_them(tmp_path, ca
     assert "train.py" not in capsys.readouterr().out
 
 
-def fake_run(workflow: str, sharing: str, accuracy: list[float]) -> tuple[dict, list[dict]]:
-    """A run's (config, rows) with held-out accuracy at steps 0, 2, 4 (50 problems)."""
+def fake_run(workflow: str, sharing: str, accuracy: list[float], val: list[float] = ()) -> tuple[dict, list[dict]]:
+    """A run's (config, rows) with test (and val) accuracy at steps 0, 2, 4 (50 problems)."""
     config = {"workflow": workflow, "sharing": sharing, "steps": 4, "eval_every": 2, "eval_problems": 50}
-    return config, [{"step": 2 * i, "eval/accuracy": a} for i, a in enumerate(accuracy)]
+    rows = [{"step": 2 * i, "eval/accuracy": a} for i, a in enumerate(accuracy)]
+    for row, v in zip(rows, val):
+        row["val/accuracy"] = v
+    return config, rows
+
+
+def test_the_peak_is_chosen_on_val_and_read_on_test():
+    numbers = grid.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8], val=[0.5, 0.9, 0.6]))
+    assert numbers["peak"] == 0.5 and math.isclose(numbers["peak - end"], -0.3)  # not test's own best, 0.8
+    assert grid.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8]))["peak"] == 0.8  # no val split
 
 
 def test_the_findings_by_hand():
-    """Means over two seeds: p = mean end accuracy = (0.6 + 0.6 + 0.4 + 0.2) / 4 = 0.45, and a
-    finding holds beyond 2 sqrt(2 p (1 - p) / (50 x 2)) = 0.1407."""
-    by_cell = {"single-shared": {s: fake_run("single", "shared", [0.4, 0.5, 0.6]) for s in "01"},
-               "voting-shared": {s: fake_run("voting", "shared", [0.4, 0.6, 0.6]) for s in "01"},
-               "voting-isolated": {"0": fake_run("voting", "isolated", [0.4, 0.8, 0.5]),
-                                   "1": fake_run("voting", "isolated", [0.4, 0.8, 0.3])},
-               "eval_opt-shared": {s: fake_run("eval_opt", "shared", [0.5, 0.4, 0.2]) for s in "01"}}
+    """Differences paired by seed, mean +- standard error over three seeds; a finding holds beyond
+    twice its standard error. Voting shared ends 0.6, 0.6, 0.9 against the single agent's 0.6, 0.5,
+    0.7: differences 0, 0.1, 0.2, mean 0.1, standard deviation 0.1, standard error 0.1 / sqrt 3."""
+    seeds = "012"
+    by_cell = {"single-shared": {s: fake_run("single", "shared", [0.4, 0.5, e]) for s, e in zip(seeds, (0.6, 0.5, 0.7))},
+               "voting-shared": {s: fake_run("voting", "shared", [0.4, 0.6, e]) for s, e in zip(seeds, (0.6, 0.6, 0.9))},
+               "voting-isolated": {s: fake_run("voting", "isolated", [0.4, 0.8, e]) for s, e in zip(seeds, (0.5, 0.3, 0.4))},
+               "eval_opt-shared": {s: fake_run("eval_opt", "shared", [0.5, 0.4, 0.2]) for s in seeds}}
     numbers = grid.accuracy_numbers(*by_cell["voting-isolated"]["1"])
     assert numbers["peak"] == 0.8 and math.isclose(numbers["peak - end"], 0.5)
     assert math.isclose(numbers["end - middle"], -0.5) and math.isclose(numbers["end - start"], -0.1)
     lines = grid.claims(by_cell)
     for expected in [
-            "- multi-agent RL above its base, voting-shared: end - start +0.200 (2 of 2 seeds up): holds",
-            "- multi-agent RL above single-agent RL, voting-shared: end 0.600 vs 0.600: within the noise",
-            "- multi-agent RL above its base, voting-isolated: end - start +0.000 (1 of 2 seeds up): within the noise",
-            "- multi-agent RL above its base, eval_opt-shared: end - start -0.300 (0 of 2 seeds up): "
+            # ends - 0.4 = 0.2, 0.2, 0.5: mean 0.3, sd sqrt(0.03), se 0.1
+            "- multi-agent RL above its base, voting-shared: end - start +0.300 +- 0.100 over 3 seeds: holds",
+            "- multi-agent RL above single-agent RL, voting-shared: end - single's end +0.100 +- 0.058 over 3 seeds: "
+            "within the noise",
+            # -0.3 on every seed: no spread, the opposite holds
+            "- multi-agent RL above its base, eval_opt-shared: end - start -0.300 +- 0.000 over 3 seeds: "
             "the opposite holds",
-            "- isolated peaks higher, voting: peak 0.800 vs shared 0.600: holds",
-            "- isolated falls further at the end, voting: peak - end 0.400 vs shared 0.000: holds",
-            "- shared plateaus, voting: end - middle +0.000: consistent (no change beyond the noise after the middle)",
-            "- shared plateaus, eval_opt: end - middle -0.200: does not (it falls)"]:
+            # peaks 0.8 against 0.6, 0.6, 0.9: 0.2, 0.2, -0.1
+            "- isolated peaks higher, voting: peak - shared's peak +0.100 +- 0.100 over 3 seeds: within the noise",
+            "- shared plateaus, eval_opt: end - middle -0.200 +- 0.000 over 3 seeds: the opposite holds "
+            "(a plateau: within the noise)"]:
         assert expected in lines, (expected, lines)
     assert not any("isolated peaks higher, eval_opt" in line for line in lines)  # no isolated cell to compare
-    assert "exceeds 0.141, twice its standard error at p = 0.45" in lines[-1]
+    assert grid.verdict([0.1]) == "+0.100 on one seed: no verdict"
     table = grid.main_table(by_cell)
     assert "| voting-isolated | 0.40 (0.40 to 0.40) | 0.80 (0.80 to 0.80) | 0.40 (0.30 to 0.50) | 0.40 (0.30 to 0.50) |" in \
         "\n".join(table)

@@ -564,6 +564,12 @@ def test_warm_up_verdicts_are_balanced_and_unfinished_solutions_are_not_taught()
     verdicts = sorted(c.text for c in replies if c.role == "evaluator")
     assert verdicts == ["\\boxed{Correct}"] * 2 + ["\\boxed{Incorrect}"] * 2  # 2 Correct, one of them a copy
     assert [(c.episode, c.text) for c in replies if c.role == "generator"] == [(0, "\\boxed{5}")]
+    # a refine (stage 2) of a right answer is taught to keep it; a refine that made it right, itself
+    calls += [Call(0, "generator", "generator", 2, [1], [1], "", "\\boxed{Incorrect}"),
+              Call(1, "generator", "generator", 2, [1], [1], "", "\\boxed{5}")]
+    replies = contract_replies(calls, [problem] * 3, score_batch, 3, random.Random(0), ["generator"])
+    assert sorted((c.episode, c.turn, c.text) for c in replies) == [
+        (0, 0, "\\boxed{5}"), (0, 2, "\\boxed{5}"), (1, 2, "\\boxed{5}")]
 
 
 def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
