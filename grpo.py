@@ -13,6 +13,13 @@ eps_high so that unlikely tokens can still grow,
     ratio = pi(a|s) / pi_old(a|s)
     loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
 
+GSPO (Zheng et al. 2025, arXiv 2507.18071; ratio_level "sequence") takes one ratio per
+sequence instead, the geometric mean of its token ratios,
+s_i = exp(mean_t (log pi - log pi_old)), clipped as a whole: the ratio has the unit of the
+reward (one per sequence), every token of a sequence is weighted alike, and a sequence is
+clipped or kept whole instead of token by token. Where pi_old is the policy itself
+(train.py's --one_step, the default) both ratios are exactly 1.
+
 Multi-agent workflows (Paper A, Zeng et al. 2026, arXiv 2605.24202): the
 episode's outcome reward is broadcast to every call, and one group is one
 (problem, agent slot, workflow step): generator0's samples of a problem form
@@ -62,6 +69,7 @@ from machine import gather_lists, my_share, sum_across, sum_gradients
 from rollout import Call, sequence_logprobs, token_batches
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+RATIO_LEVELS = ("token", "sequence")  # PPO's importance ratio per token, or GSPO's per sequence
 BALANCE = ("none", "role", "multiplicity")
 
 
@@ -123,17 +131,25 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str,
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
                 ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                is_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                is_weight: torch.Tensor | None = None,
+                ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate per completion token, plus kl_coef * k3 to the reference.
 
     logp, old_logp, ref_logp, mask: (B, T); advantages: (B,), one per sequence,
     spread over its tokens; is_weight (B, T), no gradient: a per-token weight of the
-    surrogate (truncated importance sampling, `tis_weight`). Returns the per-token
-    loss (B, T), for `aggregate` to reduce, and the statistics over the masked tokens.
+    surrogate (truncated importance sampling, `tis_weight`). ratio_level "token": one
+    ratio per token (PPO, GRPO); "sequence": GSPO's one ratio per sequence, the geometric
+    mean of its token ratios, clipped as a whole and spread over its tokens. Returns the
+    per-token loss (B, T), for `aggregate` to reduce, and the statistics over the masked tokens.
     """
     adv = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = logp - old_logp  # (B, T)
-    ratio = torch.exp(log_ratio)
+    token_ratio = torch.exp(log_ratio)
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown ratio level {ratio_level!r}; choose one of {RATIO_LEVELS}")
+    ratio = token_ratio  # (B, T)
+    if ratio_level == "sequence":  # GSPO: exp(token mean of log pi - log pi_old), one per sequence
+        ratio = torch.exp(masked_mean(log_ratio, mask, dim=-1)).unsqueeze(-1).expand_as(logp)  # (B, T)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
     pg_loss = -torch.min(surr1, surr2)  # (B, T)
@@ -151,7 +167,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             "clip_frac": masked_mean((surr2 < surr1).float(), mask).item(),
             "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask).item(),  # KL(old || new), 2nd order
             "ratio_mean": masked_mean(ratio, mask).item(),
-            "chi2": (masked_mean(ratio ** 2, mask) - 1).item(),  # E[rho^2] - 1 over tokens
+            "chi2": (masked_mean(token_ratio ** 2, mask) - 1).item(),  # E[rho^2] - 1 over tokens
             "ppl": torch.exp(-masked_mean(logp, mask, dim=-1)).mean().item(),  # mean over sequences
             "kl_ref": masked_mean(kl, mask).item(),
         }
@@ -309,6 +325,7 @@ class UpdateSettings:
     eps_low: float = 0.2             # the clip range of the ratio: [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
     agg: str = "seq-mean-token-mean"  # loss aggregation, one of AGG_MODES
+    ratio: str = "token"             # importance ratio per token or per sequence (GSPO), RATIO_LEVELS
     kl_coef: dict[str, float] = field(default_factory=dict)  # KL anchor weight per role (0 if absent)
     reference: dict[str, str] = field(default_factory=dict)  # adapter -> its frozen reference
                                                              # adapter (absent: the base model)
@@ -441,7 +458,7 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: 
     is_weight = tis_weight(old_logp, rollout_logp, s.tis_cap) if s.tis_cap > 0 else None
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,
-                                is_weight)
+                                is_weight, s.ratio)
     loss = aggregate(per_token, mask, s.agg, weight.num_seqs, weight.num_tokens)
     (weight.scale * loss).backward()
     st.update(mismatch_stats(old_logp, rollout_logp, mask))

@@ -417,7 +417,7 @@ def resume_run(out: str, model, references: dict[str, str], heads, optimizers: d
 # them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
 # random numbers they leave, and must match.
 RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
-               "eps_low", "eps_high", "loss_agg", "adv_group", "kl_coef", "role_kl", "balance",
+               "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef", "role_kl", "balance",
                "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every")
 
 

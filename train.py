@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from critic import CRITICS, PER, CriticSettings, critic_advantages, critic_metrics, update_critics
-from grpo import AGG_MODES, BALANCE, UpdateSettings, policy_update, set_advantages, supervised_steps
+from grpo import AGG_MODES, BALANCE, RATIO_LEVELS, UpdateSettings, policy_update, set_advantages, supervised_steps
 from launch import actors_and_critics, check_settings, launch, load_problems, make_optimizers, warmup_roles
 from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
@@ -120,6 +120,8 @@ class Config:
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
     eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)", bounds="[0, inf)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
+    ratio: str = arg("token", "importance ratio: per token (PPO, GRPO) or per sequence (GSPO); both are 1 "
+                     "under --one_step", RATIO_LEVELS)
     adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)", ("slot", "role"))
     kl_coef: float = arg(0.0, "k3 KL to the base model, or to the warmed-up adapters after --sft_warmup; "
                          "0 = off, as the paper", bounds="[0, inf)")

@@ -82,6 +82,43 @@ def test_clipping_by_hand():
     assert grad[2].item() == pytest.approx(-0.5 * 1.0 / 3)  # d(-ratio*A/3)/dlogp = -ratio*A/3
 
 
+def test_sequence_ratio_gspo_by_hand():
+    # sequence 1: log ratios 0.1, 0.2, 0.3 -> s = exp(0.2) = 1.2214, inside [0.8, 1.28], A = +1;
+    # sequence 2: log ratios -0.5, -0.1 (the third token is padding) -> s = exp(-0.3) = 0.7408,
+    # below 0.8 with A = -1: clipped, the whole sequence, though its second token's ratio is 0.905
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, 0.2, 0.3], [-0.5, -0.1, 7.0]], requires_grad=True)
+    adv, mask = torch.tensor([1.0, -1.0]), torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    per_token, stats = policy_loss(logp, old, adv, mask, ratio_level="sequence")
+    s1 = math.exp(0.2)
+    assert torch.allclose(per_token * mask, torch.tensor([[-s1] * 3, [0.8, 0.8, 0.0]]))
+    loss = aggregate(per_token, mask, "seq-mean-token-mean")
+    assert loss.item() == pytest.approx((-s1 + 0.8) / 2)
+    assert stats["clip_frac"] == pytest.approx(2 / 5)  # of the tokens: sequence 2's two
+    assert stats["ratio_mean"] == pytest.approx((3 * s1 + 2 * math.exp(-0.3)) / 5)
+    loss.backward()
+    # d(-s1)/dlogp_t = -s1 / 3 for each of sequence 1's tokens, halved by the mean over sequences;
+    # the clipped sequence passes no gradient
+    assert torch.allclose(logp.grad, torch.tensor([[-s1 / 6] * 3, [0.0, 0.0, 0.0]]))
+    token, _ = policy_loss(logp, old, adv, mask)  # per token, sequence 2's second token is not clipped
+    assert aggregate(token, mask, "seq-mean-token-mean").item() != pytest.approx(loss.item())
+
+
+def test_sequence_and_token_ratio_are_one_and_agree_on_policy():
+    """Under --one_step pi_old is the policy itself: both ratios are 1, and loss and gradient agree."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.0]], requires_grad=True)
+    adv, grads = torch.tensor([0.7, -1.3]), []
+    for level in ("token", "sequence"):
+        per_token, stats = policy_loss(logp, logp.detach(), adv, MASK, ratio_level=level)
+        aggregate(per_token, MASK, "seq-mean-token-mean").backward()
+        assert stats["ratio_mean"] == 1.0 and stats["clip_frac"] == 0.0
+        grads.append(logp.grad.clone())
+        logp.grad = None
+    assert torch.allclose(grads[0], grads[1])
+    with pytest.raises(ValueError, match="sequence"):
+        policy_loss(logp, logp.detach(), adv, MASK, ratio_level="seq")
+
+
 def test_k3_kl_by_hand():
     logp = torch.tensor([[-1.0]])
     ref = torch.tensor([[-2.0]])
