@@ -115,21 +115,22 @@ def load_run(run_dir: str) -> tuple[dict, list[dict]]:
 
 
 def write_step(out: str, row: dict, samples: list[dict]) -> None:
-    """A training step's row of metrics.jsonl and its episodes for samples.jsonl (rank 0 writes)."""
+    """A training step's row of metrics.jsonl and its episodes for samples.jsonl, both also in
+    TensorBoard (rank 0 writes)."""
     if rank_and_world()[0] == 0:
         append_jsonl(os.path.join(out, "metrics.jsonl"), [row])
         append_jsonl(os.path.join(out, "samples.jsonl"), samples)
-        tensorboard_row(out, row)
+        tensorboard_row(out, row, samples)
 
 
 tb_writers: dict[str, object] = {}  # run directory -> this process's TensorBoard writer
 
 
-def tensorboard_row(out: str, row: dict) -> None:
-    """Every number of a metrics.jsonl row as a TensorBoard scalar in <out>/tb, so that
-    `tensorboard --logdir runs` shows runs as they train. A process opens its writer at its
-    first row with purge_step at that row's step: after --resume, TensorBoard drops what the
-    stopped run wrote past the checkpoint, as metrics.jsonl does."""
+def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> None:
+    """Every number of a metrics.jsonl row as a TensorBoard scalar in <out>/tb, and the step's
+    episodes as text (`transcript`), so that `tensorboard --logdir runs` shows runs as they
+    train. A process opens its writer at its first row with purge_step at that row's step: after
+    --resume, TensorBoard drops what the stopped run wrote past the checkpoint, as metrics.jsonl does."""
     from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
     if out not in tb_writers:
@@ -137,7 +138,26 @@ def tensorboard_row(out: str, row: dict) -> None:
     for key, value in row.items():
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
             tb_writers[out].add_scalar(key, value, row["step"])
+    for k, episode in enumerate(samples or []):  # a tag per place in the step's list: a slider over steps
+        tb_writers[out].add_text(f"episodes/{k}", transcript(episode), row["step"])
     tb_writers[out].flush()
+
+
+def transcript(episode: dict, limit: int = 600) -> str:
+    """A samples.jsonl episode as Markdown for TensorBoard's TEXT tab: the problem, every call's
+    slot, role, reward, advantage and output, the final answer. Texts are indented code blocks
+    (a model's ``` or * shows as written), each cut to `limit` characters."""
+    lines = [f"**{episode['problem']}**, episode {episode['episode']}: reward **{episode['reward']:g}**",
+             code_block(episode["question"], limit), "expected:", code_block(episode["answer"], limit)]
+    for i, c in enumerate(episode["calls"], 1):
+        lines += [f"**{i}. {c['slot']}** ({c['role']}, turn {c['turn']}): reward {c['reward']:g}, "
+                  f"advantage **{c['advantage']:+.3f}**", code_block(c["output"], limit)]
+    return "\n\n".join(lines + ["**final answer:**", code_block(episode["final"], limit)])
+
+
+def code_block(text: str, limit: int) -> str:
+    cut = text if len(text) <= limit else text[:limit] + f" [... {len(text) - limit} more characters]"
+    return "\n".join("    " + line for line in cut.splitlines() or [""])
 
 
 def close_tensorboard() -> None:
@@ -155,7 +175,7 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
                      "question": problems[e].question, "answer": problems[e].answer,
                      "final": outcomes[e].final, "reward": rewards[e], "info": outcomes[e].info,
                      "calls": [{"role": c.role, "slot": c.slot, "turn": c.turn, "prompt": c.prompt,
-                                "output": c.text, "advantage": c.advantage}
+                                "output": c.text, "reward": c.reward, "advantage": c.advantage}
                                for c in calls if c.episode == e]})
     return rows
 

@@ -847,27 +847,52 @@ def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def test_tensorboard_holds_every_number_of_metrics_jsonl(tmp_path):
+def tensorboard_texts(run_dir: str) -> dict[str, list[tuple[int, str]]]:
+    """Every text (the TEXT tab) TensorBoard's server reads back from a run, (step, text) in its order."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tb"), size_guidance={"tensors": 0}).Reload()
+    return {tag.removesuffix("/text_summary"): [(e.step, e.tensor_proto.string_val[0].decode())
+                                               for e in events.Tensors(tag)]
+            for tag in events.Tags()["tensors"] if events.SummaryMetadata(tag).plugin_data.plugin_name == "text"}
+
+
+def test_tensorboard_holds_every_number_of_metrics_jsonl_and_every_logged_episode(tmp_path):
     out = str(tmp_path / "run")
-    train.main(small_config(out, steps=3))
+    train.main(small_config(out, steps=3, workflow="eval_opt", log_samples=2))
     scalars = tensorboard_scalars(out)
     for row in read_jsonl(f"{out}/metrics.jsonl"):
         for key, value in row.items():
             if key != "step":
                 assert dict(scalars[key])[row["step"]] == pytest.approx(value, rel=1e-6), (key, row["step"])
-    assert "slot/generator0/len" in scalars and "role/aggregator/len" in scalars
+    assert "slot/generator/len" in scalars and "role/evaluator/len" in scalars
+    texts = tensorboard_texts(out)  # one block per samples.jsonl episode, under episodes/<its place in the step>
+    episodes = read_jsonl(f"{out}/samples.jsonl")
+    assert sorted(texts) == ["episodes/0", "episodes/1"] and len(episodes) == 6
+    for k, episode in enumerate(episodes):
+        step, text = texts[f"episodes/{k % 2}"][k // 2]
+        assert step == episode["step"] and text == runs.transcript(episode)
+        assert f"**{episode['problem']}**" in text and f"    {episode['question']}" in text
+        for i, call in enumerate(episode["calls"], 1):
+            assert f"**{i}. {call['slot']}** ({call['role']}, turn {call['turn']})" in text
+            assert f"advantage **{call['advantage']:+.3f}**" in text and runs.code_block(call["output"], 600) in text
+    long = {**episodes[0], "calls": [{**episodes[0]["calls"][0], "output": "```x\n" + "7" * 895}]}  # 900 characters
+    assert "\n    ```x\n    " + "7" * 595 + " [... 300 more characters]\n" in runs.transcript(long)  # a fence, indented
 
 
 def test_tensorboard_after_a_resume_keeps_one_value_per_step(tmp_path):
     """A resumed run writes again the steps after its checkpoint; purge_step drops the old ones."""
     out = str(tmp_path)
+    episode = {"problem": "p", "episode": 0, "question": "q", "answer": "7", "final": "7", "calls": []}
     for step in range(4):
-        runs.tensorboard_row(out, {"step": step, "reward/mean": float(step)})
+        runs.tensorboard_row(out, {"step": step, "reward/mean": float(step)}, [{**episode, "reward": step}])
     runs.close_tensorboard()
     for step in (2, 3):  # resumed from the checkpoint of step 1
-        runs.tensorboard_row(out, {"step": step, "reward/mean": 10.0 + step})
+        runs.tensorboard_row(out, {"step": step, "reward/mean": 10.0 + step}, [{**episode, "reward": 10 + step}])
     runs.close_tensorboard()
     assert tensorboard_scalars(out)["reward/mean"] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
+    texts = tensorboard_texts(out)["episodes/0"]
+    assert [step for step, _ in texts] == [0, 1, 2, 3] and "reward **13**" in texts[-1][1]
 
 
 @pytest.mark.parametrize("truncated, zero_frac", [("keep", 0.0), ("mask", 1.0), ("penalize", 1.0)])
