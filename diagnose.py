@@ -3,6 +3,7 @@
     python diagnose.py runs/a runs/b              # report.md and plots of these runs
     python diagnose.py --probe runs/a/ckpt        # kappa, coherence and gradient shares on one batch
     python diagnose.py --watch runs/a "What is 7 + 5?"   # every call of the trained workflow, printed
+    python diagnose.py --watch runs/a/best "What is 7 + 5?"   # ... as its best evaluation left it
 
 Paper A (Zeng et al. 2026, arXiv 2605.24202) finds that multi-agent RL on one
 base model fails in two ways, one per way of sharing the LoRA policy:
@@ -49,7 +50,7 @@ from grpo import policy_update, set_advantages
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from tasks import KINDS, load_task
 from rollout import Rollout, load_policy
-from runs import load_run
+from runs import load_run, read_best
 from workflows import ROLES, role_of, run_workflow, slots
 
 CLIFF = 0.10  # accuracy peak minus final that counts as a cliff
@@ -350,17 +351,21 @@ def probe(ckpt: str, problems: int) -> dict[str, float]:
     return result
 
 
-def watch(run_dir: str, question: str, sample: bool = False, seed: int = 0) -> str:
+def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
     """Run a trained workflow on one question and print every call: stage, slot, adapter,
-    prompt (as the model saw it, chat template included) and output. Returns the final text."""
-    cfg, model, tok, _ = trained_model(os.path.join(run_dir, "ckpt"))
+    prompt (as the model saw it, chat template included) and output. `run`: a run directory (its
+    newest checkpoint) or a checkpoint in one, RUN/best. Returns the final text."""
+    ckpt = run if os.path.exists(os.path.join(run, "state.pt")) else os.path.join(run, "ckpt")
+    cfg, model, tok, _ = trained_model(ckpt)
     torch.manual_seed(seed)
     rollout = Rollout(model, tok, cfg.sharing, max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, top_p=cfg.top_p, greedy=not sample)
     outcome = run_workflow(cfg.workflow, [question], rollout, kind=KINDS[cfg.task],
                            n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)[0]
     decoding = f"sampled at temperature {cfg.temperature}, seed {seed}" if sample else "greedy"
-    print(f"{cfg.workflow}, {cfg.sharing} adapters, from {run_dir}/ckpt; {decoding}")
+    best = read_best(ckpt)
+    kept = f" (step {best['step']}, {best['metric']} {best['score']:.3f})" if best else ""
+    print(f"{cfg.workflow}, {cfg.sharing} adapters, from {ckpt}{kept}; {decoding}")
     for call in rollout.calls:
         print(f"\n=== stage {call.turn + 1}: {call.slot} (adapter {adapter_for(call.role, cfg.sharing)})")
         print(f"--- prompt:\n{call.prompt}")
@@ -378,7 +383,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--probe", metavar="CHECKPOINT", help="a run's ckpt directory")
     parser.add_argument("--probe_problems", type=int, default=4, help="problems in the probe batch")
     parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"),
-                        help="print every call of the run's trained workflow on one question")
+                        help="print every call of the run's trained workflow on one question (RUN/best: "
+                        "its best checkpoint)")
     parser.add_argument("--sample", action="store_true", help="--watch: sample at the run's "
                         "temperature instead of greedy decoding")
     parser.add_argument("--seed", type=int, default=0, help="--watch --sample: the sampling seed")

@@ -1,7 +1,8 @@
 """Launching a run, everything before its step 0: the settings checked and turned into what each
 library file reads (grpo.UpdateSettings, critic.CriticSettings), the problems, the base model with
 its LoRA layers, the adapters RL trains and the critics, and an AdamW optimizer with its
-learning-rate schedule for each. Step 0 itself (a warm-up and the first evaluation, or a resumed
+learning-rate schedule for each; and the run's clock: its plan (the first line it logs), the steps
+it evaluates at, the time it has left. Step 0 itself (a warm-up and the first evaluation, or a resumed
 checkpoint) and the training loop are train.py's; the run directory is runs.py's: it is locked
 first and written only once the model has loaded and the flags fit it, so a launch that fails
 leaves a run in --out as it was.
@@ -22,7 +23,7 @@ from grpo import UpdateSettings
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
 from machine import log
 from rollout import chat_text, context_length, load_policy
-from runs import check_run_dir, check_start, lock_run, plan, resolve_resume, start_run_dir
+from runs import check_run_dir, check_start, lock_run, resolve_resume, start_run_dir
 from tasks import KINDS, load_task
 from workflows import ROLES, every_prompt, role_of, slots
 
@@ -212,3 +213,50 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
         return (step + 1) / (warmup + 1)
     progress = min((step - warmup) / max(1, total - warmup), 1.0)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------
+# The clock: what the run will do, and the time it has left
+
+
+def eval_steps(cfg: RunConfig) -> list[int]:
+    """The steps after which the workflow is evaluated (step 0 = before training)."""
+    return [0] + [s for s in range(1, cfg.steps + 1) if (cfg.eval_every and s % cfg.eval_every == 0)
+                  or s == cfg.steps]
+
+
+def plan(cfg: RunConfig, device: str) -> str:
+    """The first line of a run: what it will do."""
+    evals = ", ".join(map(str, eval_steps(cfg)))
+    threads = torch.get_num_threads()
+    adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
+    return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
+            f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
+            f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; greedy "
+            f"evaluation on {cfg.eval_problems} held-out problems at steps {evals}; a checkpoint every "
+            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
+            "Time: estimated after the step-0 evaluation.")
+
+
+def estimate_minutes(cfg: RunConfig, eval_seconds: float, step_seconds: list[float],
+                     step: int) -> float:
+    """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
+    evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
+    plus the evaluations still to come."""
+    per_episode = eval_seconds / cfg.eval_problems
+    step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
+                 else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
+    evals_left = sum(1 for s in eval_steps(cfg) if s > step)
+    return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
+
+
+def step_line(cfg: RunConfig, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
+    """A training step's log line: its reward and seconds, its accuracy when it was evaluated,
+    and the time left; `eval_seconds`: the last evaluation's."""
+    step = row["step"]
+    line = f"step {step}/{cfg.steps} | reward {row['reward/mean']:.3f} | {row['time/step']:.1f}s"
+    if "eval/accuracy" in row:
+        line += f" | eval/accuracy {row['eval/accuracy']:.3f}"
+    if step < cfg.steps:
+        line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
+    return line

@@ -1,8 +1,8 @@
-"""A run on disk: its directory and its lock, config.json, the metrics and samples logs,
-checkpoints, --resume and --start_from; how it ends, early or not; and the time it has left
-(the machine it runs on: machine.py; the rules in full: docs/runs.md).
+"""A run on disk: its directory and its lock, config.json, the metrics and samples logs and their
+TensorBoard copy, checkpoints (the newest and the best), --resume and --start_from; how it ends,
+early or not (the machine it runs on: machine.py; the rules in full: docs/runs.md).
 
-    python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, tb/, ckpt/
+    python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, tb/, ckpt/, best/
     python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
     python train.py --out runs/a --overwrite          # start it over (its own files go, nothing else)
     python train.py --steps 0 --sft_warmup 4 --out runs/start      # a warm-up and step-0 evaluation ...
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from lora import adapter_names, freeze_copy, load_adapter_state, load_adapters, save_adapters
-from machine import barrier, gather_lists, rank_and_world
+from machine import barrier, gather_lists, log, rank_and_world
 from rollout import Call
 
 RunConfig = TypeVar("RunConfig")  # train.Config: a dataclass with a default on every field
@@ -183,7 +183,8 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
 # ----------------------------------------------------------------------------
 # The run directory
 
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tb", "ckpt", "ckpt.tmp", "ckpt.old")
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tb", "ckpt", "ckpt.tmp", "ckpt.old", "best",
+             "best.tmp", "best.old")
 LOCK = ".lock"  # in --out, kept by --overwrite: it is not one of the run's files
 held_locks: list[int] = []  # the lock file this process holds (one run at a time)
 
@@ -274,15 +275,20 @@ def start_logs(out: str, first: dict) -> None:
 
 
 def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedulers: dict,
-                    rng: random.Random, emas: dict) -> None:
-    """Every process calls it (each one's sampling state is kept); rank 0 writes."""
+                    rng: random.Random, emas: dict, best: dict | None = None) -> None:
+    """Every process calls it (each one's sampling state is kept); rank 0 writes out/ckpt, or with
+    `best` (best.json's content, keep_best) out/best."""
     torch_rngs = gather_lists([torch.get_rng_state()])
     cuda_rngs = gather_lists([torch.cuda.get_rng_state()]) if torch.cuda.is_available() else None
     if rank_and_world()[0] != 0:
         return
-    tmp, final = os.path.join(out, "ckpt.tmp"), os.path.join(out, "ckpt")
+    final = os.path.join(out, "best" if best else "ckpt")
+    tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    if best:
+        with open(os.path.join(tmp, "best.json"), "w") as f:
+            json.dump(best, f, indent=2)
     save_adapters(model, tmp)  # one PEFT LoRA directory per adapter, critics' included
     for name, head in heads.items():  # a critic's directory also holds its value head
         save_file(head.state_dict(), os.path.join(tmp, name, "value_head.safetensors"))
@@ -298,7 +304,7 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
     os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # state.pt: tmp is whole
     fsync(tmp)
     # Swap directories so a crash leaves either the old or the new checkpoint whole
-    # (newest_checkpoint finds it).
+    # (whole_checkpoint finds it).
     shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
     if os.path.exists(final):
         os.replace(final, final + ".old")
@@ -307,25 +313,73 @@ def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedul
     shutil.rmtree(final + ".old", ignore_errors=True)
 
 
-def newest_checkpoint(out: str) -> str:
-    """The newest checkpoint that reads back whole, put back in its place as ckpt: ckpt.tmp (a save
-    that crashed before its swap finished), else ckpt, else ckpt.old."""
-    final = os.path.join(out, "ckpt")
+def whole_checkpoint(final: str) -> bool:
+    """Put the newest checkpoint that reads back whole in place as `final` (out/ckpt or out/best):
+    final.tmp (a save that crashed before its swap finished), else final, else final.old; False
+    when none does."""
     for path in (final + ".tmp", final, final + ".old"):
-        try:  # the files load_checkpoint reads: one torn by a crash or a power loss replaces nothing
+        try:  # the files a load reads: one torn by a crash or a power loss replaces nothing
             torch.load(os.path.join(path, "state.pt"), weights_only=False)
             for tensors in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
                 load_file(tensors)
+            for name in glob.glob(os.path.join(path, "*.json")):  # best.json
+                with open(name) as f:
+                    json.load(f)
         except Exception:  # missing, truncated or foreign
             continue
         if path != final:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(path, final)
-        return final
-    if os.path.exists(os.path.join(final, "state.pt")):  # there but damaged: load_checkpoint says so
-        return final
+        for other in (final + ".tmp", final + ".old"):  # torn or older: never read
+            shutil.rmtree(other, ignore_errors=True)
+        return True
+    return False
+
+
+def newest_checkpoint(out: str) -> str:
+    """out/ckpt, the newest checkpoint that reads back whole put in its place (whole_checkpoint)."""
+    final = os.path.join(out, "ckpt")
+    if whole_checkpoint(final) or os.path.exists(os.path.join(final, "state.pt")):
+        return final  # a damaged one too: load_checkpoint says so in one line
     raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
                      "start it again without --resume, with --overwrite")
+
+
+BEST_OF = ("val/accuracy", "eval/accuracy")  # the best step is chosen on val; on test in a run without val
+
+
+def keep_best(out: str, row: dict, model, heads, optimizers: dict, schedulers: dict, rng: random.Random,
+              emas: dict) -> None:
+    """After an evaluation (`row`): a checkpoint of its own, out/best, when it beats the best so far
+    (BEST_OF; of equal scores the earliest stays), with best.json: its step, metric, score and
+    evaluation. Paper A's cliffs come late: the peak outlives the newest checkpoints' rotation."""
+    metric = next(k for k in BEST_OF if k in row)
+    best = read_best(os.path.join(out, "best"))
+    better = best is None or best["metric"] != metric or row[metric] > best["score"]
+    if gather_lists([better])[0]:  # rank 0's answer, which reads the run: every process takes part in a save
+        evaluation = {k: v for k, v in row.items() if k.startswith(("eval/", "val/"))}
+        save_checkpoint(out, model, heads, row["step"], optimizers, schedulers, rng, emas,
+                        best={"step": row["step"], "metric": metric, "score": row[metric], "evaluation": evaluation})
+
+
+def read_best(ckpt: str) -> dict | None:
+    """The best.json of checkpoint `ckpt` (keep_best); None where there is none or it cannot be read."""
+    try:
+        with open(os.path.join(ckpt, "best.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def restore_best(out: str) -> None:
+    """--resume: the best checkpoint put back whole, as ckpt is; a damaged one is dropped with a
+    line (the next evaluation keeps a new one), never stopping the resume."""
+    final = os.path.join(out, "best")
+    paths = [final + end for end in ("", ".tmp", ".old")]
+    if any(os.path.exists(p) for p in paths) and not whole_checkpoint(final):
+        for p in paths:
+            shutil.rmtree(p, ignore_errors=True)
+        log(f"--resume: the best checkpoint in {final} cannot be read; dropped, the next evaluation keeps a new one")
 
 
 def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
@@ -421,6 +475,7 @@ def resume_run(out: str, model, references: dict[str, str], heads, optimizers: d
     if rank_and_world()[0] == 0:
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
+        restore_best(out)  # kept whatever its step: a peak past the checkpoint was evaluated all the same
         with open(os.path.join(out, "config.json")) as f:
             write_whole(os.path.join(out, "config.json"), json.dumps({**json.load(f), **lrs}, indent=2))
     barrier()
@@ -441,23 +496,32 @@ RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "weight_d
                "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every")
 
 
+def start_checkpoint(where: str) -> tuple[str, str]:
+    """--start_from's run directory and checkpoint: RUN and its ckpt (of a --steps 0 run), or RUN/best
+    (a run's best checkpoint, known by its best.json)."""
+    if os.path.exists(os.path.join(where, "best.json")):
+        return os.path.dirname(os.path.normpath(where)), where
+    return where, os.path.join(where, "ckpt")
+
+
 def check_start(cfg: RunConfig) -> dict:
     """--start_from: the start run's config, once it is known to differ from this run's in RL
-    settings only and to have stopped at step 0."""
+    settings only and its checkpoint to be of step 0, or its best one."""
     where = cfg.start_from
-    if os.path.realpath(where) == os.path.realpath(cfg.out):  # --overwrite would delete it before it is read
+    run, ckpt = start_checkpoint(where)
+    if os.path.realpath(run) == os.path.realpath(cfg.out):  # --overwrite would delete it before it is read
         raise SystemExit(f"--start_from {where} is this run's own --out; start it in another directory")
     try:
-        with open(os.path.join(where, "config.json")) as f:
+        with open(os.path.join(run, "config.json")) as f:
             saved = type(cfg)(**json.load(f))
-        state = torch.load(os.path.join(where, "ckpt", "state.pt"), weights_only=False)
+        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
     except FileNotFoundError:
         raise SystemExit(f"--start_from {where}: no run with a checkpoint there (train it with --steps 0)") from None
     except (json.JSONDecodeError, TypeError, RuntimeError, EOFError) as e:
         raise SystemExit(f"--start_from {where}: its run cannot be read ({type(e).__name__})") from None
-    if state["step"] != 0:
+    if state["step"] != 0 and read_best(ckpt) is None:  # a best checkpoint: RL goes on from its step
         raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
-                         "(train the start with --steps 0)")
+                         f"(train the start with --steps 0, or start from its best checkpoint, {where}/best)")
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
@@ -471,8 +535,9 @@ def check_start(cfg: RunConfig) -> dict:
 
 def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.Random) -> dict:
     """--start_from: the start's adapters (a shared one copied into each role's), critics and
-    random number states; `saved`: its config (check_start). Returns its step-0 metrics."""
-    path = os.path.join(where, "ckpt")
+    random number states; `saved`: its config (check_start). Returns its step-0 metrics, or
+    the best checkpoint's evaluation as this run's step 0."""
+    run, path = start_checkpoint(where)
     state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
     for name in adapter_names(model):
         source = name if saved["sharing"] == sharing or name in heads else "shared"
@@ -480,7 +545,8 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
     for name, head in heads.items():
         head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
     set_rngs(state, rng, f"--start_from {where}")
-    return read_jsonl(os.path.join(where, "metrics.jsonl"))[0]
+    best = read_best(path)
+    return {"step": 0, **best["evaluation"]} if best else read_jsonl(os.path.join(run, "metrics.jsonl"))[0]
 
 
 # ----------------------------------------------------------------------------
@@ -517,50 +583,3 @@ def stop_run(out: str, step: int, saved: int, signum: int) -> None:
     raise SystemExit(1 if rank else f"step {step}: {NONFINITE_STOP} steps in a row with a non-finite loss or "
                      f"gradient (those mini-batches were not applied); the last good checkpoint is step {saved} "
                      f"in {out}/ckpt; to go on from it with a lower learning rate: {resume} --lr <lower>")
-
-
-# ----------------------------------------------------------------------------
-# The clock: what the run will do, and the time it has left
-
-
-def eval_steps(cfg: RunConfig) -> list[int]:
-    """The steps after which the workflow is evaluated (step 0 = before training)."""
-    return [0] + [s for s in range(1, cfg.steps + 1) if (cfg.eval_every and s % cfg.eval_every == 0)
-                  or s == cfg.steps]
-
-
-def plan(cfg: RunConfig, device: str) -> str:
-    """The first line of a run: what it will do."""
-    evals = ", ".join(map(str, eval_steps(cfg)))
-    threads = torch.get_num_threads()
-    adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
-    return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
-            f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
-            f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; greedy "
-            f"evaluation on {cfg.eval_problems} held-out problems at steps {evals}; a checkpoint every "
-            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
-            "Time: estimated after the step-0 evaluation.")
-
-
-def estimate_minutes(cfg: RunConfig, eval_seconds: float, step_seconds: list[float],
-                     step: int) -> float:
-    """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
-    evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
-    plus the evaluations still to come."""
-    per_episode = eval_seconds / cfg.eval_problems
-    step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
-                 else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
-    evals_left = sum(1 for s in eval_steps(cfg) if s > step)
-    return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
-
-
-def step_line(cfg: RunConfig, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
-    """A training step's log line: its reward and seconds, its accuracy when it was evaluated,
-    and the time left; `eval_seconds`: the last evaluation's."""
-    step = row["step"]
-    line = f"step {step}/{cfg.steps} | reward {row['reward/mean']:.3f} | {row['time/step']:.1f}s"
-    if "eval/accuracy" in row:
-        line += f" | eval/accuracy {row['eval/accuracy']:.3f}"
-    if step < cfg.steps:
-        line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
-    return line

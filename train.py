@@ -28,8 +28,8 @@ each process rolls out its block of the step's B problems, every process then
 holds all the episodes, and each mini-batch's forward and backward passes are
 split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
-What comes before step 0 (settings, problems, model, optimizers) is launch.py's, the run on
-disk and the clock runs.py's, the machine (processes, threads, signals) machine.py's.
+What comes before step 0 (settings, problems, model, optimizers) and the clock are launch.py's, the
+run on disk runs.py's, the machine (processes, threads, signals) machine.py's.
 
 Departures from the paper: the defaults fit a 2-core CPU in about 10 minutes
 (a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, one
@@ -49,15 +49,16 @@ from tqdm import tqdm
 
 from critic import CRITICS, PER, CriticSettings, critic_advantages, critic_metrics, update_critics
 from grpo import AGG_MODES, BALANCE, RATIO_LEVELS, UpdateSettings, policy_update, set_advantages, supervised_steps
-from launch import actors_and_critics, check_settings, launch, load_problems, make_optimizers, warmup_roles
+from launch import (actors_and_critics, check_settings, estimate_minutes, eval_steps, launch, load_problems,
+                    make_optimizers, step_line, warmup_roles)
 from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
                      stop_requested)
 from reward import CREDITS, TRUNCATED, credit_calls, role_jobs, score_batch
 from rollout import DTYPES, Call, Rollout
-from runs import (NEW_LR, NONFINITE_STOP, episode_samples, estimate_minutes, eval_steps, leave_processes,
-                  load_start, resume_run, save_checkpoint, start_logs, step_line, stop_run, typed_flags, write_step)
+from runs import (NEW_LR, NONFINITE_STOP, episode_samples, keep_best, leave_processes, load_start, resume_run,
+                  save_checkpoint, start_logs, stop_run, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
 from tasks import DEFAULT_LEVEL, TASKS
 from workflows import SOLVERS, WORKFLOWS, adherence, boxed_contents, contract_replies, run_workflow, similarity
@@ -409,6 +410,7 @@ def begin(model, tok, cfg: Config, train_set, held_out: dict, names: list[str], 
         first = {"step": 0, **scores, **first, "time/eval": eval_seconds}
     start_logs(cfg.out, first)
     save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
+    keep_best(cfg.out, first, model, heads, optimizers, schedulers, rng, emas)
     return 0, first, first
 
 
@@ -482,6 +484,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
             t_eval = time.time()
             m.update(evaluations(model, tok, cfg, held_out))
             m["time/eval"] = time.time() - t_eval
+            keep_best(cfg.out, m, model, heads, optimizers, schedulers, rng, emas)  # out/best: the peak so far
             last = m
         m["time/step"] = time.time() - t0
         m["mem/peak_mb"] = max(gather_lists([peak_memory_mb(device)]))  # the largest process's

@@ -445,7 +445,7 @@ def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tm
     assert f"resuming {out} at step 2" in capsys.readouterr().out  # the newest whole checkpoint
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
     assert without_machine_stats(read_jsonl(f"{out}/metrics.jsonl")) == straight
-    assert sorted(os.listdir(out)) == [".lock", "ckpt", "config.json", "metrics.jsonl", "samples.jsonl", "tb"]
+    assert sorted(os.listdir(out)) == [".lock", "best", "ckpt", "config.json", "metrics.jsonl", "samples.jsonl", "tb"]
 
 
 def test_a_torn_save_never_replaces_a_good_checkpoint_and_a_save_is_on_disk_before_its_renames(tmp_path, monkeypatch,
@@ -692,6 +692,118 @@ def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path
     train.main(small_config(further, steps=1, sharing="isolated"))
     with pytest.raises(SystemExit, match="its checkpoint is at step 1, not 0"):
         train.main(small_config(str(tmp_path / "run"), start_from=further))
+
+
+# ----------------------------------------------------------------------------
+# The best checkpoint: a peak kept through a cliff
+
+
+def scripted_evaluations(monkeypatch, test: list[float], val: list[float] | None = None) -> None:
+    """Evaluations that return these accuracies in turn (one per evaluation: step 0, 1, ...);
+    None stops the run there, as a kill would."""
+    scores = iter(zip(test, val or test))
+
+    def evaluations(model, tok, cfg, held_out):
+        acc, val_acc = next(scores)
+        if acc is None:
+            raise KeyboardInterrupt
+        return {"eval/accuracy": acc, "eval/accuracy_se": 0.0} | ({"val/accuracy": val_acc} if val else {})
+    monkeypatch.setattr(train, "evaluations", evaluations)
+
+
+def adapters_saved_each_step(out: str, monkeypatch) -> dict[int, dict[str, bytes]]:
+    """step -> the adapter files of the newest checkpoint as saved at that step (filled in as the run saves)."""
+    saved, real = {}, train.save_checkpoint
+
+    def save_checkpoint(out, model, heads, step, *args):
+        real(out, model, heads, step, *args)
+        saved[step] = adapter_files(f"{out}/ckpt")
+    monkeypatch.setattr(train, "save_checkpoint", save_checkpoint)
+    return saved
+
+
+def adapter_files(ckpt: str) -> dict[str, bytes]:
+    return {p: open(p, "rb").read() for p in glob.glob(f"{ckpt}/*/adapter_model.safetensors")}
+
+
+def with_dir(files: dict[str, bytes], ckpt: str) -> dict[str, bytes]:
+    return {os.path.join(ckpt, os.path.relpath(p, os.path.dirname(os.path.dirname(p)))): b for p, b in files.items()}
+
+
+TOY_RUN = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, eval_every=1, sft_warmup=0)
+
+
+@pytest.mark.parametrize("val", [False, True])
+def test_a_run_through_a_cliff_keeps_its_peaks_adapters(val, tmp_path, monkeypatch):
+    """Accuracy rises then falls: out/best holds the adapters of the peak's step, byte for byte, beside
+    the newest checkpoint, chosen on val where the run has a val split (else on test)."""
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    test, peak = [0.2, 0.5, 0.9, 0.4, 0.1], 2
+    if val:  # test peaks at step 2, val at step 3: val decides
+        scripted_evaluations(monkeypatch, test, val=[0.1, 0.3, 0.5, 0.7, 0.2])
+        peak = 3
+    else:
+        scripted_evaluations(monkeypatch, test)
+    out = str(tmp_path / "run")
+    saved = adapters_saved_each_step(out, monkeypatch)
+    train.main(small_config(out, save_every=1, val_problems=2 * val, **TOY_RUN))
+    best = json.load(open(f"{out}/best/best.json"))
+    metric = "val/accuracy" if val else "eval/accuracy"
+    assert (best["step"], best["metric"], best["score"]) == (peak, metric, 0.7 if val else 0.9)
+    assert best["evaluation"]["eval/accuracy"] == test[peak]
+    assert adapter_files(f"{out}/best") == with_dir(saved[peak], f"{out}/best")
+    assert adapter_files(f"{out}/ckpt") == saved[4] != saved[peak]  # the newest checkpoint moved on
+    assert torch.load(f"{out}/best/state.pt", weights_only=False)["step"] == peak
+
+
+def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeypatch, capsys):
+    """Killed in step 3 (checkpoint of step 2, best of step 1): --resume keeps the same best, and the
+    uninterrupted run's; a torn best.tmp beside it changes nothing; a damaged best is dropped with a
+    line, never stopping the resume, and the next evaluation keeps a new one."""
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
+    config = dict(save_every=2, **TOY_RUN)
+    scripted_evaluations(monkeypatch, [0.2, 0.9, 0.5, 0.4, 0.3])
+    train.main(small_config(str(tmp_path / "straight"), **config))
+    straight = directory_state(str(tmp_path / "straight/best"))
+    runs_ = {name: str(tmp_path / name) for name in ("resumed", "torn", "damaged")}
+    for out in runs_.values():
+        scripted_evaluations(monkeypatch, [0.2, 0.9, 0.5, None])
+        with pytest.raises(KeyboardInterrupt):
+            train.main(small_config(out, **config))
+        assert directory_state(f"{out}/best") == straight
+    shutil.copytree(f"{runs_['torn']}/best", f"{runs_['torn']}/best.tmp")  # a save cut before its data reached the disk
+    with open(glob.glob(f"{runs_['torn']}/best.tmp/*/adapter_model.safetensors")[0], "r+b") as f:
+        f.truncate(100)
+    with open(glob.glob(f"{runs_['damaged']}/best/*/adapter_model.safetensors")[0], "r+b") as f:
+        f.truncate(100)
+    for name, out in runs_.items():
+        scripted_evaluations(monkeypatch, [0.4, 0.3])  # steps 3 and 4
+        capsys.readouterr()
+        train.main(train.Config(out=out, resume=True))
+        assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2, 3, 4]
+        if name == "damaged":
+            assert "the best checkpoint in" in capsys.readouterr().out
+            assert json.load(open(f"{out}/best/best.json"))["step"] == 3
+        else:
+            assert directory_state(f"{out}/best") == straight and not os.path.exists(f"{out}/best.tmp")
+
+
+def test_start_from_and_watch_take_a_runs_best_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
+    scripted_evaluations(monkeypatch, [0.2, 0.9, 0.5])
+    source = str(tmp_path / "source")
+    train.main(small_config(source, steps=2, save_every=1, **TOY_RUN))
+    best = json.load(open(f"{source}/best/best.json"))
+    assert best["step"] == 1
+    out = str(tmp_path / "branch")  # RL from the peak, with another learning rate
+    train.main(small_config(out, steps=0, start_from=f"{source}/best", **{**TOY_RUN, "lr": 1e-3}))
+    assert read_jsonl(f"{out}/metrics.jsonl") == [{"step": 0, **best["evaluation"]}]
+    assert adapter_files(f"{out}/ckpt") == with_dir(adapter_files(f"{source}/best"), f"{out}/ckpt")
+    with pytest.raises(SystemExit, match="not 0 .*or start from its best checkpoint"):
+        train.main(small_config(str(tmp_path / "other"), start_from=source, **TOY_RUN))
+    capsys.readouterr()
+    diagnose.main(["--watch", f"{source}/best", "What is 1 + 1?"])
+    assert f"from {source}/best (step 1, eval/accuracy 0.900)" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------
