@@ -114,7 +114,10 @@ def warmup_roles(cfg: RunConfig) -> list[str]:
     for role in roles:
         if role not in known:
             raise SystemExit(f"--sft_roles: {role!r} is not a role (roles: {', '.join(sorted(known))})")
-    return [r for r in roles if r in ROLES[cfg.workflow]]
+    mine = [r for r in roles if r in ROLES[cfg.workflow]]
+    if cfg.sft_warmup and not mine:
+        raise SystemExit(f"--sft_roles: no role of {cfg.workflow} ({', '.join(ROLES[cfg.workflow])}) to warm up")
+    return mine
 
 
 # ----------------------------------------------------------------------------

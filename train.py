@@ -245,7 +245,7 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval", batch: int
                 if c.role in SOLVERS:
                     seen["len"].append(len(c.completion_ids))
                 seen["truncated"].append(c.truncated)
-                seen[f"adherence/{c.role}"].append(adherence(c.role, c.text, cfg.n_agents))
+                seen[f"{c.role}/adherence"].append(adherence(c.role, c.text, cfg.n_agents))
             seen["first_answer"] += list(first.values())
     seen = {k: [x for part in gather_lists([seen]) for x in part.get(k, [])] for k in sorted(seen)}
     per_problem = [sum(seen["reward"][i:i + repeats]) / repeats for i in range(0, len(seen["reward"]), repeats)]
@@ -368,12 +368,13 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers, timeout=cfg.code_timeout)
     pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
                              warmup_roles(cfg))
-    if not pairs:
-        raise SystemExit(f"--sft_warmup: no role of {cfg.workflow} to warm up among {', '.join(warmup_roles(cfg))}")
-    for c in pairs:
-        c.completion_ids = tok(c.text, add_special_tokens=False).input_ids + [tok.eos_token_id]
     before = step_metrics(calls, rewards, outcomes, cfg.n_agents, diag=False)
     m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items() if k.endswith("/adherence")}
+    if not pairs:  # no solution the verifier accepts and no judging role: nothing to teach
+        log(f"warm-up | no reply of {', '.join(warmup_roles(cfg))} to learn from; RL starts from the base model")
+        return m
+    for c in pairs:
+        c.completion_ids = tok(c.text, add_special_tokens=False).input_ids + [tok.eos_token_id]
     losses = supervised_steps(model, pairs, names, cfg.sharing, cfg.sft_warmup, cfg.minibatch_size, cfg.sft_lr, rng,
                               tok.pad_token_id, cfg.micro_batch_tokens, cfg.grad_clip, log)
     return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m

@@ -245,6 +245,13 @@ def parse_verdict(text: str) -> tuple[bool, str]:
     return False, "default"
 
 
+def reasons(verdict: str) -> str:
+    r"""An evaluator's output without its boxed verdict: the critique a refine reads. The refine
+    prompt already says the answer was judged incorrect; a bare oxed{Incorrect} left in it is
+    what a small model on a shared adapter copies instead of writing a solution."""
+    return re.sub(r"\\boxed\s*\{\s*(?:in)?correct\s*\}", "", verdict, flags=re.IGNORECASE).strip() or "(no reason given)"
+
+
 def parse_choice(text: str, n: int) -> tuple[int, str]:
     r"""(k, rule), 1 <= k <= n: last valid \boxed{k}, else the first digit 1..n, else 1."""
     for content in reversed(boxed_contents(text)):
@@ -332,7 +339,7 @@ def eval_opt(questions: list[str], generate: GenerateFn, kind: str,
         still_active = []
         for e, out in zip(active, stage(generate, "evaluator", calls)):
             correct, rule = parse_verdict(out)
-            critique[e] = out
+            critique[e] = reasons(out)
             info[e]["fallback"] |= rule != "boxed"
             info[e]["rule"] = rule  # the rule that read the last verdict
             info[e]["stopped"] = correct
@@ -461,13 +468,14 @@ def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int,
     # adapter, without them the other roles' replies would teach the solvers to answer \boxed{k} too
     solvers = [c for c in calls if c.role in SOLVERS]
     accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
-    right = {(c.episode, c.turn): c.text for c, ok in zip(solvers, accepted) if ok == 1.0 and not c.truncated}
-    replies += [dataclasses.replace(c) for c in solvers if (c.episode, c.turn) in right]
+    right = {(c.episode, c.slot, c.turn): c.text for c, ok in zip(solvers, accepted) if ok == 1.0 and not c.truncated}
+    replies += [dataclasses.replace(c) for c in solvers if (c.episode, c.slot, c.turn) in right]
     # Eval-Opt's refine of a right answer keeps it (the generator's turn before sits two stages
     # back, the verdict between): without it, on a shared adapter the refine copies the format of
     # the verdict it has just read, \boxed{Incorrect}, instead of writing a solution
-    replies += [dataclasses.replace(c, text=right[c.episode, c.turn - 2]) for c in solvers
-                if c.role == "generator" and (c.episode, c.turn) not in right and (c.episode, c.turn - 2) in right]
+    replies += [dataclasses.replace(c, text=right[c.episode, c.slot, c.turn - 2]) for c in solvers
+                if c.role == "generator" and (c.episode, c.slot, c.turn) not in right
+                and (c.episode, c.slot, c.turn - 2) in right]
     return [c for c in replies if c.role in roles]
 
 

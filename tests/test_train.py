@@ -25,7 +25,7 @@ import train
 from conftest import ROOT, make_read_only
 from grpo import policy_update
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
-from reward import score_batch
+from reward import credit_calls, score_batch
 from tasks import Problem, load_task
 from rollout import Call, load_policy, tiny_model
 from workflows import ROLES, adherence, contract_replies, slots
@@ -59,8 +59,9 @@ def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp
     assert "before" in res.stdout and "after" in res.stdout
     assert json.load(open(f"{out}/config.json"))["workflow"] == workflow
     first, last = read_jsonl(f"{out}/metrics.jsonl")
-    assert without_machine_stats([first]) == [{"step": 0, "eval/accuracy": first["eval/accuracy"],
-                                               "eval/first_answer": first["eval/first_answer"]}]
+    step0 = without_machine_stats([first])[0]  # the evaluation before training, and the warm-up's own numbers
+    assert {"step", *(f"eval/{k}" for k in ("accuracy", "accuracy_se", "first_answer", "boxed", "len", "truncated"))} \
+        <= set(step0) and all(k == "step" or k.startswith(("eval/", "sft/")) for k in step0)
     assert last["step"] == 1 and 0 <= last["reward/mean"] <= 1 and "eval/accuracy" in last
     for role in ROLES[workflow]:
         assert f"role/{role}/reward" in last and f"role/{role}/len" in last
@@ -94,7 +95,7 @@ def test_bad_input_is_a_one_line_error(tmp_path):
 def small_config(out: str, **kw) -> train.Config:
     base = dict(model="tiny", workflow="voting", sharing="isolated", steps=4, problems_per_step=2,
                 group_size=3, eval_problems=3, max_new_tokens=6, lora_r=4, minibatch_size=4,
-                one_step=False, eval_every=2, save_every=2, out=out)  # the paper's mini-batch steps
+                one_step=False, eval_every=2, save_every=2, sft_warmup=0, out=out)  # the paper's mini-batch steps
     return train.Config(**{**base, **kw})
 
 
@@ -294,18 +295,20 @@ def test_help_is_grouped_and_shows_defaults_whole(capsys):
 def test_own_credit_pays_each_call_for_its_own_part():
     """--credit own: a solver is paid for its own answer, an evaluator for a verdict that agrees with the
     verifier, an aggregator keeps its episode's reward; by default every call keeps the broadcast reward."""
-    def call(episode, role, slot, turn, text="", solved=None, reward=0.0):
-        return Call(episode, role, slot, turn, [], [], "", text, reward=reward, solved=solved)
-    eval_opt = [call(0, "generator", "generator", 0, solved=0.0, reward=1.0),  # wrong first answer ...
-                call(0, "evaluator", "evaluator", 1, "\\boxed{Incorrect}", reward=1.0),  # ... rightly refused
-                call(0, "generator", "generator", 2, solved=1.0, reward=1.0),  # ... and refined: final right
-                call(1, "generator", "generator", 0, solved=0.0, reward=0.0),
-                call(1, "evaluator", "evaluator", 1, "\\boxed{Correct}", reward=0.0)]  # a wrong answer passed
-    voting = [call(0, "generator", f"generator{i}", 0, solved=s, reward=0.0) for i, s in enumerate((1.0, 0.0, 1.0))]
-    voting.append(call(0, "aggregator", "aggregator", 1, "\\boxed{2}", reward=0.0))  # picked the wrong one
-    for calls, own in ((eval_opt, [0.0, 1.0, 1.0, 0.0, 0.0]), (voting, [1.0, 0.0, 1.0, 0.0])):
-        assert [c.reward for c in calls] != own  # the broadcast reward differs from each call's own part
-        train.own_credit(calls)
+    def call(episode, role, slot, turn, text):
+        return Call(episode, role, slot, turn, [], [], "", text)
+    problem = Problem("p", "What is 2 + 3?", "5")
+    eval_opt = [call(0, "generator", "generator", 0, "\\boxed{4}"),  # wrong first answer ...
+                call(0, "evaluator", "evaluator", 1, "\\boxed{Incorrect}"),  # ... rightly refused
+                call(0, "generator", "generator", 2, "\\boxed{5}"),  # ... and refined: final right
+                call(1, "generator", "generator", 0, "\\boxed{4}"),
+                call(1, "evaluator", "evaluator", 1, "\\boxed{Correct}")]  # a wrong answer passed
+    voting = [call(0, "generator", f"generator{i}", 0, f"\\boxed{{{a}}}") for i, a in enumerate((5, 4, 5))]
+    voting.append(call(0, "aggregator", "aggregator", 1, "\\boxed{2}"))  # picked the wrong one
+    for calls, outcomes, own in ((eval_opt, [1.0, 0.0], [0.0, 1.0, 1.0, 0.0, 0.0]), (voting, [0.0], [1.0, 0.0, 1.0, 0.0])):
+        credit_calls(calls, [problem] * 2, outcomes, "final", "keep")
+        assert [c.reward for c in calls] == [outcomes[c.episode] for c in calls] != own  # the broadcast
+        credit_calls(calls, [problem] * 2, outcomes, "own", "keep")
         assert [c.reward for c in calls] == own
 
 
@@ -616,7 +619,7 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
 def test_a_resumed_run_keeps_its_warmed_up_kl_anchor(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
-               role_kl="aggregator=0.5")
+               role_kl="aggregator=0.5", seed=3)  # a seed whose first steps see rewards
     train.main(small_config(str(tmp_path / "straight"), **toy))
     out = str(tmp_path / "resumed")
     killed_in_step_3(small_config(out, **toy), monkeypatch, dies_at_call=6)  # the warm-up rolls out first
@@ -641,7 +644,7 @@ def test_a_run_started_from_another_runs_step_0_matches_one_that_warmed_up_itsel
     differs from it in an RL setting (--balance), logs what the same run does on its own."""
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
-               role_kl="aggregator=0.5")
+               role_kl="aggregator=0.5", seed=3)  # a seed whose first steps see rewards
     train.main(small_config(str(tmp_path / "straight"), balance="role", **toy))
     start = str(tmp_path / "start")
     train.main(small_config(start, steps=0, **toy))
