@@ -9,8 +9,9 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   1. sample B problems, repeat each G times: B*G episodes;
   2. run the workflow on every episode (workflows.py); each stage is one
      batched `generate` under its role's adapter (rollout.py), every call recorded;
-  3. score the final answers (reward.py) and broadcast each episode's outcome
-     to all of its calls (--credit own: reward each call for its own part);
+  3. score the final answers and decide each call's reward (reward.credit_calls):
+     the episode's outcome broadcast to all of its calls (--credit own: each call's
+     own part; --truncated: what a call cut by the length limit earns);
   4. group-relative advantages per (problem, slot, workflow step) (grpo.py),
      or with --algo maac the critics' values and GAE (critic.py);
   5. old log-probs: the first mini-batch's own, a separate pass for the later ones;
@@ -20,8 +21,10 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
      so a role with three slots takes three times the steps; --balance, --damping
      and --role_kl are Paper A's mitigations (README, diagnose.py);
   7. maac only: one pass of each critic over its inputs (value loss);
-  8. log; evaluate the whole workflow greedily on held-out problems every
-     `eval_every` steps; checkpoint.
+  8. log; evaluate the whole workflow on held-out problems (test, and val where a
+     peak is chosen) every `eval_every` steps; checkpoint.
+Before step 1, step 0: a supervised warm-up (--sft_warmup) teaches every role its
+contract, and the first evaluation.
 
 Several processes (`torchrun --nproc_per_node N train.py ...`, docs/torchrun.md):
 each process rolls out its block of the step's B problems, every process then
@@ -31,9 +34,10 @@ process takes the step one process would take. Only rank 0 writes the run's file
 What comes before step 0 (settings, problems, model, optimizers) and the clock are launch.py's, the
 run on disk runs.py's, the machine (processes, threads, signals) machine.py's.
 
-Departures from the paper: the defaults fit a 2-core CPU in about 10 minutes
-(a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, one
-optimizer step per adapter and step, and a learning rate of 5e-4 instead of 2e-5).
+Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU in about 12
+minutes (a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, a
+learning rate of 5e-4 instead of 2e-5), and one optimizer step per adapter and step, where
+the ratio is 1 and the clip never acts: an on-policy policy gradient with GRPO's baseline.
 """
 import argparse
 import dataclasses
