@@ -311,3 +311,19 @@ def test_a_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
     stats = policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
     assert stats["adapter/generator/skipped_nonfinite"] == [0]
     assert max((p - w).abs().max().item() for p, w in zip(params, weights)) > 1e-4
+
+
+@pytest.mark.parametrize("one_step", [True, False])
+def test_the_clip_acts_only_after_the_first_mini_batch_step(tiny, one_step):
+    """One optimizer step over all calls (the default) is on-policy: every ratio is 1 and nothing
+    is clipped. With several mini-batches, the later ones are scored by a policy the earlier steps
+    moved, and a large step pushes some token ratios out of [0.8, 1.28]."""
+    calls = sampled_calls(tiny)  # 18 generator calls
+    model, tok = tiny
+    params = adapter_parameters(model, "generator")
+    settings = UpdateSettings(temperature=1.0, minibatch_size=4, one_step=one_step)
+    stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5), random.Random(0),
+                          tok.pad_token_id, settings)
+    clipped = stats["role/generator/clip_frac"]
+    assert (max(clipped) > 0) == (not one_step), clipped
+    assert one_step == all(r == pytest.approx(1.0) for r in stats["role/generator/ratio_mean"])
