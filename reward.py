@@ -386,7 +386,7 @@ def role_jobs(calls: list) -> dict[str, float]:
     m, skill = {}, defaultdict(list)
     judged = [(c, read[0].solved) for c, read in read_by(calls) if c.role == "evaluator"]
     if judged:
-        m["role/evaluator/verdict_acc"] = sum(parse_verdict(c.text)[0] == (s == 1.0) for c, s in judged) / len(judged)
+        m["role/evaluator/verdict_acc"] = sum(right for _, right in verdicts(calls)) / len(judged)
         m["role/evaluator/verdict_base"] = sum(s != 1.0 for _, s in judged) / len(judged)
     after = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
     refined = [(s, after[c.episode, c.turn + 1]) for c, s in judged if (c.episode, c.turn + 1) in after]

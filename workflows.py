@@ -247,7 +247,7 @@ def parse_verdict(text: str) -> tuple[bool, str]:
 
 def reasons(verdict: str) -> str:
     r"""An evaluator's output without its boxed verdict: the critique a refine reads. The refine
-    prompt already says the answer was judged incorrect; a bare oxed{Incorrect} left in it is
+    prompt already says the answer was judged incorrect; a bare \boxed{Incorrect} left in it is
     what a small model on a shared adapter copies instead of writing a solution."""
     return re.sub(r"\\boxed\s*\{\s*(?:in)?correct\s*\}", "", verdict, flags=re.IGNORECASE).strip() or "(no reason given)"
 
