@@ -11,16 +11,18 @@ base model fails in two ways, one per way of sharing the LoRA policy:
 - gradient amplification (isolated adapters): N same-role slots see the same
   prompt and the same broadcast reward, so their gradients point the same way;
   kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2) nears sqrt(N) (grpo.amplification),
-  the role's adapter takes N times the optimizer steps, the update norm
-  spikes and accuracy drops;
+  the role's adapter takes N times the optimizer steps; the paper sees the
+  role's gradient norm and perplexity spike, then validation accuracy fall;
 - role capture (one shared adapter): the role with the most tokens or calls
   owns most of the gradient, and the other roles drift towards its behaviour:
-  their contract adherence falls and their outputs start to look like the
-  dominant role's (workflows.adherence, workflows.similarity).
+  their contract adherence falls while their outputs grow longer and start to
+  look like the dominant role's (workflows.adherence, workflows.similarity).
 
 train.py logs every signal used here (metrics.jsonl); this file reads the
-logs, plots them side by side and applies three detectors with explicit
-thresholds. The thresholds are choices of this project, not the paper's. It
+logs, plots them side by side and applies three detectors (a cliff, the two
+mechanisms' signatures) with explicit thresholds; a fall counts only beyond its
+noise, and a peak is chosen on the val split where a run has one. The
+thresholds are choices of this project, not the paper's. It
 imports train.py (the probe drives it); grid.py, which trains the main table's
 and the demos' cells, builds its tables on this file.
 
@@ -53,17 +55,26 @@ from rollout import Rollout, load_policy
 from runs import load_run, read_best
 from workflows import ROLES, role_of, run_workflow, slots
 
-CLIFF = 0.10  # accuracy peak minus final that counts as a cliff
-KAPPA_FRAC = 0.8  # kappa >= 0.8 sqrt(N) counts as "near sqrt(N)"
-SPIKE = 2.0  # an update norm >= 2x the median of the earlier steps is a spike
-DROP = 0.10  # a fall of reward (mean of the next 2 steps) or accuracy after the spike
+# Thresholds of the detectors: choices of this project (Paper A gives none). Raise FALL_Z or
+# MIN_CALLS to be stricter about noise; the others set how large an event must be.
+CLIFF = 0.10  # test accuracy, peak minus final, that counts as a cliff (if also beyond noise)
+FALL_Z = 2.0  # a fall counts only beyond 2 standard errors of the difference
+HISTORY = 5  # a role's running median is over its last 5 logged steps,
+MIN_HISTORY = 3  # of which at least 3 (so no spike is called before step 4)
+GRAD_SPIKE = 2.0  # a role's gradient norm >= 2x its running median is a spike
+PPL_SPIKE = 1.5  # a role's training perplexity >= 1.5x its running median is a spike
+KAPPA_FRAC = 0.8  # where kappa is logged at the spike, it must be >= 0.8 sqrt(N): "near sqrt(N)"
+FALL_WITHIN = 5  # the validation fall shows at an evaluation at most 5 steps after the spike,
+DROP = 0.10  # and is at least 0.10 (as well as beyond noise)
 SHARE = 0.70  # a role owning this share of a shared adapter's gradient dominates it
-ADHERENCE_FALL = 0.20  # first-third minus last-third adherence of the captured role
-SIM_RISE = 0.05  # last-third minus first-third similarity to the dominant role
+MIN_CALLS = 32  # each capture window holds >= 32 of the role's calls (a standard error <= 0.09 each)
+ADHERENCE_FALL = 0.20  # the captured role's adherence falls by this much, early window to late,
+LEN_RISE = 1.2  # while its completions grow by 20 %
+SIM_RISE = 0.05  # and its word-trigram similarity to the dominant role rises by 0.05
 
 # figure name -> (regex over metric keys, y-axis label); the regex's groups name the line
 PLOTS = {
-    "accuracy": (r"eval/accuracy", "held-out accuracy (fraction of problems, greedy)"),
+    "accuracy": (r"(eval|val)/accuracy", "held-out accuracy: eval test split, val validation split"),
     "reward": (r"reward/mean", "training reward (mean outcome, 0-1)"),
     "grad_norm": (r"role/(\w+)/grad_norm", "gradient L2 norm of the role's loss"),
     "update_norm": (r"adapter/([\w-]+)/update_norm", "L2 norm of the adapter's change in the step"),
@@ -87,93 +98,185 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in rows if key in r]
 
 
-def thirds(values: list[float]) -> tuple[float, float]:
-    """Mean of the first and of the last third (at least one value each)."""
-    k = max(1, len(values) // 3)
-    return statistics.mean(values[:k]), statistics.mean(values[-k:])
-
-
 def multiplicity(config: dict) -> dict[str, int]:
     """Slots per role type: voting with 3 agents -> generator 3, aggregator 1."""
     return dict(Counter(role_of(s) for s in slots(config["workflow"], config.get("n_agents", 3))))
+
+
+def accuracies(config: dict, rows: list[dict], split: str) -> dict[int, tuple[float, float | None]]:
+    """step -> (accuracy, its standard error) on one split (eval: test, val: validation). The
+    error is the logged one (over problems), else the binomial one of the split's size in the
+    config, else None (unknown)."""
+    logged, n = dict(series(rows, f"{split}/accuracy_se")), config.get(f"{split}_problems", 0)
+    return {s: (a, logged.get(s, math.sqrt(a * (1 - a) / n) if n else None))
+            for s, a in series(rows, f"{split}/accuracy")}
+
+
+def validation(rows: list[dict]) -> str:
+    """Where peaks are chosen and training is judged: val where the run has a val split, else the
+    test split (whose peak is then biased upward by the choice)."""
+    return "val" if any("val/accuracy" in r for r in rows) else "eval"
+
+
+def peak_step(rows: list[dict], steps: list[int]) -> int:
+    """The step of `steps` with the best accuracy on validation(rows); the earliest of equal bests."""
+    chosen = dict(series(rows, f"{validation(rows)}/accuracy"))
+    return max(steps, key=lambda s: (chosen.get(s, -math.inf), -s))
+
+
+def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float | None],
+                      floor: float) -> str | None:
+    """How a fall from `high` to `low` ((accuracy, standard error) each) compares with its noise,
+    if it is >= floor and more than FALL_Z standard errors of the difference; else None. The error
+    of the difference treats the two evaluations as independent: they are of the same problems,
+    so it overestimates, and the test is conservative. Unknown errors: the floor alone decides."""
+    (a, se_a), (b, se_b) = high, low
+    if a - b < floor:
+        return None
+    if se_a is None or se_b is None:
+        return " (noise unknown: no standard error logged)"
+    se = math.hypot(se_a, se_b)
+    if a - b <= FALL_Z * se:
+        return None
+    return f", beyond {FALL_Z:g} standard errors of the difference ({FALL_Z * se:.3f})"
 
 
 # ----------------------------------------------------------------------------
 # Detectors: each returns findings, one line of evidence each
 
 
-def find_cliff(rows: list[dict], threshold: float = CLIFF, n_problems: int = 0) -> list[str]:
-    """Held-out accuracy peak minus final >= threshold (a cliff), else the deepest fall on the
-    way >= threshold (a dip). With the evaluation's size, the finding says whether the fall
-    exceeds two standard errors of the difference of two accuracies (unpaired, so an
-    overestimate: both use the same problems)."""
-    acc = series(rows, "eval/accuracy")
-    if len(acc) < 2:
+def find_cliff(config: dict, rows: list[dict], threshold: float = CLIFF) -> list[str]:
+    """Test accuracy falling from the peak to the end (a cliff) or, failing that, to the lowest
+    point after the peak (a dip), by >= threshold and beyond FALL_Z standard errors. The peak
+    and the low are chosen on the val split where the run has one and read on the test split,
+    so the choice does not inflate the fall; without val both are chosen on test."""
+    test = accuracies(config, rows, "eval")
+    steps = sorted(test)
+    if len(steps) < 2:
         return []
-    peak_step, peak = max(acc, key=lambda sv: sv[1])
-    final_step, final = acc[-1]
-    if peak - final >= threshold:
-        line = (f"accuracy cliff: held-out accuracy peaked at {peak:.3f} at step {peak_step} and "
-                f"ended at {final:.3f} at step {final_step} (-{peak - final:.3f})")
-        return [line + noise(peak, final, n_problems)]
-    # no cliff at the end; the deepest fall on the way (a high, then a later low) may still be one
-    (high_step, high), (low_step, low) = max(itertools.combinations(acc, 2), key=lambda p: p[0][1] - p[1][1])
-    if high - low < threshold:
-        return []
-    line = (f"accuracy dip: held-out accuracy fell from {high:.3f} at step {high_step} to {low:.3f} "
-            f"at step {low_step} (-{high - low:.3f}) and ended at {final:.3f}")
-    return [line + noise(high, low, n_problems)]
+    split = validation(rows)
+    chosen = dict(series(rows, f"{split}/accuracy"))
+    peak, final = peak_step(rows, steps), steps[-1]
+    low = min((s for s in steps if s >= peak), key=lambda s: (chosen.get(s, math.inf), s))
+    for kind, end in (("cliff", final), ("dip", low)):
+        noise = fall_beyond_noise(test[peak], test[end], threshold)
+        if noise is not None:
+            ended = "" if end == final else f" and ended at {test[final][0]:.3f}"
+            return [f"accuracy {kind}: test accuracy fell from {test[peak][0]:.3f} at step {peak} (the peak, "
+                    f"chosen on {'val' if split == 'val' else 'test'}) to {test[end][0]:.3f} at "
+                    f"step {end} (-{test[peak][0] - test[end][0]:.3f}){ended}{noise}"]
+    return []
 
 
-def noise(a: float, b: float, n_problems: int) -> str:
-    """Whether a fall from accuracy a to b exceeds two standard errors of the difference."""
-    if not n_problems:
-        return ""
-    se = math.sqrt((a * (1 - a) + b * (1 - b)) / n_problems)
-    return f", {'more' if a - b > 2 * se else 'less'} than two standard errors ({2 * se:.3f} at {n_problems} problems)"
+def spikes(values: list[tuple[int, float]], factor: float) -> list[tuple[int, float, float]]:
+    """(step, value, running median) of each value >= factor x the median of the HISTORY values
+    before it (at least MIN_HISTORY of them, and a median above 0)."""
+    found = []
+    for i, (step, value) in enumerate(values):
+        before = [v for _, v in values[max(0, i - HISTORY):i]]
+        if len(before) >= MIN_HISTORY and value >= factor * statistics.median(before) > 0:
+            found.append((step, value, statistics.median(before)))
+    return found
+
+
+def validation_fall(config: dict, rows: list[dict], step: int) -> str | None:
+    """Validation accuracy (test without a val split) falling from the last evaluation before
+    `step` to one at most FALL_WITHIN steps after it (the row of `step` is evaluated after its
+    update), by >= DROP and beyond FALL_Z standard errors; no step is chosen, so no bias."""
+    split = validation(rows)
+    points = accuracies(config, rows, split)
+    before = [s for s in sorted(points) if s < step]
+    if not before:
+        return None
+    for s in (s for s in sorted(points) if step <= s <= step + FALL_WITHIN):
+        noise = fall_beyond_noise(points[before[-1]], points[s], DROP)
+        if noise is not None:
+            return (f"{split} accuracy falls from {points[before[-1]][0]:.3f} at step {before[-1]} to "
+                    f"{points[s][0]:.3f} at step {s}{noise}")
+    return None
 
 
 def find_amplification(config: dict, rows: list[dict]) -> list[str]:
-    """kappa near sqrt(N) on a role with N > 1 slots, an update-norm spike within two steps,
-    then a drop of reward or accuracy. Reports the first such episode per role."""
+    """Paper A's signature of gradient amplification on a role with N > 1 same-role slots: its
+    gradient norm (>= GRAD_SPIKE) or training perplexity (>= PPL_SPIKE) spikes against its running
+    median, with kappa >= KAPPA_FRAC sqrt(N) at that step where kappa was logged, and then
+    validation accuracy falls (validation_fall). Reports the first such spike per role. Both
+    signals are logged before the clip. The adapter's update norm is no signal: under AdamW the
+    first steps are already the largest (about lr per weight) and the learning rate decays."""
     found = []
-    rewards, acc = dict(series(rows, "reward/mean")), series(rows, "eval/accuracy")
     for role, n in multiplicity(config).items():
-        adapter = "shared" if config["sharing"] == "shared" else role
-        updates = series(rows, f"adapter/{adapter}/update_norm")
-        coherent = [(s, k) for s, k in series(rows, f"role/{role}/kappa") if k >= KAPPA_FRAC * math.sqrt(n)]
-        for (step, kappa), (i, (s, u)) in itertools.product(coherent, enumerate(updates)):
-            base = statistics.median([v for _, v in updates[:i]]) if i >= 2 else math.inf
-            drop = step <= s <= step + 2 and u >= SPIKE * base and (
-                reward_drop(rewards, s) or accuracy_drop(acc, s))
-            if drop:
-                found.append(f"gradient amplification: {role} (N={n}) has kappa {kappa:.2f} "
-                             f"(sqrt(N) = {math.sqrt(n):.2f}) at step {step}, the {adapter} update "
-                             f"norm spikes to {u:.3g} ({u / base:.1f}x the median before) at step "
-                             f"{s}, then {drop}")
+        if n < 2:
+            continue
+        kappa = dict(series(rows, f"role/{role}/kappa"))
+        events = sorted((s, signal, v, m) for signal, key, factor in (("gradient norm", "grad_norm", GRAD_SPIKE),
+                                                                       ("perplexity", "ppl", PPL_SPIKE))
+                        for s, v, m in spikes(series(rows, f"role/{role}/{key}"), factor))
+        for step, signal, value, median in events:
+            if step in kappa and kappa[step] < KAPPA_FRAC * math.sqrt(n):
+                continue  # measured, and the slots' gradients did not line up: not this mechanism
+            fall = validation_fall(config, rows, step)
+            if fall:
+                coherence = (f"kappa {kappa[step]:.2f} (sqrt(N) = {math.sqrt(n):.2f})" if step in kappa
+                             else "kappa not logged")
+                found.append(f"gradient amplification: {role} (N={n}), its {signal} spikes to {value:.3g} "
+                             f"({value / median:.1f}x its running median) at step {step}, {coherence}; "
+                             f"then {fall}")
                 break
     return found
 
 
-def reward_drop(rewards: dict[int, float], step: int) -> str | None:
-    before = [rewards[s] for s in (step - 1, step) if s in rewards]
-    after = [rewards[s] for s in (step + 1, step + 2) if s in rewards]
-    if before and after and statistics.mean(before) - statistics.mean(after) >= DROP:
-        return (f"the training reward falls from {statistics.mean(before):.3f} to "
-                f"{statistics.mean(after):.3f}")
-    return None
+def windows(rows: list[dict], role: str) -> tuple[list[dict], list[dict]] | None:
+    """The early and the late window of the steps that log the role's adherence and calls: the
+    first and the last third, each widened step by step until it holds MIN_CALLS of the role's
+    calls; None when the two would overlap. A third of a short run can be one step of a few
+    calls, whose adherence moves by eighths: too few to tell a fall from sampling noise."""
+    logged = [r for r in rows if f"role/{role}/adherence" in r and f"role/{role}/calls" in r]
+    third = max(1, len(logged) // 3)
+    sizes = []
+    for ordered in (logged, logged[::-1]):
+        total = itertools.accumulate(r[f"role/{role}/calls"] for r in ordered)
+        sizes.append(next((i for i, c in enumerate(total, 1) if i >= third and c >= MIN_CALLS), None))
+    early, late = sizes
+    if early is None or late is None or early + late > len(logged):
+        return None
+    return logged[:early], logged[-late:]
 
 
-def accuracy_drop(acc: list[tuple[int, float]], step: int) -> str | None:
-    before = [v for s, v in acc if s <= step]
-    after = [(s, v) for s, v in acc if s > step]
-    if before and after and before[-1] - after[-1][1] >= DROP:
-        return f"held-out accuracy falls from {before[-1]:.3f} to {after[-1][1]:.3f} at step {after[-1][0]}"
-    return None
+def weighted(rows: list[dict], role: str, signal: str) -> tuple[float | None, int]:
+    """The mean of role/<role>/<signal> over the rows that log it, each weighted by its calls; and
+    the calls."""
+    pairs = [(r[f"role/{role}/{signal}"], r[f"role/{role}/calls"]) for r in rows if f"role/{role}/{signal}" in r]
+    calls = sum(c for _, c in pairs)
+    return (sum(v * c for v, c in pairs) / calls if calls else None), calls
+
+
+def captured(rows: list[dict], role: str, dominant: str) -> str | None:
+    """Evidence that `role` leaves its contract for `dominant`'s behaviour, early window against
+    late (windows): its adherence falls by >= ADHERENCE_FALL and beyond FALL_Z binomial standard
+    errors (pooled over the two windows; the calls of one step share problems, so the true noise
+    is somewhat larger), while its completions grow by LEN_RISE and its similarity to `dominant`
+    rises by SIM_RISE."""
+    if (split := windows(rows, role)) is None:
+        return None
+    (a1, n1), (a2, n2) = (weighted(w, role, "adherence") for w in split)
+    (l1, _), (l2, _) = (weighted(w, role, "len") for w in split)
+    (s1, _), (s2, _) = (weighted(w, role, f"sim/{dominant}") for w in split)
+    if None in (l1, l2, s1, s2):
+        return None
+    pooled = (a1 * n1 + a2 * n2) / (n1 + n2)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+    if a1 - a2 < ADHERENCE_FALL or a1 - a2 <= FALL_Z * se or l2 < LEN_RISE * l1 or s2 - s1 < SIM_RISE:
+        return None
+    (early, late) = split
+    return (f"steps {early[0]['step']}-{early[-1]['step']} ({n1} calls) against {late[0]['step']}-"
+            f"{late[-1]['step']} ({n2}): its adherence falls from {a1:.2f} to {a2:.2f} ({FALL_Z:g} standard "
+            f"errors: {FALL_Z * se:.2f}), its length grows from {l1:.0f} to {l2:.0f} tokens, its "
+            f"similarity to {dominant} rises from {s1:.2f} to {s2:.2f}")
 
 
 def find_capture(config: dict, rows: list[dict]) -> list[str]:
-    """Under one shared adapter: a dominant gradient share, and another role drifting to it."""
+    """Under one shared adapter: a role holding >= SHARE of the gradient on average, and a
+    supervisory role (one with a contract, so an adherence) captured by it (captured)."""
     roles = ROLES[config["workflow"]]
     if config["sharing"] != "shared" or len(roles) < 2:
         return []
@@ -183,33 +286,15 @@ def find_capture(config: dict, rows: list[dict]) -> list[str]:
         if not shares or statistics.mean(shares) < SHARE:
             continue
         for role in roles:
-            evidence = drift(rows, role, dominant) if role != dominant else []
+            evidence = captured(rows, role, dominant) if role != dominant else None
             if evidence:
                 found.append(f"role capture: {dominant} holds {statistics.mean(shares):.0%} of the "
-                             f"shared gradient on average, and {role} drifts: " + "; ".join(evidence))
+                             f"shared gradient on average, and {role} drifts to it over {evidence}")
     return found
 
 
-def drift(rows: list[dict], role: str, dominant: str) -> list[str]:
-    """Evidence that `role` leaves its contract for `dominant`'s behaviour, first third vs last."""
-    evidence = []
-    adherence = series(rows, f"role/{role}/adherence")
-    if len(adherence) >= 2:
-        first, last = thirds([v for _, v in adherence])
-        if first - last >= ADHERENCE_FALL:
-            evidence.append(f"its adherence falls from {first:.2f} to {last:.2f} "
-                            f"(steps {adherence[0][0]}-{adherence[-1][0]})")
-    sim = series(rows, f"role/{role}/sim/{dominant}")
-    if len(sim) >= 2:
-        first, last = thirds([v for _, v in sim])
-        if last - first >= SIM_RISE:
-            evidence.append(f"its similarity to {dominant} rises from {first:.2f} to {last:.2f}")
-    return evidence
-
-
 def findings(config: dict, rows: list[dict]) -> list[str]:
-    return (find_cliff(rows, CLIFF, config.get("eval_problems", 0)) + find_amplification(config, rows)
-            + find_capture(config, rows))
+    return find_cliff(config, rows) + find_amplification(config, rows) + find_capture(config, rows)
 
 
 # ----------------------------------------------------------------------------
@@ -249,11 +334,14 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
 
 
 def summary(config: dict, rows: list[dict]) -> dict[str, str]:
-    """One table row: what ran, accuracy before/peak/final, and the mean of each role signal."""
-    acc = [v for _, v in series(rows, "eval/accuracy")]
+    """One table row: what ran, test accuracy before / at the peak (chosen on val where the run
+    has it) / final, and the mean of each role signal."""
+    acc = dict(series(rows, "eval/accuracy"))
+    steps = sorted(acc)
     row = {"workflow": config["workflow"], "sharing": config["sharing"], "algo": config["algo"],
            "steps": str(max(r["step"] for r in rows)),
-           "accuracy": " / ".join(f"{a:.3f}" for a in (acc[0], max(acc), acc[-1])) if acc else "-"}
+           "accuracy": " / ".join(f"{acc[s]:.3f}" for s in (steps[0], peak_step(rows, steps), steps[-1]))
+           if acc else "-"}
     for signal in ("kappa", "grad_share", "adherence"):
         parts = []
         for role in ROLES[config["workflow"]]:
@@ -285,14 +373,16 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
     header = list(table[0])
     lines = ["# Diagnosis", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r[h] for h in header) + " |" for r in table]
-    lines += ["", "accuracy: before / peak / final (greedy, held-out); kappa, grad_share, "
+    lines += ["", "accuracy: before / peak (chosen on val where logged) / final, test split; kappa, grad_share, "
               "adherence: means over the logged steps, per role.", "", "## Findings", ""]
     for name, (config, rows) in runs.items():
         found = findings(config, rows)
         lines.append(f"- **{name}**: " + ("; ".join(found) if found else "nothing detected"))
-    lines += ["", f"Thresholds: cliff {CLIFF}, kappa >= {KAPPA_FRAC} sqrt(N), update spike {SPIKE}x, "
-              f"drop {DROP}, dominant share {SHARE}, adherence fall {ADHERENCE_FALL}, "
-              f"similarity rise {SIM_RISE}.", "", "## Plots", ""]
+    lines += ["", f"Thresholds: falls beyond {FALL_Z:g} standard errors; cliff {CLIFF}; spikes of the "
+              f"gradient norm {GRAD_SPIKE}x or perplexity {PPL_SPIKE}x the median of the last {HISTORY} "
+              f"steps, kappa >= {KAPPA_FRAC} sqrt(N) where logged, then a fall >= {DROP} within "
+              f"{FALL_WITHIN} steps; dominant share {SHARE}, windows of >= {MIN_CALLS} calls, adherence "
+              f"fall {ADHERENCE_FALL}, length x{LEN_RISE}, similarity rise {SIM_RISE}.", "", "## Plots", ""]
     plots = plot({name: rows for name, (_, rows) in runs.items()}, out)
     lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
     path = os.path.join(out, "report.md")

@@ -64,15 +64,16 @@ def write_run(path, config: dict, rows: list[dict]) -> str:
     return str(path)
 
 
-def healthy_rows(roles: list[str], steps: int = 9) -> list[dict]:
-    """Accuracy and reward rise, adherence holds, shares stay balanced, update norms flat."""
+def healthy_rows(roles: list[str], steps: int = 9, calls: int = 16) -> list[dict]:
+    """Accuracy and reward rise, adherence and lengths hold, shares stay balanced, gradient norms
+    and perplexities flat; `calls` calls of each role per step."""
     rows = [{"step": 0, "eval/accuracy": 0.30}]
     for s in range(1, steps + 1):
         row = {"step": s, "reward/mean": 0.3 + 0.03 * s}
         for role in roles:
             row.update({f"role/{role}/grad_norm": 0.5, f"role/{role}/grad_share": 1 / len(roles),
-                        f"role/{role}/adherence": 0.8, f"role/{role}/ppl": 2.0,
-                        f"adapter/{role}/update_norm": 0.1})
+                        f"role/{role}/adherence": 0.8, f"role/{role}/ppl": 2.0, f"role/{role}/calls": calls,
+                        f"role/{role}/len": 20.0, f"adapter/{role}/update_norm": 0.1})
             row.update({f"role/{role}/sim/{o}": 0.1 for o in roles if o != role})
         if s % 3 == 0:
             row["eval/accuracy"] = 0.30 + 0.05 * s / 3
@@ -80,14 +81,15 @@ def healthy_rows(roles: list[str], steps: int = 9) -> list[dict]:
     return rows
 
 
-def captured_rows() -> list[dict]:
-    """Eval-Opt on one shared adapter: the generator takes 90 % of the gradient, the
-    evaluator stops giving verdicts and starts writing solutions; accuracy peaks and falls."""
-    rows = healthy_rows(["generator", "evaluator"])
+def captured_rows(calls: int = 16) -> list[dict]:
+    """Eval-Opt on one shared adapter: the generator takes 90 % of the gradient, the evaluator
+    stops giving verdicts and starts writing solutions (longer, more like the generator's);
+    accuracy peaks and falls."""
+    rows = healthy_rows(["generator", "evaluator"], calls=calls)
     for r in rows[1:]:
         s = r["step"]
         r.update({"role/generator/grad_share": 0.9, "role/evaluator/grad_share": 0.1,
-                  "role/evaluator/adherence": max(0.0, 0.9 - 0.12 * s),
+                  "role/evaluator/adherence": max(0.0, 0.9 - 0.12 * s), "role/evaluator/len": 10.0 + 5 * s,
                   "role/evaluator/sim/generator": 0.05 + 0.05 * s})
     accuracy = {3: 0.55, 6: 0.40, 9: 0.25}
     for r in rows:
@@ -97,14 +99,21 @@ def captured_rows() -> list[dict]:
 
 
 def amplified_rows() -> list[dict]:
-    """Voting, isolated: the three generators' gradients align at step 5 (kappa 1.7 of
-    sqrt(3) = 1.73), the generator's update norm jumps, and reward falls after it."""
-    rows = healthy_rows(["generator", "aggregator"])
-    for r in rows[1:]:
-        r["role/generator/kappa"] = 1.7 if r["step"] == 5 else 1.05
-    rows[5]["adapter/generator/update_norm"] = 0.5
-    rows[6]["reward/mean"] = rows[7]["reward/mean"] = 0.1
+    """Voting, isolated, with a val split evaluated every 2 steps (standard error 0.05): at step 6
+    the generators' gradients align (kappa 1.6 of sqrt(3) = 1.73) and their gradient norm jumps to
+    3x its running median; validation accuracy falls from 0.50 (step 4) to 0.30 (step 8)."""
+    rows = healthy_rows(["generator", "aggregator"], steps=12)
+    val = {0: 0.40, 2: 0.45, 4: 0.50, 6: 0.48, 8: 0.30, 10: 0.32, 12: 0.33}
+    for r in rows:
+        if r["step"] in val:
+            r.update({"val/accuracy": val[r["step"]], "val/accuracy_se": 0.05})
+        if r["step"]:
+            r["role/generator/kappa"] = 1.6 if r["step"] == 6 else 1.0
+    rows[6]["role/generator/grad_norm"] = 1.5
     return rows
+
+
+VOTING = {"workflow": "voting", "sharing": "isolated"}
 
 
 def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
@@ -115,10 +124,10 @@ def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
     path = diagnose.report([bad, good], str(tmp_path / "out"))
     text = open(path).read()
     captured_line = next(l for l in text.splitlines() if l.startswith("- **captured**"))
-    assert "accuracy cliff" in captured_line and "peaked at 0.550 at step 3" in captured_line
     # 0.55 -> 0.25 at 200 problems: 2 SE = 2 sqrt((0.55*0.45 + 0.25*0.75) / 200) = 0.093
-    assert "more than two standard errors (0.093 at 200 problems)" in captured_line
-    assert "role capture: generator holds 90%" in captured_line and "evaluator drifts" in captured_line
+    assert ("accuracy cliff: test accuracy fell from 0.550 at step 3 (the peak, chosen on test) to 0.250 at "
+            "step 9 (-0.300), beyond 2 standard errors of the difference (0.093)") in captured_line
+    assert "role capture: generator holds 90%" in captured_line and "evaluator drifts to it" in captured_line
     assert "- **healthy**: nothing detected" in text
     for name in ("accuracy", "grad_share", "adherence", "similarity", "ppl"):
         png = tmp_path / "out" / f"{name}.png"
@@ -126,31 +135,126 @@ def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
         assert f"]({name}.png)" in text
 
 
-def test_amplification_needs_kappa_near_sqrt_n_a_spike_and_a_drop(tmp_path):
-    config = {"workflow": "voting", "sharing": "isolated"}
-    found = diagnose.findings(config, amplified_rows())
-    assert len(found) == 1 and "gradient amplification: generator (N=3)" in found[0]
-    assert "kappa 1.70" in found[0] and "at step 5" in found[0] and "reward falls" in found[0]
-    no_spike = amplified_rows()
-    no_spike[5]["adapter/generator/update_norm"] = 0.1
-    assert diagnose.findings(config, no_spike) == []
-    incoherent = amplified_rows()
-    incoherent[5]["role/generator/kappa"] = 1.1
-    assert diagnose.findings(config, incoherent) == []
+def test_amplification_fires_on_a_coherent_spike_then_a_validation_fall():
+    found = diagnose.findings(VOTING, amplified_rows())
+    assert found == ["gradient amplification: generator (N=3), its gradient norm spikes to 1.5 (3.0x its "
+                     "running median) at step 6, kappa 1.60 (sqrt(N) = 1.73); then val accuracy falls from "
+                     "0.500 at step 4 to 0.300 at step 8, beyond 2 standard errors of the difference (0.141)"]
+    no_kappa = [{k: v for k, v in r.items() if not k.endswith("kappa")} for r in amplified_rows()]
+    assert "kappa not logged" in diagnose.find_amplification(VOTING, no_kappa)[0]  # kappa only where measured
+    ppl = amplified_rows()
+    ppl[6]["role/generator/grad_norm"], ppl[6]["role/generator/ppl"] = 0.5, 3.0  # 1.5x the median of 2.0
+    assert "its perplexity spikes to 3 (1.5x" in diagnose.find_amplification(VOTING, ppl)[0]
+
+
+@pytest.mark.parametrize("change", ["no val fall", "fall within noise", "fall too late", "fall on test only",
+                                    "incoherent", "one slot", "update norm only", "early steps"])
+def test_amplification_does_not_fire(change):
+    rows, config = amplified_rows(), VOTING
+    val = [r for r in rows if "val/accuracy" in r]
+    if change == "no val fall":  # the spike, and validation keeps its level
+        for r in val[3:]:
+            r["val/accuracy"] = 0.50
+    elif change == "fall within noise":  # 0.20 against 2 sqrt(0.1^2 + 0.1^2) = 0.283
+        for r in val:
+            r["val/accuracy_se"] = 0.10
+    elif change == "fall too late":  # the fall shows at step 12, 6 steps after the spike
+        for r in val[3:-1]:
+            r["val/accuracy"] = 0.50
+    elif change == "fall on test only":  # the peak and the fall are judged on val where it exists
+        for r in val[3:]:
+            r["val/accuracy"] = 0.50
+        rows[8]["eval/accuracy"] = 0.0
+    elif change == "incoherent":  # kappa measured at the spike, well below 0.8 sqrt(3) = 1.39
+        rows[6]["role/generator/kappa"] = 1.1
+    elif change == "one slot":  # the same spike on a role with one slot: no same-role gradients to align
+        rows[6]["role/generator/grad_norm"], rows[6]["role/aggregator/grad_norm"] = 0.5, 1.5
+    elif change == "update norm only":  # the old signal: an update-norm jump is not the paper's signature
+        rows[6]["role/generator/grad_norm"], rows[6]["adapter/generator/update_norm"] = 0.5, 1.0
+    elif change == "early steps":  # under 3 steps of history: no running median yet
+        rows[6]["role/generator/grad_norm"], rows[3]["role/generator/grad_norm"] = 0.5, 1.5
+        for r in val[2:]:
+            r["val/accuracy"] = 0.30
+    assert diagnose.find_amplification(config, rows) == []
+
+
+def test_spikes_are_measured_against_the_running_median():
+    values = list(enumerate([9.0, 1.0, 1.0, 1.0, 1.0, 2.5, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0]))
+    # step 3: 1.0 < 2 x median(9, 1, 1); step 5: 2.5 >= 2 x median(9, 1, 1, 1, 1) = 2; step 11: the
+    # window of 5 holds 1.0 only, so 2.0 is a spike too, however large step 0 was
+    assert diagnose.spikes(values, 2.0) == [(5, 2.5, 1.0), (11, 2.0, 1.0)]
+    assert diagnose.spikes([(0, 0.0), (1, 0.0), (2, 0.0), (3, 1.0)], 2.0) == []  # a median of 0: no signal yet
 
 
 def test_a_fall_and_partial_recovery_is_a_dip():
     rows = [{"step": s, "eval/accuracy": a} for s, a in [(0, 0.47), (4, 0.22), (8, 0.41)]]
     # 2 SE = 2 sqrt((0.47*0.53 + 0.22*0.78) / 32) = 2 sqrt(0.4207 / 32) = 0.229
-    assert diagnose.find_cliff(rows, 0.1, 32) == [
-        "accuracy dip: held-out accuracy fell from 0.470 at step 0 to 0.220 at step 4 (-0.250) and "
-        "ended at 0.410, more than two standard errors (0.229 at 32 problems)"]
-    assert diagnose.find_cliff(rows, 0.3, 32) == []
+    assert diagnose.find_cliff({"eval_problems": 32}, rows, 0.1) == [
+        "accuracy dip: test accuracy fell from 0.470 at step 0 (the peak, chosen on test) to 0.220 at step 4 "
+        "(-0.250) and ended at 0.410, beyond 2 standard errors of the difference (0.229)"]
+    assert diagnose.find_cliff({"eval_problems": 32}, rows, 0.3) == []
+    assert diagnose.find_cliff({"eval_problems": 16}, rows, 0.1) == []  # 2 SE = 0.324: within noise
+    assert "noise unknown" in diagnose.find_cliff({}, rows, 0.1)[0]  # no size, no logged error: the floor decides
+
+
+def test_the_cliff_peak_is_chosen_on_val_and_the_logged_error_is_used():
+    """Test accuracy 0.60 at step 2 is a lucky evaluation: val does not peak there. Chosen on test,
+    the peak is biased up and a fall of 0.25 appears; chosen on val (step 4), the test fall is 0.05."""
+    test = {0: 0.30, 2: 0.60, 4: 0.40, 6: 0.35}
+    rows = [{"step": s, "eval/accuracy": a, "eval/accuracy_se": 0.05} for s, a in test.items()]
+    # 2 sqrt(0.05^2 + 0.05^2) = 0.141
+    assert diagnose.find_cliff({}, rows) == [
+        "accuracy cliff: test accuracy fell from 0.600 at step 2 (the peak, chosen on test) to 0.350 at "
+        "step 6 (-0.250), beyond 2 standard errors of the difference (0.141)"]
+    for r, v in zip(rows, (0.30, 0.40, 0.50, 0.45)):
+        r["val/accuracy"] = v
+    assert diagnose.find_cliff({}, rows) == []
+    assert diagnose.summary({"workflow": "single", "sharing": "shared", "algo": "grpo"}, rows)["accuracy"] == \
+        "0.300 / 0.400 / 0.350"
 
 
 def test_capture_is_only_looked_for_on_a_shared_adapter():
     assert diagnose.find_capture({"workflow": "eval_opt", "sharing": "isolated"}, captured_rows()) == []
     assert diagnose.find_capture({"workflow": "eval_opt", "sharing": "shared"}, captured_rows())
+
+
+def test_capture_compares_windows_that_hold_enough_calls():
+    """Steps 1-3 against 7-9 (48 evaluator calls each): adherence 0.66 -> 0.02, pooled 0.34,
+    2 SE = 2 sqrt(0.34 * 0.66 * 2 / 48) = 0.19; length 20 -> 50 tokens; similarity 0.15 -> 0.45."""
+    shared = {"workflow": "eval_opt", "sharing": "shared"}
+    assert diagnose.find_capture(shared, captured_rows()) == [
+        "role capture: generator holds 90% of the shared gradient on average, and evaluator drifts to it over "
+        "steps 1-3 (48 calls) against 7-9 (48): its adherence falls from 0.66 to 0.02 (2 standard errors: "
+        "0.19), its length grows from 20 to 50 tokens, its similarity to generator rises from 0.15 to 0.45"]
+    # 8 calls a step over 5 steps: each window needs 4 steps to hold 32 calls, so they overlap
+    assert diagnose.find_capture(shared, captured_rows(calls=8)[:6]) == []
+    # 6 calls a step: the first third is widened to steps 1-6 (36 calls), the last to steps 4-9
+    assert diagnose.find_capture(shared, captured_rows(calls=6)) == []
+
+
+def test_capture_needs_a_fall_beyond_noise_and_the_role_turning_into_the_dominant_one():
+    shared = {"workflow": "eval_opt", "sharing": "shared"}
+    def rows_with(calls: int, adherence: list[float]) -> list[dict]:
+        rows = captured_rows(calls)
+        for r, a in zip(rows[1:], adherence):
+            r["role/evaluator/adherence"] = a
+        return rows
+    adherence = [0.6] * 3 + [0.45] * 3 + [0.38] * 3  # a fall of 0.22, at 33 or at 120 calls a window
+    # 33 calls: pooled 0.49, 2 SE = 2 sqrt(0.49 * 0.51 * 2 / 33) = 0.246 > 0.22
+    assert diagnose.find_capture(shared, rows_with(11, adherence)) == []
+    assert "(2 standard errors: 0.13)" in diagnose.find_capture(shared, rows_with(40, adherence))[0]
+    same_length = captured_rows()
+    for r in same_length[1:]:  # it breaks its format but writes no more: not the generator's behaviour
+        r["role/evaluator/len"] = 20.0
+    assert diagnose.find_capture(shared, same_length) == []
+    unlike = captured_rows()
+    for r in unlike[1:]:
+        r["role/evaluator/sim/generator"] = 0.1
+    assert diagnose.find_capture(shared, unlike) == []
+    balanced = captured_rows()
+    for r in balanced[1:]:  # no dominant role: 60 % is below 70 %
+        r["role/generator/grad_share"], r["role/evaluator/grad_share"] = 0.6, 0.4
+    assert diagnose.find_capture(shared, balanced) == []
 
 
 def test_diagnose_rejects_a_directory_that_is_not_a_run(tmp_path):
