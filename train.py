@@ -74,7 +74,11 @@ def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
     return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
 
 
-# --help shows the Config in these groups; each group starts at the field named here.
+# --help shows the flags a first week changes (all of the README's), --help-all every flag
+TUTORIAL = {"workflow", "sharing", "algo", "critic", "critic_per", "lam", "model", "task", "level", "steps",
+            "problems_per_step", "group_size", "max_new_tokens", "lr", "lora_r", "eval_problems", "eval_every",
+            "seed", "out", "resume", "overwrite", "threads", "one_step", "balance", "damping", "role_kl"}
+# both in these groups; each group starts at the field named here
 SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation",
             "balance": "mitigations of Paper A's failure modes (README, diagnose.py)",
             "critic": "actor-critic (--algo maac, critic.py)", "lora_r": "LoRA",
@@ -187,19 +191,19 @@ class Config:
 def parse_config(argv: list[str] | None = None) -> Config:
     # no abbreviations: --resume checks the flags typed, by their full names (runs.typed_flags);
     # --work voting, taken for --workflow, would escape that check
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    every = "--help-all" in (sys.argv[1:] if argv is None else argv)  # the other flags' help, or none
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                     usage="%(prog)s [--flag value ...]")
+    parser.add_argument("--help-all", action="help", help="show every flag, in groups, and exit")
     group = parser
     for f in dataclasses.fields(Config):
         if f.name in SECTIONS:
             group = parser.add_argument_group(SECTIONS[f.name])
         shown = "none" if f.default == "" else str(f.default).replace(",", ", ")  # wrap between names
-        help = f"{f.metadata['help']} (default: {shown})"
-        if f.type is bool:
-            group.add_argument(f"--{f.name}", default=f.default, help=help,
-                               action=argparse.BooleanOptionalAction)
-        else:
-            group.add_argument(f"--{f.name}", default=f.default, help=help, type=f.type,
-                               choices=f.metadata["choices"])
+        help = f"{f.metadata['help']} (default: {shown})" if every or f.name in TUTORIAL else argparse.SUPPRESS
+        kind = (dict(action=argparse.BooleanOptionalAction) if f.type is bool else  # N, X: fewer wrapped lines
+                dict(type=f.type, choices=f.metadata["choices"], metavar={int: "N", float: "X"}.get(f.type)))
+        group.add_argument(f"--{f.name}", default=f.default, help=help, **kind)
     return Config(**vars(parser.parse_args(argv)))
 
 

@@ -278,9 +278,29 @@ def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, m
 # A new user's first hour: help, progress, bad numbers, run directories, checkpoints
 
 
+def test_help_shows_a_first_weeks_flags_and_every_readme_flag_and_help_all_every_flag(capsys, monkeypatch):
+    """--help fits about one screen of an 80-column terminal: the flags a student changes first,
+    among them every flag of the README's train.py commands; --help-all shows all of them."""
+    from test_readme import readme_commands
+    monkeypatch.setenv("COLUMNS", "80")
+    texts = {}
+    for word in ("--help", "--help-all"):
+        with pytest.raises(SystemExit) as stop:
+            train.parse_config(["--model", "tiny", word])
+        assert stop.value.code == 0
+        texts[word] = capsys.readouterr().out
+    shown = {word: set(re.findall(r"^  --(\w+)", text, re.MULTILINE)) - {"help"} for word, text in texts.items()}
+    assert shown["--help"] == train.TUTORIAL and len(shown["--help"]) <= 26, shown["--help"]
+    assert texts["--help"].count("\n") <= 80, texts["--help"]
+    assert shown["--help-all"] == {f.name for f in dataclasses.fields(train.Config)}
+    readme = {w[2:].split("=")[0].removeprefix("no-") for script, *args in readme_commands() if script == "train.py"
+              for w in args if w.startswith("--") and w != "--help"}
+    assert readme and readme <= shown["--help"], readme - shown["--help"]
+
+
 def test_help_is_grouped_and_shows_defaults_whole(capsys):
     with pytest.raises(SystemExit):
-        train.parse_config(["--help"])
+        train.parse_config(["--help-all"])
     text = capsys.readouterr().out
     for title in train.SECTIONS.values():
         assert f"\n{title}:\n" in text, title
