@@ -156,11 +156,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if is_weight is not None:
         pg_loss = is_weight * pg_loss
     loss = pg_loss
-    kl = torch.zeros_like(logp)
-    if ref_logp is not None and kl_coef > 0:
-        log_ref_ratio = ref_logp - logp
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 >= 0, unbiased for KL(pi || ref)
-        loss = pg_loss + kl_coef * kl
     with torch.no_grad():
         stats = {
             "pg_loss": masked_mean(pg_loss, mask).item(),
@@ -169,8 +164,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             "ratio_mean": masked_mean(ratio, mask).item(),
             "chi2": (masked_mean(token_ratio ** 2, mask) - 1).item(),  # E[rho^2] - 1 over tokens
             "ppl": torch.exp(-masked_mean(logp, mask, dim=-1)).mean().item(),  # mean over sequences
-            "kl_ref": masked_mean(kl, mask).item(),
         }
+    if ref_logp is not None and kl_coef > 0:  # kl_ref only where there is a KL term
+        log_ref_ratio = ref_logp - logp
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 >= 0, unbiased for KL(pi || ref)
+        loss = pg_loss + kl_coef * kl
+        stats["kl_ref"] = masked_mean(kl.detach(), mask).item()
     return loss, stats
 
 

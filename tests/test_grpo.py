@@ -127,6 +127,7 @@ def test_k3_kl_by_hand():
     k3 = math.exp(-1.0) - (-1.0) - 1  # exp(ref - logp) - (ref - logp) - 1
     assert stats["kl_ref"] == pytest.approx(k3)
     assert loss.item() == pytest.approx(0.5 * k3)
+    assert "kl_ref" not in policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1), ref_logp=ref)[1]  # no KL term
 
 
 def test_chi2_and_perplexity_by_hand():
