@@ -65,7 +65,8 @@ from runs import (NEW_LR, NONFINITE_STOP, episode_samples, keep_best, leave_proc
                   save_checkpoint, start_logs, stop_run, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
 from tasks import DEFAULT_LEVEL, TASKS
-from workflows import SOLVERS, WORKFLOWS, adherence, boxed_contents, contract_replies, run_workflow, similarity
+from workflows import (SOLVERS, WORKFLOWS, adherence, boxed_contents, contract_replies, role_of, run_workflow,
+                       similarity, slots)
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
@@ -228,13 +229,10 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
 
 def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval", batch: int = 32) -> dict[str, float]:
     """Accuracy of the whole workflow on held-out problems (eval/: the test split; val/: the
-    validation split, where a peak or a checkpoint is chosen). Greedy, except where --eval_sampling
-    samples (Voting: greedy generators would give one answer three times), each problem
-    --eval_samples times; `accuracy_se` is the standard error over problems. The test split also
-    logs what changed besides the answers: `first_answer` (each episode's first solving call
-    alone), `boxed` (final answers in \\boxed{}), `len` and `truncated` (the solving calls' tokens,
-    and the share of all calls cut by the length limit), each supervisory role's `adherence`.
-    Sampling draws from a generator of its own, so an evaluation never moves the training's."""
+    validation split, where a peak or a checkpoint is chosen), and on the test split what changed
+    besides the answers (docs/runs.md). Greedy, except where --eval_sampling samples (Voting: greedy
+    generators would give one answer three times), each problem --eval_samples times. Sampling
+    draws from a generator of its own, so an evaluation never moves the training's."""
     sample = cfg.eval_sampling == "sample" or (cfg.eval_sampling == "auto" and cfg.workflow == "voting")
     repeats = cfg.eval_samples if sample else 1
     mine = [p for i in block(len(problems)) for p in [problems[i]] * repeats]  # under torchrun, a block
@@ -342,6 +340,16 @@ def train_critics(model, tok, step: int, heads, critic_batch, optimizers: dict, 
         log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not applied: "
             "loss or gradient not finite")
     return stats
+
+
+def written(m: dict[str, float], cfg: Config) -> dict[str, float]:
+    """The step's metrics less those that repeat another key or cannot move in this run: the slot/
+    keys of a role with one slot (Eval-Opt's slots are its roles: its role/ keys hold the same
+    numbers), and under --one_step, where every ratio is 1, the ratio's statistics."""
+    roles = [role_of(s) for s in slots(cfg.workflow, cfg.n_agents)]  # voting: generator x 3, aggregator
+    lone = tuple(f"slot/{s}/" for s, r in zip(slots(cfg.workflow, cfg.n_agents), roles) if roles.count(r) == 1)
+    fixed = ("clip_frac", "approx_kl", "ratio_mean", "chi2") if cfg.one_step else ()  # grpo.policy_loss
+    return {k: v for k, v in m.items() if not k.startswith(lone) and k.rsplit("/", 1)[-1] not in fixed}
 
 
 def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
@@ -498,8 +506,8 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         m["time/step"] = time.time() - t0
         m["mem/peak_mb"] = max(gather_lists([peak_memory_mb(device)]))  # the largest process's
         problems = [train_set[i] for i in problem_of]
-        write_step(cfg.out, m, episode_samples(step, calls, outcomes, problems, rewards, cfg.group_size,
-                                               cfg.log_samples))
+        write_step(cfg.out, written(m, cfg),
+                   episode_samples(step, calls, outcomes, problems, rewards, cfg.group_size, cfg.log_samples))
         log(step_line(cfg, m, last.get("time/eval", 0.0), step_seconds))
         # a step with a mini-batch not applied writes no checkpoint: the last one is from before the trouble
         nonfinite = nonfinite + 1 if any(v for k, v in m.items() if k.endswith("skipped_nonfinite")) else 0

@@ -65,9 +65,9 @@ def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp
     assert last["step"] == 1 and 0 <= last["reward/mean"] <= 1 and "eval/accuracy" in last
     for role in ROLES[workflow]:
         assert f"role/{role}/reward" in last and f"role/{role}/len" in last
-    for slot in slots(workflow):
-        if workflow != "eval_opt" or slot == "generator":  # eval_opt may stop before the evaluator
-            assert f"slot/{slot}/len" in last
+    several = [s for s in slots(workflow) if s[-1].isdigit()]  # generator0..2, worker0..2: one role's slots
+    assert {k.split("/")[1] for k in last if k.startswith("slot/")} == set(several)
+    assert all(f"slot/{slot}/len" in last for slot in several)
     episode = read_jsonl(f"{out}/samples.jsonl")[0]
     assert episode["calls"] and {"role", "slot", "prompt", "output"} <= set(episode["calls"][0])
     assert {"final", "reward", "answer"} <= set(episode)
@@ -217,6 +217,20 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
     rewards = [m["reward/mean"] for m in read_jsonl(f"{tmp_path}/metrics.jsonl")[1:]]
     assert sum(rewards[:3]) / 3 < 0.2, rewards
     assert sum(rewards[-5:]) / 5 >= 0.9, rewards
+
+
+def test_a_step_writes_no_twin_and_nothing_constant():
+    """Eval-Opt's slots are its roles, and Voting's aggregator has one slot: their slot/ keys would
+    repeat role/ keys. Under --one_step every ratio is 1: its statistics cannot move."""
+    role = {"role/generator/len": 5.0, "role/generator/ratio_mean": 1.0, "role/generator/pg_loss": 0.5}
+    eval_opt = {**role, "slot/generator/len": 5.0}
+    assert train.written(eval_opt, train.Config(workflow="eval_opt")) == {"role/generator/len": 5.0,
+                                                                           "role/generator/pg_loss": 0.5}
+    generators = {f"slot/generator{i}/len": 5.0 for i in range(2)}
+    voting = {**role, **generators, "slot/aggregator/len": 5.0}
+    assert train.written(voting, train.Config(workflow="voting", n_agents=2, one_step=False)) == {**role, **generators}
+    alone = {**role, "slot/generator0/len": 5.0}  # one generator: its slot is the role
+    assert train.written(alone, train.Config(workflow="voting", n_agents=1, one_step=False)) == role
 
 
 def test_learning_rate_schedule_by_hand():
@@ -1000,7 +1014,7 @@ def test_tensorboard_holds_every_number_of_metrics_jsonl_and_every_logged_episod
         for key, value in row.items():
             if key != "step":
                 assert dict(scalars[key])[row["step"]] == pytest.approx(value, rel=1e-6), (key, row["step"])
-    assert "slot/generator/len" in scalars and "role/evaluator/len" in scalars
+    assert "role/generator/len" in scalars and "role/evaluator/len" in scalars
     texts = tensorboard_texts(out)  # one block per samples.jsonl episode, under episodes/<its place in the step>
     episodes = read_jsonl(f"{out}/samples.jsonl")
     assert sorted(texts) == ["episodes/0", "episodes/1"] and len(episodes) == 6
