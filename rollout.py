@@ -2,13 +2,13 @@
 
 A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once
 per stage. `Rollout.__call__` is that callback: it runs every call of the
-stage - all episodes, all agent slots - through one `model.generate` under the
-role's LoRA adapter, and keeps a `Call` record of each (prompt ids,
-completion ids, text), which the trainer later turns into a loss. A prompt that
+stage - all episodes, all agent slots - through one batched `decode` (the loop
+`model.generate` runs, written out) under the role's LoRA adapter, and keeps a
+`Call` record of each (prompt ids, completion ids, text), which the trainer later turns into a loss. A prompt that
 leaves no room for max_new_tokens in the model's context is cut to its head and
 tail first (fit_prompt), and counted.
 
-Sequence layout, shared by generation and scoring (as `generate` returns it):
+Sequence layout, shared by generation and scoring:
 
     [pad pad p p p p | c c c c eos pad]      prompt left-padded to P columns,
      <---- P ------>   <----- T ----->       completion right-padded to T
@@ -30,7 +30,7 @@ update's scoring (one full forward, adapter beside the weights) round
 differently, so pi_rollout, the policy the tokens were sampled from, and pi_old,
 the policy the update scores them under, are not bit-identical; in bf16 they
 differ visibly. `Rollout` records log pi_rollout of every sampled token
-(`SamplerLogprobs`), so the update can log the gap and, optionally, correct for
+(`sample_next`), so the update can log the gap and, optionally, correct for
 it with truncated importance sampling (grpo.py).
 
 
@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from platformdirs import user_cache_dir
-from transformers import LogitsProcessor
+from transformers import DynamicCache
 
 from lora import adapter_for, merged_adapter, use_adapter
 
@@ -347,33 +347,68 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
 # The generate callback
 
 
-class SamplerLogprobs(LogitsProcessor):
-    """Records log pi_rollout(token) of every sampled token, from the logits the sampler drew
-    it from, scaled by the temperature as token_logprobs scales the trainer's.
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits (B, V) at `temperature`, within the top_p nucleus:
+    the tokens (B,) and their log pi_rollout (B,), the log-softmax of logits / temperature.
 
-    `generate` shows a logits processor each step's logits before it samples, and the
-    sampled token only at the next call (as the last column of input_ids), so each call
-    reads the previous step's token and keeps one (B, V) row of log-probs, never all T.
-    Custom processors run before generate's own temperature and top-p warpers: with
-    top_p < 1 the sampler's truncation is not in these log-probs, as it is not in pi_old.
+    A draw is one uniform number per row read through the cumulative distribution
+    (inverse-CDF sampling): on a CPU, torch.multinomial's exponential draw over a
+    49k vocabulary costs as much as a decoding step's matrix products. As in pi_old, the
+    nucleus cut is not in the recorded log-probs.
     """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    probs = logp.exp()
+    if top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p[sorted_p.cumsum(-1) - sorted_p >= top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    cdf = probs.cumsum(-1)  # (B, V)
+    u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # (B,)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.last: torch.Tensor | None = None  # (B, V) log-probs of the step before
-        self.picked: list[torch.Tensor] = []   # T tensors (B, 1)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.last is not None:
-            self.picked.append(self.last.gather(-1, input_ids[:, -1:]))  # (B, 1)
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
-        return scores  # sampling is unchanged
+@torch.no_grad()
+def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eos_id: int, pad_id: int,
+           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False):
+    """Generate up to max_new_tokens after left-padded prompts ids/attn (B, P): the new
+    tokens (B, T), pad after each row's eos, and log pi_rollout of each (B, T), None when greedy.
 
-    def result(self, out: torch.Tensor) -> torch.Tensor:
-        """log pi_rollout of the T generated columns of `out` (B, P + T): (B, T)."""
-        self.picked.append(self.last.gather(-1, out[:, -1:]))
-        return torch.cat(self.picked, dim=-1)  # (B, T)
-
+    The loop `model.generate` runs, without its general machinery: one forward over the
+    prompts fills the KV cache, then one forward per token over the last token only.
+    Greedy decoding gives `generate`'s tokens (tests/test_rollout.py).
+    """
+    (B, P), device = ids.shape, ids.device
+    # The samples of one prompt (a GRPO group) share its prefill: each distinct prompt runs
+    # once, then its cache rows and logits are copied to every row that asked for it.
+    distinct, copy = torch.unique(torch.cat([ids, attn.to(ids.dtype)], dim=-1), dim=0,
+                                  return_inverse=True)  # (U, 2P), (B,)
+    ids_u, attn_u = distinct[:, :P], distinct[:, P:]
+    cache = DynamicCache()
+    out = model(input_ids=ids_u, attention_mask=attn_u, position_ids=(attn_u.cumsum(-1) - 1).clamp(min=0),
+                cache=cache, use_cache=True, logits_to_keep=1)
+    for layer in cache.layers:
+        layer.batch_select_indices(copy)
+    logits = out.logits[copy, -1]  # (B, V)
+    position = attn.long().sum(-1, keepdim=True) - 1  # (B, 1): positions count real tokens only
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, logps = [], []
+    for t in range(max_new_tokens):
+        if greedy:
+            token = logits.argmax(-1)
+        else:
+            token, logp = sample_next(logits, temperature, top_p)
+            logps.append(logp)
+        token = token.masked_fill(done, pad_id)  # (B,) a finished row only pads
+        tokens.append(token)
+        done |= token == eos_id
+        if t == max_new_tokens - 1 or done.all():
+            break
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # (B, P + t + 1)
+        position = position + 1
+        logits = model(input_ids=token[:, None], attention_mask=attn, position_ids=position, cache=cache,
+                       use_cache=True).logits[:, -1]
+    return torch.stack(tokens, dim=1), (torch.stack(logps, dim=1) if logps else None)
 
 
 class Rollout:
@@ -405,21 +440,15 @@ class Rollout:
             prompts[i] = tok.decode(fitted[i])
         self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
-        sampling = dict(do_sample=False) if self.greedy else dict(
-            do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
-        recorder = None if self.greedy else SamplerLogprobs(self.temperature)
         adapter = adapter_for(role, self.sharing)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
-            out = model.generate(input_ids=ids, attention_mask=attn,
-                                 max_new_tokens=self.max_new_tokens,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                 logits_processor=[recorder] if recorder else None,
-                                 **sampling)  # (B, P + T)
-        sampled = recorder.result(out).cpu() if recorder else None  # (B, T)
+            new, sampled = decode(model, ids, attn, self.max_new_tokens, tok.eos_token_id, tok.pad_token_id,
+                                  self.temperature, self.top_p, self.greedy)  # (B, T) each
+        new, sampled = new.cpu(), (None if sampled is None else sampled.cpu())
         texts = []
         for i in range(len(chats)):
             prompt_ids = ids[i][attn[i].bool()].tolist()
-            completion = cut_at_eos(out[i, ids.shape[1]:].tolist(), tok.eos_token_id)
+            completion = cut_at_eos(new[i].tolist(), tok.eos_token_id)
             text = tok.decode(completion, skip_special_tokens=True)
             texts.append(text)
             self.calls.append(Call(episodes[i], role, slots[i], self.stages, prompt_ids,

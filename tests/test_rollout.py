@@ -1,4 +1,5 @@
-"""Rollout: one generate call per stage, eos cutting, exact log-probs under padding."""
+"""Rollout: one decode per stage, generate's greedy tokens, the sampler's draws, eos cutting,
+exact log-probs under padding."""
 import importlib.util
 import subprocess
 import sys
@@ -10,8 +11,9 @@ import torch.nn.functional as F
 
 from conftest import ROOT
 from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters, use_adapter
-from rollout import (Call, Rollout, chat_text, cut_at_eos, fit_prompt, load_policy, pack, resolve_dtype,
-                     sequence_logprobs, token_batches)
+import rollout as rollout_module
+from rollout import (Call, Rollout, chat_text, cut_at_eos, decode, fit_prompt, left_pad, load_policy, pack,
+                     resolve_dtype, sample_next, sequence_logprobs, token_batches)
 from workflows import run_workflow
 
 
@@ -23,29 +25,65 @@ def make_rollout(tiny, sharing="isolated", workflow="voting", **kw) -> Rollout:
     return Rollout(model, tok, sharing, max_new_tokens=12, **kw)
 
 
-def count_generate(model) -> list[int]:
-    """Wrap model.generate to count its calls and the batch size of each."""
-    sizes, original = [], model.generate
+def count_decodes(monkeypatch) -> list[int]:
+    """Wrap rollout.decode to count its calls and the batch size of each."""
+    sizes = []
 
-    def counted(*args, **kw):
-        sizes.append(kw["input_ids"].shape[0])
-        return original(*args, **kw)
-    model.generate = counted
+    def counted(model, ids, *args, **kw):
+        sizes.append(ids.shape[0])
+        return decode(model, ids, *args, **kw)
+    monkeypatch.setattr(rollout_module, "decode", counted)
     return sizes
 
 
-def test_one_generate_call_per_stage_whatever_the_slots(tiny):
+def test_one_decode_per_stage_whatever_the_slots(tiny, monkeypatch):
     rollout = make_rollout(tiny)
-    sizes = count_generate(rollout.model)
+    sizes = count_decodes(monkeypatch)
     run_workflow("voting", ["What is 1 + 2?", "What is 3 + 4?"], rollout, n_agents=3)
     assert sizes == [6, 2]  # 2 episodes x 3 generators, then 2 aggregators
     assert [c.slot for c in rollout.calls[:3]] == ["generator0", "generator1", "generator2"]
     assert {c.turn for c in rollout.calls if c.role == "aggregator"} == {1}
 
 
-def test_orch_workers_three_stages(tiny):
+def test_greedy_decode_gives_generates_tokens(tiny):
+    """The written-out loop against transformers' own generate: the same tokens under greedy
+    decoding, on left-padded prompts of different lengths, some asked twice (one shared prefill),
+    eos and the pads after it included."""
+    model, tok = tiny
+    a, b = "What is 1 + 2?", "Name three colours, then stop."
+    prompts = [a, b, a, "x", "What is 12 * 13? Think step by step.", b]
+    ids, attn = left_pad(tok([chat_text(tok, [{"role": "user", "content": p}]) for p in prompts],
+                             add_special_tokens=False).input_ids, tok.pad_token_id)
+    free, _ = decode(model, ids, attn, 20, tok.eos_token_id, tok.pad_token_id, greedy=True)
+    stop = free[0, 5].item()  # the random model never says eos: row 0's sixth token plays it
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=20, do_sample=False,
+                         eos_token_id=stop, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    new, logp = decode(model, ids, attn, 20, stop, tok.pad_token_id, greedy=True)
+    assert logp is None
+    assert new.tolist() == out.tolist()
+    assert new[0, 5] == stop and (new[0, 6:] == tok.pad_token_id).all()
+
+
+def test_the_sampler_draws_from_the_softmax_and_its_nucleus():
+    """sample_next's inverse-CDF draws: frequencies within 4 standard errors of the softmax at
+    the temperature, the recorded log-probs are log_softmax's, and top_p keeps only the nucleus."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
+    torch.manual_seed(0)
+    tokens, logp = sample_next(logits, temperature=0.7)
+    expected = torch.softmax(logits[0] / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    se = (expected * (1 - expected) / len(tokens)).sqrt()
+    assert ((freq - expected).abs() <= 4 * se + 1e-9).all(), (freq, expected)
+    assert torch.allclose(logp, torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1))
+    tokens, _ = sample_next(logits, temperature=1.0, top_p=0.8)  # p = .64 .24 .09 .03 ...: keeps 0 and 1
+    assert set(tokens.tolist()) == {0, 1}
+    kept = torch.softmax(logits[0, :2], -1)[0]
+    assert abs((tokens == 0).float().mean() - kept) < 4 * (kept * (1 - kept) / len(tokens)).sqrt()
+
+
+def test_orch_workers_three_stages(tiny, monkeypatch):
     rollout = make_rollout(tiny, workflow="orch_workers")
-    sizes = count_generate(rollout.model)
+    sizes = count_decodes(monkeypatch)
     run_workflow("orch_workers", ["What is 1 + 2?"] * 4, rollout, n_agents=3)
     assert sizes == [4, 12, 4]
 
@@ -248,7 +286,7 @@ def test_bf16_weights_keep_fp32_adapters_and_score_close_to_fp32():
 
 
 def test_the_sampler_records_the_log_probs_it_sampled_from(tiny):
-    """SamplerLogprobs against a separate scoring pass of the same model (fp32, adapter off the
+    """The sampler's log-probs against a separate scoring pass of the same model (fp32, adapter off the
     weights): equal up to float rounding, one per completion token, eos included."""
     rollout = make_rollout(tiny, sharing="shared", temperature=0.7, merge=False)
     torch.manual_seed(0)
