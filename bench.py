@@ -8,12 +8,14 @@ are compared alternate (A B C A B C ...), so a machine that slows down slows all
 of them. Sections:
 
   generate   one workflow stage: the default step's first, 16 generator calls.
-             The base model's own `generate` (the LoRA layers taken out of the
-             model) against the rollout (Rollout.__call__) with its adapter merged
-             into the weights, as training runs it, and with the low-rank path on
-             every token. A fresh adapter is an exact no-op, so all three write the
-             same tokens and their times compare like for like. rollout / raw is
-             the rollout's overhead: merging, chat template, tokenizer, records.
+             transformers' own `generate` on the base model (the LoRA layers taken
+             out) against the rollout (Rollout.__call__, rollout.decode) with its
+             adapter merged into the weights, as training runs it, and with the
+             low-rank path on every token. A fresh adapter is an exact no-op, so
+             under greedy decoding all three write the same tokens (checked once);
+             the timed runs sample, each with its own sampler. rollout / raw is what
+             the rollout's decode gains over `generate`, net of its own costs
+             (merging, chat template, tokenizer, records).
   old logp   the no-grad pass that gives pi_old for the stage's completions; the
              update skips it for its first mini-batch (grpo.py)
   update     forward + backward of the policy loss, per completion token
@@ -24,7 +26,8 @@ of them. Sections:
   throughput what the machine allows and how near each part runs to it: the peak of a
              large matrix product in fp32 and bf16, memory bandwidth from a large
              copy; then tokens/s of one generator stage by batch size and dtype (the
-             base model's own generate), and of the update's forward + backward, each
+             rollout's decode, and transformers' generate beside it), and of the
+             update's forward + backward, each
              with its arithmetic rate (2 x parameters FLOP per generated token, 4 x
              per trained position: the frozen weights get no gradient of their own)
              against the peak
@@ -124,22 +127,24 @@ def without_lora(model):
             setattr(parent, name, child)
 
 
-def raw_generate(model, tok, chats, max_new_tokens: int, temperature: float, seed: int):
-    """The base model's generate on the rollout's exact input and sampling settings."""
+def raw_generate(model, tok, chats, max_new_tokens: int, temperature: float, seed: int, greedy: bool = False):
+    """transformers' generate on the base model, with the rollout's exact input and sampling settings."""
     enc = tok([chat_text(tok, c) for c in chats], return_tensors="pt", padding=True,
               add_special_tokens=False).to(model.device)
     torch.manual_seed(seed)
     with torch.no_grad(), without_lora(model):
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True,
-                             temperature=temperature, top_p=1.0, top_k=0,
+        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature,
+                                                             top_p=1.0, top_k=0)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, **sampling,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return out[:, enc.input_ids.shape[1]:]  # (B, T)
 
 
-def rollout_stage(model, tok, chats, max_new_tokens: int, temperature: float, seed: int, merge: bool):
+def rollout_stage(model, tok, chats, max_new_tokens: int, temperature: float, seed: int, merge: bool,
+                  greedy: bool = False):
     """The project's rollout of one generator stage under the (fresh) shared adapter."""
     rollout = Rollout(model, tok, "shared", max_new_tokens=max_new_tokens, temperature=temperature,
-                      merge=merge)
+                      merge=merge, greedy=greedy)
     torch.manual_seed(seed)
     rollout("generator", ["generator"] * len(chats), list(range(len(chats))), chats)
     return rollout.calls
@@ -151,8 +156,12 @@ def same_tokens(raw: torch.Tensor, calls) -> bool:
 
 
 def generation(model, tok, device: str, chats, cfg: Config, repeats: int) -> dict:
-    """One stage three ways (raw, merged, low-rank), alternating; and merging alone."""
+    """One stage three ways (raw, merged, low-rank), alternating; their greedy tokens once; and
+    merging alone."""
     T, temp = cfg.max_new_tokens or 48, cfg.temperature
+    greedy = raw_generate(model, tok, chats, T, temp, cfg.seed, greedy=True)
+    same = all(same_tokens(greedy, rollout_stage(model, tok, chats, T, temp, cfg.seed, merge, greedy=True))
+               for merge in (True, False))
     runs = {"raw": lambda: raw_generate(model, tok, chats, T, temp, cfg.seed),
             "merged": lambda: rollout_stage(model, tok, chats, T, temp, cfg.seed, merge=True),
             "low_rank": lambda: rollout_stage(model, tok, chats, T, temp, cfg.seed, merge=False)}
@@ -160,8 +169,8 @@ def generation(model, tok, device: str, chats, cfg: Config, repeats: int) -> dic
                lambda: rollout_stage(model, tok, chats[:2], 4, temp, cfg.seed, merge=True),
                lambda: rollout_stage(model, tok, chats[:2], 4, temp, cfg.seed, merge=False)]
     r = alternate(device, runs, repeats, warmups)
-    raw_ids, calls, low_rank = (r[name].pop("result") for name in ("raw", "merged", "low_rank"))
-    rows = raw_ids.shape[0] * raw_ids.shape[1]  # every row runs every decode step
+    results = {name: r[name].pop("result") for name in r}
+    calls = results["merged"]
     merge_seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -169,9 +178,10 @@ def generation(model, tok, device: str, chats, cfg: Config, repeats: int) -> dic
             sync(device)
         sync(device)
         merge_seconds.append(time.perf_counter() - start)
-    for name in r:
-        r[name]["tokens_per_s"] = rows / r[name]["seconds"]
-    return {**r, "same_tokens": same_tokens(raw_ids, calls) and same_tokens(raw_ids, low_rank), "calls": calls,
+    for name, result in results.items():  # every row runs every decode step, finished or not
+        steps = result.shape[1] if name == "raw" else max(len(c.completion_ids) for c in result)
+        r[name]["tokens_per_s"] = len(chats) * steps / r[name]["seconds"]
+    return {**r, "same_greedy_tokens": same, "calls": calls,
             "rollout_over_raw": ratio(r["merged"], r["raw"]),
             "low_rank_over_raw": ratio(r["low_rank"], r["raw"]),
             "merge_extra_mb": r["merged"]["peak_mb"] - r["low_rank"]["peak_mb"],
@@ -307,10 +317,13 @@ def throughput(args, device: str, questions: list[str], cfg: Config, batches: li
     T, fig = cfg.max_new_tokens or 48, {"params": n_params, "dtypes": dtypes, "generate": {}}
     for B in batches:
         chats = [chat("math", "generator", question=questions[i % len(questions)]) for i in range(B)]
-        runs = {d: (lambda m=models[d]: raw_generate(m, tok, chats, T, cfg.temperature, cfg.seed)) for d in dtypes}
-        r = alternate(device, runs, args.repeats, [lambda m=models[d]: raw_generate(m, tok, chats[:2], 4, 1.0, 0)
-                                                   for d in dtypes])
-        fig["generate"][B] = {d: B * T / r[d]["seconds"] for d in dtypes}
+        runs, warmups = {}, []
+        for d in dtypes:  # the rollout's decode, and transformers' generate as it was before
+            runs[f"decode {d}"] = lambda m=models[d]: rollout_stage(m, tok, chats, T, cfg.temperature, cfg.seed, True)
+            runs[f"generate {d}"] = lambda m=models[d]: raw_generate(m, tok, chats, T, cfg.temperature, cfg.seed)
+            warmups.append(lambda m=models[d]: rollout_stage(m, tok, chats[:2], 4, 1.0, 0, True))
+        r = alternate(device, runs, args.repeats, warmups)
+        fig["generate"][B] = {name: B * T / r[name]["seconds"] for name in runs}
     calls = rollout_stage(models["fp32"], tok, chats[:16], T, cfg.temperature, cfg.seed, merge=True)
     for i, c in enumerate(calls):
         c.advantage = 1.0 if i % 2 else -1.0
@@ -343,9 +356,10 @@ def throughput_lines(fig: dict) -> list[str]:
              f"  generate, one generator stage ({fig['new_tokens']} new tokens), tokens/s "
              f"(GFLOP/s at {gflop['generate']:.2f} GFLOP a token, % of the dtype's peak):"]
     for B, row in t["generate"].items():
-        cells = [f"{d} {v:6.1f} ({v * gflop['generate']:5.1f}, {100 * v * gflop['generate'] / peak[d]:4.1f}%)"
-                 for d, v in row.items()]
-        lines.append(f"    batch {int(B):4d}: " + " | ".join(cells))
+        for sampler in ("decode", "generate"):
+            cells = [f"{d} {row[f'{sampler} {d}']:6.1f} ({row[f'{sampler} {d}'] * gflop['generate']:5.1f}, "
+                     f"{100 * row[f'{sampler} {d}'] * gflop['generate'] / peak[d]:4.1f}%)" for d in t["dtypes"]]
+            lines.append(f"    batch {int(B):4d}, {sampler:8s}: " + " | ".join(cells))
     cells = [f"{d} {v:6.1f} ({v * gflop['update']:5.1f}, {100 * v * gflop['update'] / peak[d]:4.1f}%)"
              for d, v in t["update"].items()]
     lines.append(f"  update, forward + backward over {t['update_positions']} positions of 16 calls, "
@@ -366,13 +380,13 @@ def report(fig: dict, device_name: str) -> str:
              f" (prompts {fig['prompt_tokens']} tokens, {100 * g['prompt_padding']:.0f}% of them padding)",
              f"  {'':28s}{'seconds':>9s}{'tokens/s':>10s}{'vs raw':>8s}{'peak MiB':>10s}   (vs raw: median of"
              " the rounds' ratios)"]
-    for name, label in [("raw", "base model generate (raw)"), ("merged", "rollout, adapter merged"),
+    for name, label in [("raw", "transformers generate (raw)"), ("merged", "rollout, adapter merged"),
                         ("low_rank", "rollout, low-rank path")]:
         r = g[name]
         lines.append(f"  {label:28s}{r['seconds']:9.2f}{r['tokens_per_s']:10.1f}"
                      f"{ratio(r, g['raw']):8.3f}{r['peak_mb']:10.0f}")
     lines.append(f"  merging and restoring the weights: {g['merge_seconds']:.2f} s per stage")
-    lines.append(f"  same tokens in all three: {g['same_tokens']}; runs (s): "
+    lines.append(f"  same greedy tokens in all three: {g['same_greedy_tokens']}; runs (s): "
                  + "; ".join(f"{n} {', '.join(f'{x:.2f}' for x in g[n]['all'])}" for n in ("raw", "merged", "low_rank")))
     lines += ["", f"update over every second call of the stage ({fig['update_tokens']} completion tokens)",
               f"  old log-prob pass   {u['old_logp']['seconds']:6.2f} s  {u['old_logp']['tokens_per_s']:7.1f} tokens/s",

@@ -9,12 +9,12 @@ import bench
 from conftest import ROOT
 
 
-def test_bench_runs_and_its_rollout_writes_the_raw_generate_tokens(tmp_path, capsys):
+def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench.main(["--model", "tiny", "--repeats", "1", "--json", str(out)])
     fig = json.loads(out.read_text())
     g = fig["generate"]
-    assert g["same_tokens"]  # raw generate, merged and low-rank rollouts: the same completions
+    assert g["same_greedy_tokens"]  # raw generate, merged and low-rank rollouts: the same completions
     assert all(g[name]["seconds"] > 0 and g[name]["tokens_per_s"] > 0 for name in ("raw", "merged", "low_rank"))
     assert g["rollout_over_raw"] > 0 and 0 <= g["prompt_padding"] < 1
     assert fig["update"]["update"]["tokens_per_s"] > 0
@@ -23,6 +23,7 @@ def test_bench_runs_and_its_rollout_writes_the_raw_generate_tokens(tmp_path, cap
     assert fig["limits"]["matmul_fp32_gflops"] > 0 and fig["limits"]["copy_gbs"] > 0
     t = fig["throughput"]
     assert set(t["generate"]) == {"16", "32", "64"} and all(v > 0 for row in t["generate"].values() for v in row.values())
+    assert set(t["generate"]["32"]) == {f"{s} {d}" for s in ("decode", "generate") for d in t["dtypes"]}
     assert set(t["update"]) == set(t["dtypes"]) and "fp32" in t["dtypes"]
     table = capsys.readouterr().out
     assert "rollout, adapter merged" in table and "isolated / shared" in table and "peaks at" in table
