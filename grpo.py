@@ -94,9 +94,9 @@ def group_advantages(rewards: torch.Tensor, keys: list[Hashable], eps: float = 1
     return adv
 
 
-def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
+def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> None:
     """Group-relative advantages on every call, grouped by (problem, slot, workflow step) or by
-    (problem, role); returns the share of calls with no signal."""
+    (problem, role)."""
     if by == "slot":
         keys = [(problem_of[c.episode], c.slot, c.turn) for c in calls]
     else:
@@ -104,7 +104,6 @@ def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> float:
     adv = group_advantages(torch.tensor([c.reward for c in calls]), keys)
     for call, a in zip(calls, adv.tolist()):
         call.advantage = a
-    return sum(a == 0 for a in adv.tolist()) / len(calls)
 
 
 def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str,

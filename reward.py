@@ -319,7 +319,7 @@ def score_batch(problems: list[Problem], texts: list[str], strict: bool = False,
 
 # ----------------------------------------------------------------------------- each call's reward
 # A workflow's calls are rollout.Call records (read by field name here): role, slot, episode, turn,
-# text, truncated, and the fields set below, problem, solved and reward.
+# text, truncated, and the fields set below, solved and reward.
 
 CREDITS = ("final", "own")
 TRUNCATED = ("penalize", "mask", "keep")
@@ -339,7 +339,6 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
     On math every solving call's own answer is also scored, into `solved`: what the later roles did
     to it (role_jobs), and own credit."""
     for c in calls:
-        c.problem = problems[c.episode].id
         c.reward = rewards[c.episode]
     if problems[0].kind == "math":
         solvers = [c for c in calls if c.role in SOLVERS]

@@ -227,7 +227,6 @@ class Call:
     prompt: str
     text: str                # completion decoded without special tokens
     truncated: bool = False  # stopped by max_new_tokens before its eos: an unfinished answer
-    problem: str = ""        # id of the episode's problem, set by the trainer
     reward: float = 0.0      # the episode's outcome, broadcast to every call (--credit own: its own part)
     solved: float | None = None  # a solving call's own answer, scored as a final answer would be
     advantage: float = 0.0
