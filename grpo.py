@@ -318,8 +318,6 @@ class UpdateSettings:
     minibatch_size: int = 16         # calls per optimizer step
     one_step: bool = False           # one optimizer step over all of the adapter's calls
     micro_batch_tokens: int = 1024   # padded tokens per forward pass (memory only)
-    reuse_on_policy: bool = True     # first mini-batch: pi_old = its own log-probs, detached;
-                                     # False: a separate pass for every call (same update)
     eps_low: float = 0.2             # the clip range of the ratio: [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
     agg: str = "seq-mean-token-mean"  # loss aggregation, one of AGG_MODES
@@ -366,8 +364,7 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     for mb in batches:
         for c in mb:
             c.old_logp = None  # None: on-policy, read from the update's own forward pass
-    off_policy = batches[1:] if s.reuse_on_policy else batches
-    set_old_logprobs(model, [c for mb in off_policy for _, mine in slot_groups(mb, s, by) for c in mine],
+    set_old_logprobs(model, [c for mb in batches[1:] for _, mine in slot_groups(mb, s, by) for c in mine],
                      adapter, pad_id, s.temperature, s.micro_batch_tokens)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     step_grads, role_of = {}, {}  # each slot's gradient, summed over the step's applied mini-batches

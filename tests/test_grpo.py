@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from grpo import (UpdateSettings, aggregate, amplification, gradient_stats, group_advantages,
-                  masked_mean, mismatch_stats, policy_loss, policy_update, tis_weight)
-from lora import adapter_parameters, inject_lora, setup_adapters
-from rollout import Call, Rollout
+                  masked_mean, mismatch_stats, policy_loss, policy_update, set_old_logprobs, tis_weight)
+from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
+from rollout import Call, Rollout, sequence_logprobs
 from workflows import ROLES, run_workflow
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
@@ -186,11 +186,11 @@ def sampled_calls(tiny, episodes: int = 6) -> list[Call]:
     return calls
 
 
-def updated(tiny, calls: list[Call], reuse: bool, minibatch_size: int) -> list[torch.Tensor]:
+def updated(tiny, calls: list[Call], minibatch_size: int) -> list[torch.Tensor]:
     model, tok = tiny
     params = adapter_parameters(model, "generator")
     start = [p.detach().clone() for p in params]
-    settings = UpdateSettings(temperature=1.0, minibatch_size=minibatch_size, reuse_on_policy=reuse)
+    settings = UpdateSettings(temperature=1.0, minibatch_size=minibatch_size)
     policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5), random.Random(0),
                   tok.pad_token_id, settings)
     after = [p.detach().clone() for p in params]
@@ -200,15 +200,16 @@ def updated(tiny, calls: list[Call], reuse: bool, minibatch_size: int) -> list[t
     return after
 
 
-@pytest.mark.parametrize("minibatch_size", [4, 18])  # several mini-batches (off-policy later), one
-def test_reusing_on_policy_logprobs_leaves_the_update_unchanged(tiny, minibatch_size):
+def test_on_policy_old_logprobs_are_the_updates_own(tiny):
+    """The first mini-batch reads pi_old from its own forward pass, detached: the numbers a
+    separate pass before the step would give, without the pass."""
     calls = sampled_calls(tiny)
-    separate = updated(tiny, calls, reuse=False, minibatch_size=minibatch_size)
-    reused = updated(tiny, calls, reuse=True, minibatch_size=minibatch_size)
-    start = adapter_parameters(tiny[0], "generator")
-    moved = max((a - s).abs().max() for a, s in zip(separate, start))
-    assert moved > 1e-3
-    assert max((a - b).abs().max() for a, b in zip(separate, reused)) < 1e-5 * moved
+    model, tok = tiny
+    set_old_logprobs(model, calls, "generator", tok.pad_token_id, 1.0, 1024)
+    with use_adapter(model, "generator"):
+        logp, _, _ = sequence_logprobs(model, calls, tok.pad_token_id, 1.0)  # (B, T), with gradient
+    for c, row in zip(calls, logp.detach()):
+        assert torch.allclose(c.old_logp, row[: len(c.completion_ids)], atol=1e-6)
 
 
 def test_old_logprob_pass_only_for_the_mini_batches_after_the_first_step(tiny):
@@ -224,11 +225,8 @@ def test_old_logprob_pass_only_for_the_mini_batches_after_the_first_step(tiny):
     model.forward = counting
     for minibatch_size, expected in [(18, 0), (4, 14), (8, 10)]:
         rows_without_grad.clear()
-        updated(tiny, calls, reuse=True, minibatch_size=minibatch_size)
+        updated(tiny, calls, minibatch_size=minibatch_size)
         assert sum(rows_without_grad) == expected, minibatch_size
-    rows_without_grad.clear()
-    updated(tiny, calls, reuse=False, minibatch_size=4)
-    assert sum(rows_without_grad) == 18
 
 
 def test_truncated_importance_weight_by_hand():
