@@ -48,7 +48,7 @@ from contextlib import contextmanager
 
 import torch
 
-from grpo import UpdateSettings, policy_update, set_old_logprobs
+from grpo import UpdateSettings, old_logprobs, policy_update
 from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
 from tasks import DEFAULT_LEVEL, load_task
 from rollout import Rollout, chat_text, cpu_has_bf16, load_policy, resolve_dtype
@@ -213,8 +213,8 @@ def update_parts(model, tok, device: str, calls, cfg: Config, repeats: int) -> d
     settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=len(calls),
                               micro_batch_tokens=cfg.micro_batch_tokens)
     def old_logp(calls):
-        return lambda: set_old_logprobs(model, calls, "shared", tok.pad_token_id, cfg.temperature,
-                                        cfg.micro_batch_tokens)
+        return lambda: old_logprobs(model, calls, "shared", tok.pad_token_id, cfg.temperature,
+                                    cfg.micro_batch_tokens)
 
     def update(calls):
         return lambda: policy_update(model, "shared", calls, frozen, random.Random(0), tok.pad_token_id,

@@ -36,16 +36,18 @@ The update (`policy_update`) is shared by GRPO and the actor of the
 actor-critic (critic.py): one pass over the calls in mini-batches, one
 optimizer step each (one PPO epoch, as in the paper). pi_old needs no pass of
 its own where the update is on-policy: the first mini-batch comes before the
-adapter's first step, so its old log-probs are its current ones, detached;
-only the later mini-batches get a separate pass, before the first step. It
+adapter's first step, so its old log-probs are its current ones, detached, and
+every ratio is 1; only the later mini-batches get a separate pass, before the
+first step (old_logprobs). It
 measures each slot's gradient (gradient_stats: Paper A's amplification factor
 kappa and each role's gradient share) and carries Paper A's mitigations:
 role-balanced or 1/multiplicity loss weights (loss_weight), coherence damping
 (damped_step) and a KL anchor per role.
 
 The sampler and the trainer round differently (bf16, KV cache, merged weights), so
-the tokens come from pi_rollout, not exactly pi_old: the update logs the gap
-(mismatch_stats) and, with tis_cap > 0, weights each token's term by
+the tokens come from pi_rollout, not exactly pi_old. A correction laid over the update
+(sampler_gap, which a first reading can skip) logs the gap (mismatch_stats) and, with
+tis_cap > 0, weights each token's term by
 min(pi_old / pi_rollout, C), truncated importance sampling (Yao et al. 2025, "Your
 efficient RL framework secretly brings you off-policy RL training"). With skip_empty
 a mini-batch without a live call takes no optimizer step: AdamW would still move the
@@ -207,14 +209,16 @@ def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
 
 
 @torch.no_grad()
-def set_old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temperature: float,
-                     micro_batch_tokens: int) -> None:
-    """pi_old of every completion token, under the adapter that generated it."""
+def old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temperature: float,
+                 micro_batch_tokens: int) -> dict[int, torch.Tensor]:
+    """pi_old of every completion token, under the adapter that generated it: id(call) -> (T_i,)."""
+    old = {}
     with use_adapter(model, adapter):
         for micro in micro_batches(calls, micro_batch_tokens):
             logp, _, _ = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
             for call, row in zip(micro, logp):
-                call.old_logp = row[: len(call.completion_ids)].cpu()  # (T_i,)
+                old[id(call)] = row[: len(call.completion_ids)].cpu()  # (T_i,)
+    return old
 
 
 def flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
@@ -345,8 +349,7 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     and it still counts in the denominators. A mini-batch whose gradient norm is not
     finite takes no step and leaves AdamW's state as it was (counted in
     adapter/<name>/skipped_nonfinite; its loss statistics are still logged). `ema` holds
-    the gradient EMA of --damping across steps. Sets every call's old_logp: None
-    where the call is on-policy (see the module docstring).
+    the gradient EMA of --damping across steps.
 
     Under torchrun every process passes the same calls and the same rng state; each
     back-propagates its share of every slot's calls (machine.my_share) with the whole
@@ -360,12 +363,9 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     calls = calls[:]
     rng.shuffle(calls)
     batches = chunks(calls, max(1, len(calls)) if s.one_step else s.minibatch_size)
-    t = time.time()
-    for mb in batches:
-        for c in mb:
-            c.old_logp = None  # None: on-policy, read from the update's own forward pass
-    set_old_logprobs(model, [c for mb in batches[1:] for _, mine in slot_groups(mb, s, by) for c in mine],
-                     adapter, pad_id, s.temperature, s.micro_batch_tokens)
+    t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
+    old = old_logprobs(model, [c for mb in batches[1:] for _, mine in slot_groups(mb, s, by) for c in mine],
+                       adapter, pad_id, s.temperature, s.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     step_grads, role_of = {}, {}  # each slot's gradient, summed over the step's applied mini-batches
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
@@ -381,7 +381,7 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
             weight = loss_weight(mb, role, s.balance)
             before = flat_grad(params) if per_slot else None
             for micro in micro_batches(mine, s.micro_batch_tokens):
-                st = micro_loss_backward(model, adapter, micro, pad_id, s, weight, with_entropy=per_slot)
+                st = micro_loss_backward(model, adapter, micro, old, pad_id, s, weight, with_entropy=per_slot)
                 for k, v in st.items():
                     stats[f"role/{role}/{k}"].append(v)
                     if per_slot:
@@ -433,10 +433,21 @@ def overlay(base: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor
     return out
 
 
-def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: UpdateSettings,
-                        weight: LossWeight, with_entropy: bool) -> dict[str, float]:
+def sampler_gap(old_logp: torch.Tensor, micro: list[Call], mask: torch.Tensor,
+                tis_cap: float) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The precision correction laid over the update: the tokens came from pi_rollout, as the
+    sampler recorded it (greedy or hand-made calls have no record: no gap). Returns the truncated
+    importance weight (tis_weight; None where tis_cap is 0) and the gap's statistics."""
+    rollout_logp = overlay(old_logp, [c.rollout_logp for c in micro])  # (b, T)
+    is_weight = tis_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else None
+    return is_weight, mismatch_stats(old_logp, rollout_logp, mask)
+
+
+def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, torch.Tensor], pad_id: int,
+                        s: UpdateSettings, weight: LossWeight, with_entropy: bool) -> dict[str, float]:
     """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its
-    weighted loss, return its statistics."""
+    weighted loss, return its statistics. `old`: pi_old of the calls of the mini-batches
+    after the first step (old_logprobs); the first mini-batch's calls are on-policy."""
     kl_coef = s.kl_coef.get(micro[0].role, 0.0)
     with use_adapter(model, adapter):
         logp, mask, entropy = sequence_logprobs(model, micro, pad_id, s.temperature,
@@ -445,18 +456,16 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], pad_id: int, s: 
     if kl_coef > 0:
         with torch.no_grad(), use_adapter(model, s.reference.get(adapter)):  # None: the base model
             ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, s.temperature)
-    # pi_old: on-policy rows keep their own log-probs, detached; a later mini-batch's rows take
-    # the pass before the first step. pi_rollout: the sampler's, where it recorded them (greedy
-    # or hand-made calls did not: no gap). Padding is masked either way.
-    old_logp = overlay(logp.detach(), [c.old_logp for c in micro])  # (b, T)
-    rollout_logp = overlay(old_logp, [c.rollout_logp for c in micro])  # (b, T)
-    is_weight = tis_weight(old_logp, rollout_logp, s.tis_cap) if s.tis_cap > 0 else None
+    old_logp = logp.detach()  # (b, T) pi_old on-policy: the policy itself, so every ratio is 1
+    if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
+        old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
+    is_weight, gap = sampler_gap(old_logp, micro, mask, s.tis_cap)  # the sampler's rounding, skippable
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,
                                 is_weight, s.ratio)
     loss = aggregate(per_token, mask, s.agg, weight.num_seqs, weight.num_tokens)
     (weight.scale * loss).backward()
-    st.update(mismatch_stats(old_logp, rollout_logp, mask))
+    st.update(gap)
     if with_entropy:
         st["entropy"] = masked_mean(entropy, mask).item()
     return st

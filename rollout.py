@@ -230,7 +230,6 @@ class Call:
     reward: float = 0.0      # the episode's outcome, broadcast to every call (--credit own: its own part)
     solved: float | None = None  # a solving call's own answer, scored as a final answer would be
     advantage: float = 0.0
-    old_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,)
     rollout_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,) as sampled;
                                                                           # None when greedy
 

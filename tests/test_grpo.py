@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo import (UpdateSettings, aggregate, amplification, gradient_stats, group_advantages,
-                  masked_mean, mismatch_stats, policy_loss, policy_update, set_old_logprobs, tis_weight)
+                  masked_mean, mismatch_stats, old_logprobs, policy_loss, policy_update, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
 from rollout import Call, Rollout, sequence_logprobs
 from workflows import ROLES, run_workflow
@@ -205,11 +205,11 @@ def test_on_policy_old_logprobs_are_the_updates_own(tiny):
     separate pass before the step would give, without the pass."""
     calls = sampled_calls(tiny)
     model, tok = tiny
-    set_old_logprobs(model, calls, "generator", tok.pad_token_id, 1.0, 1024)
+    old = old_logprobs(model, calls, "generator", tok.pad_token_id, 1.0, 1024)
     with use_adapter(model, "generator"):
         logp, _, _ = sequence_logprobs(model, calls, tok.pad_token_id, 1.0)  # (B, T), with gradient
     for c, row in zip(calls, logp.detach()):
-        assert torch.allclose(c.old_logp, row[: len(c.completion_ids)], atol=1e-6)
+        assert torch.allclose(old[id(c)], row[: len(c.completion_ids)], atol=1e-6)
 
 
 def test_old_logprob_pass_only_for_the_mini_batches_after_the_first_step(tiny):
