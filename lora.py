@@ -247,14 +247,6 @@ def save_adapters(model: nn.Module, directory: str) -> None:
 
 
 def load_adapters(model: nn.Module, directory: str, names: list[str]) -> None:
-    """Load the adapters `names` from DIR/<name>/ (PEFT format) or, as saved before that
-    format, from DIR/<name>.safetensors with keys <module path>.A and <module path>.B."""
+    """Load the adapters `names` from DIR/<name>/, as save_adapters wrote them."""
     for name in names:
-        path = os.path.join(directory, name, "adapter_model.safetensors")
-        if os.path.exists(path):
-            load_adapter_state(model, name, load_file(path))
-        else:
-            old = load_file(os.path.join(directory, f"{name}.safetensors"))
-            load_adapter_state(model, name, {
-                PEFT_PREFIX + key[:-2] + (".lora_A.weight" if key.endswith(".A") else ".lora_B.weight"): t
-                for key, t in old.items()})
+        load_adapter_state(model, name, load_file(os.path.join(directory, name, "adapter_model.safetensors")))

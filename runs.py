@@ -391,9 +391,8 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     try:
         load_adapters(model, path, adapter_names(model))  # the references' frozen copies too
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-        for k, h in heads.items():  # checkpoints from before the PEFT layout kept heads in state.pt
-            head_file = os.path.join(path, k, "value_head.safetensors")
-            h.load_state_dict(load_file(head_file) if os.path.exists(head_file) else state["heads"][k])
+        for k, h in heads.items():
+            h.load_state_dict(load_file(os.path.join(path, k, "value_head.safetensors")))
     except Exception as e:  # a truncated or foreign file: say so in one line
         raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
                          "start the run over with --overwrite") from None
@@ -414,15 +413,13 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
 def set_rngs(state: dict, rng: random.Random, source: str) -> None:
     """This process's random number states from a checkpoint's state.pt, saved by as many processes."""
     rank, world = rank_and_world()
-    torch_rngs = state["torch_rngs"] if "torch_rngs" in state else [state["torch_rng"]]  # older: one
+    torch_rngs = state["torch_rngs"]
     if len(torch_rngs) != world:
         raise SystemExit(f"{source} was saved by {len(torch_rngs)} process(es); run it with as many "
                          f"(torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
     torch.set_rng_state(torch_rngs[rank])
-    if state.get("cuda_rngs") is not None:
+    if state["cuda_rngs"] is not None:
         torch.cuda.set_rng_state(state["cuda_rngs"][rank])
-    elif state.get("cuda_rng") is not None:  # saved before one state per process
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
     rng.setstate(state["py_rng"])
 
 

@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from lora import (LoRALinear, adapter_for, adapter_parameters, inject_lora, lora_layers,
                   load_adapters, merged_adapter, save_adapters, set_adapter, setup_adapters,
@@ -128,25 +127,6 @@ def test_save_load_round_trip(tiny, tmp_path):
     for name in ("generator", "evaluator"):
         with use_adapter(model, name), use_adapter(fresh, name):
             assert torch.equal(model(ids).logits, fresh(ids).logits)
-
-
-def test_adapters_saved_in_the_former_layout_still_load(tiny, tmp_path):
-    """Before the PEFT layout: DIR/<name>.safetensors with keys <module path>.A and .B."""
-    model, tok = tiny
-    ids = batch(len(tok))
-    inject_lora(model, r=4, alpha=8)
-    setup_adapters(model, ["generator"], "shared")
-    randomize(model, "shared", 3)
-    old = {}
-    for path, layer in model.named_modules():
-        if isinstance(layer, LoRALinear):
-            old[f"{path}.A"], old[f"{path}.B"] = layer.lora_A["shared"], layer.lora_B["shared"]
-    save_file({k: v.detach().clone() for k, v in old.items()}, str(tmp_path / "shared.safetensors"))
-    fresh, _ = tiny_model()
-    inject_lora(fresh, r=4, alpha=8)
-    load_adapters(fresh, str(tmp_path), ["shared"])
-    with use_adapter(model, "shared"), use_adapter(fresh, "shared"):
-        assert torch.equal(model(ids).logits, fresh(ids).logits)
 
 
 def test_a_saved_adapter_of_another_rank_is_refused(tiny, tmp_path):

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import diagnose
 import grpo
@@ -142,41 +142,6 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monk
         assert any(abs(r.get("role/generator/value", 0)) > 0 for r in straight)
     assert resumed == straight
     assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
-
-
-def to_former_layout(ckpt: str) -> None:
-    """Rewrite a checkpoint as this project saved them before the PEFT layout: <name>.safetensors
-    with keys <module path>.A and .B, the critics' value heads inside state.pt, and one sampling
-    state."""
-    state = torch.load(f"{ckpt}/state.pt", weights_only=False)
-    state["torch_rng"], state["cuda_rng"] = state.pop("torch_rngs")[0], state.pop("cuda_rngs")  # one process's
-    state["heads"] = {}
-    for name in [n for n in os.listdir(ckpt) if os.path.isdir(f"{ckpt}/{n}")]:
-        peft_keys = load_file(f"{ckpt}/{name}/adapter_model.safetensors")
-        save_file({k.removeprefix("base_model.model.").replace(".lora_A.weight", ".A").replace(".lora_B.weight", ".B"): v
-                   for k, v in peft_keys.items()}, f"{ckpt}/{name}.safetensors")
-        if os.path.exists(f"{ckpt}/{name}/value_head.safetensors"):
-            state["heads"][name] = load_file(f"{ckpt}/{name}/value_head.safetensors")
-        shutil.rmtree(f"{ckpt}/{name}")
-    torch.save(state, f"{ckpt}/state.pt")
-
-
-def test_a_checkpoint_in_the_former_layout_resumes_exactly(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
-    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, critic_lr=1e-2, algo="maac", critic="decentral",
-               workflow="eval_opt", sharing="isolated")
-    train.main(small_config(str(tmp_path / "straight"), **toy))
-    out = str(tmp_path / "old")
-    killed_in_step_3(small_config(out, **toy), monkeypatch)
-    to_former_layout(f"{out}/ckpt")
-    assert sorted(os.listdir(f"{out}/ckpt")) == ["critic-evaluator.safetensors", "critic-generator.safetensors",
-                                                  "evaluator.safetensors", "generator.safetensors", "state.pt"]
-    train.main(train.Config(out=out, resume=True))
-    straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
-    resumed = without_machine_stats(read_jsonl(out + "/metrics.jsonl"))
-    assert any(abs(r.get("role/generator/value", 0)) > 0 for r in straight)  # the critics moved
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    assert resumed == straight
 
 
 def test_resume_rejects_a_contradicting_flag(tmp_path):
