@@ -4,9 +4,9 @@ A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once
 per stage. `Rollout.__call__` is that callback: it runs every call of the
 stage - all episodes, all agent slots - through one batched `decode` (the loop
 `model.generate` runs, written out) under the role's LoRA adapter, and keeps a
-`Call` record of each (prompt ids, completion ids, text), which the trainer later turns into a loss. A prompt that
-leaves no room for max_new_tokens in the model's context is cut to its head and
-tail first (fit_prompt), and counted.
+`Call` record of each (prompt ids, completion ids, text), which the trainer
+later turns into a loss. A prompt that leaves no room for max_new_tokens in the
+model's context is cut to its head and tail first (fit_prompt), and counted.
 
 Sequence layout, shared by generation and scoring:
 
