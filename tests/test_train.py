@@ -1001,6 +1001,9 @@ def test_tensorboard_after_a_resume_keeps_one_value_per_step(tmp_path):
     for step in range(4):
         runs.tensorboard_row(out, {"step": step, "reward/mean": float(step)}, [{**episode, "reward": step}])
     runs.close_tensorboard()
+    # TensorBoard reads a run's event files in name order, and a name starts with the second it
+    # was opened in (then a counter, which sorts "10" before "9"): a resume opens a later second.
+    time.sleep(1.1)
     for step in (2, 3):  # resumed from the checkpoint of step 1
         runs.tensorboard_row(out, {"step": step, "reward/mean": 10.0 + step}, [{**episode, "reward": 10 + step}])
     runs.close_tensorboard()
