@@ -228,6 +228,11 @@ def eval_steps(cfg: RunConfig) -> list[int]:
                   or s == cfg.steps]
 
 
+def evaluation_samples(cfg: RunConfig) -> bool:
+    """Whether evaluation samples at the training temperature rather than decoding greedily."""
+    return cfg.eval_sampling == "sample" or (cfg.eval_sampling == "auto" and cfg.workflow == "voting")
+
+
 def plan(cfg: RunConfig, device: str) -> str:
     """The first line of a run: what it will do."""
     evals = ", ".join(map(str, eval_steps(cfg)))
@@ -235,8 +240,10 @@ def plan(cfg: RunConfig, device: str) -> str:
     adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
     return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
             f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
-            f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; greedy "
-            f"evaluation on {cfg.eval_problems} held-out problems at steps {evals}; a checkpoint every "
+            f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; "
+            f"{'sampled' if evaluation_samples(cfg) else 'greedy'} evaluation on {cfg.eval_problems} held-out "
+            f"problems{f' x {cfg.eval_samples} samples' * (evaluation_samples(cfg) and cfg.eval_samples > 1)} "
+            f"at steps {evals}; a checkpoint every "
             f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
             "Time: estimated after the step-0 evaluation.")
 

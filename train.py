@@ -53,8 +53,8 @@ from tqdm import tqdm
 
 from critic import CRITICS, PER, CriticSettings, critic_advantages, critic_metrics, update_critics
 from grpo import AGG_MODES, BALANCE, RATIO_LEVELS, UpdateSettings, policy_update, set_advantages, supervised_steps
-from launch import (actors_and_critics, check_settings, estimate_minutes, eval_steps, launch, load_problems,
-                    make_optimizers, step_line, warmup_roles)
+from launch import (actors_and_critics, check_settings, estimate_minutes, eval_steps, evaluation_samples, launch,
+                    load_problems, make_optimizers, step_line, warmup_roles)
 from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
@@ -233,7 +233,7 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval", batch: int
     besides the answers (docs/runs.md). Greedy, except where --eval_sampling samples (Voting: greedy
     generators would give one answer three times), each problem --eval_samples times. Sampling
     draws from a generator of its own, so an evaluation never moves the training's."""
-    sample = cfg.eval_sampling == "sample" or (cfg.eval_sampling == "auto" and cfg.workflow == "voting")
+    sample = evaluation_samples(cfg)
     repeats = cfg.eval_samples if sample else 1
     mine = [p for i in block(len(problems)) for p in [problems[i]] * repeats]  # under torchrun, a block
     seen = defaultdict(list)

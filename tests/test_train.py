@@ -1054,3 +1054,6 @@ def test_voting_is_evaluated_on_candidates_that_can_differ(tmp_path, monkeypatch
     setup_adapters(model, ROLES["eval_opt"], "shared")
     train.evaluate(model, tok, cfg, problems)
     assert seen[-1][0] is True  # the other workflows stay greedy
+    voting = train.Config(model="tiny", workflow="voting", eval_samples=2)
+    assert "sampled evaluation on 96 held-out problems x 2 samples" in launch.plan(voting, "cpu")
+    assert "greedy evaluation on 96 held-out problems at" in launch.plan(cfg, "cpu")
