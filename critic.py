@@ -161,6 +161,23 @@ def local_observation(call: Call) -> str:
     return f"[{call.slot}] prompt:\n{call.prompt}"
 
 
+def unseen(calls: list[Call]) -> list[float | None]:
+    """For every call, what the central critic reads and a decentral one does not: the share (in
+    characters) of the lines of its episode's earlier outputs that its own prompt does not quote.
+    0 where the agent's prompt already quotes everything said before it (an evaluator, an
+    aggregator): the two critics then read the same information. None at an episode's first turn."""
+    by_episode = defaultdict(list)
+    for c in calls:
+        by_episode[c.episode].append(c)
+    shares = []
+    for c in calls:
+        said = [line.strip() for d in by_episode[c.episode] if d.turn < c.turn
+                for line in d.text.splitlines() if line.strip()]
+        total = sum(map(len, said))
+        shares.append(sum(len(line) for line in said if line not in c.prompt) / total if total else None)
+    return shares
+
+
 def critic_inputs(calls: list[Call], critic: str, per: str = "slot") -> tuple[list[str], list[str]]:
     """For every call, the critic that scores it and the text that critic reads."""
     keys = [critic_key(c.slot, c.role, critic, per) for c in calls]
@@ -383,12 +400,17 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
 
 
 def critic_metrics(calls: list[Call], batch: CriticBatch) -> dict[str, float]:
-    """Explained variance of the rollout values, and values, returns and advantages
-    per role and per slot."""
+    """Explained variance of the rollout values; values, returns and advantages per role and per
+    slot; and per role, what a central critic reads that a decentral one does not (`unseen`)."""
     m = {}
     ev = explained_variance(batch.values, batch.returns)
     if ev == ev:  # nan when every return is equal: nothing to explain, nothing logged
         m["critic/explained_variance"] = ev
+    gaps = defaultdict(list)
+    for c, share in zip(calls, unseen(calls)):
+        if share is not None:
+            gaps[c.role].append(share)
+    m.update({f"role/{role}/unseen": sum(v) / len(v) for role, v in gaps.items()})
     for key in ("role", "slot"):
         groups = defaultdict(list)
         for i, c in enumerate(calls):

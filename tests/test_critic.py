@@ -8,7 +8,7 @@ import torch
 import lora
 from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_inputs, critic_key,
                     critic_values, encode, explained_variance, gae, joint_history, local_observation, normalize,
-                    outcome_rewards, predict_values, setup_critics, update_critics, value_loss)
+                    outcome_rewards, predict_values, setup_critics, unseen, update_critics, value_loss)
 from rollout import Call
 
 
@@ -157,6 +157,17 @@ def test_central_critic_reads_every_agents_history():
     assert texts[0] == texts[1] == texts[2] == at_start  # co-acting agents share a joint step
     assert texts[3] == at_aggregator
     assert "ep1" not in texts[3] and "ep0" not in texts[7]  # episodes never mix
+
+
+def test_unseen_is_what_a_central_critic_reads_and_a_decentral_one_does_not():
+    """An aggregator quoting every candidate lacks nothing; a worker shown one line of an
+    orchestrator's three-line plan lacks the other two: 'A1' and 'C3' of 'A1', 'B22', 'C3'."""
+    calls = [call(0, "orchestrator", 0, "plan q", "A1\nB22\n\nC3"),
+             call(0, "worker0", 1, "q, follow B22", "x = 2"), call(0, "worker1", 1, "q, A1 B22 C3", "y"),
+             call(0, "synthesizer", 2, "q, A1 B22 C3, x = 2", "2")]
+    assert unseen(calls) == [None, 4 / 7, 0.0, pytest.approx(1 / 13)]  # 13 characters said; "y" unquoted
+    agg = voting_calls()
+    assert [unseen(agg)[i] for i in range(4)] == [None, None, None, 0.0]
 
 
 def test_decentral_critic_reads_only_its_own_agent():
