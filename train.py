@@ -59,14 +59,13 @@ from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
                      stop_requested)
-from reward import CREDITS, TRUNCATED, credit_calls, role_jobs, score_batch
+from reward import CREDITS, TRUNCATED, credit_calls, score_batch, step_metrics
 from rollout import DTYPES, Call, Rollout
 from runs import (NEW_LR, NONFINITE_STOP, episode_samples, keep_best, leave_processes, load_start, resume_run,
                   save_checkpoint, start_logs, stop_run, typed_flags, write_step)
 from sandbox import CODE_TIMEOUT
 from tasks import DEFAULT_LEVEL, TASKS
-from workflows import (SOLVERS, WORKFLOWS, adherence, boxed_contents, contract_replies, role_of, run_workflow,
-                       similarity, slots)
+from workflows import SOLVERS, WORKFLOWS, adherence, boxed_contents, contract_replies, role_of, run_workflow, slots
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
@@ -267,44 +266,6 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval", batch: int
 def evaluations(model, tok, cfg: Config, held_out: dict[str, list]) -> dict[str, float]:
     """One evaluation point: the test split (eval/...) and, where --val_problems, the val split (val/...)."""
     return {k: v for prefix, problems in held_out.items() for k, v in evaluate(model, tok, cfg, problems, prefix).items()}
-
-
-def step_metrics(calls: list[Call], rewards: list[float], outcomes, n_agents: int,
-                 diag: bool) -> dict[str, float]:
-    m = {"reward/mean": sum(rewards) / len(rewards),
-         "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes)}
-    all_tokens = sum(len(c.completion_ids) for c in calls)
-    for key in ("role", "slot"):
-        groups = defaultdict(list)
-        for c in calls:
-            groups[getattr(c, key)].append(c)
-        for name, cs in groups.items():
-            tokens = sum(len(c.completion_ids) for c in cs)
-            m[f"{key}/{name}/reward"] = sum(c.reward for c in cs) / len(cs)
-            m[f"{key}/{name}/len"] = tokens / len(cs)
-            m[f"{key}/{name}/calls"] = len(cs)
-            m[f"{key}/{name}/token_share"] = tokens / all_tokens
-            solved = [c.solved for c in cs if c.solved is not None]
-            if solved:
-                m[f"{key}/{name}/solved"] = sum(solved) / len(solved)
-    m.update(role_jobs(calls))  # does each supervisory role do its job, beyond its format?
-    rules = [o.info["rule"] for o in outcomes if "rule" in o.info]
-    for rule in sorted(set(rules)):  # which rule decided the final answer: the contract's, or a fallback
-        m[f"contract/rule/{rule}"] = rules.count(rule) / len(rules)
-    m["contract/truncated"] = sum(c.truncated for c in calls) / len(calls)
-    # role capture shows in outputs: contract adherence, and likeness to the other roles
-    texts = defaultdict(list)
-    for c in calls:
-        texts[c.role].append(c.text)
-    for role, outs in texts.items():
-        kept = [adherence(role, t, n_agents) for t in outs]
-        if kept[0] is not None:
-            m[f"role/{role}/adherence"] = sum(kept) / len(kept)
-        for other in texts:
-            if diag and other != role:
-                # symmetric: logged under both roles so that each role's keys are complete
-                m[f"role/{role}/sim/{other}"] = similarity(outs, texts[other])
-    return m
 
 
 def update_adapters(model, tok, cfg: Config, step: int, calls: list[Call], names: list[str], optimizers: dict,
