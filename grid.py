@@ -37,7 +37,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 import train
 from diagnose import KAPPA_FRAC, findings, multiplicity, report, series
-from runs import load_run, resolve_resume, typed_flags
+from launch import resolve_resume, typed_flags
+from runs import load_run
 from workflows import ROLES
 
 # ----------------------------------------------------------------------------

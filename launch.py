@@ -1,29 +1,42 @@
 """Launching a run, everything before its step 0: the settings checked and turned into what each
 library file reads (grpo.UpdateSettings, critic.CriticSettings), the problems, the base model with
 its LoRA layers, the adapters RL trains and the critics, and an AdamW optimizer with its
-learning-rate schedule for each; and the run's clock: its plan (the first line it logs), the steps
-it evaluates at, the time it has left. Step 0 itself (a warm-up and the first evaluation, or a resumed
-checkpoint) and the training loop are train.py's; the run directory is runs.py's: it is locked
+learning-rate schedule for each; the run's clock: its plan (the first line it logs), the steps
+it evaluates at, the time it has left; and a step 0 read back from a checkpoint, this run's
+(--resume) or another run's (--start_from). The warm-up, the first evaluation and the training
+loop are train.py's; the run directory and the checkpoints it saves are runs.py's: it is locked
 first and written only once the model has loaded and the flags fit it, so a launch that fails
 leaves a run in --out as it was.
 
+    python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
+    python train.py --steps 0 --sft_warmup 4 --out runs/start      # a warm-up and step-0 evaluation ...
+    python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that several runs start from
+
 The settings are train.py's `Config`, read by name: this file never imports train.py.
 
-Exercised by: pytest tests/test_train.py (bad flags, the context check, the schedule)
+Exercised by: pytest tests/test_train.py (bad flags, the context check, the schedule, resume,
+--start_from, damaged checkpoints), tests/test_distributed.py
 """
 import dataclasses
+import glob
+import json
 import math
+import os
+import random
+import shutil
 from functools import partial
 from typing import TypeVar
 
 import torch
+from safetensors.torch import load_file
 
 from critic import CriticSettings, critic_key, setup_critics
 from grpo import UpdateSettings
-from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
-from machine import log
+from lora import (adapter_for, adapter_names, adapter_parameters, freeze_copy, inject_lora, load_adapter_state,
+                  load_adapters, setup_adapters)
+from machine import barrier, log, rank_and_world
 from rollout import chat_text, context_length, load_policy
-from runs import check_run_dir, check_start, lock_run, resolve_resume, start_run_dir
+from runs import check_run_dir, lock_run, read_best, read_jsonl, start_run_dir, write_whole
 from tasks import KINDS, load_task
 from workflows import ROLES, every_prompt, role_of, slots
 
@@ -270,3 +283,218 @@ def step_line(cfg: RunConfig, row: dict, eval_seconds: float, step_seconds: list
     if step < cfg.steps:
         line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
     return line
+
+
+# ----------------------------------------------------------------------------
+# --resume: the run's saved config, its newest checkpoint (runs.save_checkpoint writes it)
+# and its logs cut back to it
+
+# Flags that say where and how a run is executed, not what it is: --resume may change them.
+NOT_THE_RUN = ("out", "resume", "overwrite", "threads")
+# And the learning rates, from the step it resumes at on (a run stopped by non-finite steps).
+NEW_LR = ("lr", "critic_lr")
+
+
+def typed_flags(argv: list[str]) -> set[str]:
+    """The Config fields named on a command line: --lr 0.1, --lr=0.1, --no-one_step."""
+    names = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+    return {n[3:] if n.startswith("no-") else n for n in names}
+
+
+def resolve_resume(cfg: RunConfig, typed: set[str] | None = None, new_lr: tuple[str, ...] = NEW_LR) -> RunConfig:
+    """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
+    was typed (`typed`, from the command line) or differs from its default, except the learning
+    rates in `new_lr`. The run lives wherever --out now points, however that path is spelled."""
+    if not os.path.exists(os.path.join(cfg.out, "config.json")):
+        raise SystemExit(f"--resume: no run in {cfg.out}")
+    try:
+        with open(os.path.join(cfg.out, "config.json")) as f:
+            saved = type(cfg)(**json.load(f))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise SystemExit(f"--resume: {cfg.out}/config.json cannot be read ({type(e).__name__})") from None
+    for f in dataclasses.fields(cfg):
+        given, old = getattr(cfg, f.name), getattr(saved, f.name)
+        chosen = f.name in typed if typed is not None else given != f.default
+        if f.name in new_lr and chosen:
+            saved = dataclasses.replace(saved, **{f.name: given})
+        elif f.name not in NOT_THE_RUN and chosen and given != old:
+            raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
+    return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
+
+
+def resume_run(out: str, model, references: dict[str, str], heads, optimizers: dict, schedulers: dict,
+               rng: random.Random, emas: dict, lrs: dict[str, float]) -> tuple[int, dict, dict]:
+    """Load the newest checkpoint and cut the logs back to it; returns its step and the metrics
+    rows of the first evaluation (step 0) and of the last one kept. `references`: adapter ->
+    its frozen KL anchor, which the checkpoint fills in; `lrs`: the learning rates from now on
+    (NEW_LR), which config.json records."""
+    for name, ref in references.items():
+        freeze_copy(model, name, ref)
+    start = load_checkpoint(out, model, heads, optimizers, schedulers, rng, emas)
+    metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
+    if rank_and_world()[0] == 0:
+        truncate_jsonl(metrics_path, start)
+        truncate_jsonl(samples_path, start)
+        restore_best(out)  # kept whatever its step: a peak past the checkpoint was evaluated all the same
+        with open(os.path.join(out, "config.json")) as f:
+            write_whole(os.path.join(out, "config.json"), json.dumps({**json.load(f), **lrs}, indent=2))
+    barrier()
+    evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
+    if not evaluated or evaluated[0]["step"] != 0:
+        raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training (step 0)")
+    return start, evaluated[0], evaluated[-1]
+
+
+def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
+                    rng: random.Random, emas: dict) -> int:
+    if rank_and_world()[0] == 0:
+        newest_checkpoint(out)  # puts the newest whole checkpoint in place as ckpt
+    barrier()
+    path = os.path.join(out, "ckpt")
+    try:
+        load_adapters(model, path, adapter_names(model))  # the references' frozen copies too
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        for k, h in heads.items():
+            h.load_state_dict(load_file(os.path.join(path, k, "value_head.safetensors")))
+    except Exception as e:  # a truncated or foreign file: say so in one line
+        raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
+                         "start the run over with --overwrite") from None
+    for k in optimizers:
+        lrs = [group["initial_lr"] for group in optimizers[k].param_groups]  # this launch's --lr
+        optimizers[k].load_state_dict(state["optimizers"][k])
+        schedulers[k].load_state_dict(state["schedulers"][k])
+        if lrs != schedulers[k].base_lrs:  # --resume --lr: the same schedule, scaled to the new peak
+            schedulers[k].base_lrs = lrs
+            for group, lr, factor in zip(optimizers[k].param_groups, lrs, schedulers[k].lr_lambdas):
+                group["initial_lr"], group["lr"] = lr, lr * factor(schedulers[k].last_epoch)
+            schedulers[k]._last_lr = [group["lr"] for group in optimizers[k].param_groups]
+    set_rngs(state, rng, f"--resume: {out}")
+    emas.update(state["emas"])
+    return state["step"]
+
+
+def newest_checkpoint(out: str) -> str:
+    """out/ckpt, the newest checkpoint that reads back whole put in its place (whole_checkpoint)."""
+    final = os.path.join(out, "ckpt")
+    if whole_checkpoint(final) or os.path.exists(os.path.join(final, "state.pt")):
+        return final  # a damaged one too: load_checkpoint says so in one line
+    raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
+                     "start it again without --resume, with --overwrite")
+
+
+def whole_checkpoint(final: str) -> bool:
+    """Put the newest checkpoint that reads back whole in place as `final` (out/ckpt or out/best):
+    final.tmp (a save that crashed before its swap finished), else final, else final.old; False
+    when none does."""
+    for path in (final + ".tmp", final, final + ".old"):
+        try:  # the files a load reads: one torn by a crash or a power loss replaces nothing
+            torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            for tensors in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
+                load_file(tensors)
+            for name in glob.glob(os.path.join(path, "*.json")):  # best.json
+                with open(name) as f:
+                    json.load(f)
+        except Exception:  # missing, truncated or foreign
+            continue
+        if path != final:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(path, final)
+        for other in (final + ".tmp", final + ".old"):  # torn or older: never read
+            shutil.rmtree(other, ignore_errors=True)
+        return True
+    return False
+
+
+def restore_best(out: str) -> None:
+    """--resume: the best checkpoint put back whole, as ckpt is; a damaged one is dropped with a
+    line (the next evaluation keeps a new one), never stopping the resume."""
+    final = os.path.join(out, "best")
+    paths = [final + end for end in ("", ".tmp", ".old")]
+    if any(os.path.exists(p) for p in paths) and not whole_checkpoint(final):
+        for p in paths:
+            shutil.rmtree(p, ignore_errors=True)
+        log(f"--resume: the best checkpoint in {final} cannot be read; dropped, the next evaluation keeps a new one")
+
+
+def truncate_jsonl(path: str, last_step: int) -> list[dict]:
+    """Drop log lines written after the checkpoint we resume from; return the rows kept."""
+    keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
+    write_whole(path, "".join(json.dumps(row) + "\n" for row in keep))
+    return keep
+
+
+def set_rngs(state: dict, rng: random.Random, source: str) -> None:
+    """This process's random number states from a checkpoint's state.pt, saved by as many processes."""
+    rank, world = rank_and_world()
+    torch_rngs = state["torch_rngs"]
+    if len(torch_rngs) != world:
+        raise SystemExit(f"{source} was saved by {len(torch_rngs)} process(es); run it with as many "
+                         f"(torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
+    torch.set_rng_state(torch_rngs[rank])
+    if state["cuda_rngs"] is not None:
+        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
+    rng.setstate(state["py_rng"])
+
+
+# ----------------------------------------------------------------------------
+# --start_from
+
+# Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
+# them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
+# random numbers they leave, and must match.
+RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
+               "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef", "role_kl", "balance",
+               "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every")
+
+
+def start_checkpoint(where: str) -> tuple[str, str]:
+    """--start_from's run directory and checkpoint: RUN and its ckpt (of a --steps 0 run), or RUN/best
+    (a run's best checkpoint, known by its best.json)."""
+    if os.path.exists(os.path.join(where, "best.json")):
+        return os.path.dirname(os.path.normpath(where)), where
+    return where, os.path.join(where, "ckpt")
+
+
+def check_start(cfg: RunConfig) -> dict:
+    """--start_from: the start run's config, once it is known to differ from this run's in RL
+    settings only and its checkpoint to be of step 0, or its best one."""
+    where = cfg.start_from
+    run, ckpt = start_checkpoint(where)
+    if os.path.realpath(run) == os.path.realpath(cfg.out):  # --overwrite would delete it before it is read
+        raise SystemExit(f"--start_from {where} is this run's own --out; start it in another directory")
+    try:
+        with open(os.path.join(run, "config.json")) as f:
+            saved = type(cfg)(**json.load(f))
+        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
+    except FileNotFoundError:
+        raise SystemExit(f"--start_from {where}: no run with a checkpoint there (train it with --steps 0)") from None
+    except (json.JSONDecodeError, TypeError, RuntimeError, EOFError) as e:
+        raise SystemExit(f"--start_from {where}: its run cannot be read ({type(e).__name__})") from None
+    if state["step"] != 0 and read_best(ckpt) is None:  # a best checkpoint: RL goes on from its step
+        raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
+                         f"(train the start with --steps 0, or start from its best checkpoint, {where}/best)")
+    for f in dataclasses.fields(cfg):
+        given, old = getattr(cfg, f.name), getattr(saved, f.name)
+        if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
+            raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's ({old}); "
+                             "only RL settings may differ")
+    if saved.sharing == "isolated" and cfg.sharing == "shared":
+        raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot become one "
+                         "shared adapter")
+    return dataclasses.asdict(saved)
+
+
+def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.Random) -> dict:
+    """--start_from: the start's adapters (a shared one copied into each role's), critics and
+    random number states; `saved`: its config (check_start). Returns its step-0 metrics, or
+    the best checkpoint's evaluation as this run's step 0."""
+    run, path = start_checkpoint(where)
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    for name in adapter_names(model):
+        source = name if saved["sharing"] == sharing or name in heads else "shared"
+        load_adapter_state(model, name, load_file(os.path.join(path, source, "adapter_model.safetensors")))
+    for name, head in heads.items():
+        head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
+    set_rngs(state, rng, f"--start_from {where}")
+    best = read_best(path)
+    return {"step": 0, **best["evaluation"]} if best else read_jsonl(os.path.join(run, "metrics.jsonl"))[0]

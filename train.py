@@ -31,8 +31,8 @@ each process rolls out its block of the step's B problems, every process then
 holds all the episodes, and each mini-batch's forward and backward passes are
 split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
-What comes before step 0 (settings, problems, model, optimizers) and the clock are launch.py's, the
-run on disk runs.py's, the machine (processes, threads, signals) machine.py's.
+What comes before step 0 (settings, problems, model, optimizers), a checkpoint read back and the
+clock are launch.py's, the run on disk runs.py's, the machine (processes, threads, signals) machine.py's.
 
 Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU in about 12
 minutes (a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, a
@@ -53,16 +53,17 @@ from tqdm import tqdm
 
 from critic import CRITICS, PER, CriticSettings, critic_advantages, critic_metrics, update_critics
 from grpo import AGG_MODES, BALANCE, RATIO_LEVELS, UpdateSettings, policy_update, set_advantages, supervised_steps
-from launch import (actors_and_critics, check_settings, estimate_minutes, eval_steps, evaluation_samples, launch,
-                    load_problems, make_optimizers, step_line, warmup_roles)
+from launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes, eval_steps, evaluation_samples,
+                    launch, load_problems, load_start, make_optimizers, resume_run, step_line, typed_flags,
+                    warmup_roles)
 from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
                      stop_requested)
 from reward import CREDITS, TRUNCATED, credit_calls, score_batch, step_metrics
 from rollout import DTYPES, Call, Rollout
-from runs import (NEW_LR, NONFINITE_STOP, episode_samples, keep_best, leave_processes, load_start, resume_run,
-                  save_checkpoint, start_logs, stop_run, typed_flags, write_step)
+from runs import (NONFINITE_STOP, episode_samples, keep_best, leave_processes, save_checkpoint, start_logs, stop_run,
+                  write_step)
 from sandbox import CODE_TIMEOUT
 from tasks import DEFAULT_LEVEL, TASKS
 from workflows import SOLVERS, WORKFLOWS, adherence, boxed_contents, contract_replies, role_of, run_workflow, slots
@@ -189,7 +190,7 @@ class Config:
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    # no abbreviations: --resume checks the flags typed, by their full names (runs.typed_flags);
+    # no abbreviations: --resume checks the flags typed, by their full names (launch.typed_flags);
     # --work voting, taken for --workflow, would escape that check
     every = "--help-all" in (sys.argv[1:] if argv is None else argv)  # the other flags' help, or none
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,

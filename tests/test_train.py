@@ -151,12 +151,12 @@ def test_resume_rejects_a_contradicting_flag(tmp_path):
         train.main(train.Config(out=out, resume=True, seed=5))
     # typed, even when it is the default: this voting/isolated run is not eval_opt/shared
     argv = ["--out", out, "--resume", "--workflow", "eval_opt", "--sharing=shared"]
-    assert runs.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
+    assert launch.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
     with pytest.raises(SystemExit, match="--workflow eval_opt differs from the run's config"):
-        train.main(train.parse_config(argv), typed=runs.typed_flags(argv))
+        train.main(train.parse_config(argv), typed=launch.typed_flags(argv))
     argv = ["--out", out, "--resume", "--workflow", "voting", "--no-one_step", "--threads", "1"]
-    assert runs.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
-    train.main(train.parse_config(argv), typed=runs.typed_flags(argv))  # agrees with the run: resumes
+    assert launch.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
+    train.main(train.parse_config(argv), typed=launch.typed_flags(argv))  # agrees with the run: resumes
 
 
 def test_an_abbreviated_flag_is_refused_so_that_resume_sees_every_flag(tmp_path, capsys):
