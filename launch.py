@@ -347,10 +347,13 @@ def resume_run(out: str, model, references: dict[str, str], heads, optimizers: d
 
 def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
                     rng: random.Random, emas: dict) -> int:
-    if rank_and_world()[0] == 0:
-        newest_checkpoint(out)  # puts the newest whole checkpoint in place as ckpt
-    barrier()
+    """Load out/ckpt, the newest checkpoint that reads back whole put in its place first (a damaged
+    one too: it fails to load, with one line); returns its step."""
     path = os.path.join(out, "ckpt")
+    if rank_and_world()[0] == 0 and not whole_checkpoint(path) and not os.path.exists(f"{path}/state.pt"):
+        raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
+                         "start it again without --resume, with --overwrite")
+    barrier()
     try:
         load_adapters(model, path, adapter_names(model))  # the references' frozen copies too
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
@@ -371,15 +374,6 @@ def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
     set_rngs(state, rng, f"--resume: {out}")
     emas.update(state["emas"])
     return state["step"]
-
-
-def newest_checkpoint(out: str) -> str:
-    """out/ckpt, the newest checkpoint that reads back whole put in its place (whole_checkpoint)."""
-    final = os.path.join(out, "ckpt")
-    if whole_checkpoint(final) or os.path.exists(os.path.join(final, "state.pt")):
-        return final  # a damaged one too: load_checkpoint says so in one line
-    raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
-                     "start it again without --resume, with --overwrite")
 
 
 def whole_checkpoint(final: str) -> bool:
