@@ -1,56 +1,48 @@
 """GRPO: group-relative advantages and the clipped policy loss.
 
-GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300) drops PPO's critic:
-sample G answers to the same prompt and use each answer's reward relative to
-its group as the advantage of every token of the answer,
+GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300) drops PPO's critic: sample G answers to
+the same prompt and use each answer's reward relative to its group as the advantage of every token
+of the answer,
 
     A_i = (r_i - mean(r_group)) / (std(r_group) + eps).
 
-The policy loss is PPO's clipped surrogate (Schulman et al. 2017) with
-"clip-higher" (DAPO, Yu et al. 2025, arXiv 2503.14476): separate eps_low and
-eps_high so that unlikely tokens can still grow,
+The policy loss is PPO's clipped surrogate (Schulman et al. 2017) with "clip-higher"
+(DAPO, Yu et al. 2025, arXiv 2503.14476): separate eps_low and eps_high so that unlikely
+tokens can still grow,
 
     ratio = pi(a|s) / pi_old(a|s)
     loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
 
-GSPO (Zheng et al. 2025, arXiv 2507.18071; ratio_level "sequence") takes one ratio per
-sequence instead, the geometric mean of its token ratios,
-s_i = exp(mean_t (log pi - log pi_old)), clipped as a whole: the ratio has the unit of the
-reward (one per sequence), every token of a sequence is weighted alike, and a sequence is
-clipped or kept whole instead of token by token. Where pi_old is the policy itself
-(train.py's --one_step, the default) both ratios are exactly 1.
+GSPO (Zheng et al. 2025, arXiv 2507.18071; ratio_level "sequence") takes one ratio per sequence
+instead, the geometric mean of its token ratios, s_i = exp(mean_t (log pi - log pi_old)), clipped
+as a whole: the ratio has the unit of the reward (one per sequence), every token of a sequence is
+weighted alike, and a sequence is clipped or kept whole instead of token by token. Where pi_old is
+the policy itself (train.py's --one_step, the default) both ratios are exactly 1.
 
-Multi-agent workflows (Paper A, Zeng et al. 2026, arXiv 2605.24202): the
-episode's outcome reward is broadcast to every call, and one group is one
-(problem, agent slot, workflow step): generator0's samples of a problem form
-one group, generator1's another. Grouping by (problem, role) is an option.
+Multi-agent workflows (Paper A, Zeng et al. 2026, arXiv 2605.24202): the episode's outcome reward
+is broadcast to every call, and one group is one (problem, agent slot, workflow step): generator0's
+samples of a problem form one group, generator1's another. Grouping by (problem, role) is an option.
 
-Departures: std is the unbiased (Bessel) estimate, as in verl and TRL; a
-group whose rewards are all equal (or that has a single member) gets
-advantage 0 instead of dividing by ~eps. The KL term to the reference policy
-is off by default, as in the paper; when on it is the k3 estimator
-(Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model,
-or, after a supervised warm-up, against the warmed-up adapter (`reference`).
+Departures: std is the unbiased (Bessel) estimate, as in verl and TRL; a group whose rewards are
+all equal (or that has a single member) gets advantage 0 instead of dividing by ~eps. The KL term
+to the reference policy is off by default, as in the paper; when on it is the k3 estimator
+(Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model, or, after a
+supervised warm-up, against the warmed-up adapter (`reference`).
 
-The update (`policy_update`) is shared by GRPO and the actor of the
-actor-critic (critic.py): one pass over the calls in mini-batches, one
-optimizer step each (one PPO epoch, as in the paper). pi_old needs no pass of
-its own where the update is on-policy: the first mini-batch comes before the
-adapter's first step, so its old log-probs are its current ones, detached, and
-every ratio is 1; only the later mini-batches get a separate pass, before the
-first step (old_logprobs). It
-measures each slot's gradient (gradient_stats: Paper A's amplification factor
-kappa and each role's gradient share) and carries Paper A's mitigations:
-role-balanced or 1/multiplicity loss weights (loss_weight), coherence damping
-(damped_step) and a KL anchor per role.
+The update (`policy_update`) is shared by GRPO and the actor of the actor-critic (critic.py): one
+pass over the calls in mini-batches, one optimizer step each (one PPO epoch, as in the paper).
+pi_old needs no pass of its own where the update is on-policy: the first mini-batch comes before
+the adapter's first step, so its old log-probs are its current ones, detached, and every ratio
+is 1; only the later mini-batches get a pass of their own, before the first step (old_logprobs).
+It measures each slot's gradient (gradient_stats: Paper A's amplification factor kappa and each
+role's gradient share) and carries Paper A's mitigations: role-balanced or 1/multiplicity loss
+weights (loss_weight), coherence damping (damped_step) and a KL anchor per role.
 
-The sampler and the trainer round differently (bf16, KV cache, merged weights), so
-the tokens come from pi_rollout, not exactly pi_old. A correction laid over the update
-(sampler_gap, which a first reading can skip) logs the gap (mismatch_stats) and, with
-tis_cap > 0, weights each token's term by
-min(pi_old / pi_rollout, C), truncated importance sampling (Yao et al. 2025, "Your
-efficient RL framework secretly brings you off-policy RL training"). With skip_empty
-a mini-batch without a live call takes no optimizer step: AdamW would still move the
+The sampler and the trainer round differently (bf16, KV cache, merged weights), so the tokens come
+from pi_rollout, not exactly pi_old. A correction laid over the update (sampler_gap, which a first
+reading can skip) logs the gap (mismatch_stats) and, with tis_cap > 0, weights each token's term
+by min(pi_old / pi_rollout, C), truncated importance sampling (Yao et al. 2025; tis_weight). With
+skip_empty a mini-batch without a live call takes no optimizer step: AdamW would still move the
 adapter on its moments.
 
 Before RL, train.py's warm-up (--sft_warmup) trains the same adapters on given replies, by their
