@@ -121,10 +121,9 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str,
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGG_MODES}")
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
-                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                is_weight: torch.Tensor | None = None,
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                eps_low: float = 0.2, eps_high: float = 0.28, ref_logp: torch.Tensor | None = None,
+                kl_coef: float = 0.0, is_weight: torch.Tensor | None = None,
                 ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate per completion token, plus kl_coef * k3 to the reference.
 
@@ -176,8 +175,7 @@ def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # (B, T)
 
 
-def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                   mask: torch.Tensor) -> dict[str, float]:
+def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far the sampler's policy is from the trainer's on the sampled tokens: the mean and
     max of |log pi_old - log pi_rollout|, and the k3 estimate of KL(pi_rollout || pi_old)."""
     gap = old_logp - rollout_logp  # (B, T)
@@ -189,10 +187,6 @@ def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
 
 # ----------------------------------------------------------------------------
 # The update: old log-probs, then one pass of mini-batches
-
-
-def chunks(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
@@ -220,10 +214,9 @@ def flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
 def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
     """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine.
 
-    Paper A's gradient amplification: N same-role slots that see the same prompt
-    and the same broadcast reward push in one direction. kappa is 1 for
-    orthogonal gradients and sqrt(N) for identical ones (the role's step is
-    then sqrt(N) times what N independent slots would give).
+    Paper A's gradient amplification: N same-role slots that see the same prompt and the same
+    broadcast reward push in one direction. kappa is 1 for orthogonal gradients and sqrt(N) for
+    identical ones (the role's step is then sqrt(N) times what N independent slots would give).
     """
     g = torch.stack(grads)  # (N, n_params)
     kappa = (g.sum(0).norm() / g.norm(dim=1).square().sum().sqrt()).item()
@@ -285,10 +278,9 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
                 beta: float = 0.9) -> float:
     """Coherence damping (Paper A): scale the step by 1 - damping * max(0, cos(g, EMA(g))).
 
-    A gradient that keeps pointing where the recent ones pointed is the
-    signature of amplification; its step is shortened through the learning
-    rate, since AdamW would undo a scaled gradient. `ema` holds EMA(g) across
-    steps (checkpointed by train.py). Returns the factor applied.
+    A gradient that keeps pointing where the recent ones pointed is the signature of amplification;
+    its step is shortened through the learning rate, since AdamW would undo a scaled gradient. `ema`
+    holds EMA(g) across steps (checkpointed by train.py). Returns the factor applied.
     """
     g = flat_grad(params)  # (n_params,)
     factor = 1.0
@@ -319,8 +311,7 @@ class UpdateSettings:
     agg: str = "seq-mean-token-mean"  # loss aggregation, one of AGG_MODES
     ratio: str = "token"             # importance ratio per token or per sequence (GSPO), RATIO_LEVELS
     kl_coef: dict[str, float] = field(default_factory=dict)  # KL anchor weight per role (0 if absent)
-    reference: dict[str, str] = field(default_factory=dict)  # adapter -> its frozen reference
-                                                             # adapter (absent: the base model)
+    reference: dict[str, str] = field(default_factory=dict)  # adapter -> its frozen reference (absent: the base model)
     grad_clip: float = 1.0           # max gradient norm per optimizer step
     balance: str = "none"            # role weights, one of BALANCE (loss_weight)
     damping: float = 0.0             # coherence damping, 0 = off (damped_step)
@@ -333,20 +324,18 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
                   ema: dict | None = None) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
 
-    With `per_slot`, each agent slot's part of a mini-batch is back-propagated on
-    its own, so the gradient of every slot and role is measured even when they
-    share the adapter (gradient_stats, on each slot's gradient summed over the
-    step); without it, calls are grouped by role only (cheaper, same update). A
-    call with advantage 0 and no KL term is skipped: its gradient is exactly 0,
-    and it still counts in the denominators. A mini-batch whose gradient norm is not
-    finite takes no step and leaves AdamW's state as it was (counted in
-    adapter/<name>/skipped_nonfinite; its loss statistics are still logged). `ema` holds
-    the gradient EMA of --damping across steps.
+    With `per_slot`, each agent slot's part of a mini-batch is back-propagated on its own, so the
+    gradient of every slot and role is measured even when they share the adapter (gradient_stats, on
+    each slot's gradient summed over the step); without it, calls are grouped by role only (cheaper,
+    same update). A call with advantage 0 and no KL term is skipped: its gradient is exactly 0, and
+    it still counts in the denominators. A mini-batch whose gradient norm is not finite takes no
+    step and leaves AdamW's state as it was (counted in adapter/<name>/skipped_nonfinite; its loss
+    statistics are still logged). `ema` holds the gradient EMA of --damping across steps.
 
-    Under torchrun every process passes the same calls and the same rng state; each
-    back-propagates its share of every slot's calls (machine.my_share) with the whole
-    mini-batch's denominators, and the gradients are summed before the step, so all
-    processes take the step one process would take on the same calls (or all skip it).
+    Under torchrun every process passes the same calls and the same rng state; each back-propagates
+    its share of every slot's calls (machine.my_share) with the whole mini-batch's denominators, and
+    the gradients are summed before the step, so all processes take the step one process would take
+    on the same calls (or all skip it).
     """
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
@@ -354,7 +343,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     by = "slot" if per_slot else "role"
     calls = calls[:]
     rng.shuffle(calls)
-    batches = chunks(calls, max(1, len(calls)) if s.one_step else s.minibatch_size)
+    size = max(1, len(calls)) if s.one_step else s.minibatch_size
+    batches = [calls[i:i + size] for i in range(0, len(calls), size)]
     t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
     old = old_logprobs(model, [c for mb in batches[1:] for _, mine in slot_groups(mb, s, by) for c in mine],
                        adapter, pad_id, s.temperature, s.micro_batch_tokens)  # id(call) -> (T_i,)
