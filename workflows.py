@@ -14,12 +14,11 @@ Multi-Agent RL Improve LLM Workflows?", arXiv 2605.24202):
   eval_opt      generator -> evaluator -> generator -> ...   final = last generator turn
   voting        N generators -> aggregator picks \boxed{k}   final = candidate k
   orch_workers  orchestrator -> N workers -> synthesizer     final = synthesizer
-The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the
-orchestrator lists strategies and never solves. `adherence` says whether an output
-keeps its role's contract and `similarity` how alike two roles' outputs are: the
-signals of role capture (Paper A) that train.py logs every step. `contract_replies`
-gives the replies that keep each role's contract, which the supervised warm-up
-(train.py --sft_warmup) teaches before RL.
+The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the orchestrator
+lists strategies and never solves. `adherence` says whether an output keeps its role's
+contract and `similarity` how alike two roles' outputs are: the signals of role capture
+(Paper A) that train.py logs every step. `contract_replies` gives the replies that keep each
+role's contract, which the supervised warm-up (train.py --sft_warmup) teaches before RL.
 
 Departures from the paper:
   - the prompts are this project's own, short enough for a 135M model;
@@ -30,8 +29,7 @@ Departures from the paper:
   - info["fallback"] flags any broken answer contract (a cheap role-capture signal).
 
 Exercised by: pytest tests/test_workflows.py (contract_replies: tests/test_train.py), and
-`python workflows.py voting`, which prints every stage's prompts for one question using a
-canned fake model.
+`python workflows.py voting`: every stage's prompts for one question, from a canned fake model.
 """
 import dataclasses
 import random
@@ -79,8 +77,7 @@ PROMPTS: dict[tuple[str, str], dict[str, str]] = {
     },
     ("math", "orchestrator"): {
         "system": "You are a planner. Do not solve the problem and do not compute the answer. "
-                  "List up to $n different strategies to solve it, one short sentence each, "
-                  "numbered 1., 2., 3.",
+                  "List up to $n different strategies to solve it, one short sentence each, numbered 1., 2., 3.",
         "user": "Problem: $question\n\nList up to $n numbered strategies.",
     },
     ("math", "worker"): {
@@ -92,8 +89,7 @@ PROMPTS: dict[tuple[str, str], dict[str, str]] = {
         "system": "You are a senior math solver. You see a problem and solutions from other "
                   "solvers. Check them, decide which answer is right, and explain briefly. "
                   "End with the final answer in \\boxed{}, for example \\boxed{42}.",
-        "user": "Problem: $question\n\n$solutions\n\n"
-                "What is the correct final answer? End with \\boxed{}.",
+        "user": "Problem: $question\n\n$solutions\n\nWhat is the correct final answer? End with \\boxed{}.",
     },
     # Code: the reward runs the last ```python block of the final text against hidden tests.
     ("code", "generator"): {
@@ -116,13 +112,11 @@ PROMPTS: dict[tuple[str, str], dict[str, str]] = {
         "system": "You are a judge. You see a programming task and $n numbered candidate solutions. "
                   "Pick the candidate most likely to pass all the tests. Reply only with its "
                   "number in \\boxed{}, for example \\boxed{2}.",
-        "user": "Task:\n$question\n\n$candidates\n\n"
-                "Which candidate is correct? Reply with \\boxed{k}, k from 1 to $n.",
+        "user": "Task:\n$question\n\n$candidates\n\nWhich candidate is correct? Reply with \\boxed{k}, k from 1 to $n.",
     },
     ("code", "orchestrator"): {
         "system": "You are a planner. Do not write code and do not solve the task. "
-                  "List up to $n different approaches to solve it, one short sentence each, "
-                  "numbered 1., 2., 3.",
+                  "List up to $n different approaches to solve it, one short sentence each, numbered 1., 2., 3.",
         "user": "Task:\n$question\n\nList up to $n numbered approaches.",
     },
     ("code", "worker"): {
@@ -134,8 +128,7 @@ PROMPTS: dict[tuple[str, str], dict[str, str]] = {
         "system": "You are a senior Python programmer. You see a task and solutions from other "
                   "programmers. Check them, then write the final, correct solution: complete, "
                   "runnable Python code in one block that starts with ```python and ends with ```.",
-        "user": "Task:\n$question\n\n$solutions\n\n"
-                "Write the final solution in one ```python block.",
+        "user": "Task:\n$question\n\n$solutions\n\nWrite the final solution in one ```python block.",
     },
 }
 KINDS = sorted({kind for kind, _ in PROMPTS})
@@ -203,9 +196,8 @@ def numbered(label: str, texts: list[str]) -> str:
 
 
 def stage(generate: GenerateFn, role: str, calls: list[tuple[str, int, Chat]]) -> list[str]:
-    """Run one stage: all (slot, episode, chat) calls of one role type in one generate call.
-
-    Workflows list calls episode by episode, slots in order within an episode."""
+    """Run one stage: all (slot, episode, chat) calls of one role type in one generate call;
+    workflows list calls episode by episode, slots in order within an episode."""
     slot_list, episodes, chats = (list(column) for column in zip(*calls))
     outs = generate(role, slot_list, episodes, chats)
     if len(outs) != len(chats):
@@ -284,9 +276,8 @@ SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
 def adherence(role: str, text: str, n: int = 3) -> bool | None:
     r"""Does this output keep its role's contract? None for free-form roles.
 
-    evaluator: a boxed verdict, no other boxed answer, short;
-    aggregator: a valid \boxed{k}, short; orchestrator: numbered strategies and
-    no boxed answer (it must not solve)."""
+    evaluator: a boxed verdict, no other boxed answer, short; aggregator: a valid \boxed{k},
+    short; orchestrator: numbered strategies and no boxed answer (it must not solve)."""
     if role == "evaluator":
         boxed = boxed_contents(text)
         only_verdicts = all(VERDICT.fullmatch(b.strip()) for b in boxed)
@@ -312,15 +303,12 @@ def similarity(texts_a: list[str], texts_b: list[str], n: int = 3) -> float:
 
 # ---------------------------------------------------------------- the workflows
 
-def single(questions: list[str], generate: GenerateFn, kind: str,
-           n_agents: int, max_rounds: int) -> list[Outcome]:
+def single(questions: list[str], generate: GenerateFn, kind: str, n_agents: int, max_rounds: int) -> list[Outcome]:
     calls = [("generator", e, chat(kind, "generator", question=q)) for e, q in enumerate(questions)]
-    return [Outcome(final=out, info={"fallback": False})
-            for out in stage(generate, "generator", calls)]
+    return [Outcome(final=out, info={"fallback": False}) for out in stage(generate, "generator", calls)]
 
 
-def eval_opt(questions: list[str], generate: GenerateFn, kind: str,
-             n_agents: int, max_rounds: int) -> list[Outcome]:
+def eval_opt(questions: list[str], generate: GenerateFn, kind: str, n_agents: int, max_rounds: int) -> list[Outcome]:
     """Generator and evaluator alternate; each episode stops on its own first Correct."""
     solution, critique = [""] * len(questions), [""] * len(questions)
     info = [{"rounds": 0, "stopped": False, "fallback": False, "rule": "none"} for _ in questions]
@@ -351,12 +339,10 @@ def eval_opt(questions: list[str], generate: GenerateFn, kind: str,
     return [Outcome(final=s, info=i) for s, i in zip(solution, info)]
 
 
-def voting(questions: list[str], generate: GenerateFn, kind: str,
-           n_agents: int, max_rounds: int) -> list[Outcome]:
+def voting(questions: list[str], generate: GenerateFn, kind: str, n_agents: int, max_rounds: int) -> list[Outcome]:
     """N generators answer the same prompt independently; an aggregator picks one."""
     gen_slots = [f"generator{i}" for i in range(n_agents)]
-    calls = [(s, e, chat(kind, "generator", question=q))
-             for e, q in enumerate(questions) for s in gen_slots]
+    calls = [(s, e, chat(kind, "generator", question=q)) for e, q in enumerate(questions) for s in gen_slots]
     outs = stage(generate, "generator", calls)
     candidates = [outs[e * n_agents:(e + 1) * n_agents] for e in range(len(questions))]
     calls = [("aggregator", e, chat(kind, "aggregator", question=q, n=n_agents,
@@ -373,8 +359,7 @@ def voting(questions: list[str], generate: GenerateFn, kind: str,
 def orch_workers(questions: list[str], generate: GenerateFn, kind: str,
                  n_agents: int, max_rounds: int) -> list[Outcome]:
     """Orchestrator plans strategies, worker i follows strategy i, a synthesizer answers."""
-    calls = [("orchestrator", e, chat(kind, "orchestrator", question=q, n=n_agents))
-             for e, q in enumerate(questions)]
+    calls = [("orchestrator", e, chat(kind, "orchestrator", question=q, n=n_agents)) for e, q in enumerate(questions)]
     plans = [parse_strategies(out, n_agents) for out in stage(generate, "orchestrator", calls)]
     strategies = [p + [DEFAULT_STRATEGY] * (n_agents - len(p)) for p in plans]
     calls = [(f"worker{i}", e, chat(kind, "worker", question=q, strategy=strategies[e][i]))
@@ -407,8 +392,7 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
     return WORKFLOWS[name](questions, generate, kind, n_agents, max_rounds)
 
 
-def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3,
-                 max_rounds: int = 2) -> list[Chat]:
+def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3, max_rounds: int = 2) -> list[Chat]:
     """Every prompt workflow `name` builds for `question` when the agents write nothing: what
     can be known of its prompts before a run (train.py checks them against the model's context)."""
     chats: list[Chat] = []
@@ -488,8 +472,7 @@ def balanced_verdicts(replies: list, rng: random.Random) -> list:
     rare, common = sorted(by.values(), key=len)
     if not rare:
         return replies
-    extra = [dataclasses.replace(rng.choice(rare)) for _ in range(len(common) - len(rare))]
-    return replies + extra
+    return replies + [dataclasses.replace(rng.choice(rare)) for _ in range(len(common) - len(rare))]
 
 
 # ---------------------------------------------------------------- demo: python workflows.py NAME
@@ -502,8 +485,7 @@ CANNED = {"generator": "2 + 3 = 5, so the answer is \\boxed{5}.",
           "synthesizer": "Both solutions agree. \\boxed{5}"}
 
 
-def echo_generate(role: str, slot_list: list[str], episodes: list[int],
-                  chats: list[Chat]) -> list[str]:
+def echo_generate(role: str, slot_list: list[str], episodes: list[int], chats: list[Chat]) -> list[str]:
     """A fake model that prints each stage's first prompt and answers from CANNED."""
     print(f"=== stage: {role} x{len(chats)}  slots {slot_list}  episodes {episodes}")
     for message in chats[0]:
