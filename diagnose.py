@@ -5,26 +5,24 @@
     python diagnose.py --watch runs/a "What is 7 + 5?"   # every call of the trained workflow, printed
     python diagnose.py --watch runs/a/best "What is 7 + 5?"   # ... as its best evaluation left it
 
-Paper A (Zeng et al. 2026, arXiv 2605.24202) finds that multi-agent RL on one
-base model fails in two ways, one per way of sharing the LoRA policy:
+Paper A (Zeng et al. 2026, arXiv 2605.24202) finds that multi-agent RL on one base model fails in
+two ways, one per way of sharing the LoRA policy:
 
-- gradient amplification (isolated adapters): N same-role slots see the same
-  prompt and the same broadcast reward, so their gradients point the same way;
-  kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2) nears sqrt(N) (grpo.amplification),
-  the role's adapter takes N times the optimizer steps; the paper sees the
-  role's gradient norm and perplexity spike, then validation accuracy fall;
-- role capture (one shared adapter): the role with the most tokens or calls
-  owns most of the gradient, and the other roles drift towards its behaviour:
-  their contract adherence falls while their outputs grow longer and start to
-  look like the dominant role's (workflows.adherence, workflows.similarity).
+- gradient amplification (isolated adapters): N same-role slots see the same prompt and the same
+  broadcast reward, so their gradients point the same way; kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2)
+  nears sqrt(N) (grpo.amplification), the role's adapter takes N times the optimizer steps; the
+  paper sees the role's gradient norm and perplexity spike, then validation accuracy fall;
+- role capture (one shared adapter): the role with the most tokens or calls owns most of the
+  gradient, and the other roles drift towards its behaviour: their contract adherence falls while
+  their outputs grow longer and start to look like the dominant role's (workflows.adherence,
+  workflows.similarity).
 
-train.py logs every signal used here (metrics.jsonl); this file reads the
-logs, plots them side by side and applies three detectors (a cliff, the two
-mechanisms' signatures) with explicit thresholds; a fall counts only beyond its
-noise, and a peak is chosen on the val split where a run has one. The
-thresholds are choices of this project, not the paper's. It
-imports train.py (the probe drives it); grid.py, which trains the main table's
-and the demos' cells, builds its tables on this file.
+train.py logs every signal used here (metrics.jsonl); this file reads the logs, plots them side
+by side and applies three detectors (a cliff, the two mechanisms' signatures) with explicit
+thresholds; a fall counts only beyond its noise, and a peak is chosen on the val split where a
+run has one. The thresholds are choices of this project, not the paper's. It imports train.py
+(the probe drives it); grid.py, which trains the main table's and the demos' cells, builds its
+tables on this file.
 
 Exercised by: pytest tests/test_diagnose.py
 """
@@ -124,8 +122,7 @@ def peak_step(rows: list[dict], steps: list[int]) -> int:
     return max(steps, key=lambda s: (chosen.get(s, -math.inf), -s))
 
 
-def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float | None],
-                      floor: float) -> str | None:
+def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float | None], floor: float) -> str | None:
     """How a fall from `high` to `low` ((accuracy, standard error) each) compares with its noise,
     if it is >= floor and more than FALL_Z standard errors of the difference; else None. The error
     of the difference treats the two evaluations as independent: they are of the same problems,
@@ -243,8 +240,7 @@ def windows(rows: list[dict], role: str) -> tuple[list[dict], list[dict]] | None
 
 
 def weighted(rows: list[dict], role: str, signal: str) -> tuple[float | None, int]:
-    """The mean of role/<role>/<signal> over the rows that log it, each weighted by its calls; and
-    the calls."""
+    """The mean of role/<role>/<signal> over the rows that log it, weighted by their calls; and the calls."""
     pairs = [(r[f"role/{role}/{signal}"], r[f"role/{role}/calls"]) for r in rows if f"role/{role}/{signal}" in r]
     calls = sum(c for _, c in pairs)
     return (sum(v * c for v, c in pairs) / calls if calls else None), calls
@@ -412,10 +408,9 @@ def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
 
 
 def probe(ckpt: str, problems: int) -> dict[str, float]:
-    """kappa, coherence and gradient shares of one fresh sampled batch, without a step.
-
-    Advantages are group-relative (GRPO) whatever the run's algorithm: the probe asks how
-    the slots' policy gradients line up, not what a critic would make of them."""
+    """kappa, coherence and gradient shares of one fresh sampled batch, without a step. Advantages
+    are group-relative (GRPO) whatever the run's algorithm: the probe asks how the slots' policy
+    gradients line up, not what a critic would make of them."""
     cfg, model, tok, names = trained_model(ckpt)
     writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")  # where main writes it, known before the work
     torch.manual_seed(cfg.seed + 1)  # a batch the run did not train on, the same every time
@@ -472,9 +467,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "(default: the run directory, or the runs' common parent)")
     parser.add_argument("--probe", metavar="CHECKPOINT", help="a run's ckpt directory")
     parser.add_argument("--probe_problems", type=int, default=4, help="problems in the probe batch")
-    parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"),
-                        help="print every call of the run's trained workflow on one question (RUN/best: "
-                        "its best checkpoint)")
+    parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"), help="print every call of the run's "
+                        "trained workflow on one question (RUN/best: its best checkpoint)")
     parser.add_argument("--sample", action="store_true", help="--watch: sample at the run's "
                         "temperature instead of greedy decoding")
     parser.add_argument("--seed", type=int, default=0, help="--watch --sample: the sampling seed")
