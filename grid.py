@@ -69,7 +69,7 @@ class Demo:
     flags: tuple[str, ...]            # train.py flags of every cell
     cells: dict[str, tuple[str, ...]]  # cell name -> its own flags
     shows: tuple[str, ...]            # the cells meant to show the mechanism; the others mitigate or contrast
-    signals: tuple[str, ...]          # what demo.png shows, a panel each (diagnose.cell_series names);
+    signals: tuple[str, ...]          # what demo.png shows, a panel each (cell_series names);
                                       # the first is also tabled seed by seed
     start: tuple[str, ...] = ()       # flags of a warm-up that every cell of a seed starts from
                                       # (train.py --start_from); () = each cell warms up itself
