@@ -2,6 +2,7 @@
 
     python diagnose.py runs/a runs/b              # report.md and plots of these runs
     python diagnose.py --probe runs/a/ckpt        # kappa, coherence and gradient shares on one batch
+    python diagnose.py --probe runs/a/ckpt --probe_problems 4,8,16   # ... and where kappa would align
     python diagnose.py --watch runs/a "What is 7 + 5?"   # every call of the trained workflow, printed
     python diagnose.py --watch runs/a/best "What is 7 + 5?"   # ... as its best evaluation left it
 
@@ -339,12 +340,8 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
            "accuracy": " / ".join(f"{acc[s]:.3f}" for s in (steps[0], peak_step(rows, steps), steps[-1]))
            if acc else "-"}
     for signal in ("kappa", "grad_share", "adherence"):
-        parts = []
-        for role in ROLES[config["workflow"]]:
-            values = [v for _, v in series(rows, f"role/{role}/{signal}")]
-            if values:
-                parts.append(f"{role} {statistics.mean(values):.2f}")
-        row[signal] = ", ".join(parts) or "-"
+        means = {role: [v for _, v in series(rows, f"role/{role}/{signal}")] for role in ROLES[config["workflow"]]}
+        row[signal] = ", ".join(f"{role} {statistics.mean(vs):.2f}" for role, vs in means.items() if vs) or "-"
     return row
 
 
@@ -407,33 +404,48 @@ def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
     return cfg, model, tok, names
 
 
-def probe(ckpt: str, problems: int) -> dict[str, float]:
-    """kappa, coherence and gradient shares of one fresh sampled batch, without a step. Advantages
-    are group-relative (GRPO) whatever the run's algorithm: the probe asks how the slots' policy
-    gradients line up, not what a critic would make of them."""
+def probe(ckpt: str, sizes: list[int], credit: str = "") -> list[dict[str, float]]:
+    """kappa, coherence and gradient shares of a fresh sampled batch of each size (problems x the
+    run's group), without a step; `credit` replaces the run's. Advantages are group-relative (GRPO)
+    whatever the run's algorithm: the probe asks how the slots' gradients line up."""
     cfg, model, tok, names = trained_model(ckpt)
+    cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
     writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")  # where main writes it, known before the work
-    torch.manual_seed(cfg.seed + 1)  # a batch the run did not train on, the same every time
-    pool = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
-    if not 1 <= problems <= len(pool):
-        raise SystemExit(f"--probe_problems {problems}: must be in [1, {len(pool)}] (the run's training pool)")
-    problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
-    rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[i] for i in problem_of], greedy=False)
-    set_advantages(rollout.calls, problem_of, cfg.adv_group)
-    result = {"reward/mean": sum(rewards) / len(rewards)}
-    for name in names:
-        mine = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
-        frozen = torch.optim.SGD(adapter_parameters(model, name), lr=0.0)  # measure, do not move
-        for p in adapter_parameters(model, name):
-            p.requires_grad_(True)
-            p.grad = torch.zeros_like(p)
-        # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
-        settings = dataclasses.replace(launch.update_settings(cfg), one_step=True, grad_clip=float("inf"),
-                                       balance="none", damping=0.0)
-        stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id, settings)
-        result.update({k: v[0] for k, v in stats.items()
-                       if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
-    return result
+    pool, results = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed), []
+    if not all(1 <= n <= len(pool) for n in sizes):
+        raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] (the run's training pool)")
+    for problems in sizes:
+        torch.manual_seed(cfg.seed + 1)  # a batch the run did not train on, the same every time
+        problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
+        rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[i] for i in problem_of], greedy=False)
+        set_advantages(rollout.calls, problem_of, cfg.adv_group)
+        result = {"episodes": len(problem_of), "reward/mean": sum(rewards) / len(rewards)}
+        for name in names:
+            mine = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
+            frozen = torch.optim.SGD(adapter_parameters(model, name), lr=0.0)  # measure, do not move
+            for p in adapter_parameters(model, name):
+                p.requires_grad_(True)
+                p.grad = torch.zeros_like(p)
+            # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
+            settings = dataclasses.replace(launch.update_settings(cfg), one_step=True, grad_clip=float("inf"),
+                                           balance="none", damping=0.0)
+            stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id, settings)
+            result.update({k: v[0] for k, v in stats.items()
+                           if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
+        results.append(result)
+    return results
+
+
+def episodes_to_align(results: list[dict[str, float]], role: str, slots: int) -> float:
+    """Episodes per slot at which the role's kappa would reach KAPPA_FRAC sqrt(N), from probes of
+    several sizes. If a slot's gradient is a shared direction plus its own sampling noise, the
+    cosine of two slots over n episodes each is 1 / (1 + b / n): each probe gives b = n (1 / cos - 1);
+    kappa^2 = 1 + (N - 1) cos reaches the line at cos c = (KAPPA_FRAC^2 N - 1) / (N - 1), so at
+    n = b c / (1 - c). inf unless every probe measured a positive cosine."""
+    c = (KAPPA_FRAC ** 2 * slots - 1) / (slots - 1)
+    cosines = [(r["episodes"] / slots, r.get(f"role/{role}/coherence", -1.0)) for r in results]
+    b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines) if min(cos for _, cos in cosines) > 0 else math.inf
+    return b * c / (1 - c)
 
 
 def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
@@ -466,7 +478,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="where report.md and the plots go "
                         "(default: the run directory, or the runs' common parent)")
     parser.add_argument("--probe", metavar="CHECKPOINT", help="a run's ckpt directory")
-    parser.add_argument("--probe_problems", type=int, default=4, help="problems in the probe batch")
+    parser.add_argument("--probe_problems", default=[4], type=lambda v: [int(n) for n in v.split(",")],
+                        help="problems in the probe batch; several (4,8,16): a batch each, and the "
+                        "episodes per slot at which kappa would reach the detector's line")
+    parser.add_argument("--probe_credit", default="", choices=["final", "own"], help="--probe: each call's "
+                        "reward (default: the run's --credit)")
     parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"), help="print every call of the run's "
                         "trained workflow on one question (RUN/best: its best checkpoint)")
     parser.add_argument("--sample", action="store_true", help="--watch: sample at the run's "
@@ -482,11 +498,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)
     elif args.probe:
-        result = probe(args.probe, args.probe_problems)
-        for k, v in result.items():
-            print(f"{k:40s} {v:.4f}")
+        results = probe(args.probe, args.probe_problems, args.probe_credit)
+        config = load_run(os.path.dirname(os.path.normpath(args.probe)))[0]
+        align = {role: episodes_to_align(results, role, n) for role, n in multiplicity(config).items()
+                 if n > 1 and len(results) > 1}
+        for k in results[0]:
+            print(f"{k:40s}" + "".join(f" {r.get(k, math.nan):10.4f}" for r in results))
+        for role, n in align.items():
+            print(f"{role}: kappa would reach {KAPPA_FRAC} sqrt(N) at about {n:.0f} episodes per slot")
         with open(os.path.join(os.path.dirname(os.path.normpath(args.probe)), "probe.json"), "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({"probes": results, "episodes_to_align": align}, f, indent=2)
     elif args.runs:
         out = args.out or (args.runs[0] if len(args.runs) == 1 else os.path.commonpath(
             [os.path.abspath(r) for r in args.runs]))

@@ -1,5 +1,6 @@
 """Diagnostics and mitigations: the detectors on synthetic runs, kappa and the fixes on the tiny model."""
 import json
+import math
 import os
 import random
 import re
@@ -424,6 +425,17 @@ def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens
     assert norms["one_step"] < 1.1 * norms["single"], norms
 
 
+def test_episodes_to_align_extrapolates_the_cosine_to_the_detectors_line():
+    """cos = 1 / (1 + b / n) with b = 48: 0.25 at 16 episodes per slot, 0.4 at 32. For N = 3 the line
+    is kappa >= 0.8 sqrt(3), that is cos >= (0.64 * 3 - 1) / 2 = 0.46, reached at n = 48 * 0.46 / 0.54."""
+    probes = [{"episodes": 48, "role/generator/coherence": 0.25}, {"episodes": 96, "role/generator/coherence": 0.4}]
+    assert diagnose.episodes_to_align(probes, "generator", 3) == pytest.approx(48 * 0.46 / 0.54)
+    probes[0]["role/generator/coherence"] = -0.02  # no shared direction measured at one size
+    assert diagnose.episodes_to_align(probes, "generator", 3) == math.inf
+    del probes[0]["role/generator/coherence"]  # no reward contrast, no gradient: nothing measured
+    assert diagnose.episodes_to_align(probes, "generator", 3) == math.inf
+
+
 def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     monkeypatch.setattr(train, "score_batch", odd_length_wins)
@@ -431,13 +443,18 @@ def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
     train.main(train.Config(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2,
                             group_size=8, max_new_tokens=16, truncated="keep", temperature=1.0, lora_r=4,
                             eval_problems=1, out=out))
-    diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4"])
-    result = json.load(open(f"{out}/probe.json"))
+    diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "2,4", "--probe_credit", "final"])
+    small, result = json.load(open(f"{out}/probe.json"))["probes"]
     assert {"reward/mean", "slot/generator0/grad_norm", "role/aggregator/grad_norm"} <= set(result)
-    assert 0 < result["role/generator/kappa"] <= 3 ** 0.5 + 1e-6
+    assert 0 < result["role/generator/kappa"] <= 3 ** 0.5 + 1e-6 and (small["episodes"], result["episodes"]) == (16, 32)
     assert "role/generator" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match=re.escape("--probe_problems 0: must be in [1, 256] (the run's training pool)")):
+    diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4", "--probe_credit", "own"])
+    own = json.load(open(f"{out}/probe.json"))["probes"][0]  # the same batch, each generator paid for its own
+    assert own["reward/mean"] == result["reward/mean"] and own["role/generator/grad_norm"] != result["role/generator/grad_norm"]
+    with pytest.raises(SystemExit, match=re.escape("--probe_problems [0]: each must be in [1, 256] (the run's training pool)")):
         diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "0"])
+    with pytest.raises(SystemExit):
+        diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4;8"])
     make_read_only(out, monkeypatch)  # said before the probe runs, whose result would be lost
     with pytest.raises(SystemExit, match=re.escape(f"{out}: cannot write probe.json there (read-only)")):
         diagnose.main(["--probe", f"{out}/ckpt"])
