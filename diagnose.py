@@ -437,14 +437,16 @@ def probe(ckpt: str, sizes: list[int], credit: str = "") -> list[dict[str, float
 
 
 def episodes_to_align(results: list[dict[str, float]], role: str, slots: int) -> float:
-    """Episodes per slot at which the role's kappa would reach KAPPA_FRAC sqrt(N), from probes of
-    several sizes. If a slot's gradient is a shared direction plus its own sampling noise, the
-    cosine of two slots over n episodes each is 1 / (1 + b / n): each probe gives b = n (1 / cos - 1);
-    kappa^2 = 1 + (N - 1) cos reaches the line at cos c = (KAPPA_FRAC^2 N - 1) / (N - 1), so at
-    n = b c / (1 - c). inf unless every probe measured a positive cosine."""
+    """Episodes (each slot acts once in each) at which the role's kappa would reach KAPPA_FRAC
+    sqrt(N), from probes of several sizes. If a slot's gradient is a shared direction plus its own
+    sampling noise, the cosine of two slots over n episodes is 1 / (1 + b / n): each probe gives
+    b = n (1 / cos - 1); kappa^2 = 1 + (N - 1) cos reaches the line at cos c = (KAPPA_FRAC^2 N - 1)
+    / (N - 1), so at n = b c / (1 - c). inf where a probe measured no positive cosine; a probe
+    without one (no group with a reward contrast: no gradient) measured nothing and is left out."""
     c = (KAPPA_FRAC ** 2 * slots - 1) / (slots - 1)
-    cosines = [(r["episodes"] / slots, r.get(f"role/{role}/coherence", -1.0)) for r in results]
-    b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines) if min(cos for _, cos in cosines) > 0 else math.inf
+    cosines = [(r["episodes"], r[f"role/{role}/coherence"]) for r in results if f"role/{role}/coherence" in r]
+    b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines) if min(cos for _, cos in cosines or [(0, 0)]) > 0 \
+        else math.inf
     return b * c / (1 - c)
 
 
@@ -502,10 +504,10 @@ def main(argv: list[str] | None = None) -> None:
         config = load_run(os.path.dirname(os.path.normpath(args.probe)))[0]
         align = {role: episodes_to_align(results, role, n) for role, n in multiplicity(config).items()
                  if n > 1 and len(results) > 1}
-        for k in results[0]:
+        for k in dict.fromkeys(k for r in results for k in r):  # every key, in the order first seen
             print(f"{k:40s}" + "".join(f" {r.get(k, math.nan):10.4f}" for r in results))
         for role, n in align.items():
-            print(f"{role}: kappa would reach {KAPPA_FRAC} sqrt(N) at about {n:.0f} episodes per slot")
+            print(f"{role}: kappa would reach {KAPPA_FRAC} sqrt(N) at about {n:.0f} episodes")
         with open(os.path.join(os.path.dirname(os.path.normpath(args.probe)), "probe.json"), "w") as f:
             json.dump({"probes": results, "episodes_to_align": align}, f, indent=2)
     elif args.runs:

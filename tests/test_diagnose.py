@@ -426,14 +426,14 @@ def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens
 
 
 def test_episodes_to_align_extrapolates_the_cosine_to_the_detectors_line():
-    """cos = 1 / (1 + b / n) with b = 48: 0.25 at 16 episodes per slot, 0.4 at 32. For N = 3 the line
-    is kappa >= 0.8 sqrt(3), that is cos >= (0.64 * 3 - 1) / 2 = 0.46, reached at n = 48 * 0.46 / 0.54."""
-    probes = [{"episodes": 48, "role/generator/coherence": 0.25}, {"episodes": 96, "role/generator/coherence": 0.4}]
+    """cos = 1 / (1 + b / n) with b = 48: 0.25 at 16 episodes, 0.4 at 32. For N = 3 the line is
+    kappa >= 0.8 sqrt(3), that is cos >= (0.64 * 3 - 1) / 2 = 0.46, reached at n = 48 * 0.46 / 0.54."""
+    probes = [{"episodes": 8}, {"episodes": 16, "role/generator/coherence": 0.25},
+              {"episodes": 32, "role/generator/coherence": 0.4}]  # 8: no reward contrast, nothing measured
     assert diagnose.episodes_to_align(probes, "generator", 3) == pytest.approx(48 * 0.46 / 0.54)
-    probes[0]["role/generator/coherence"] = -0.02  # no shared direction measured at one size
+    probes[1]["role/generator/coherence"] = -0.02  # no shared direction measured at one size
     assert diagnose.episodes_to_align(probes, "generator", 3) == math.inf
-    del probes[0]["role/generator/coherence"]  # no reward contrast, no gradient: nothing measured
-    assert diagnose.episodes_to_align(probes, "generator", 3) == math.inf
+    assert diagnose.episodes_to_align(probes[:1], "generator", 3) == math.inf  # nothing measured at all
 
 
 def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
