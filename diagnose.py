@@ -404,9 +404,9 @@ def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
     return cfg, model, tok, names
 
 
-def probe(ckpt: str, sizes: list[int], credit: str = "") -> list[dict[str, float]]:
+def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[dict[str, float]]:
     """kappa, coherence and gradient shares of a fresh sampled batch of each size (problems x the
-    run's group), without a step; `credit` replaces the run's. Advantages are group-relative (GRPO)
+    run's group), without a step; `credit` replaces the run's, `seed` draws another batch. Advantages are group-relative (GRPO)
     whatever the run's algorithm: the probe asks how the slots' gradients line up."""
     cfg, model, tok, names = trained_model(ckpt)
     cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
@@ -415,9 +415,11 @@ def probe(ckpt: str, sizes: list[int], credit: str = "") -> list[dict[str, float
     if not all(1 <= n <= len(pool) for n in sizes):
         raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] (the run's training pool)")
     for problems in sizes:
-        torch.manual_seed(cfg.seed + 1)  # a batch the run did not train on, the same every time
+        # seed 0: the pool's first problems; another seed, a sample of the pool
+        picked = random.Random(seed).sample(range(len(pool)), problems) if seed else range(problems)
+        torch.manual_seed(cfg.seed + 1 + seed)  # samples the run did not train on, the same every time
         problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
-        rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[i] for i in problem_of], greedy=False)
+        rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[picked[i]] for i in problem_of], greedy=False)
         set_advantages(rollout.calls, problem_of, cfg.adv_group)
         result = {"episodes": len(problem_of), "reward/mean": sum(rewards) / len(rewards)}
         for name in names:
@@ -489,7 +491,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "trained workflow on one question (RUN/best: its best checkpoint)")
     parser.add_argument("--sample", action="store_true", help="--watch: sample at the run's "
                         "temperature instead of greedy decoding")
-    parser.add_argument("--seed", type=int, default=0, help="--watch --sample: the sampling seed")
+    parser.add_argument("--seed", type=int, default=0, help="--watch --sample: the sampling seed; --probe: "
+                        "which batch (0: the training pool's first problems, as before)")
     return parser
 
 
@@ -500,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)
     elif args.probe:
-        results = probe(args.probe, args.probe_problems, args.probe_credit)
+        results = probe(args.probe, args.probe_problems, args.probe_credit, args.seed)
         config = load_run(os.path.dirname(os.path.normpath(args.probe)))[0]
         align = {role: episodes_to_align(results, role, n) for role, n in multiplicity(config).items()
                  if n > 1 and len(results) > 1}

@@ -451,6 +451,9 @@ def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
     diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4", "--probe_credit", "own"])
     own = json.load(open(f"{out}/probe.json"))["probes"][0]  # the same batch, each generator paid for its own
     assert own["reward/mean"] == result["reward/mean"] and own["role/generator/grad_norm"] != result["role/generator/grad_norm"]
+    diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4", "--seed", "1"])
+    other = json.load(open(f"{out}/probe.json"))["probes"][0]  # another batch
+    assert other["role/generator/grad_norm"] != result["role/generator/grad_norm"]
     with pytest.raises(SystemExit, match=re.escape("--probe_problems [0]: each must be in [1, 256] (the run's training pool)")):
         diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "0"])
     with pytest.raises(SystemExit):
