@@ -18,12 +18,10 @@ two ways, one per way of sharing the LoRA policy:
   their outputs grow longer and start to look like the dominant role's (workflows.adherence,
   workflows.similarity).
 
-train.py logs every signal used here (metrics.jsonl); this file reads the logs, plots them side
-by side and applies three detectors (a cliff, the two mechanisms' signatures) with explicit
-thresholds; a fall counts only beyond its noise, and a peak is chosen on the val split where a
-run has one. The thresholds are choices of this project, not the paper's. It imports train.py
-(the probe drives it); grid.py, which trains the main table's and the demos' cells, builds its
-tables on this file.
+This file reads train.py's logs (metrics.jsonl), plots them and applies three detectors (a cliff,
+the two mechanisms' signatures) with explicit thresholds, this project's choices; a fall counts
+only beyond its noise, a peak is chosen on the val split where a run has one. It imports train.py
+(the probe drives it); grid.py builds its tables on this file.
 
 Exercised by: pytest tests/test_diagnose.py
 """
@@ -406,12 +404,15 @@ def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
 
 def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[dict[str, float]]:
     """kappa, coherence and gradient shares of a fresh sampled batch of each size (problems x the
-    run's group), without a step; `credit` replaces the run's, `seed` draws another batch. Advantages are group-relative (GRPO)
-    whatever the run's algorithm: the probe asks how the slots' gradients line up."""
+    run's group), without a step; `credit` replaces the run's, `seed` draws another batch. GRPO's
+    advantages whatever the run's algorithm: the probe asks how the slots' gradients line up."""
     cfg, model, tok, names = trained_model(ckpt)
     cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
     writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")  # where main writes it, known before the work
     pool, results = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed), []
+    # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
+    settings = dataclasses.replace(launch.update_settings(cfg), one_step=True, grad_clip=float("inf"),
+                                   balance="none", damping=0.0)
     if not all(1 <= n <= len(pool) for n in sizes):
         raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] (the run's training pool)")
     for problems in sizes:
@@ -419,7 +420,8 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
         picked = random.Random(seed).sample(range(len(pool)), problems) if seed else range(problems)
         torch.manual_seed(cfg.seed + 1 + seed)  # samples the run did not train on, the same every time
         problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
-        rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[picked[i]] for i in problem_of], greedy=False)
+        rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[picked[i]] for i in problem_of],
+                                                 greedy=False)
         set_advantages(rollout.calls, problem_of, cfg.adv_group)
         result = {"episodes": len(problem_of), "reward/mean": sum(rewards) / len(rewards)}
         for name in names:
@@ -428,9 +430,6 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
             for p in adapter_parameters(model, name):
                 p.requires_grad_(True)
                 p.grad = torch.zeros_like(p)
-            # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
-            settings = dataclasses.replace(launch.update_settings(cfg), one_step=True, grad_clip=float("inf"),
-                                           balance="none", damping=0.0)
             stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id, settings)
             result.update({k: v[0] for k, v in stats.items()
                            if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
@@ -439,12 +438,11 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
 
 
 def episodes_to_align(results: list[dict[str, float]], role: str, slots: int) -> float:
-    """Episodes (each slot acts once in each) at which the role's kappa would reach KAPPA_FRAC
-    sqrt(N), from probes of several sizes. If a slot's gradient is a shared direction plus its own
-    sampling noise, the cosine of two slots over n episodes is 1 / (1 + b / n): each probe gives
-    b = n (1 / cos - 1); kappa^2 = 1 + (N - 1) cos reaches the line at cos c = (KAPPA_FRAC^2 N - 1)
-    / (N - 1), so at n = b c / (1 - c). inf where a probe measured no positive cosine; a probe
-    without one (no group with a reward contrast: no gradient) measured nothing and is left out."""
+    """Episodes at which the role's kappa would reach KAPPA_FRAC sqrt(N), from probes of several
+    sizes. A slot's gradient = a shared direction + its own sampling noise gives two slots' cosine
+    over n episodes 1 / (1 + b / n), so b = n (1 / cos - 1); kappa^2 = 1 + (N - 1) cos reaches the
+    line at cos c = (KAPPA_FRAC^2 N - 1) / (N - 1), at n = b c / (1 - c). inf if a probe's cosine
+    is <= 0; a probe with no gradient (no reward contrast) measured nothing and is left out."""
     c = (KAPPA_FRAC ** 2 * slots - 1) / (slots - 1)
     cosines = [(r["episodes"], r[f"role/{role}/coherence"]) for r in results if f"role/{role}/coherence" in r]
     b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines) if min(cos for _, cos in cosines or [(0, 0)]) > 0 \
