@@ -44,6 +44,7 @@ Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
 """
 import random
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -161,9 +162,13 @@ def local_observation(call: Call) -> str:
     return f"[{call.slot}] prompt:\n{call.prompt}"
 
 
+LIST_MARK = re.compile(r"^[\s#*-]*(?:\d+\s*[.):])?\s*")  # "1. ", "- ", "2) ": a plan's list, quoted without it
+
+
 def unseen(calls: list[Call]) -> list[float | None]:
     """For every call, what the central critic reads and a decentral one does not: the share (in
-    characters) of the lines of its episode's earlier outputs that its own prompt does not quote.
+    characters) of the lines of its episode's earlier outputs (list markers aside) that its own
+    prompt does not quote.
     0 where the agent's prompt already quotes everything said before it (an evaluator, an
     aggregator): the two critics then read the same information. None at an episode's first turn."""
     by_episode = defaultdict(list)
@@ -171,8 +176,8 @@ def unseen(calls: list[Call]) -> list[float | None]:
         by_episode[c.episode].append(c)
     shares = []
     for c in calls:
-        said = [line.strip() for d in by_episode[c.episode] if d.turn < c.turn
-                for line in d.text.splitlines() if line.strip()]
+        said = [LIST_MARK.sub("", line).strip() for d in by_episode[c.episode] if d.turn < c.turn
+                for line in d.text.splitlines() if LIST_MARK.sub("", line).strip()]
         total = sum(map(len, said))
         shares.append(sum(len(line) for line in said if line not in c.prompt) / total if total else None)
     return shares

@@ -162,7 +162,7 @@ def test_central_critic_reads_every_agents_history():
 def test_unseen_is_what_a_central_critic_reads_and_a_decentral_one_does_not():
     """An aggregator quoting every candidate lacks nothing; a worker shown one line of an
     orchestrator's three-line plan lacks the other two: 'A1' and 'C3' of 'A1', 'B22', 'C3'."""
-    calls = [call(0, "orchestrator", 0, "plan q", "A1\nB22\n\nC3"),
+    calls = [call(0, "orchestrator", 0, "plan q", "1. A1\n2) B22\n\n- C3"),  # list markers are not content
              call(0, "worker0", 1, "q, follow B22", "x = 2"), call(0, "worker1", 1, "q, A1 B22 C3", "y"),
              call(0, "synthesizer", 2, "q, A1 B22 C3, x = 2", "2")]
     assert unseen(calls) == [None, 4 / 7, 0.0, pytest.approx(1 / 13)]  # 13 characters said; "y" unquoted
