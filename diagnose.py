@@ -49,7 +49,7 @@ from grpo import policy_update, set_advantages
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from tasks import KINDS, load_task
 from rollout import Rollout, load_policy
-from runs import load_run, read_best
+from runs import load_run, read_best, writable
 from workflows import ROLES, role_of, run_workflow, slots
 
 # Thresholds of the detectors: choices of this project (Paper A gives none). Raise FALL_Z or
@@ -341,18 +341,6 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
         means = {role: [v for _, v in series(rows, f"role/{role}/{signal}")] for role in ROLES[config["workflow"]]}
         row[signal] = ", ".join(f"{role} {statistics.mean(vs):.2f}" for role, vs in means.items() if vs) or "-"
     return row
-
-
-def writable(directory: str, what: str) -> None:
-    """Make `directory` if it is missing; stop with one line if `what` cannot be written in it (a
-    file, a read-only run), before any work that would be lost."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:  # a file in the way, or a parent that cannot be written
-        why = "a file, not a directory" if os.path.isfile(directory) else e.strerror
-        raise SystemExit(f"{directory}: cannot write {what} there ({why})") from None
-    if not os.access(directory, os.W_OK):
-        raise SystemExit(f"{directory}: cannot write {what} there (read-only)")
 
 
 def report(run_dirs: list[str], out: str, names=run_name) -> str:

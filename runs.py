@@ -235,6 +235,18 @@ def check_run_dir(out: str, overwrite: bool) -> list[str]:
     return held
 
 
+def writable(directory: str, what: str) -> None:
+    """Make `directory` if it is missing; stop with one line if `what` cannot be written in it (a
+    file, a read-only run), before any work that would be lost."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:  # a file in the way, or a parent that cannot be written
+        why = "a file, not a directory" if os.path.isfile(directory) else e.strerror
+        raise SystemExit(f"{directory}: cannot write {what} there ({why})") from None
+    if not os.access(directory, os.W_OK):
+        raise SystemExit(f"{directory}: cannot write {what} there (read-only)")
+
+
 def start_run_dir(out: str, held: list[str], config: dict) -> None:
     """Clear the old run's own files (--overwrite; nothing else in the directory), write the config."""
     for f in held:
