@@ -433,8 +433,9 @@ def episodes_to_align(results: list[dict[str, float]], role: str, slots: int) ->
     is <= 0; a probe with no gradient (no reward contrast) measured nothing and is left out."""
     c = (KAPPA_FRAC ** 2 * slots - 1) / (slots - 1)
     cosines = [(r["episodes"], r[f"role/{role}/coherence"]) for r in results if f"role/{role}/coherence" in r]
-    b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines) if min(cos for _, cos in cosines or [(0, 0)]) > 0 \
-        else math.inf
+    if not cosines or min(cos for _, cos in cosines) <= 0:
+        return math.inf
+    b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines)
     return b * c / (1 - c)
 
 
