@@ -176,8 +176,9 @@ def unseen(calls: list[Call]) -> list[float | None]:
         by_episode[c.episode].append(c)
     shares = []
     for c in calls:
-        said = [LIST_MARK.sub("", line).strip() for d in by_episode[c.episode] if d.turn < c.turn
-                for line in d.text.splitlines() if LIST_MARK.sub("", line).strip()]
+        lines = (LIST_MARK.sub("", line).strip() for d in by_episode[c.episode] if d.turn < c.turn
+                 for line in d.text.splitlines())
+        said = [line for line in lines if line]
         total = sum(map(len, said))
         shares.append(sum(len(line) for line in said if line not in c.prompt) / total if total else None)
     return shares
