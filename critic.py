@@ -168,9 +168,8 @@ LIST_MARK = re.compile(r"^[\s#*-]*(?:\d+\s*[.):])?\s*")  # "1. ", "- ", "2) ": a
 def unseen(calls: list[Call]) -> list[float | None]:
     """For every call, what the central critic reads and a decentral one does not: the share (in
     characters) of the lines of its episode's earlier outputs (list markers aside) that its own
-    prompt does not quote.
-    0 where the agent's prompt already quotes everything said before it (an evaluator, an
-    aggregator): the two critics then read the same information. None at an episode's first turn."""
+    prompt does not quote. 0 where the prompt quotes everything said before it (an evaluator, an
+    aggregator): both critics then read the same information. None at an episode's first turn."""
     by_episode = defaultdict(list)
     for c in calls:
         by_episode[c.episode].append(c)

@@ -398,11 +398,11 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
     cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
     writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")  # where main writes it, known before the work
     pool, results = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed), []
+    if not all(1 <= n <= len(pool) for n in sizes):
+        raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] (the run's training pool)")
     # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
     settings = dataclasses.replace(launch.update_settings(cfg), one_step=True, grad_clip=float("inf"),
                                    balance="none", damping=0.0)
-    if not all(1 <= n <= len(pool) for n in sizes):
-        raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] (the run's training pool)")
     for problems in sizes:
         # seed 0: the pool's first problems; another seed, a sample of the pool
         picked = random.Random(seed).sample(range(len(pool)), problems) if seed else range(problems)
@@ -425,13 +425,13 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
     return results
 
 
-def episodes_to_align(results: list[dict[str, float]], role: str, slots: int) -> float:
+def episodes_to_align(results: list[dict[str, float]], role: str, n_slots: int) -> float:
     """Episodes at which the role's kappa would reach KAPPA_FRAC sqrt(N), from probes of several
     sizes. A slot's gradient = a shared direction + its own sampling noise gives two slots' cosine
     over n episodes 1 / (1 + b / n), so b = n (1 / cos - 1); kappa^2 = 1 + (N - 1) cos reaches the
     line at cos c = (KAPPA_FRAC^2 N - 1) / (N - 1), at n = b c / (1 - c). inf if a probe's cosine
     is <= 0; a probe with no gradient (no reward contrast) measured nothing and is left out."""
-    c = (KAPPA_FRAC ** 2 * slots - 1) / (slots - 1)
+    c = (KAPPA_FRAC ** 2 * n_slots - 1) / (n_slots - 1)
     cosines = [(r["episodes"], r[f"role/{role}/coherence"]) for r in results if f"role/{role}/coherence" in r]
     if not cosines or min(cos for _, cos in cosines) <= 0:
         return math.inf
@@ -491,14 +491,15 @@ def main(argv: list[str] | None = None) -> None:
         watch(*args.watch, sample=args.sample, seed=args.seed)
     elif args.probe:
         results = probe(args.probe, args.probe_problems, args.probe_credit, args.seed)
-        config = load_run(os.path.dirname(os.path.normpath(args.probe)))[0]
+        run_dir = os.path.dirname(os.path.normpath(args.probe))
+        config = load_run(run_dir)[0]
         align = {role: episodes_to_align(results, role, n) for role, n in multiplicity(config).items()
                  if n > 1 and len(results) > 1}
         for k in dict.fromkeys(k for r in results for k in r):  # every key, in the order first seen
             print(f"{k:40s}" + "".join(f" {r.get(k, math.nan):10.4f}" for r in results))
         for role, n in align.items():
             print(f"{role}: kappa would reach {KAPPA_FRAC} sqrt(N) at about {n:.0f} episodes")
-        with open(os.path.join(os.path.dirname(os.path.normpath(args.probe)), "probe.json"), "w") as f:
+        with open(os.path.join(run_dir, "probe.json"), "w") as f:
             json.dump({"probes": results, "episodes_to_align": align}, f, indent=2)
     elif args.runs:
         out = args.out or (args.runs[0] if len(args.runs) == 1 else os.path.commonpath(
