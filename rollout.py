@@ -373,8 +373,8 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eo
     tokens (B, T), pad after each row's eos, and log pi_rollout of each (B, T), None when greedy.
 
     The loop `model.generate` runs, without its general machinery: one forward over the
-    prompts fills the KV cache, then one forward per token over the last token only.
-    Greedy decoding gives `generate`'s tokens (tests/test_rollout.py).
+    prompts fills the KV cache, then one forward per token over the last token only, for
+    the rows still writing. Greedy decoding gives `generate`'s tokens (tests/test_rollout.py).
     """
     (B, P), device = ids.shape, ids.device
     # The samples of one prompt (a GRPO group) share its prefill: each distinct prompt runs
@@ -387,26 +387,33 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eo
                 cache=cache, use_cache=True, logits_to_keep=1)
     for layer in cache.layers:
         layer.batch_select_indices(copy)
-    logits = out.logits[copy, -1]  # (B, V)
-    position = attn.long().sum(-1, keepdim=True) - 1  # (B, 1): positions count real tokens only
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens, logps = [], []
+    logits = out.logits[copy, -1]  # (L, V): one row per live row, all B at first
+    position = attn.long().sum(-1, keepdim=True) - 1  # (L, 1): positions count real tokens only
+    live = torch.arange(B, device=device)  # (L,) the rows in the batch, by their index in it
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # (L,) those that wrote their eos
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = None if greedy else torch.zeros(B, max_new_tokens, device=device)
     for t in range(max_new_tokens):
         if greedy:
             token = logits.argmax(-1)
         else:
             token, logp = sample_next(logits, temperature, top_p)
-            logps.append(logp)
-        token = token.masked_fill(done, pad_id)  # (B,) a finished row only pads
-        tokens.append(token)
+            logps[live, t] = logp
+        token = token.masked_fill(done, pad_id)  # (L,) a finished row only pads
+        tokens[live, t] = token
         done |= token == eos_id
         if t == max_new_tokens - 1 or done.all():
             break
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # (B, P + t + 1)
+        if done.sum() * 8 >= len(live):  # finished rows leave the batch, their cache rows with them,
+            keep = (~done).nonzero().squeeze(-1)  # once they are an eighth of it (the copy costs
+            for layer in cache.layers:  # about what a step does)
+                layer.batch_select_indices(keep)
+            live, done, token, attn, position = live[keep], done[keep], token[keep], attn[keep], position[keep]
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # (L, P + t + 1)
         position = position + 1
         logits = model(input_ids=token[:, None], attention_mask=attn, position_ids=position, cache=cache,
                        use_cache=True).logits[:, -1]
-    return torch.stack(tokens, dim=1), (torch.stack(logps, dim=1) if logps else None)
+    return tokens[:, : t + 1], None if greedy else logps[:, : t + 1]
 
 
 class Rollout:
