@@ -4,6 +4,7 @@ training them, and their tables.
     python grid.py --reproduce --seeds 0,1,2    # single, Eval-Opt and Voting x shared/isolated, 3 seeds
     python grid.py --demo capture --seeds 0,1,2  # a mechanism's cells next to its contrast and mitigation
     python grid.py --demo amplification
+    python grid.py --demo optimizer              # many AdamW steps: isolated generators against a single agent
 
 Flags this file does not know go to every cell's train.py, after the cell's own, so they
 override them (e.g. --model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in
@@ -75,7 +76,7 @@ class Demo:
                                       # (train.py --start_from); () = each cell warms up itself
 
 
-# Both demos train Voting from one start per seed: a short supervised warm-up (train.py
+# The first two demos train Voting from one start per seed: a short supervised warm-up (train.py
 # --sft_warmup) under a shared adapter gives the aggregator its contract and keeps the
 # generators solving; every cell goes on from it (copied into each role's adapter in
 # the isolated cells), so the cells differ only in how RL updates the adapters. Then
@@ -99,6 +100,19 @@ DEMOS = {
          "isolated": ("--sharing", "isolated"),
          "shared-balance_role": ("--sharing", "shared", "--balance", "role")},
         ("shared",), ("adherence", "generator share"), start=("--sharing", "shared")),
+    # The optimizer channel: at a constant learning rate over 12 steps, the isolated generators'
+    # adapter takes an AdamW step per 4 of their calls (6 a step: 8 episodes x 3 slots; the
+    # aggregator's 2), against the same adapters with one step a training step, and against a
+    # single agent given as many calls and steps (6 problems x 4 episodes, 6 mini-batches).
+    "optimizer": Demo(
+        "gradient amplification",
+        ("--workflow", "voting", "--sft_warmup", "4", "--problems_per_step", "2", "--max_new_tokens", "32",
+         "--steps", "12", "--warmup_steps", "0", "--lr_floor", "1", "--minibatch_size", "4",
+         "--eval_every", "3", "--eval_problems", "16", "--val_problems", "16"),
+        {"isolated": ("--sharing", "isolated", "--no-one_step"),
+         "isolated-one_step": ("--sharing", "isolated", "--one_step"),
+         "single": ("--workflow", "single", "--problems_per_step", "6", "--no-one_step")},
+        ("isolated",), ("accuracy", "update norm"), start=("--sharing", "shared")),
 }
 
 
@@ -107,11 +121,13 @@ def demo_cells(name: str, home: str, train_flags: list[str], seeds: list[int]) -
     seed's start (seed<S>/start) when the demo has one; `train_flags` override the demo's."""
     spec, cells = DEMOS[name], []
     for seed in seeds:
-        mine = [*spec.flags, "--seed", str(seed)]
+        mine, start = [*spec.flags, "--seed", str(seed)], []
         if spec.start:  # the warm-up and step-0 evaluation, once; the cells go on from there
             cells.append((f"seed{seed}/start", [*mine, *spec.start, *train_flags, "--steps", "0"]))
-            mine += ["--start_from", os.path.join(home, f"seed{seed}", "start")]
-        cells += [(f"seed{seed}/{cell}", [*mine, *flags, *train_flags]) for cell, flags in spec.cells.items()]
+            start = ["--start_from", os.path.join(home, f"seed{seed}", "start")]
+        for cell, flags in spec.cells.items():  # a cell of another workflow cannot go on from the
+            own = "--workflow" in flags  # start (only RL settings may differ): it warms up itself
+            cells.append((f"seed{seed}/{cell}", [*mine, *([] if own else start), *flags, *train_flags]))
     return cells
 
 

@@ -219,16 +219,16 @@ def make_optimizers(model, cfg: RunConfig, names: list[str], heads) -> tuple[dic
         lr = cfg.critic_lr if name in heads else cfg.lr
         optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
-            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps))
+            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps, floor=cfg.lr_floor))
     return optimizers, schedulers
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup, then cosine decay to 10 percent; `step` = training steps taken."""
+def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
+    """Linear warmup, then cosine decay to `floor` (1: constant); `step` = training steps taken."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = min((step - warmup) / max(1, total - warmup), 1.0)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # ----------------------------------------------------------------------------
@@ -436,7 +436,7 @@ def set_rngs(state: dict, rng: random.Random, source: str) -> None:
 # Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
 # them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
 # random numbers they leave, and must match.
-RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
+RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay", "grad_clip",
                "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef", "role_kl", "balance",
                "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every")
 

@@ -114,7 +114,9 @@ class Config:
                          "gradient (TRL), keep = scored like any other", TRUNCATED)
     # optimisation
     lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)", bounds="(0, inf)")
-    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to 10 percent", bounds="[0, inf)")
+    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to --lr_floor", bounds="[0, inf)")
+    lr_floor: float = arg(0.1, "where the cosine decay ends, as a share of --lr; 1 keeps it constant",
+                          bounds="[0, 1]")
     sft_warmup: int = arg(6, "supervised steps before RL on replies that keep each role's contract (0 = none; "
                           "README)", bounds="[0, inf)")
     sft_lr: float = arg(1e-3, "AdamW learning rate of the supervised warm-up", bounds="(0, inf)")

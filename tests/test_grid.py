@@ -6,6 +6,7 @@ import pytest
 
 import grid
 import runs
+import train
 
 TINY = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems", "2",
         "--problems_per_step", "2", "--group_size", "2", "--max_new_tokens", "6", "--lora_r", "4"]
@@ -57,6 +58,20 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
     assert "train.py" not in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"seed0/\S+ was trained with other settings \(--lr 0.01 differs"):
         grid.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny, "--lr", "0.01"])
+
+
+def test_the_optimizer_demos_single_agent_warms_up_itself():
+    """A cell of another workflow than the demo's cannot go on from the seed's start (only RL
+    settings may differ): it trains its own warm-up; the others go on from the start."""
+    cells = dict(grid.demo_cells("optimizer", "home", ["--lr", "1e-3"], [4]))
+    assert set(cells) == {"seed4/start", "seed4/isolated", "seed4/isolated-one_step", "seed4/single"}
+    for name, flags in cells.items():
+        c = train.parse_config(flags)
+        assert (c.seed, c.lr, c.lr_floor) == (4, 1e-3, 1.0)  # the demo's flags, then the caller's
+        assert c.steps == (0 if name == "seed4/start" else 12)
+        assert c.start_from == ("" if name in ("seed4/start", "seed4/single") else "home/seed4/start")
+    single = train.parse_config(cells["seed4/single"])
+    assert (single.workflow, single.problems_per_step, single.one_step, single.minibatch_size) == ("single", 6, False, 4)
 
 
 def test_demo_names_must_be_known():

@@ -204,6 +204,8 @@ def test_learning_rate_schedule_by_hand():
     assert launch.lr_factor(12, warmup=1, total=12) == pytest.approx(0.1)
     assert launch.lr_factor(0, warmup=0, total=4) == pytest.approx(1.0)
     assert launch.lr_factor(2, warmup=0, total=4) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert launch.lr_factor(2, warmup=0, total=4, floor=0.0) == pytest.approx(0.5)
+    assert [launch.lr_factor(s, warmup=0, total=4, floor=1.0) for s in range(6)] == [1.0] * 6  # --lr_floor 1
 
 
 def test_isolated_roles_take_optimizer_steps_in_proportion_to_their_calls(tmp_path):
