@@ -38,7 +38,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 import train
 from diagnose import KAPPA_FRAC, findings, multiplicity, report, series
-from launch import resolve_resume, typed_flags
+from launch import evaluation_samples, resolve_resume, typed_flags
 from runs import load_run
 from workflows import ROLES
 
@@ -223,9 +223,13 @@ def main_table(by_cell: Runs) -> list[str]:
     """Paper A's main table: a row per cell, accuracy at the start, peak and end with the two
     differences, each the mean over the seeds (range); the single agent's start is the base model."""
     lines = mean_table({cell: [accuracy_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()})
-    config = next(config for runs in by_cell.values() for config, _ in runs.values())
-    return lines + ["", f"Held-out accuracy, greedy, on {config['eval_problems']} problems, every "
-                    f"{config['eval_every']} of {config['steps']} steps; start = step 0, before any update."]
+    configs = [config for runs in by_cell.values() for config, _ in runs.values()]
+    known = {f.name for f in dataclasses.fields(train.Config)}  # a run's config as this code reads it
+    sampled = sorted({c["workflow"] for c in configs
+                      if evaluation_samples(train.Config(**{k: v for k, v in c.items() if k in known}))})
+    decoding = "greedy" + (f" ({', '.join(sampled)}: sampled at the training temperature)" if sampled else "")
+    return lines + ["", f"Held-out accuracy, {decoding}, on {configs[0]['eval_problems']} problems, every "
+                    f"{configs[0]['eval_every']} of {configs[0]['steps']} steps; start = step 0, before any update."]
 
 
 def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
