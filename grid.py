@@ -5,6 +5,7 @@ training them, and their tables.
     python grid.py --demo capture --seeds 0,1,2  # a mechanism's cells next to its contrast and mitigation
     python grid.py --demo amplification
     python grid.py --demo optimizer              # many AdamW steps: isolated generators against a single agent
+    python grid.py --demo capture_dose           # the generators' share of a shared adapter raised on purpose
 
 Flags this file does not know go to every cell's train.py, after the cell's own, so they
 override them (e.g. --model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in
@@ -113,6 +114,20 @@ DEMOS = {
          "isolated-one_step": ("--sharing", "isolated", "--one_step"),
          "single": ("--workflow", "single", "--problems_per_step", "6", "--no-one_step")},
         ("isolated",), ("accuracy", "update norm"), start=("--sharing", "shared")),
+    # Capture as a dose: one shared adapter, the generators' share of its steps raised on purpose -
+    # each call weighing the same (the default), each token (a generator's reply of 20-30 tokens
+    # outweighs a verdict of 5), each token over an AdamW step per 4 calls - at a constant learning
+    # rate over 10 steps, and the strongest dose with a KL anchor on the aggregator's warm-up.
+    "capture_dose": Demo(
+        "role capture",
+        ("--workflow", "voting", "--sharing", "shared", "--sft_warmup", "4", "--problems_per_step", "2",
+         "--max_new_tokens", "32", "--steps", "10", "--warmup_steps", "0", "--lr_floor", "1",
+         "--minibatch_size", "4", "--eval_every", "5", "--eval_problems", "16", "--val_problems", "16"),
+        {"per-call": ("--loss_agg", "seq-mean-token-mean"),
+         "per-token": ("--loss_agg", "token-mean"),
+         "per-token-steps": ("--loss_agg", "token-mean", "--no-one_step"),
+         "per-token-steps-anchored": ("--loss_agg", "token-mean", "--no-one_step", "--role_kl", "aggregator=0.5")},
+        ("per-token", "per-token-steps"), ("adherence", "generator share"), start=("--sharing", "shared")),
 }
 
 

@@ -74,6 +74,17 @@ def test_the_optimizer_demos_single_agent_warms_up_itself():
     assert (single.workflow, single.problems_per_step, single.one_step, single.minibatch_size) == ("single", 6, False, 4)
 
 
+def test_the_capture_dose_cells_differ_in_rl_settings_only():
+    """Every cell of the dose goes on from the seed's one shared warm-up, so only the loss's
+    aggregation, the optimizer steps and the anchor tell them apart."""
+    cells = dict(grid.demo_cells("capture_dose", "home", [], [0]))
+    got = {name: train.parse_config(flags) for name, flags in cells.items() if name != "seed0/start"}
+    assert all(c.start_from == "home/seed0/start" and c.sharing == "shared" for c in got.values())
+    assert [(c.loss_agg, c.one_step, c.role_kl) for c in got.values()] == [
+        ("seq-mean-token-mean", True, ""), ("token-mean", True, ""), ("token-mean", False, ""),
+        ("token-mean", False, "aggregator=0.5")]
+
+
 def test_demo_names_must_be_known():
     with pytest.raises(SystemExit):
         grid.main(["--demo", "collapse"])
