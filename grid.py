@@ -38,7 +38,7 @@ matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 import train
-from diagnose import KAPPA_FRAC, findings, multiplicity, report, series
+from diagnose import KAPPA_FRAC, findings, multiplicity, peak_step, report, series
 from launch import evaluation_samples, resolve_resume, typed_flags
 from runs import load_run
 from workflows import ROLES
@@ -225,9 +225,8 @@ def accuracy_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
     the end, and after the middle step's evaluation. The peak is the step with the best val
     accuracy where the run has a val split (the test split is never chosen on), else the best test."""
     acc = dict(series(rows, "eval/accuracy"))
-    chosen = dict(series(rows, "val/accuracy")) or acc
-    peak = acc[max(chosen, key=lambda step: (chosen[step], -step))]  # the earliest of equal bests
     steps = sorted(acc)
+    peak = acc[peak_step(rows, steps)]
     middle = acc[min(steps, key=lambda step: abs(step - config["steps"] / 2))]
     start, end = acc[steps[0]], acc[steps[-1]]
     return {"start": start, "peak": peak, "end": end, "peak - end": peak - end,
@@ -239,9 +238,7 @@ def main_table(by_cell: Runs) -> list[str]:
     differences, each the mean over the seeds (range); the single agent's start is the base model."""
     lines = mean_table({cell: [accuracy_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()})
     configs = [config for runs in by_cell.values() for config, _ in runs.values()]
-    known = {f.name for f in dataclasses.fields(train.Config)}  # a run's config as this code reads it
-    sampled = sorted({c["workflow"] for c in configs
-                      if evaluation_samples(train.Config(**{k: v for k, v in c.items() if k in known}))})
+    sampled = sorted({c["workflow"] for c in configs if evaluation_samples(train.Config(**c))})
     decoding = "greedy" + (f" ({', '.join(sampled)}: sampled at the training temperature)" if sampled else "")
     return lines + ["", f"Held-out accuracy, {decoding}, on {configs[0]['eval_problems']} problems, every "
                     f"{configs[0]['eval_every']} of {configs[0]['steps']} steps; start = step 0, before any update."]

@@ -404,9 +404,11 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eo
         done |= token == eos_id
         if t == max_new_tokens - 1 or done.all():
             break
-        if done.sum() * 8 >= len(live):  # finished rows leave the batch, their cache rows with them,
-            keep = (~done).nonzero().squeeze(-1)  # once they are an eighth of it (the copy costs
-            for layer in cache.layers:  # about what a step does)
+        # Finished rows leave the batch, their cache rows with them, once they are an eighth of
+        # it: copying the cache costs about what a step does.
+        if done.sum() * 8 >= len(live):
+            keep = (~done).nonzero().squeeze(-1)  # (L',)
+            for layer in cache.layers:
                 layer.batch_select_indices(keep)
             live, done, token, attn, position = live[keep], done[keep], token[keep], attn[keep], position[keep]
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # (L, P + t + 1)
