@@ -247,6 +247,13 @@ def gradient_stats(slot_grads: dict[str, torch.Tensor], role_of: dict[str, str])
     return stats
 
 
+def gradient_noise(g0: torch.Tensor, g1: torch.Tensor) -> float:
+    """|g0 - g1|^2 / |g0 + g1|^2, g0 and g1 the gradients of two halves of a step's problems: the
+    noise's share of the step's squared gradient. Independent halves of one mean give E|g0 - g1|^2 =
+    tr Cov(g) and E|g|^2 = |E g|^2 + tr Cov(g), g = g0 + g1: about 1 for noise alone, near 0 for signal."""
+    return ((g0 - g1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
+
+
 class LossWeight(NamedTuple):
     """How much one role's calls weigh in a mini-batch's loss (see loss_weight)."""
     scale: float     # multiplies the role's aggregated loss
@@ -317,6 +324,7 @@ class UpdateSettings:
     damping: float = 0.0             # coherence damping, 0 = off (damped_step)
     tis_cap: float = 0.0             # truncated importance sampling cap C, 0 = off (tis_weight)
     skip_empty: bool = True          # no optimizer step on a mini-batch without a live call
+    group_size: int = 1              # episodes per problem, consecutive: a problem stays in one half (grad_noise)
 
 
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
@@ -350,6 +358,7 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
                        adapter, pad_id, s.temperature, s.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     step_grads, role_of = {}, {}  # each slot's gradient, summed over the step's applied mini-batches
+    halves = [0, 0]  # the gradient of each half of the step's problems, summed the same way
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
     for mb in batches:
         optimizer.zero_grad(set_to_none=False)
@@ -357,26 +366,29 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
             empty += 1
             if s.skip_empty:  # AdamW would still move the adapter, on its momentum alone
                 continue
-        mb_grads = {}
+        mb_grads = {}  # (slot, half) -> the gradient of that slot's calls of that half of the problems
         for group, mine in slot_groups(mb, s, by):
             role = role_of[group] = next(c.role for c in mb if getattr(c, by) == group)
             weight = loss_weight(mb, role, s.balance)
-            before = flat_grad(params) if per_slot else None
-            for micro in micro_batches(mine, s.micro_batch_tokens):
-                st = micro_loss_backward(model, adapter, micro, old, pad_id, s, weight, with_entropy=per_slot)
-                for k, v in st.items():
-                    stats[f"role/{role}/{k}"].append(v)
-                    if per_slot:
-                        stats[f"slot/{group}/{k}"].append(v)
-            if per_slot:
-                mb_grads[group] = sum_across(flat_grad(params) - before)  # (n_params,) this slot's loss alone
+            for half in (0, 1) if per_slot else (None,):
+                before = flat_grad(params) if per_slot else None
+                part = [c for c in mine if half is None or c.episode // s.group_size % 2 == half]
+                for micro in micro_batches(part, s.micro_batch_tokens):
+                    st = micro_loss_backward(model, adapter, micro, old, pad_id, s, weight, with_entropy=per_slot)
+                    for k, v in st.items():
+                        stats[f"role/{role}/{k}"].append(v)
+                        if per_slot:
+                            stats[f"slot/{group}/{k}"].append(v)
+                if per_slot:
+                    mb_grads[group, half] = sum_across(flat_grad(params) - before)  # (n_params,)
         sum_gradients(params)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         if not torch.isfinite(total):  # a NaN or inf in the loss reaches the gradient, and its norm
             nonfinite += 1  # not applied: one step would make the adapter and AdamW's moments NaN
             continue
-        for group, g in mb_grads.items():
+        for (group, half), g in mb_grads.items():
             step_grads[group] = step_grads.get(group, 0) + g
+            halves[half] = halves[half] + g
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
         if s.damping > 0:
             stats[f"adapter/{adapter}/damping"].append(damped_step(optimizer, params, ema, s.damping))
@@ -388,6 +400,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     # come from different episodes, so a mini-batch's slot gradients are not comparable
     for k, v in gradient_stats(step_grads, role_of).items():
         stats[k].append(v)
+    if per_slot and torch.is_tensor(halves[0]) and (halves[0] + halves[1]).norm() > 0:
+        stats[f"adapter/{adapter}/grad_noise"].append(gradient_noise(*halves))
     theta_after = torch.cat([p.detach().reshape(-1) for p in params])
     stats[f"adapter/{adapter}/update_norm"].append((theta_after - theta_before).norm().item())
     return stats

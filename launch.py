@@ -107,7 +107,7 @@ def update_settings(cfg: RunConfig) -> UpdateSettings:
     return UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
                           one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
                           eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg, ratio=cfg.ratio,
-                          kl_coef=kl, grad_clip=cfg.grad_clip, balance=cfg.balance,
+                          kl_coef=kl, grad_clip=cfg.grad_clip, balance=cfg.balance, group_size=cfg.group_size,
                           damping=cfg.damping, tis_cap=cfg.tis_cap, skip_empty=cfg.skip_empty,
                           reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
 

@@ -445,7 +445,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         if cfg.truncated == "mask":  # a cut call keeps its place in its group's baseline, not its gradient
             for c in calls:
                 c.advantage = 0.0 if c.truncated else c.advantage
-        no_signal = sum(c.advantage == 0 for c in calls) / len(calls)
+        advs = torch.tensor([c.advantage for c in calls])  # (calls,)
         # 5-7. old log-probs and the update, adapter by adapter; maac: then the critics
         diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
         stats = update_adapters(model, tok, cfg, step, calls, names, optimizers, schedulers, rng, update, emas, diag)
@@ -455,7 +455,8 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         release_free_memory()  # what the backward pass freed, before the evaluation and the next rollout
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
-             "adv/zero_frac": no_signal, "lr": schedulers[names[0]].get_last_lr()[0],
+             "adv/zero_frac": (advs == 0).sum().item() / len(advs), "adv/std": advs.std(correction=0).item(),
+             "lr": schedulers[names[0]].get_last_lr()[0],
              "contract/truncated_prompts": sum(gather_lists([rollout.prompts_cut])),
              "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
         if cfg.algo == "maac":

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from grpo import (UpdateSettings, aggregate, amplification, gradient_stats, group_advantages,
+from grpo import (UpdateSettings, aggregate, amplification, gradient_noise, gradient_stats, group_advantages,
                   masked_mean, mismatch_stats, old_logprobs, policy_loss, policy_update, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
 from rollout import Call, Rollout, sequence_logprobs
@@ -227,6 +227,32 @@ def test_old_logprob_pass_only_for_the_mini_batches_after_the_first_step(tiny):
         rows_without_grad.clear()
         updated(tiny, calls, minibatch_size=minibatch_size)
         assert sum(rows_without_grad) == expected, minibatch_size
+
+
+def test_gradient_noise_by_hand():
+    assert gradient_noise(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == pytest.approx(1.0)  # 2 / 2
+    assert gradient_noise(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0.0  # one direction
+    assert gradient_noise(torch.tensor([3.0, 0.0]), torch.tensor([1.0, 0.0])) == pytest.approx(4 / 16)
+
+
+def test_the_update_measures_its_gradient_noise_on_two_halves_of_the_problems(tiny):
+    """grad_noise is |g0 - g1|^2 / |g0 + g1|^2, g_h the gradient of the calls of half h of the
+    problems (group_size consecutive episodes each, alternating halves). Reference from three
+    separate updates' gradient norms: |g0 - g1|^2 = 2 |g0|^2 + 2 |g1|^2 - |g0 + g1|^2."""
+    calls = sampled_calls(tiny)  # 6 episodes x 3 generators; with group_size 2, episodes 0, 1, 4, 5 in half 0
+    model, tok = tiny
+    settings = UpdateSettings(temperature=1.0, one_step=True, group_size=2, grad_clip=1e9)
+
+    def norm(part: list[Call]) -> tuple[float, dict]:  # the gradient norm of an update on part alone
+        opt = torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0)
+        stats = policy_update(model, "generator", part, opt, random.Random(0), tok.pad_token_id, settings)
+        return stats["adapter/generator/grad_norm"][0], stats
+    both, stats = norm(calls)
+    half = [[c for c in calls if c.episode // 2 % 2 == h] for h in (0, 1)]
+    n0, n1 = (norm(part)[0] * len(part) / len(calls) for part in half)  # each call's term is 1 / len(batch)
+    assert len(half[0]) == 12 and len(half[1]) == 6
+    assert stats["adapter/generator/grad_noise"][0] == pytest.approx((2 * n0 ** 2 + 2 * n1 ** 2 - both ** 2)
+                                                                      / both ** 2, rel=1e-3)
 
 
 def test_truncated_importance_weight_by_hand():
