@@ -6,6 +6,7 @@ training them, and their tables.
     python grid.py --demo amplification
     python grid.py --demo optimizer              # many AdamW steps: isolated generators against a single agent
     python grid.py --demo capture_dose           # the generators' share of a shared adapter raised on purpose
+    python grid.py --demo critics                # Paper B: GRPO, a central and decentral critics on Orch-Workers
 
 Flags this file does not know go to every cell's train.py, after the cell's own, so they
 override them (e.g. --model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in
@@ -77,14 +78,12 @@ class Demo:
                                       # (train.py --start_from); () = each cell warms up itself
 
 
-# The first two demos train Voting from one start per seed: a short supervised warm-up (train.py
-# --sft_warmup) under a shared adapter gives the aggregator its contract and keeps the
-# generators solving; every cell goes on from it (copied into each role's adapter in
-# the isolated cells), so the cells differ only in how RL updates the adapters. Then
-# 5 RL steps at a learning rate (1.5e-3) where the aggregator's contract breaks within
-# the run in some cells and not in others. The two demos share their shared and
-# isolated cells. Neither shows its mechanism at this scale; docs/mechanisms.md gives
-# the seeds, the sweeps and what it would take.
+# The first two demos train Voting from one start per seed: a short supervised warm-up under a
+# shared adapter gives the aggregator its contract and keeps the generators solving; every cell
+# goes on from it (copied into each role's adapter in the isolated cells), so the cells differ
+# only in how RL updates the adapters: 5 RL steps at a learning rate (1.5e-3) where the
+# aggregator's contract breaks in some cells and not in others. Neither shows its mechanism at
+# this scale; docs/mechanisms.md gives the seeds, the sweeps and what it would take.
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
               "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16",
               "--no-one_step")  # the paper's mini-batch steps: more steps for a role with more slots
@@ -128,6 +127,20 @@ DEMOS = {
          "per-token-steps": ("--loss_agg", "token-mean", "--no-one_step"),
          "per-token-steps-anchored": ("--loss_agg", "token-mean", "--no-one_step", "--role_kl", "aggregator=0.5")},
         ("per-token", "per-token-steps"), ("adherence", "generator share"), start=("--sharing", "shared")),
+    # Paper B in miniature: in Orch-Workers a worker is shown one strategy, not the plan or the other
+    # workers' (critic.unseen: 0.75 of what was said before it), so the central critic reads what a
+    # decentral one cannot. GRPO's group baseline against the two critics at the main table's recipe
+    # on 4 problems a step (an episode is 5 calls), and the critics on level-4 problems, where fewer
+    # episodes are right (the sparse reward). No mechanism to find: the detector is not asked.
+    "critics": Demo(
+        "",
+        ("--workflow", "orch_workers", "--problems_per_step", "4", "--steps", "8", "--eval_every", "4",
+         "--eval_problems", "32", "--val_problems", "32"),
+        {"grpo": (), "central": ("--algo", "maac", "--critic", "central"),
+         "decentral": ("--algo", "maac", "--critic", "decentral"),
+         "central-sparse": ("--algo", "maac", "--critic", "central", "--level", "4"),
+         "decentral-sparse": ("--algo", "maac", "--critic", "decentral", "--level", "4")},
+        (), ("accuracy", "explained variance", "gradient noise")),
 }
 
 
@@ -245,14 +258,12 @@ def main_table(by_cell: Runs) -> list[str]:
 
 
 def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """Where one run's learning signal went, each a mean over its training steps: the episodes'
-    reward, the share of the crowded role's own answers that were right (what its calls would
-    earn if they were scored alone), the episodes whose final answer came from a fallback rule
-    because a role broke its contract, the calls in groups without reward contrast, the
-    mini-batches without a live call (no optimizer step with --skip_empty; summed over the
-    adapters), each adapter's change per step, the crowded role's share of a shared adapter's
-    gradient, the supervisory role's contract adherence, the evaluator's verdicts that agree with
-    the verifier, and at the last evaluation how the final answer compares with the first one."""
+    """Where one run's learning signal went, each a mean over its training steps (docs/runs.md
+    says what each key is): the reward, the crowded role's own right answers, the fallbacks, the
+    calls without reward contrast, the mini-batches without a live call (summed over the adapters),
+    each adapter's change per step, the crowded role's gradient share, the supervisory role's
+    adherence, the evaluator's verdicts that agree with the verifier; and at the last evaluation,
+    the final answer's accuracy against the first one's."""
     def mean(pattern: str, per_step=statistics.mean) -> float:
         """The mean over the training steps of per_step(the step's values of the matching keys)."""
         values = []
@@ -326,7 +337,9 @@ def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, flo
     judge = next((r for r in ROLES[config["workflow"]] if r != crowded), crowded)
     adapter = "shared" if config["sharing"] == "shared" else crowded
     keys = {"kappa": f"role/{crowded}/kappa", "update norm": f"adapter/{adapter}/update_norm",
-            "adherence": f"role/{judge}/adherence", "reward": "reward/mean", "accuracy": "eval/accuracy"}
+            "adherence": f"role/{judge}/adherence", "reward": "reward/mean", "accuracy": "eval/accuracy",
+            "explained variance": "critic/explained_variance", "advantage std": "adv/std",
+            "gradient noise": f"adapter/{adapter}/grad_noise"}
     keys |= {f"{r} share": f"role/{r}/grad_share" for r in ROLES[config["workflow"]]}
     return {name: series(rows, key) for name, key in keys.items()}
 
@@ -346,7 +359,8 @@ def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
             "adherence first": adh[0] if adh else math.nan, "adherence last": adh[-1] if adh else math.nan,
             "top share": max(shares) if shares else math.nan,
             "reward first": reward[0] if reward else math.nan, "reward last": reward[-1] if reward else math.nan,
-            "accuracy start": acc[0], "accuracy peak": max(acc), "accuracy end": acc[-1]}
+            "accuracy start": acc[0], "accuracy peak": max(acc), "accuracy end": acc[-1],
+            **{k: mean(got[k] or [math.nan]) for k in ("explained variance", "advantage std", "gradient noise")}}
 
 
 def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
@@ -360,7 +374,7 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     by_cell = {cell: {seed_of(d): load_run(d) for d in run_dirs if os.path.basename(d) == cell}
                for cell in spec.cells}  # cell -> seed -> (config, rows)
     lines, verdict = demo_table(by_cell) + [""] + seed_table(spec.signals[0], by_cell), []
-    for cell, runs in by_cell.items():
+    for cell, runs in by_cell.items() if spec.finding else ():
         found = sum(any(f.startswith(spec.finding) for f in findings(*run)) for run in runs.values())
         meant = "the mechanism" if cell in spec.shows else "a contrast or a mitigation"
         verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(runs)} seeds")
@@ -382,7 +396,8 @@ def demo_table(by_cell: Runs) -> list[str]:
 def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
     """A markdown table, a row per cell: each number's mean over the seeds, and its range when
     there are several; NaN (not logged) is left out."""
-    keys = list(next(iter(rows.values()))[0])
+    keys = [k for k in next(iter(rows.values()))[0]  # a number no cell logged gets no column
+            if any(not math.isnan(x[k]) for numbers in rows.values() for x in numbers)]
     lines = ["| cell | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for cell, numbers in rows.items():
         parts = []
@@ -409,7 +424,9 @@ def seed_table(signal: str, by_cell: Runs) -> list[str]:
     return lines
 
 
-SIGNALS = {"accuracy": "held-out accuracy (greedy)",
+SIGNALS = {"accuracy": "held-out accuracy (test)",
+           "explained variance": "the critics' explained variance of the returns",
+           "gradient noise": "noise's share of the policy gradient (grad_noise)",
            "kappa": "kappa of the crowded role's slots (dashed: the detector's 0.8 sqrt(N))",
            "update norm": "change of the crowded role's adapter in a step (L2)",
            "adherence": "the supervisory role's calls that keep its contract",
@@ -423,8 +440,7 @@ def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
     fig, axes = plt.subplots(1, len(signals), figsize=(5.5 * len(signals), 3.8), squeeze=False)
     for ax, signal in zip(axes[0], signals):
         for i, (cell, runs) in enumerate(by_cell.items()):
-            curves = [dict(cell_series(*run)[signal]) for run in runs.values()]
-            curves = [c for c in curves if c]
+            curves = [c for c in (dict(cell_series(*run)[signal]) for run in runs.values()) if c]
             if not curves:  # e.g. no gradient share under isolated adapters
                 continue
             for c in curves:
@@ -446,10 +462,6 @@ def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return path
-
-
-
-# ----------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -85,6 +85,36 @@ def test_the_capture_dose_cells_differ_in_rl_settings_only():
         ("token-mean", False, "aggregator=0.5")]
 
 
+def test_the_critics_demo_sets_grpo_against_both_critics_on_orch_workers():
+    """Paper B in miniature: every cell is Orch-Workers and warms up itself (the sparse cells ask
+    other problems, and a critic is not in another cell's start); the cells differ in the
+    algorithm, the critic and the level."""
+    cells = dict(grid.demo_cells("critics", "home", [], [0]))
+    got = {name: train.parse_config(flags) for name, flags in cells.items()}
+    assert all(c.workflow == "orch_workers" and c.start_from == "" and c.steps == 8 for c in got.values())
+    assert {name: (c.algo, c.critic, c.level) for name, c in got.items()} == {
+        "seed0/grpo": ("grpo", "central", 2), "seed0/central": ("maac", "central", 2),
+        "seed0/decentral": ("maac", "decentral", 2), "seed0/central-sparse": ("maac", "central", 4),
+        "seed0/decentral-sparse": ("maac", "decentral", 4)}
+    assert not grid.DEMOS["critics"].finding  # no mechanism: the detector is not asked
+
+
+def test_a_demo_tables_the_critics_numbers_and_drops_what_no_cell_logged():
+    config = {"workflow": "orch_workers", "sharing": "shared", "n_agents": 3}
+    rows = [{"step": 0, "eval/accuracy": 0.25},
+            {"step": 1, "critic/explained_variance": 0.1, "adv/std": 0.5, "adapter/shared/grad_noise": 0.9},
+            {"step": 2, "critic/explained_variance": 0.3, "adv/std": 0.3, "adapter/shared/grad_noise": 0.7,
+             "eval/accuracy": 0.5}]
+    numbers = grid.cell_numbers(config, rows)
+    assert (numbers["explained variance"], numbers["advantage std"]) == pytest.approx((0.2, 0.4))
+    assert numbers["gradient noise"] == pytest.approx(0.8)
+    assert (numbers["accuracy start"], numbers["accuracy end"]) == (0.25, 0.5)
+    grpo = grid.cell_numbers(config, [{k: v for k, v in r.items() if k != "critic/explained_variance"} for r in rows])
+    header = grid.mean_table({"central": [numbers], "grpo": [grpo]})[0]
+    assert "explained variance" in header and "kappa" not in header  # no cell logged a kappa
+    assert grid.mean_table({"central": [numbers], "grpo": [grpo]})[3].split(" | ")[-3] == "-"
+
+
 def test_demo_names_must_be_known():
     with pytest.raises(SystemExit):
         grid.main(["--demo", "collapse"])
