@@ -435,10 +435,13 @@ def set_rngs(state: dict, rng: random.Random, source: str) -> None:
 
 # Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
 # them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
-# random numbers they leave, and must match.
+# random numbers they leave, and must match. The algorithm and its critics are among them: a
+# critic the start does not have begins fresh, as every critic begins RL.
 RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay", "grad_clip",
                "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef", "role_kl", "balance",
-               "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every")
+               "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every",
+               "algo", "critic", "critic_per", "gamma", "lam", "critic_lr", "vf_coef", "value_clip", "norm_adv",
+               "critic_max_tokens")
 
 
 def start_checkpoint(where: str) -> tuple[str, str]:
@@ -484,10 +487,11 @@ def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.
     the best checkpoint's evaluation as this run's step 0."""
     run, path = start_checkpoint(where)
     state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-    for name in adapter_names(model):
+    fresh = {name for name in heads if not os.path.isdir(os.path.join(path, name))}  # critics the start lacks
+    for name in (n for n in adapter_names(model) if n not in fresh):
         source = name if saved["sharing"] == sharing or name in heads else "shared"
         load_adapter_state(model, name, load_file(os.path.join(path, source, "adapter_model.safetensors")))
-    for name, head in heads.items():
+    for name, head in ((n, h) for n, h in heads.items() if n not in fresh):
         head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
     set_rngs(state, rng, f"--start_from {where}")
     best = read_best(path)

@@ -86,16 +86,16 @@ def test_the_capture_dose_cells_differ_in_rl_settings_only():
 
 
 def test_the_critics_demo_sets_grpo_against_both_critics_on_orch_workers():
-    """Paper B in miniature: every cell is Orch-Workers and warms up itself (the sparse cells ask
-    other problems, and a critic is not in another cell's start); the cells differ in the
-    algorithm, the critic and the level."""
-    cells = dict(grid.demo_cells("critics", "home", [], [0]))
+    """Paper B in miniature: every cell is Orch-Workers and goes on from the seed's one GRPO warm-up,
+    so the cells differ in the algorithm and the critic only; a flag after the demo's name (the
+    sparse reward's --level 4) reaches the start and every cell."""
+    cells = dict(grid.demo_cells("critics", "home", ["--level", "4"], [0]))
     got = {name: train.parse_config(flags) for name, flags in cells.items()}
-    assert all(c.workflow == "orch_workers" and c.start_from == "" and c.steps == 8 for c in got.values())
-    assert {name: (c.algo, c.critic, c.level) for name, c in got.items()} == {
-        "seed0/grpo": ("grpo", "central", 2), "seed0/central": ("maac", "central", 2),
-        "seed0/decentral": ("maac", "decentral", 2), "seed0/central-sparse": ("maac", "central", 4),
-        "seed0/decentral-sparse": ("maac", "decentral", 4)}
+    assert all(c.workflow == "orch_workers" and c.level == 4 for c in got.values())
+    assert {name: (c.algo, c.critic, c.steps, c.start_from) for name, c in got.items()} == {
+        "seed0/start": ("grpo", "central", 0, ""), "seed0/grpo": ("grpo", "central", 8, "home/seed0/start"),
+        "seed0/central": ("maac", "central", 8, "home/seed0/start"),
+        "seed0/decentral": ("maac", "decentral", 8, "home/seed0/start")}
     assert not grid.DEMOS["critics"].finding  # no mechanism: the detector is not asked
 
 

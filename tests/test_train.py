@@ -677,6 +677,21 @@ def test_an_isolated_run_started_from_a_shared_start_gives_every_role_the_shared
     assert read_jsonl(f"{out}/metrics.jsonl") == read_jsonl(f"{start}/metrics.jsonl")
 
 
+def test_an_actor_critic_run_goes_on_from_a_grpo_start_with_fresh_critics(tmp_path):
+    """The algorithm and its critics are RL settings: an actor-critic run takes a GRPO run's warm-up
+    and step 0, its policy adapters as the start left them, and critics that begin where a run of
+    its own would begin them (a critic's B starts at 0, as LoRA's does)."""
+    start, out = str(tmp_path / "start"), str(tmp_path / "central")
+    warm = dict(sft_warmup=2, sft_lr=1e-2, seed=3)
+    train.main(small_config(start, steps=0, **warm))
+    train.main(small_config(out, steps=1, algo="maac", critic="central", start_from=start, **warm))
+    rows = read_jsonl(f"{out}/metrics.jsonl")
+    assert rows[0] == read_jsonl(f"{start}/metrics.jsonl")[0] and rows[-1]["step"] == 1
+    assert {"critic/value_loss", "role/aggregator/value", "role/generator/value"} <= rows[-1].keys()  # critics trained
+    critics = [d for d in os.listdir(f"{out}/ckpt") if d.startswith("critic")]
+    assert critics and not any(d.startswith("critic") for d in os.listdir(f"{start}/ckpt"))
+
+
 def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path):
     start = str(tmp_path / "start")
     train.main(small_config(start, steps=0, sharing="isolated"))
