@@ -190,6 +190,9 @@ def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
 
 
 def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
+    """The calls in micro-batches of at most max_tokens padded positions, shortest first, so that
+    calls of like lengths share one and little of it is padding (the sum is the same in any order)."""
+    calls = sorted(calls, key=lambda c: (len(c.prompt_ids), len(c.completion_ids)))
     sizes = [(len(c.prompt_ids), len(c.completion_ids)) for c in calls]
     return [[calls[i] for i in idx] for idx in token_batches(sizes, max_tokens)]
 
