@@ -41,6 +41,7 @@ from tasks import KINDS, load_task
 from workflows import ROLES, every_prompt, role_of, slots
 
 RunConfig = TypeVar("RunConfig")  # train.Config
+TASK_TOKENS = {"math": 48, "code": 320}  # --max_new_tokens 0: code needs room for a whole function
 
 
 # ----------------------------------------------------------------------------
@@ -153,8 +154,7 @@ def load_problems(cfg: RunConfig, world: int) -> tuple[RunConfig, list, dict[str
     if cfg.problems_per_step > len(train_set):
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} training pool "
                          f"holds {len(train_set)} problems")
-    if cfg.max_new_tokens == 0:  # code needs room for a whole function
-        cfg = dataclasses.replace(cfg, max_new_tokens=320 if train_set[0].kind == "code" else 48)
+    cfg = dataclasses.replace(cfg, max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[train_set[0].kind])
     return cfg, train_set, held_out
 
 
@@ -435,8 +435,8 @@ def set_rngs(state: dict, rng: random.Random, source: str) -> None:
 
 # Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
 # them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
-# random numbers they leave, and must match. The algorithm and its critics are among them: a
-# critic the start does not have begins fresh, as every critic begins RL.
+# random numbers they leave, and must match. The critics' settings are RL settings: a critic
+# the start lacks begins fresh, as every critic begins RL.
 RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay", "grad_clip",
                "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef", "role_kl", "balance",
                "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every",
@@ -470,6 +470,7 @@ def check_start(cfg: RunConfig) -> dict:
     if state["step"] != 0 and read_best(ckpt) is None:  # a best checkpoint: RL goes on from its step
         raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
                          f"(train the start with --steps 0, or start from its best checkpoint, {where}/best)")
+    cfg = dataclasses.replace(cfg, max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[KINDS[cfg.task]])  # as saved
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:

@@ -692,6 +692,16 @@ def test_an_actor_critic_run_goes_on_from_a_grpo_start_with_fresh_critics(tmp_pa
     assert critics and not any(d.startswith("critic") for d in os.listdir(f"{start}/ckpt"))
 
 
+def test_start_from_reads_max_new_tokens_0_as_the_task_s_own_limit(tmp_path):
+    """--max_new_tokens 0 (the task's own) matches a start that saved the limit it resolved to."""
+    start = str(tmp_path / "start")
+    train.main(small_config(start, steps=0, max_new_tokens=0, eval_problems=1))
+    assert json.load(open(f"{start}/config.json"))["max_new_tokens"] == 48
+    train.main(small_config(str(tmp_path / "b"), steps=1, max_new_tokens=0, eval_problems=1, start_from=start))
+    with pytest.raises(SystemExit, match="--max_new_tokens 32 differs from the start's"):
+        train.main(small_config(str(tmp_path / "c"), max_new_tokens=32, start_from=start))
+
+
 def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path):
     start = str(tmp_path / "start")
     train.main(small_config(start, steps=0, sharing="isolated"))
