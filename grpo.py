@@ -35,8 +35,9 @@ pi_old needs no pass of its own where the update is on-policy: the first mini-ba
 the adapter's first step, so its old log-probs are its current ones, detached, and every ratio
 is 1; only the later mini-batches get a pass of their own, before the first step (old_logprobs).
 It measures each slot's gradient (gradient_stats: Paper A's amplification factor kappa and each
-role's gradient share) and carries Paper A's mitigations: role-balanced or 1/multiplicity loss
-weights (loss_weight), coherence damping (damped_step) and a KL anchor per role.
+role's gradient share) and the step's gradient noise (gradient_noise), and carries Paper A's
+mitigations: role-balanced or 1/multiplicity loss weights (loss_weight), coherence damping
+(damped_step) and a KL anchor per role.
 
 The sampler and the trainer round differently (bf16, KV cache, merged weights), so the tokens come
 from pi_rollout, not exactly pi_old. A correction laid over the update (sampler_gap, which a first
