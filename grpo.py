@@ -33,7 +33,8 @@ The update (`policy_update`) is shared by GRPO and the actor of the actor-critic
 pass over the calls in mini-batches, one optimizer step each (one PPO epoch, as in the paper).
 pi_old needs no pass of its own where the update is on-policy: the first mini-batch comes before
 the adapter's first step, so its old log-probs are its current ones, detached, and every ratio
-is 1; only the later mini-batches get a pass of their own, before the first step (old_logprobs).
+is 1; only the later mini-batches get a pass of their own, before the first step
+(rollout.old_logprobs).
 It measures each slot's gradient (gradient_stats: Paper A's amplification factor kappa and each
 role's gradient share) and the step's gradient noise (gradient_noise), and carries Paper A's
 mitigations: role-balanced or 1/multiplicity loss weights (loss_weight), coherence damping
@@ -61,7 +62,7 @@ import torch
 
 from lora import adapter_for, adapter_parameters, use_adapter
 from machine import gather_lists, my_share, sum_across, sum_gradients
-from rollout import Call, sequence_logprobs, token_batches
+from rollout import Call, micro_batches, old_logprobs, sequence_logprobs
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 RATIO_LEVELS = ("token", "sequence")  # PPO's importance ratio per token, or GSPO's per sequence
@@ -187,28 +188,7 @@ def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
 
 
 # ----------------------------------------------------------------------------
-# The update: old log-probs, then one pass of mini-batches
-
-
-def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
-    """The calls in micro-batches of at most max_tokens padded positions, shortest first, so that
-    calls of like lengths share one and little of it is padding (the sum is the same in any order)."""
-    calls = sorted(calls, key=lambda c: (len(c.prompt_ids), len(c.completion_ids)))
-    sizes = [(len(c.prompt_ids), len(c.completion_ids)) for c in calls]
-    return [[calls[i] for i in idx] for idx in token_batches(sizes, max_tokens)]
-
-
-@torch.no_grad()
-def old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temperature: float,
-                 micro_batch_tokens: int) -> dict[int, torch.Tensor]:
-    """pi_old of every completion token, under the adapter that generated it: id(call) -> (T_i,)."""
-    old = {}
-    with use_adapter(model, adapter):
-        for micro in micro_batches(calls, micro_batch_tokens):
-            logp, _, _ = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
-            for call, row in zip(micro, logp):
-                old[id(call)] = row[: len(call.completion_ids)].cpu()  # (T_i,)
-    return old
+# The update: one pass of mini-batches, and what it measures of its gradients
 
 
 def flat_grad(params: list[torch.Tensor]) -> torch.Tensor:

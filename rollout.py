@@ -341,6 +341,27 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
     return logp, cmask.to(logp.device), entropy
 
 
+def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
+    """The calls in micro-batches of at most max_tokens padded positions, shortest first, so that
+    calls of like lengths share one and little of it is padding (the sum is the same in any order)."""
+    calls = sorted(calls, key=lambda c: (len(c.prompt_ids), len(c.completion_ids)))
+    sizes = [(len(c.prompt_ids), len(c.completion_ids)) for c in calls]
+    return [[calls[i] for i in idx] for idx in token_batches(sizes, max_tokens)]
+
+
+@torch.no_grad()
+def old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temperature: float,
+                 micro_batch_tokens: int) -> dict[int, torch.Tensor]:
+    """pi_old of every completion token, under the adapter that generated it: id(call) -> (T_i,)."""
+    old = {}
+    with use_adapter(model, adapter):
+        for micro in micro_batches(calls, micro_batch_tokens):
+            logp, _, _ = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
+            for call, row in zip(micro, logp):
+                old[id(call)] = row[: len(call.completion_ids)].cpu()  # (T_i,)
+    return old
+
+
 # ----------------------------------------------------------------------------
 # The generate callback
 

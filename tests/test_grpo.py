@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from grpo import (UpdateSettings, aggregate, amplification, gradient_noise, gradient_stats, group_advantages,
-                  masked_mean, mismatch_stats, old_logprobs, policy_loss, policy_update, tis_weight)
+                  masked_mean, mismatch_stats, policy_loss, policy_update, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
-from rollout import Call, Rollout, sequence_logprobs
+from rollout import Call, Rollout, old_logprobs, sequence_logprobs
 from workflows import ROLES, run_workflow
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
