@@ -234,7 +234,8 @@ def gradient_stats(slot_grads: dict[str, torch.Tensor], role_of: dict[str, str])
 def gradient_noise(g0: torch.Tensor, g1: torch.Tensor) -> float:
     """|g0 - g1|^2 / |g0 + g1|^2, g0 and g1 the gradients of two halves of a step's problems: the
     noise's share of the step's squared gradient. Independent halves of one mean give E|g0 - g1|^2 =
-    tr Cov(g) and E|g|^2 = |E g|^2 + tr Cov(g), g = g0 + g1: about 1 for noise alone, near 0 for signal."""
+    tr Cov(g) and E|g|^2 = |E g|^2 + tr Cov(g), g = g0 + g1: about 1 for noise alone, near 0 for signal
+    (the gradient noise scale of McCandlish et al. 2018, arXiv 1812.06162, read off two half batches)."""
     return ((g0 - g1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
 
 
