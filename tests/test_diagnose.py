@@ -149,7 +149,8 @@ def test_amplification_fires_on_a_coherent_spike_then_a_validation_fall():
 
 
 @pytest.mark.parametrize("change", ["no val fall", "fall within noise", "fall too late", "fall on test only",
-                                    "incoherent", "one slot", "update norm only", "early steps"])
+                                    "incoherent", "one slot", "shared adapter", "update norm only",
+                                    "early steps"])
 def test_amplification_does_not_fire(change):
     rows, config = amplified_rows(), VOTING
     val = [r for r in rows if "val/accuracy" in r]
@@ -170,6 +171,8 @@ def test_amplification_does_not_fire(change):
         rows[6]["role/generator/kappa"] = 1.1
     elif change == "one slot":  # the same spike on a role with one slot: no same-role gradients to align
         rows[6]["role/generator/grad_norm"], rows[6]["role/aggregator/grad_norm"] = 0.5, 1.5
+    elif change == "shared adapter":  # the same history under one adapter for every role: not a same-role adapter
+        config = {**VOTING, "sharing": "shared"}
     elif change == "update norm only":  # the old signal: an update-norm jump is not the paper's signature
         rows[6]["role/generator/grad_norm"], rows[6]["adapter/generator/update_norm"] = 0.5, 1.0
     elif change == "early steps":  # under 3 steps of history: no running median yet
