@@ -194,14 +194,18 @@ def validation_fall(config: dict, rows: list[dict], step: int) -> str | None:
 
 def find_amplification(config: dict, rows: list[dict]) -> list[str]:
     """Paper A's signature of gradient amplification on a role with N > 1 same-role slots and an
-    adapter of its own (isolated; a shared adapter's steps are every role's): its gradient norm (>= GRAD_SPIKE) or training perplexity (>= PPL_SPIKE) spikes against its running
-    median, with kappa >= KAPPA_FRAC sqrt(N) at that step where kappa was logged, and then
-    validation accuracy falls (validation_fall). Reports the first such spike per role. Both
-    signals are logged before the clip. The adapter's update norm is no signal: under AdamW the
-    first steps are already the largest (about lr per weight) and the learning rate decays."""
+    adapter of its own (isolated: under a shared one every role takes every step, so the slots do
+    not multiply the role's steps): its gradient norm (>= GRAD_SPIKE) or training perplexity
+    (>= PPL_SPIKE) spikes against its running median, with kappa >= KAPPA_FRAC sqrt(N) at that
+    step where kappa was logged, and then validation accuracy falls (validation_fall). Reports the
+    first such spike per role. Both signals are logged before the clip. The adapter's update norm
+    is no signal: under AdamW the first steps are already the largest (about lr per weight) and
+    the learning rate decays."""
+    if config["sharing"] == "shared":
+        return []
     found = []
     for role, n in multiplicity(config).items():
-        if n < 2 or config["sharing"] == "shared":
+        if n < 2:
             continue
         kappa = dict(series(rows, f"role/{role}/kappa"))
         events = sorted((s, signal, v, m) for signal, key, factor in (("gradient norm", "grad_norm", GRAD_SPIKE),
