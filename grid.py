@@ -373,9 +373,7 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     by_cell = {cell: {seed_of(d): load_run(d) for d in run_dirs if os.path.basename(d) == cell}
                for cell in spec.cells}  # cell -> seed -> (config, rows)
     lines, verdict = demo_table(by_cell) + [""] + seed_table(spec.signals[0], by_cell), []
-    for cell, runs in by_cell.items():
-        if not spec.finding:  # a comparison, not a mechanism: no detector to ask
-            break
+    for cell, runs in by_cell.items() if spec.finding else ():  # a comparison asks no detector
         found = sum(any(f.startswith(spec.finding) for f in findings(*run)) for run in runs.values())
         meant = "the mechanism" if cell in spec.shows else "a contrast or a mitigation"
         verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(runs)} seeds")
