@@ -245,12 +245,15 @@ def outcome_rewards(calls: list[Call]) -> list[float]:
 
 
 def call_advantages(calls: list[Call], values: torch.Tensor, gamma: float, lam: float,
-                    rewards: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    rewards: list[float] | None = None,
+                    cut_returns_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE advantages and returns of every call, (N,) each.
 
     values: (N,) the critic's value of each call's input (central: its joint step;
     decentral: its own observation); an agent's next value is that of its own next
-    call. rewards: per-call rewards, default outcome_rewards(calls).
+    call. rewards: per-call rewards, default outcome_rewards(calls). cut_returns_zero
+    (--truncated penalize): a call cut by the length limit returns 0, A = 0 - V(s), as its
+    reward is 0 under GRPO, an earlier turn's as much as a last one's.
     """
     rewards = outcome_rewards(calls) if rewards is None else rewards
     seqs = agent_turns(calls)
@@ -267,6 +270,10 @@ def call_advantages(calls: list[Call], values: torch.Tensor, gamma: float, lam: 
     advantages, returns = torch.zeros(len(calls)), torch.zeros(len(calls))
     advantages[index[real]] = adv[real]  # (N,)
     returns[index[real]] = ret[real]  # (N,)
+    if cut_returns_zero:
+        cut = torch.tensor([c.truncated for c in calls], dtype=torch.bool)  # (N,)
+        advantages = torch.where(cut, -values.detach().float().cpu(), advantages)  # (N,)
+        returns = torch.where(cut, torch.zeros_like(returns), returns)  # (N,)
     return advantages, returns
 
 
@@ -334,6 +341,7 @@ class CriticSettings:
     vf_coef: float = 1.0             # value-loss coefficient
     value_clip: float | None = None  # PPO-style clip of each value's move (None = off)
     grad_clip: float = 1.0           # max gradient norm per optimizer step
+    cut_returns_zero: bool = False   # --truncated penalize: a call cut by the length limit returns 0
 
 
 @dataclass
@@ -351,7 +359,7 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     keys, texts = critic_inputs(calls, s.critic, s.per)
     ids = encode(tok, texts, s.max_tokens)
     values = predict_values(model, heads, keys, ids, tok.pad_token_id, s.predict_batch)  # (N,)
-    adv, returns = call_advantages(calls, values, s.gamma, s.lam)  # (N,), (N,)
+    adv, returns = call_advantages(calls, values, s.gamma, s.lam, cut_returns_zero=s.cut_returns_zero)
     if s.normalize_advantages:
         adv = normalize(adv)
     for call, a in zip(calls, adv.tolist()):

@@ -7,6 +7,7 @@ training them, and their tables.
     python grid.py --demo optimizer              # many AdamW steps: isolated generators against a single agent
     python grid.py --demo capture_dose           # the generators' share of a shared adapter raised on purpose
     python grid.py --demo critics                # Paper B: GRPO, a central and decentral critics on Orch-Workers
+    python grid.py --demo default --seeds 0,1,2  # the default run's gain over seeds, and where it comes from
 
 Flags this file does not know go to every cell's train.py, after the cell's own, so they
 override them (e.g. --model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import matplotlib
 
@@ -140,6 +142,9 @@ DEMOS = {
         {"grpo": (), "central": ("--algo", "maac", "--critic", "central"),
          "decentral": ("--algo", "maac", "--critic", "decentral")},
         (), ("accuracy", "explained variance", "gradient noise"), start=("--algo", "grpo")),
+    # The default run over seeds: its gain, split into the generator's first answers and what the
+    # rest of the workflow (the evaluator and its refines) adds (gain_table).
+    "default": Demo("", (), {"default": ()}, (), ("accuracy",)),
 }
 
 
@@ -292,20 +297,51 @@ def by_seed(a: dict[str, dict], b: dict[str, dict], key: str, key_b: str | None 
     return [a[s][key] - b[s][key_b or key] for s in sorted(a.keys() & b.keys())]
 
 
-def verdict(diffs: list[float]) -> str:
-    """Mean +- standard error of differences over seeds, and whether it holds: beyond twice its
-    standard error (with 3 seeds a rough test; the table's ranges show every seed)."""
+# Two-sided 95 % critical values of Student's t by degrees of freedom, 1 to 30 (beyond: 30's, a
+# little wide). A mean over n seeds has n - 1: with 3 seeds the interval is 4.30 standard errors wide
+# on each side, not 2 (|t| = 2 on 2 degrees of freedom is a two-sided p of 0.18).
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+       2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+       2.052, 2.048, 2.045, 2.042)
+
+
+def noise_floor(accuracies: list[float], problems: int, seeds: int) -> float:
+    """The least standard error a mean over `seeds` of accuracies on `problems` problems can have:
+    one evaluation's binomial noise, sqrt(p (1 - p) / problems), over sqrt(seeds). Three seeds of 64
+    problems near p = 0.5: 0.036, whatever the seeds' own spread says."""
+    p = statistics.mean(accuracies)
+    return math.sqrt(p * (1 - p) / problems / seeds)
+
+
+def interval(diffs: list[float], floor: float = 0.0) -> tuple[float, float, float]:
+    """Mean of differences paired by seed, its standard error (at least `floor`), and the half-width
+    of its 95 % interval from the t distribution with n - 1 degrees of freedom."""
+    n = len(diffs)
+    mean, se = statistics.mean(diffs), max(statistics.stdev(diffs) / math.sqrt(n), floor)
+    return mean, se, T95[min(n - 1, len(T95)) - 1] * se
+
+
+def paired_verdict(diffs: list[float], floor: float = 0.0) -> str:
+    """A paired mean, its standard error and its 95 % t interval, and what the interval carries: it
+    holds where the interval lies above 0, the opposite where below, else the seeds cannot tell."""
     if len(diffs) < 2:
         return f"{diffs[0] if diffs else math.nan:+.3f} on one seed: no verdict"
-    mean, se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
-    holds = "holds" if mean > 2 * se else "the opposite holds" if mean < -2 * se else "within the noise"
-    return f"{round(mean, 3) + 0.0:+.3f} +- {se:.3f} over {len(diffs)} seeds: {holds}"
+    mean, se, half = interval(diffs, floor)
+    n = len(diffs)
+    holds = ("holds" if mean - half > 0 else "the opposite holds" if mean + half < 0
+             else f"not distinguishable at {n} seeds")
+    return (f"{round(mean, 3) + 0.0:+.3f} (SE {se:.3f}; 95 % CI {mean - half:+.2f} to {mean + half:+.2f}, "
+            f"t with {n - 1} df) over {n} seeds: {holds}")
 
 
 def claims(by_cell: Runs) -> list[str]:
     """Paper A's findings, a line each, with this grid's numbers as differences paired by seed."""
     numbers = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()} for cell, runs in by_cell.items()
                if runs}
+    config = next(config for runs in by_cell.values() for config, _ in runs.values())
+    accuracies = [x[k] for runs in numbers.values() for x in runs.values() for k in ("start", "peak", "end")]
+    seeds = min(len(runs) for runs in numbers.values())
+    verdict = partial(paired_verdict, floor=noise_floor(accuracies, config["eval_problems"], seeds))
     lines = []
     single = numbers.get("single-shared")
     for cell, runs in ((c, r) for c, r in numbers.items() if not c.startswith("single")):
@@ -321,10 +357,12 @@ def claims(by_cell: Runs) -> list[str]:
                          f"{verdict(by_seed(iso, sh, 'peak - end'))}")
         if sh and w != "single":
             lines.append(f"shared plateaus, {w}: end - middle {verdict([x['end - middle'] for x in sh.values()])} "
-                         "(a plateau: within the noise)")
+                         "(a plateau: not distinguishable from 0)")
     return [f"- {line}" for line in lines] + [
-        "", "Each difference is paired by seed: mean +- its standard error over the seeds; it holds when it exceeds "
-        "twice that. The peak is the step chosen on the val split, read on test: the choice does not bias it upward."]
+        "", "Each difference is paired by seed: its mean, its standard error over the seeds (at least the "
+        "evaluation's own noise, grid.noise_floor) and its 95 % interval from the t distribution; it holds "
+        "where the interval excludes 0. The peak is the step chosen on the val split, read on test: the "
+        "choice does not bias it upward."]
 
 
 def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -377,6 +415,8 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
         found = sum(any(f.startswith(spec.finding) for f in findings(*run)) for run in runs.values())
         meant = "the mechanism" if cell in spec.shows else "a contrast or a mitigation"
         verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(runs)} seeds")
+    if name == "default":
+        lines += [""] + gain_table(by_cell["default"])
     picture = demo_plot(spec.signals, by_cell, os.path.join(home, "demo.png"))
     with open(path) as f:
         text = f.read()
@@ -390,6 +430,27 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
 def demo_table(by_cell: Runs) -> list[str]:
     """One row per cell: each of cell_numbers' numbers, its mean over the seeds and its range."""
     return mean_table({cell: [cell_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()})
+
+
+def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
+    """Test accuracy before -> after RL seed by seed: the workflow's, its generator's first answers',
+    and the rest's (the workflow's minus the first answers'), then each gain's paired interval."""
+    lines = ["| seed | workflow | generator's first answers | the rest of the workflow adds |",
+             "|---|---|---|---|"]
+    gains = {"workflow": [], "first answers": [], "the rest": []}
+    accuracies = []
+    for seed, (config, rows) in sorted(runs.items(), key=lambda item: int(item[0])):
+        first, last = rows[0], rows[-1]
+        acc = [first["eval/accuracy"], last["eval/accuracy"]]
+        answer = [first["eval/first_answer"], last["eval/first_answer"]]
+        rest = [a - b for a, b in zip(acc, answer)]
+        for key, pair in zip(gains, (acc, answer, rest)):
+            gains[key].append(pair[1] - pair[0])
+        accuracies += acc
+        lines.append(f"| {seed} | " + " | ".join(f"{a:.3f} -> {b:.3f}" for a, b in (acc, answer))
+                     + f" | {rest[0]:+.3f} -> {rest[1]:+.3f} |")
+    floor = noise_floor(accuracies, config["eval_problems"], len(runs))
+    return lines + [""] + [f"- gain of {key}: {paired_verdict(diffs, floor)}" for key, diffs in gains.items()]
 
 
 def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:

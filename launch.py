@@ -118,7 +118,8 @@ def critic_settings(cfg: RunConfig) -> CriticSettings:
     return CriticSettings(critic=cfg.critic, per=cfg.critic_per, max_tokens=cfg.critic_max_tokens,
                           gamma=cfg.gamma, lam=cfg.lam, normalize_advantages=cfg.norm_adv,
                           minibatch_size=cfg.minibatch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None, grad_clip=cfg.grad_clip)
+                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None, grad_clip=cfg.grad_clip,
+                          cut_returns_zero=cfg.truncated == "penalize")
 
 
 def warmup_roles(cfg: RunConfig) -> list[str]:

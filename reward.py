@@ -334,9 +334,13 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
     own: each call is paid for its own part (math only): a solver for its own answer, an evaluator
       for a verdict that agrees with the verifier; the roles that pick or plan (aggregator,
       orchestrator) keep the episode's outcome. A departure; docs/learning.md measures both.
-    truncated "penalize": a call cut by the length limit earns 0, whatever its episode earned (an
-      unfinished answer is no answer; DAPO's overlong punishment, Yu et al. 2025, at its hardest).
-      "mask" (its gradient dropped, TRL's mask_truncated_completions) acts in the update instead.
+    truncated "penalize": a call cut by the length limit earns 0, whatever its episode earned, the
+      reward of a wrong answer (under --algo maac its return is 0: critic.critic_advantages). DAPO
+      (Yu et al. 2025, Sec. 3.4) instead adds a penalty that grows over the last tokens before the
+      limit to -1 past it, on top of a +-1 correctness reward, or masks cut samples out of the loss
+      (overlong filtering, "mask" here, acting in the update). Unless "keep", a cut call's own answer
+      (`solved`) is no answer either, and rollout scores an episode whose final answer was cut as 0
+      (cut_finals), in training and evaluation alike.
     On math every solving call's own answer is also scored, into `solved`: what the later roles did
     to it (role_jobs), and own credit."""
     for c in calls:
@@ -345,7 +349,7 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
         solvers = [c for c in calls if c.role in SOLVERS]
         for c, r in zip(solvers, score_batch([problems[c.episode] for c in solvers], [c.text for c in solvers],
                                              strict=strict)):
-            c.solved = r
+            c.solved = 0.0 if c.truncated and truncated != "keep" else r
     if credit == "own":
         for c in calls:
             c.reward = c.solved if c.solved is not None else c.reward
@@ -354,6 +358,13 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
     if truncated == "penalize":
         for c in calls:
             c.reward = 0.0 if c.truncated else c.reward
+
+
+def cut_finals(calls: list, finals: list[str]) -> list[bool]:
+    """Whether each episode's final answer is the text of one of its calls that the length limit
+    cut: an unfinished answer, scored 0 unless --truncated keep."""
+    cut = {(c.episode, c.text) for c in calls if c.truncated}
+    return [(e, final) in cut for e, final in enumerate(finals)]
 
 
 def read_by(calls: list) -> list[tuple]:

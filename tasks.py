@@ -104,6 +104,12 @@ OPS: dict[str, Callable[..., int]] = {
     "a+b-c": lambda a, b, c: a + b - c, "a-b+c": lambda a, b, c: a - b + c,
     "a*b+c": lambda a, b, c: a * b + c, "a*b-c": lambda a, b, c: a * b - c}
 COMMUTATIVE = {"a+b", "a*b", "a+b+c"}  # their operands are a set: 3 + 5 and 5 + 3 are one fact
+# Level 5's formulas are sums of signed terms: a+b-c of (6, 7, 8) and a-b+c of (6, 8, 7) are both
+# 6 + 7 - 8, one fact; a*b+c of (3, 4, 5) and (4, 3, 5) are both 12 + 5. Each names its terms.
+SIGNED_TERMS: dict[str, Callable[..., tuple[list, list]]] = {
+    "a+b-c": lambda a, b, c: ([a, b], [c]), "a-b+c": lambda a, b, c: ([a, c], [b]),
+    "a*b+c": lambda a, b, c: ([f"{min(a, b)}*{max(a, b)}", c], []),
+    "a*b-c": lambda a, b, c: ([f"{min(a, b)}*{max(a, b)}"], [c])}
 Part = tuple[tuple[str, ...], list[tuple[int, ...]], str]
 LEVELS: dict[int, dict[str, list[Part]]] = {
     1: {"add": [(ADD, ADD_1D, "a+b")]},
@@ -130,8 +136,19 @@ def assign_splits(keys) -> dict[str, str]:
 
 
 def fact(op: str, nums: tuple[int, ...]) -> str:
-    """The canonical arithmetic fact of a question, whatever its wording: "a+b:3,5"."""
+    """The canonical arithmetic fact of a question, whatever its wording: "a+b:3,5"; a level-5
+    formula by its signed terms, "terms:+6,+7,-8" (so a+b-c and a-b+c may name one fact)."""
+    if op in SIGNED_TERMS:
+        plus, minus = SIGNED_TERMS[op](*nums)
+        terms = sorted(f"+{t}" for t in plus) + sorted(f"-{t}" for t in minus)
+        return "terms:" + ",".join(terms)
     return f"{op}:{','.join(map(str, sorted(nums) if op in COMMUTATIVE else nums))}"
+
+
+def facts(level: int, split: str) -> set[str]:
+    """The arithmetic facts one split of a level asks for (tasks.fact's names)."""
+    check_split(split)
+    return {key for kind in _pools(level)[split] for _, _, key in kind}
 
 
 def normalised(text: str) -> str:

@@ -60,7 +60,7 @@ from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
 from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
                      stop_requested)
-from reward import CREDITS, TRUNCATED, credit_calls, score_batch, step_metrics
+from reward import CREDITS, TRUNCATED, credit_calls, cut_finals, score_batch, step_metrics
 from rollout import DTYPES, Call, Rollout
 from runs import (NONFINITE_STOP, episode_samples, keep_best, leave_processes, save_checkpoint, start_logs, stop_run,
                   write_step)
@@ -110,8 +110,9 @@ class Config:
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
     credit: str = arg("final", "each call's reward: final = the episode's answer, broadcast (the paper); own = "
                       "a solver's own answer, an evaluator's verdict (math)", CREDITS)
-    truncated: str = arg("penalize", "a call cut by --max_new_tokens: penalize = reward 0 (DAPO), mask = no "
-                         "gradient (TRL), keep = scored like any other", TRUNCATED)
+    truncated: str = arg("penalize", "a call cut by --max_new_tokens: penalize = reward 0, mask = no "
+                         "gradient; both score a cut final answer 0; keep = scored like any other",
+                         TRUNCATED)
     # optimisation
     lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)", bounds="(0, inf)")
     warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to --lr_floor", bounds="[0, inf)")
@@ -225,6 +226,9 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
                             n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)
     rewards = score_batch(problems, [o.final for o in outcomes], strict=cfg.strict_answer,
                           workers=cfg.code_workers, timeout=cfg.code_timeout)
+    if cfg.truncated != "keep":  # an unfinished final answer is no answer, here and in evaluation
+        cut = cut_finals(rollout.calls, [o.final for o in outcomes])
+        rewards = [0.0 if c else r for r, c in zip(rewards, cut)]
     credit_calls(rollout.calls, problems, rewards, cfg.credit, cfg.truncated, cfg.strict_answer)
     return rollout, outcomes, rewards
 

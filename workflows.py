@@ -54,7 +54,7 @@ DEFAULT_STRATEGY = "Solve it directly, step by step."
 PROMPTS: dict[tuple[str, str], dict[str, str]] = {
     ("math", "generator"): {
         "system": "You are a careful math solver. Write the calculation in one line, then the final "
-                  "answer in \\boxed{}. Example: 3 + 4 = 7, so the answer is \\boxed{7}.",
+                  "answer in \\boxed{}. Example: 4 + 5 = 9, so the answer is \\boxed{9}.",
         "user": "Problem: $question",
         "refine": "Problem: $question\n\nYour previous solution:\n$solution\n\n"
                   "A reviewer said it is incorrect:\n$critique\n\n"

@@ -89,6 +89,16 @@ def test_call_advantages_follow_each_agents_own_turns():
     assert adv[2].item() == pytest.approx(0.5 + 0.6 - 0.2)
 
 
+def test_a_cut_call_returns_zero_under_penalize():
+    calls = eval_opt_calls()
+    calls[2].truncated = True  # episode 0's first generator turn, not its last
+    values = torch.tensor([0.6, 0.3, 0.2, 0.5, 0.4])
+    adv, ret = call_advantages(calls, values, gamma=1.0, lam=0.0, cut_returns_zero=True)
+    assert adv.tolist() == pytest.approx([1 - 0.6, 0 - 0.3, 0 - 0.2, 1 - 0.5, 0 - 0.4])
+    assert ret.tolist() == pytest.approx([1.0, 0.0, 0.0, 1.0, 0.0])
+    assert call_advantages(calls, values, gamma=1.0, lam=0.0)[0][2].item() == pytest.approx(0.6 - 0.2)
+
+
 def test_normalize():
     out = normalize(torch.tensor([1.0, 2.0, 3.0, 6.0]))
     assert out.mean().item() == pytest.approx(0.0, abs=1e-6)

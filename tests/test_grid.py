@@ -146,9 +146,10 @@ def test_reproduce_trains_every_cell_for_every_seed_and_tables_them(tmp_path, ca
     assert "train.py" not in capsys.readouterr().out
 
 
-def fake_run(workflow: str, sharing: str, accuracy: list[float], val: list[float] = ()) -> tuple[dict, list[dict]]:
-    """A run's (config, rows) with test (and val) accuracy at steps 0, 2, 4 (50 problems)."""
-    config = {"workflow": workflow, "sharing": sharing, "steps": 4, "eval_every": 2, "eval_problems": 50}
+def fake_run(workflow: str, sharing: str, accuracy: list[float], val: list[float] = (),
+             problems: int = 50) -> tuple[dict, list[dict]]:
+    """A run's (config, rows) with test (and val) accuracy at steps 0, 2, 4 (`problems` problems)."""
+    config = {"workflow": workflow, "sharing": sharing, "steps": 4, "eval_every": 2, "eval_problems": problems}
     rows = [{"step": 2 * i, "eval/accuracy": a} for i, a in enumerate(accuracy)]
     for row, v in zip(rows, val):
         row["val/accuracy"] = v
@@ -161,37 +162,76 @@ def test_the_peak_is_chosen_on_val_and_read_on_test():
     assert grid.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8]))["peak"] == 0.8  # no val split
 
 
+def test_a_paired_interval_by_hand():
+    """Differences 0.10, 0.12, 0.14: mean 0.12, standard deviation 0.02, standard error
+    0.02 / sqrt 3 = 0.01155; t at 97.5 % with 2 degrees of freedom is 4.303: half-width 0.0497."""
+    mean, se, half = grid.interval([0.10, 0.12, 0.14])
+    assert math.isclose(mean, 0.12) and math.isclose(se, 0.02 / math.sqrt(3)) and math.isclose(half, 0.04969, rel_tol=1e-3)
+    assert grid.paired_verdict([0.10, 0.12, 0.14]) == \
+        "+0.120 (SE 0.012; 95 % CI +0.07 to +0.17, t with 2 df) over 3 seeds: holds"
+    # twice the standard error is not enough on 2 degrees of freedom: 0.1 +- 0.0577 covers 0
+    assert grid.paired_verdict([0.0, 0.1, 0.2]).endswith("not distinguishable at 3 seeds")
+    # the evaluation's own noise: 64 problems at p = 0.5 over 3 seeds, sqrt(0.25 / 64 / 3) = 0.0361
+    assert math.isclose(grid.noise_floor([0.4, 0.6], 64, 3), 0.0361, rel_tol=1e-3)
+    assert grid.paired_verdict([0.10, 0.12, 0.14], floor=0.05) == \
+        "+0.120 (SE 0.050; 95 % CI -0.10 to +0.34, t with 2 df) over 3 seeds: not distinguishable at 3 seeds"
+    assert grid.interval([0.1] * 40, floor=0.01)[2] == pytest.approx(0.02042)  # beyond 30 df: 30's value
+    assert grid.paired_verdict([0.1]) == "+0.100 on one seed: no verdict"
+
+
 def test_the_findings_by_hand():
-    """Differences paired by seed, mean +- standard error over three seeds; a finding holds beyond
-    twice its standard error. Voting shared ends 0.6, 0.6, 0.9 against the single agent's 0.6, 0.5,
-    0.7: differences 0, 0.1, 0.2, mean 0.1, standard deviation 0.1, standard error 0.1 / sqrt 3."""
-    seeds = "012"
-    by_cell = {"single-shared": {s: fake_run("single", "shared", [0.4, 0.5, e]) for s, e in zip(seeds, (0.6, 0.5, 0.7))},
-               "voting-shared": {s: fake_run("voting", "shared", [0.4, 0.6, e]) for s, e in zip(seeds, (0.6, 0.6, 0.9))},
-               "voting-isolated": {s: fake_run("voting", "isolated", [0.4, 0.8, e]) for s, e in zip(seeds, (0.5, 0.3, 0.4))},
-               "eval_opt-shared": {s: fake_run("eval_opt", "shared", [0.5, 0.4, 0.2]) for s in seeds}}
+    """Differences paired by seed over three seeds, on a million problems so that the evaluation's
+    noise floor does not matter. Voting shared ends 0.6, 0.6, 0.9 against the single agent's 0.6,
+    0.5, 0.7: differences 0, 0.1, 0.2, mean 0.1, standard error 0.1 / sqrt 3, half-width 0.248."""
+    seeds, n = "012", 10 ** 6
+    by_cell = {"single-shared": {s: fake_run("single", "shared", [0.4, 0.5, e], problems=n)
+                                 for s, e in zip(seeds, (0.6, 0.5, 0.7))},
+               "voting-shared": {s: fake_run("voting", "shared", [0.4, 0.6, e], problems=n)
+                                 for s, e in zip(seeds, (0.6, 0.6, 0.9))},
+               "voting-isolated": {s: fake_run("voting", "isolated", [0.4, 0.8, e], problems=n)
+                                   for s, e in zip(seeds, (0.5, 0.3, 0.4))},
+               "eval_opt-shared": {s: fake_run("eval_opt", "shared", [0.5, 0.4, 0.2], problems=n) for s in seeds}}
     numbers = grid.accuracy_numbers(*by_cell["voting-isolated"]["1"])
     assert numbers["peak"] == 0.8 and math.isclose(numbers["peak - end"], 0.5)
     assert math.isclose(numbers["end - middle"], -0.5) and math.isclose(numbers["end - start"], -0.1)
     lines = grid.claims(by_cell)
     for expected in [
-            # ends - 0.4 = 0.2, 0.2, 0.5: mean 0.3, sd sqrt(0.03), se 0.1
-            "- multi-agent RL above its base, voting-shared: end - start +0.300 +- 0.100 over 3 seeds: holds",
-            "- multi-agent RL above single-agent RL, voting-shared: end - single's end +0.100 +- 0.058 over 3 seeds: "
-            "within the noise",
-            # -0.3 on every seed: no spread, the opposite holds
-            "- multi-agent RL above its base, eval_opt-shared: end - start -0.300 +- 0.000 over 3 seeds: "
-            "the opposite holds",
+            # ends - 0.4 = 0.2, 0.2, 0.5: mean 0.3, sd sqrt(0.03), se 0.1, half-width 0.43
+            "- multi-agent RL above its base, voting-shared: end - start +0.300 (SE 0.100; 95 % CI -0.13 to "
+            "+0.73, t with 2 df) over 3 seeds: not distinguishable at 3 seeds",
+            "- multi-agent RL above single-agent RL, voting-shared: end - single's end +0.100 (SE 0.058; 95 % CI "
+            "-0.15 to +0.35, t with 2 df) over 3 seeds: not distinguishable at 3 seeds",
+            # -0.3 on every seed: no spread but the evaluation's noise, the opposite holds
+            "- multi-agent RL above its base, eval_opt-shared: end - start -0.300 (SE 0.000; 95 % CI -0.30 to "
+            "-0.30, t with 2 df) over 3 seeds: the opposite holds",
             # peaks 0.8 against 0.6, 0.6, 0.9: 0.2, 0.2, -0.1
-            "- isolated peaks higher, voting: peak - shared's peak +0.100 +- 0.100 over 3 seeds: within the noise",
-            "- shared plateaus, eval_opt: end - middle -0.200 +- 0.000 over 3 seeds: the opposite holds "
-            "(a plateau: within the noise)"]:
+            "- isolated peaks higher, voting: peak - shared's peak +0.100 (SE 0.100; 95 % CI -0.33 to +0.53, "
+            "t with 2 df) over 3 seeds: not distinguishable at 3 seeds",
+            "- shared plateaus, eval_opt: end - middle -0.200 (SE 0.000; 95 % CI -0.20 to -0.20, t with 2 df) "
+            "over 3 seeds: the opposite holds (a plateau: not distinguishable from 0)"]:
         assert expected in lines, (expected, lines)
     assert not any("isolated peaks higher, eval_opt" in line for line in lines)  # no isolated cell to compare
-    assert grid.verdict([0.1]) == "+0.100 on one seed: no verdict"
     table = grid.main_table(by_cell)
     assert "| voting-isolated | 0.40 (0.40 to 0.40) | 0.80 (0.80 to 0.80) | 0.40 (0.30 to 0.50) | 0.40 (0.30 to 0.50) |" in \
         "\n".join(table)
+    # on 50 problems the floor decides where the seeds agree: -0.3 on every seed, SE sqrt(p (1 - p) / 150)
+    small = {cell: {s: fake_run(c["workflow"], c["sharing"], [r["eval/accuracy"] for r in rows])
+                    for s, (c, rows) in runs.items()} for cell, runs in by_cell.items()}
+    assert any("eval_opt-shared: end - start -0.300 (SE 0.04" in line for line in grid.claims(small))
+
+
+def test_the_default_runs_gain_and_its_parts_by_hand():
+    """Two seeds: the workflow 0.5 -> 0.7 and 0.6 -> 0.7, its first answers 0.5 -> 0.5 and 0.4 -> 0.6:
+    gains 0.2 and 0.1, of which the first answers' 0 and 0.2, the rest's 0.2 and -0.1."""
+    def run(acc, first):
+        return ({"eval_problems": 96}, [{"step": 0, "eval/accuracy": acc[0], "eval/first_answer": first[0]},
+                                        {"step": 10, "eval/accuracy": acc[1], "eval/first_answer": first[1]}])
+    lines = grid.gain_table({"1": run((0.6, 0.7), (0.4, 0.6)), "0": run((0.5, 0.7), (0.5, 0.5))})
+    assert lines[2:4] == ["| 0 | 0.500 -> 0.700 | 0.500 -> 0.500 | +0.000 -> +0.200 |",
+                          "| 1 | 0.600 -> 0.700 | 0.400 -> 0.600 | +0.200 -> +0.100 |"]
+    # gains 0.2, 0.1: mean 0.15, se 0.05, t with 1 df 12.706
+    assert "- gain of workflow: +0.150 (SE 0.050; 95 % CI -0.49 to +0.79, t with 1 df) over 2 seeds: " \
+           "not distinguishable at 2 seeds" in lines
 
 
 def test_where_the_signal_went_by_hand():

@@ -7,8 +7,8 @@ from functools import lru_cache
 import pytest
 import sympy  # noqa: F401  imported here once, so the time bounds below time the verifier, not the import
 
-from reward import credit_calls, extract_answer, math_equal, math_reward, role_jobs
-from tasks import LEVELS, SPLITS, Problem, arith_problems, load_task
+from reward import credit_calls, cut_finals, extract_answer, math_equal, math_reward, role_jobs
+from tasks import LEVELS, NAMES, OBJECTS, SPLITS, Problem, arith_problems, load_task
 
 HUGE = "blah 7 " * 30_000 + "\\boxed{42}"  # about 210k chars, answer at the very end
 
@@ -364,6 +364,31 @@ def test_no_test_fact_is_trained_on():
     assert len({level2_fact(p.question) for p in arith_problems("test", 96, level=2)}) == len(facts["test"])
 
 
+def signed_terms(op: str, nums: tuple[int, ...]) -> tuple:
+    """The computation a formula asks for, as a multiset of signed terms, a product's factors
+    unordered: written here from the formula's text, not from tasks.fact."""
+    values = dict(zip("abc", nums))
+    terms = re.findall(r"([+-]?)([a-c](?:\*[a-c])?)", op)
+    return tuple(sorted((sign or "+", tuple(sorted(values[v] for v in term.split("*"))))
+                        for sign, term in terms))
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_one_computation_lands_in_one_split(level):
+    """Level 5: a+b-c of (6, 7, 8) and a-b+c of (6, 8, 7) are one computation, 6 + 7 - 8; its
+    every form and wording lands in one split."""
+    split_of = {q: split for split in SPLITS for q in _every_question(level, split)}
+    where = {}
+    for templates, operands, op in (part for parts in LEVELS[level].values() for part in parts):
+        for i, nums in enumerate(operands):
+            names = dict(name=NAMES[i % len(NAMES)], obj=OBJECTS[i % len(OBJECTS)])
+            question = templates[0].format(**dict(zip("abc", nums)), **names)
+            where.setdefault(signed_terms(op, nums), set()).add(split_of[question])
+    assert all(len(splits) == 1 for splits in where.values())
+    if level == 5:  # the two forms meet: 6 + 7 - 8 is asked both ways
+        assert signed_terms("a+b-c", (6, 7, 8)) == signed_terms("a-b+c", (6, 8, 7))
+
+
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_ids_and_questions_are_unique(level):
     problems = arith_problems("train", 300, level=level)
@@ -428,7 +453,7 @@ def test_answers_of_plain_expressions(level):
         "How many pencils does Leo have in total?", "25"),
 ])
 def test_known_word_problems(level, question, answer):
-    everything = _every_question(level, "train") | _every_question(level, "test")
+    everything = {q: a for split in SPLITS for q, a in _every_question(level, split).items()}
     assert everything[question] == answer
 
 
@@ -476,9 +501,19 @@ def test_a_truncated_call_earns_nothing_under_penalize_only():
     calls[5].truncated = calls[7].truncated = True
     credit_calls(calls, problems, [0.0, 1.0], "final", "penalize")
     assert [c.reward for c in calls] == [0.0] * 3 + [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert calls[5].solved == 0.0  # a cut answer is no answer, though its number is right
     for kept in ("keep", "mask"):  # mask acts in the update, on the advantage
         credit_calls(calls, problems, [0.0, 1.0], "final", kept)
         assert [c.reward for c in calls] == [0.0] * 3 + [1.0] * 3 + [0.0, 1.0]
+        assert calls[5].solved == (1.0 if kept == "keep" else 0.0)
+
+
+def test_an_episode_whose_final_answer_was_cut_is_found():
+    problems, calls = _voting_episodes()
+    calls[5].truncated = True  # episode 1's third candidate, the one its aggregator picked
+    assert cut_finals(calls, ["\\boxed{6}", "\\boxed{5}"]) == [False, True]
+    calls[5].truncated, calls[3].truncated = False, True  # a cut candidate that was not picked
+    assert cut_finals(calls, ["\\boxed{6}", "\\boxed{5}"]) == [False, False]
 
 
 def test_role_jobs_by_hand():

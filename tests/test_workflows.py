@@ -1,10 +1,12 @@
 """Workflows against a scripted fake model: stage order, batching, prompts, contracts, finals."""
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 
-from workflows import (DEFAULT_STRATEGY, MAX_FEED_CHARS, ROLES, WORKFLOWS,
+from tasks import LEVELS, OPS, fact, facts
+from workflows import (PROMPTS, DEFAULT_STRATEGY, MAX_FEED_CHARS, ROLES, WORKFLOWS,
                        Chat, boxed_contents, clip, parse_choice, parse_strategies,
                        parse_verdict, role_of, run_workflow, slots, stage)
 
@@ -284,3 +286,21 @@ def test_parse_strategies(text: str, expected: list[str]) -> None:
 def test_boxed_contents_handles_nesting() -> None:
     text = r"a \boxed{\frac{1}{2}} b \boxed{3} c \boxed{open"
     assert boxed_contents(text) == [r"\frac{1}{2}", "3"]
+
+
+EXPRESSION = re.compile(r"(\d+)\s*([-+*×])\s*(\d+)(?:\s*([-+])\s*(\d+))?")
+
+
+def test_no_prompt_shows_a_held_out_fact():
+    """A format example such as "4 + 5 = 9" must not be a fact of any level's test or val split:
+    the prompt is read by every call, evaluation's included."""
+    held_out = {key for level in LEVELS for split in ("val", "test") for key in facts(level, split)}
+    texts = [text for templates in PROMPTS.values() for text in templates.values()]
+    shown = set()
+    for text in texts:
+        for a, op, b, op2, c in EXPRESSION.findall(text):
+            formula = "a" + op.replace("×", "*") + "b" + (op2 + "c" if op2 else "")
+            nums = tuple(int(x) for x in (a, b, c) if x)
+            shown.add(fact(formula, nums) if formula in OPS else formula)
+    assert shown, "the math prompts show a worked example"
+    assert not shown & held_out, shown & held_out
