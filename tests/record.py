@@ -4,7 +4,8 @@
     python tests/record.py --out /tmp/rec --check tests/fixtures/recording.json
 
 A case is one train.py run (or two: a resumed run, a start from another run) on the tiny random
-model, one thread, a fixed seed. Its recording is every metrics row less the clock and memory keys,
+model, one thread, a fixed seed, with problems whose answer is always 7 (so that its random replies
+earn rewards that vary). Its recording is every metrics row less the clock and memory keys,
 and the sha256 of its samples.jsonl and of every saved adapter and critic head. --check compares
 a new recording with a stored one: the keys both hold must agree exactly, a key the old run wrote
 may be gone, a new key is a difference. Floating-point results depend on the machine's CPU and
@@ -15,13 +16,14 @@ import glob
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOY = ["--model", "tiny", "--steps", "2", "--problems_per_step", "2", "--group_size", "4",
-       "--max_new_tokens", "16", "--truncated", "keep", "--temperature", "1.0", "--lr", "1e-2",
-       "--lora_r", "4", "--eval_problems", "4", "--sft_warmup", "2", "--threads", "1", "--level", "1"]
+TOY = ["--model", "tiny", "--steps", "2", "--problems_per_step", "3", "--group_size", "4",
+       "--max_new_tokens", "24", "--truncated", "keep", "--temperature", "1.0", "--lr", "1e-2",
+       "--lora_r", "4", "--eval_problems", "4", "--sft_warmup", "2", "--threads", "1"]
 CASES: dict[str, list[str]] = {
     **{f"{w}-{s}": ["--workflow", w, "--sharing", s]
        for w in ("single", "eval_opt", "voting", "orch_workers") for s in ("shared", "isolated")},
@@ -42,17 +44,25 @@ CASES: dict[str, list[str]] = {
     "eval-every-val": ["--eval_every", "1", "--val_problems", "4", "--diag_every", "2"],
 }
 # two-run cases: the first run, then the second in the same directory or from the first
-RESUMED = ["--workflow", "voting"]
+RESUMED = ["--workflow", "voting", "--steps", "3"]
 STARTED = ["--workflow", "voting", "--steps", "0"]
 VOLATILE = ("time/", "mem/")  # the clock's and the machine's, not the algorithm's
 
 
-def train(out: str, flags: list[str]) -> None:
-    cmd = [sys.executable, "train.py", *TOY, *flags, "--out", out]
+def train(out: str, flags: list[str], stop_in: str = "") -> None:
+    """One train.py run; with `stop_in`, SIGTERM as soon as it logs a line that starts so (the run
+    stops after that step, as Ctrl-C would stop it)."""
+    cmd = [sys.executable, __file__, "--child", *TOY, *flags, "--out", out]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[1:])} failed:\n{done.stderr[-2000:]}")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, stopped = [], False
+    for line in proc.stdout:
+        lines.append(line)
+        if stop_in and line.startswith(stop_in) and not stopped:
+            proc.send_signal(signal.SIGTERM)
+            stopped = True
+    if proc.wait() not in ((0, 128 + signal.SIGTERM) if stopped else (0,)):
+        raise SystemExit(f"{' '.join(cmd[1:])} failed:\n{''.join(lines)[-2000:]}")
 
 
 def sha256(path: str) -> str:
@@ -78,8 +88,8 @@ def record(out: str, only: list[str]) -> dict:
             print(name, flush=True)
     if not only or "resumed" in only:  # stopped after step 1, resumed to step 2
         run = os.path.join(out, "resumed")
-        train(run, [*RESUMED, "--steps", "1"])
-        train(run, [*RESUMED, "--resume", "--steps", "2"])
+        train(run, RESUMED, stop_in="step 1 rollout")
+        train(run, [*RESUMED, "--resume"])
         got["resumed"] = recording(run)
         print("resumed", flush=True)
     if not only or "started" in only:  # RL from another run's step 0
@@ -113,7 +123,23 @@ def differences(old: dict, new: dict) -> list[str]:
     return found
 
 
+def child(argv: list[str]) -> None:
+    """train.py's command line on problems whose answer is always 7: the tiny model's random replies
+    are right often enough that rewards vary and every update path moves the adapters."""
+    sys.path.insert(0, ROOT)
+    import launch
+    import machine
+    import train
+    from tasks import Problem
+    problems = [Problem(f"seven-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
+    launch.load_task = lambda *args: problems
+    machine.catch_stop_signals()
+    machine.run_main(lambda: train.main(train.parse_config(argv), typed=launch.typed_flags(argv)))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        return child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="a directory for the runs and recording.json")
     parser.add_argument("--check", default="", help="a stored recording.json to compare with")
