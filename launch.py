@@ -35,7 +35,8 @@ from grpo import UpdateSettings
 from lora import (adapter_for, adapter_names, adapter_parameters, freeze_copy, inject_lora, load_adapter_state,
                   load_adapters, setup_adapters)
 from machine import barrier, log, rank_and_world
-from rollout import chat_text, context_length, load_policy
+from model import load_policy
+from rollout import chat_text, context_length
 from runs import check_run_dir, lock_run, read_best, read_jsonl, start_run_dir, write_whole
 from tasks import KINDS, load_task
 from workflows import ROLES, every_prompt, role_of, slots

@@ -61,7 +61,8 @@ from machine import (block, catch_stop_signals, gather_episodes, gather_lists, g
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
                      stop_requested)
 from reward import CREDITS, TRUNCATED, credit_calls, cut_finals, score_batch, step_metrics
-from rollout import DTYPES, Call, Rollout
+from model import DTYPES
+from rollout import Call, Rollout
 from runs import (NONFINITE_STOP, episode_samples, keep_best, leave_processes, save_checkpoint, start_logs, stop_run,
                   write_step)
 from sandbox import CODE_TIMEOUT

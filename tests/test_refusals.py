@@ -14,7 +14,7 @@ import launch
 import train
 from conftest import ROOT
 from lora import inject_lora
-from rollout import tiny_model
+from model import tiny_model
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = dict(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2, group_size=2,

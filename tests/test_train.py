@@ -27,7 +27,8 @@ from grpo import policy_update
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
 from reward import credit_calls, score_batch, step_metrics
 from tasks import Problem, load_task
-from rollout import Call, load_policy, tiny_model
+from model import load_policy, tiny_model
+from rollout import Call
 from workflows import ROLES, adherence, contract_replies, slots
 
 # One thread: the test model is tiny, and on a busy 2-core machine two threads
