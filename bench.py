@@ -51,7 +51,8 @@ import torch
 from grpo import UpdateSettings, policy_update
 from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
 from tasks import DEFAULT_LEVEL, load_task
-from rollout import Rollout, chat_text, cpu_has_bf16, load_policy, old_logprobs, resolve_dtype
+from model import cpu_has_bf16, load_policy, resolve_dtype
+from rollout import Rollout, chat_text, old_logprobs
 from machine import peak_memory_mb, pick_threads
 from train import Config
 from workflows import chat, run_workflow

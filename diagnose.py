@@ -48,7 +48,8 @@ import train
 from grpo import policy_update, set_advantages
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from tasks import KINDS, load_task
-from rollout import Rollout, load_policy
+from model import load_policy
+from rollout import Rollout
 from runs import load_run, read_best, writable
 from workflows import ROLES, role_of, run_workflow, slots
 

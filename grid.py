@@ -198,8 +198,10 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
                                  "remove it or choose another --out") from None
             print(f"{run_dir}: already finished")
             continue
-        # an interrupted cell continues from its checkpoint; one killed before its first starts over
-        again = ["--resume"] if os.path.exists(os.path.join(run_dir, "ckpt", "state.pt")) else ["--overwrite"]
+        # an interrupted cell continues from its checkpoint (one killed between a save's two renames
+        # has it in ckpt.tmp or ckpt.old: train.py puts it back); one killed before its first starts over
+        saved = any(os.path.exists(os.path.join(run_dir, f"ckpt{end}", "state.pt")) for end in ("", ".tmp", ".old"))
+        again = ["--resume"] if saved else ["--overwrite"]
         cmd = [sys.executable, "train.py", *flags, "--out", run_dir, *again]
         print(" ".join(cmd[1:]), flush=True)
         t0 = time.time()

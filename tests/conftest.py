@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # and train.py's automatic choice stays at one too
 
-from rollout import tiny_model  # noqa: E402
+from model import tiny_model  # noqa: E402
 
 
 def make_read_only(path: str, monkeypatch) -> None:

@@ -20,7 +20,8 @@ from grpo import UpdateSettings, policy_update
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
 from tasks import Problem
 from machine import rank_and_world
-from rollout import Rollout, tiny_model
+from model import tiny_model
+from rollout import Rollout
 from workflows import ROLES, run_workflow
 
 

@@ -8,7 +8,7 @@ import torch
 from lora import (LoRALinear, adapter_for, adapter_parameters, inject_lora, lora_layers,
                   load_adapters, merged_adapter, save_adapters, set_adapter, setup_adapters,
                   use_adapter)
-from rollout import tiny_model
+from model import tiny_model
 
 
 def batch(vocab: int, B: int = 2, T: int = 12) -> torch.Tensor:

