@@ -49,11 +49,12 @@ from contextlib import contextmanager
 import torch
 
 from grpo import UpdateSettings, policy_update
+from launch import TASK_TOKENS
 from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
-from tasks import DEFAULT_LEVEL, load_task
+from machine import check_device, peak_memory_mb, pick_threads
 from model import cpu_has_bf16, load_policy, resolve_dtype
 from rollout import Rollout, chat_text, old_logprobs
-from machine import peak_memory_mb, pick_threads
+from tasks import DEFAULT_LEVEL, load_task
 from train import Config
 from workflows import chat, run_workflow
 
@@ -159,7 +160,7 @@ def same_tokens(raw: torch.Tensor, calls) -> bool:
 def generation(model, tok, device: str, chats, cfg: Config, repeats: int) -> dict:
     """One stage three ways (raw, merged, low-rank), alternating; their greedy tokens once; and
     merging alone."""
-    T, temp = cfg.max_new_tokens or 48, cfg.temperature
+    T, temp = cfg.max_new_tokens, cfg.temperature
     greedy = raw_generate(model, tok, chats, T, temp, cfg.seed, greedy=True)
     same = all(same_tokens(greedy, rollout_stage(model, tok, chats, T, temp, cfg.seed, merge, greedy=True))
                for merge in (True, False))
@@ -235,7 +236,7 @@ def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats:
     the same tokens; the update's work is the same calls with the same advantages."""
     for name in ("generator", "aggregator"):
         add_adapter(model, name)
-    rollout = Rollout(model, tok, "shared", max_new_tokens=cfg.max_new_tokens or 48,
+    rollout = Rollout(model, tok, "shared", max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature)
     torch.manual_seed(cfg.seed)
     seconds, rollout_mb, _ = timed(device, lambda: run_workflow("voting", questions, rollout, "math",
@@ -315,7 +316,7 @@ def throughput(args, device: str, questions: list[str], cfg: Config, batches: li
         add_adapter(model, "shared")
         models[d] = model
     n_params = sum(p.numel() for n, p in models["fp32"].named_parameters() if "lora_" not in n)
-    T, fig = cfg.max_new_tokens or 48, {"params": n_params, "dtypes": dtypes, "generate": {}}
+    T, fig = cfg.max_new_tokens, {"params": n_params, "dtypes": dtypes, "generate": {}}
     for B in batches:
         chats = [chat("math", "generator", question=questions[i % len(questions)]) for i in range(B)]
         runs, warmups = {}, []
@@ -411,7 +412,7 @@ def report(fig: dict, device_name: str) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny, or a HF id/path")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--repeats", type=int, default=4, help="timed runs of each alternating part")
@@ -426,19 +427,41 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = make_parser().parse_args(argv)
-    if args.repeats < 1 or args.problems < 1:
-        raise SystemExit("bench: --repeats and --problems must be at least 1")
+def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list[int]]:
+    """Every flag, before a model loads or a part runs: the parts to skip and the batch sizes."""
+    if args.repeats < 1 or not 1 <= args.problems <= pool_size:
+        raise SystemExit(f"bench: --repeats must be at least 1 and --problems from 1 to {pool_size} "
+                         f"(the training pool), got {args.repeats} and {args.problems}")
+    cores = len(os.sched_getaffinity(0))
+    if not 0 <= args.threads <= cores:
+        raise SystemExit(f"bench: --threads {args.threads}: from 0 (chosen as train.py does) to {cores}, "
+                         "the cores this process may use")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     parts = {"step", "sharing", "throughput"}
     if skip - parts:
         raise SystemExit(f"bench: --skip {','.join(sorted(skip - parts))}: choose from step, sharing, throughput")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise SystemExit(f"bench: --batches {args.batches!r}: give batch sizes as 16,32,64") from None
+    if any(b < 1 for b in batches):
+        raise SystemExit(f"bench: --batches {args.batches}: every batch size must be at least 1")
+    check_device(args.device)
+    folder = os.path.dirname(os.path.abspath(args.json))
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+        why = "is a directory" if os.path.isdir(args.json) else f"cannot be written: {folder} is missing or read-only"
+        raise SystemExit(f"bench: --json {args.json} {why}; name a file in a writable directory")
+    return skip, batches
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
+    skip, batches = check_args(args, Config().train_problems)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     args.device = device
     threads = pick_threads(args.threads, own_load=0.0)
     torch.set_num_threads(threads)
-    cfg = Config(model=args.model)
+    cfg = Config(model=args.model, max_new_tokens=TASK_TOKENS["math"])  # the stage it times is math's
     resolve_dtype(args.dtype, device, args.model)  # a bad --dtype stops before any model loads
     model, tok = load_policy(args.model, device, args.dtype)
     inject_lora(model, cfg.lora_r, cfg.lora_alpha)
@@ -447,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict:
     chats = [chat("math", "generator", question=pool[i].question)
              for i in range(args.problems) for _ in range(cfg.group_size)]
     fig = {"model": args.model, "device": device, "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
-           "rows": len(chats), "new_tokens": cfg.max_new_tokens or 48}
+           "rows": len(chats), "new_tokens": cfg.max_new_tokens}
     print(f"bench: generate ({3 * (args.repeats + 1)} stages) ...", file=sys.stderr)
     g = generation(model, tok, device, chats, cfg, args.repeats)
     calls = g.pop("calls")
@@ -469,7 +492,6 @@ def main(argv: list[str] | None = None) -> dict:
     if "throughput" not in skip:
         print("bench: throughput against the machine's limits ...", file=sys.stderr)
         fig["limits"] = machine_limits(device, args.repeats)
-        batches = [int(b) for b in args.batches.split(",")]
         fig["throughput"] = throughput(args, device, [p.question for p in pool[:max(batches)]], cfg, batches)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     print(report(fig, name))

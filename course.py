@@ -238,13 +238,15 @@ def show() -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="the assignments, their functions and tests")
-    p = commands.add_parser("make", help="copy the project with one assignment's functions stubbed")
+    p = commands.add_parser("make", help="copy the project with one assignment's functions stubbed",
+                            allow_abbrev=False)
     p.add_argument("number", type=int, choices=sorted(ASSIGNMENTS), help="the assignment")
     p.add_argument("--out", required=True, help="directory of the student copy (new or empty)")
-    p = commands.add_parser("grade", help="run an assignment's tests here, points per function")
+    p = commands.add_parser("grade", help="run an assignment's tests here, points per function",
+                            allow_abbrev=False)
     p.add_argument("number", type=int, nargs="?", choices=sorted(ASSIGNMENTS),
                    help=f"the assignment (default: the one this copy was made for, from {MARKER})")
     return parser

@@ -47,10 +47,11 @@ import launch
 import train
 from grpo import policy_update, set_advantages
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
-from tasks import KINDS, load_task
+from launch import check_numbers
 from model import load_policy
 from rollout import Rollout
 from runs import load_run, read_best, writable
+from tasks import KINDS, load_task
 from workflows import ROLES, role_of, run_workflow, slots
 
 # Thresholds of the detectors: choices of this project (Paper A gives none). Raise FALL_Z or
@@ -379,12 +380,24 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
 # A trained run: the gradient probe, and watching it answer
 
 
+def run_config(run_dir: str) -> train.Config:
+    """A run's config.json as train.py's Config, its values checked as a launch checks them."""
+    try:
+        cfg = train.Config(**load_run(run_dir)[0])
+        check_numbers(cfg)
+    except TypeError as e:  # a key train.py does not know
+        raise SystemExit(f"{run_dir}/config.json is not a config of this project ({e})") from None
+    except SystemExit as e:
+        raise SystemExit(f"{run_dir}/config.json: {e}") from None
+    return cfg
+
+
 def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
     """The run's config, its model and tokenizer, and its adapters as saved in checkpoint `ckpt`."""
     run_dir = os.path.dirname(os.path.normpath(ckpt))
     if not os.path.exists(os.path.join(ckpt, "state.pt")):
         raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
-    cfg = train.Config(**load_run(run_dir)[0])
+    cfg = run_config(run_dir)
     model, tok = load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu", cfg.dtype)
     inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
@@ -468,7 +481,7 @@ def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                      epilog="grid.py trains the main table's and the demos' cells.")
     parser.add_argument("runs", nargs="*", help="train.py run directories")
     parser.add_argument("--out", default=None, help="where report.md and the plots go "
@@ -492,6 +505,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
     args = parser.parse_args(argv)
+    if not 0 <= args.seed < 2 ** 32:
+        parser.error(f"--seed {args.seed}: must be in [0, 2**32)")
+    if any(n < 1 for n in args.probe_problems):
+        parser.error("--probe_problems: every size must be at least 1")
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)
     elif args.probe:

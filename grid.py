@@ -528,7 +528,7 @@ def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This file's flags, and every other flag, in order, for each cell's train.py."""
-    parser = argparse.ArgumentParser(prog="grid.py", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="grid.py", description=__doc__.split("\n")[0], allow_abbrev=False,
                                      epilog="Every other flag goes to each cell's train.py, after the cell's "
                                             "own (e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
     what = parser.add_mutually_exclusive_group(required=True)

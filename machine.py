@@ -104,9 +104,8 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
 # Processes (joining, exchanging a step's episodes and statistics), threads, memory
 
 
-def join_processes(device: str) -> str:
-    """This process's device (one that is not here: a one-line error); under torchrun (WORLD_SIZE > 1)
-    also join the process group: nccl and one GPU per local rank on CUDA, gloo on CPU."""
+def check_device(device: str) -> None:
+    """A one-line error for a device that is not one of this project's, or not here."""
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise SystemExit(f"--device {device}: not a device of this project; use auto, cpu, cuda or cuda:N")
     cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
@@ -115,6 +114,13 @@ def join_processes(device: str) -> str:
         raise SystemExit(f"--device {device}: {why}; use --device cpu (or auto)")
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
         raise SystemExit(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s), from cuda:0")
+
+
+def join_processes(device: str) -> str:
+    """This process's device (one that is not here: a one-line error); under torchrun (WORLD_SIZE > 1)
+    also join the process group: nccl and one GPU per local rank on CUDA, gloo on CPU."""
+    check_device(device)
+    cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return ("cuda" if cuda else "cpu") if device == "auto" else device
     if cuda:

@@ -1,9 +1,11 @@
 """bench.py end to end on the tiny model, and the memory figure a fresh process reports."""
 import json
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import bench
 from conftest import ROOT
@@ -43,3 +45,29 @@ def test_a_process_started_from_a_big_one_reports_its_own_peak():
                            cwd=ROOT, capture_output=True, text=True, check=True)
     assert float(child.stdout.split()[-1]) < 1000, child.stdout
     del ballast
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--device", "tpu"], "--device tpu: not a device of this project"),
+    (["--threads", "-1"], "--threads -1: from 0"),
+    (["--threads", "1000"], "--threads 1000: from 0"),
+    (["--problems", "1000"], "--problems from 1 to 256"),
+    (["--batches", "0"], "every batch size must be at least 1"),
+    (["--batches", "-2"], "every batch size must be at least 1"),
+    (["--batches", "abc"], "--batches 'abc': give batch sizes"),
+    (["--json", "/no/such/dir/b.json"], "/no/such/dir is missing or read-only"),
+])
+def test_bench_refuses_bad_flags_before_loading_a_model(flags, words, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "load_policy", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        bench.main(["--model", "tiny", *flags])
+    with pytest.raises(SystemExit, match="is a directory"):
+        bench.main(["--model", "tiny", "--json", str(tmp_path)])
+
+
+def test_bench_on_cuda_without_a_gpu_is_one_line(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    monkeypatch.setattr(bench, "load_policy", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match="--device cuda: "):
+        bench.main(["--model", "tiny", "--device", "cuda"])

@@ -217,3 +217,37 @@ def test_the_command_line_refuses_in_one_line(tmp_path):
     refused(["--model", "tiny", "--threads", "1000", "--out", str(tmp_path / "a")], "--threads 1000")
     refused(["--model", "tiny", "--seed", str(2 ** 64), "--out", str(tmp_path / "a")], "--seed")
     assert not os.path.exists(tmp_path / "a")
+
+
+# ----------------------------------------------------------------------------- the other tools
+
+def test_diagnose_names_a_foreign_config_and_refuses_a_bad_seed(finished, tmp_path, capsys):
+    import diagnose
+    out = damaged(finished, tmp_path, "config.json", None)
+    with open(os.path.join(finished, "config.json")) as f:
+        config = {**json.load(f), "colour": "blue"}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    for argv in (["--watch", out, "What is 2 + 3?"], ["--probe", os.path.join(out, "ckpt")]):
+        with pytest.raises(SystemExit, match="config.json is not a config of this project"):
+            diagnose.main(argv)
+    for argv in (["--watch", finished, "2 + 3?", "--sample", "--seed", str(2 ** 64)],
+                 ["--probe", finished, "--probe_problems", "0"]):
+        with pytest.raises(SystemExit) as stop:
+            diagnose.main(argv)
+        assert stop.value.code == 2 and "must be" in capsys.readouterr().err
+
+
+def test_every_tool_refuses_an_abbreviated_flag():
+    import bench
+    import course
+    import diagnose
+    import grid
+    for parse, argv in ((bench.make_parser().parse_args, ["--rep", "1"]),
+                        (diagnose.make_parser().parse_args, ["--wat", "a", "b"]),
+                        (course.make_parser().parse_args, ["make", "1", "--ou", "x"])):
+        with pytest.raises(SystemExit) as stop:
+            parse(argv)
+        assert stop.value.code == 2
+    args, train_flags = grid.parse_args(["--demo", "default", "--seed", "1"])  # train.py's, not --seeds
+    assert args.seeds == [0, 1, 2] and train_flags == ["--seed", "1"]
