@@ -244,6 +244,7 @@ def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, m
     train.main(small_config(out, model=base_dir, workflow="voting", sharing=sharing, steps=1,
                             max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, dtype="fp32"))  # as the snippet loads it
     cfg, ours, _, names = diagnose.trained_model(f"{out}/ckpt")
+    ours.to("cpu")  # where the snippet's PEFT model is, on a machine with a GPU too
     ids = torch.randint(0, len(tok), (2, 12), generator=torch.Generator().manual_seed(1))
     snippet = readme_python_block("PeftModel.from_pretrained")
     for name in names:
@@ -404,7 +405,8 @@ def test_a_redirected_log_shows_progress(tmp_path):
     """No terminal (nohup, CI, a batch system): plain lines for every stage, update and estimate."""
     out = str(tmp_path / "run")
     res = subprocess.run([sys.executable, "train.py", *SMALL, "--workflow", "eval_opt", "--eval_problems", "3",
-                          "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+                          "--device", "cpu", "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=ENV)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
     assert lines[0].startswith("eval_opt with one shared adapter, grpo, model tiny on cpu (1 thread)")
