@@ -28,6 +28,16 @@ def make_read_only(path: str, monkeypatch) -> None:
             not mode & os.W_OK or bool(os.stat(p).st_mode & 0o200)))
 
 
+def directory_state(path: str) -> dict[str, bytes]:
+    """Every file under `path`, by its path relative to it, with its bytes."""
+    found = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.relpath(os.path.join(root, name), path)] = f.read()
+    return found
+
+
 @pytest.fixture
 def tiny():
     """(model, tokenizer) of the random 2-layer test model, in eval mode."""

@@ -12,7 +12,7 @@ import pytest
 
 import launch
 import train
-from conftest import ROOT
+from conftest import ROOT, directory_state
 from lora import inject_lora
 from model import tiny_model
 
@@ -33,28 +33,18 @@ def refused(argv: list[str], words: str, cwd: str = ROOT) -> None:
     assert "Traceback" not in res.stderr
 
 
-def listing(path) -> dict[str, bytes]:
-    """Every file under `path`, by its relative path, with its bytes."""
-    found = {}
-    for root, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                found[os.path.relpath(os.path.join(root, name), path)] = f.read()
-    return found
-
-
 # ----------------------------------------------------------------------------- data never lost
 
 @pytest.mark.parametrize("inside", ["ckpt", "best", "ckpt/shared", "deeper/new"])
 def test_a_run_inside_another_runs_directory_is_refused(inside, tmp_path):
     run(tmp_path / "a")
-    before = listing(tmp_path / "a")
+    before = directory_state(tmp_path / "a")
     with pytest.raises(SystemExit, match="is inside the run in"):
         run(tmp_path / "a" / inside)
-    assert listing(tmp_path / "a") == before
+    assert directory_state(tmp_path / "a") == before
     with pytest.raises(SystemExit, match="is inside the run in"):  # --start_from a/best --out a/best
         run(tmp_path / "a" / "best", start_from=str(tmp_path / "a" / "best"))
-    assert listing(tmp_path / "a") == before
+    assert directory_state(tmp_path / "a") == before
 
 
 def test_a_directory_beside_a_run_or_below_a_non_run_is_free(tmp_path):

@@ -22,7 +22,7 @@ import launch
 import machine
 import runs
 import train
-from conftest import ROOT, make_read_only
+from conftest import ROOT, directory_state, make_read_only
 from grpo import policy_update
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
 from reward import credit_calls, score_batch, step_metrics
@@ -860,15 +860,6 @@ def test_a_device_that_is_not_here_is_a_one_line_error_before_anything_loads(dev
     with pytest.raises(SystemExit, match=re.escape(words)):
         train.main(small_config(out, device=device))
     assert not os.path.exists(out)
-
-
-def directory_state(path: str) -> dict[str, bytes]:
-    found = {}
-    for root, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                found[os.path.relpath(os.path.join(root, name), path)] = f.read()
-    return found
 
 
 def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
