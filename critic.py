@@ -43,6 +43,7 @@ them; an input longer than max_tokens keeps its most recent tokens.
 Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
 """
+import math
 import random
 import re
 from collections import defaultdict
@@ -336,7 +337,9 @@ class CriticSettings:
     lam: float = 0.95                # GAE lambda
     normalize_advantages: bool = False  # (A - mean) / std over the batch
     predict_batch: int = 8           # inputs per forward pass when predicting values
-    minibatch_size: int = 16         # rows per optimizer step of a critic
+    steps: int = 1                   # optimizer steps of each critic per training step, over its rows
+                                     # split evenly: a central critic reading N times the rows of a
+                                     # decentral one takes no more steps (AdamW's step size is the same)
     micro_batch_tokens: int = 1024   # padded tokens per forward pass (memory only)
     vf_coef: float = 1.0             # value-loss coefficient
     value_clip: float | None = None  # PPO-style clip of each value's move (None = off)
@@ -383,14 +386,16 @@ def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, o
 
 def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
                   order: list[int], pad_id: int, s: CriticSettings) -> dict[str, list[float]]:
-    """One pass of critic `name` over the rows `order` of the batch. A mini-batch whose gradient
-    (after the sum across processes) is not finite is not applied, and counted."""
+    """One pass of critic `name` over the rows `order` of the batch, in `s.steps` mini-batches of
+    equal size. A mini-batch whose gradient (after the sum across processes) is not finite is not
+    applied, and counted."""
     params = optimizer.param_groups[0]["params"]
     ids, old_values, returns = batch.ids, batch.values, batch.returns
     stats = defaultdict(list)
     nonfinite = 0
-    for start in range(0, len(order), s.minibatch_size):
-        mb = order[start:start + s.minibatch_size]
+    size = max(1, math.ceil(len(order) / s.steps))
+    for start in range(0, len(order), size):
+        mb = order[start:start + size]
         optimizer.zero_grad(set_to_none=False)
         mine = my_share(mb)  # under torchrun: this process's rows; the gradients are summed below
         for idx in token_batches([(len(ids[i]), 0) for i in mine], s.micro_batch_tokens):

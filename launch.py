@@ -68,8 +68,8 @@ def check_settings(cfg: RunConfig,
 
 
 # The actor-critic's settings: with --algo grpo they would change nothing, so giving one is an error.
-MAAC_ONLY = ("critic", "critic_per", "gamma", "lam", "critic_lr", "vf_coef", "value_clip", "norm_adv",
-             "critic_max_tokens")
+MAAC_ONLY = ("critic", "critic_per", "gamma", "lam", "critic_lr", "critic_steps", "vf_coef", "value_clip",
+             "norm_adv", "critic_max_tokens")
 
 
 def check_algo_flags(cfg: RunConfig, typed: set[str] | None) -> None:
@@ -143,7 +143,7 @@ def critic_settings(cfg: RunConfig) -> CriticSettings:
     """What critic.py's critic_advantages and update_critics read, from the config."""
     return CriticSettings(critic=cfg.critic, per=cfg.critic_per, max_tokens=cfg.critic_max_tokens,
                           gamma=cfg.gamma, lam=cfg.lam, normalize_advantages=cfg.norm_adv,
-                          minibatch_size=cfg.minibatch_size, micro_batch_tokens=cfg.micro_batch_tokens,
+                          steps=cfg.critic_steps, micro_batch_tokens=cfg.micro_batch_tokens,
                           vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None, grad_clip=cfg.grad_clip,
                           cut_returns_zero=cfg.truncated == "penalize")
 
@@ -466,7 +466,7 @@ def set_rngs(state: dict, rng: random.Random, source: str) -> None:
 RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay", "grad_clip",
                "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef", "role_kl", "balance",
                "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every",
-               "algo", "critic", "critic_per", "gamma", "lam", "critic_lr", "vf_coef", "value_clip", "norm_adv",
+               "algo", "critic", "critic_per", "gamma", "lam", "critic_lr", "critic_steps", "vf_coef", "value_clip", "norm_adv",
                "critic_max_tokens")
 
 

@@ -298,12 +298,31 @@ def test_a_critic_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
             p.grad = torch.zeros_like(p)
     ids, returns = toy_batch(tok, random.Random(0), 8)
     batch = CriticBatch(["critic-a", "critic-b"] * 4, ids, torch.zeros(8), returns)
-    s = CriticSettings(minibatch_size=2)
+    s = CriticSettings(steps=2)
     before = {k: [p.detach().clone() for p in ps] for k, ps in params.items()}
     hook = heads["critic-a"].out.weight.register_hook(lambda g: g * float("nan"))
     stats = update_critics(model, heads, batch, optimizers, random.Random(0), tok.pad_token_id, s)
     hook.remove()
-    assert stats["critic/skipped_nonfinite"] == [2] and len(stats["critic/grad_norm"]) == 2
+    assert stats["critic/skipped_nonfinite"] == [2] and len(stats["critic/grad_norm"]) == 2  # 2 steps each
     assert all(torch.equal(p, b) for p, b in zip(params["critic-a"], before["critic-a"]))
     assert not optimizers["critic-a"].state and optimizers["critic-b"].state
     assert not torch.equal(heads["critic-b"].out.bias, before["critic-b"][-1])
+
+
+def test_every_critic_takes_the_same_steps_whatever_its_rows(tiny):
+    """A central critic reads every agent's rows, a decentral one its own: with steps=2 both take two
+    AdamW steps a training step, the central one over mini-batches four times as large."""
+    model, tok = tiny
+    lora.inject_lora(model, r=4, alpha=8)
+    heads = setup_critics(model, ["central", "critic-generator0"])
+    optimizers = {k: torch.optim.AdamW(lora.adapter_parameters(model, k) + list(heads[k].parameters()),
+                                       lr=1e-2) for k in heads}
+    for opt in optimizers.values():
+        for p in opt.param_groups[0]["params"]:
+            p.grad = torch.zeros_like(p)
+    ids, returns = toy_batch(tok, random.Random(0), 10)
+    keys = ["central"] * 8 + ["critic-generator0"] * 2
+    stats = update_critics(model, heads, CriticBatch(keys, ids, torch.zeros(10), returns), optimizers,
+                           random.Random(0), tok.pad_token_id, CriticSettings(steps=2))
+    assert len(stats["critic/grad_norm"]) == 4
+    assert [o.state[o.param_groups[0]["params"][0]]["step"].item() for o in optimizers.values()] == [2, 2]
