@@ -412,15 +412,23 @@ def silent_agents(chats: list[Chat], role: str, slot_list: list[str], episodes: 
 # the 135M model does not keep the supervisory roles' contracts by itself. It teaches
 # every role, on the adapter it trains under, replies that keep its contract and that a
 # verifier labels: the aggregator names a correct candidate (any of them; any candidate
-# when none is), the evaluator gives the verifier's verdict, the orchestrator lists plans,
-# and the solving roles repeat their own solutions that the verifier accepts.
+# when none is), the evaluator gives the verifier's verdict, the orchestrator lists a plan of
+# its own for each episode, and the solving roles repeat their own solutions that the verifier
+# accepts.
 
 ScoreFn = Callable[[list, list[str]], list[float]]  # (problems, texts) -> 1.0 where a text solves its problem
 SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a solution
+# The orchestrator's warm-up plans: each episode draws its own strategies from these, so that the
+# plan varies from episode to episode and a worker, shown one strategy, does not know the others'
+# (what a central critic reads and a decentral one cannot: Paper B in miniature, docs/learning.md).
 PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
-                  "Work backwards from what is asked."],
+                  "Work backwards from what is asked.", "Split the numbers into tens and ones.",
+                  "Count on from the larger number.", "Estimate first, then compute exactly.",
+                  "Check the result with the opposite operation.", "Say what each number stands for first."],
          "code": ["Loop over the input and build the result.", "Use Python's built-in functions.",
-                  "Split the task into small helper functions."]}
+                  "Split the task into small helper functions.", "Handle the edge cases first.",
+                  "Write the simplest version, then check it on the examples.", "Use a dictionary to count.",
+                  "Sort the input first.", "Build the answer with a list comprehension."]}
 
 
 def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int, rng: random.Random,
@@ -445,8 +453,10 @@ def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int,
             reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
         replies.append(dataclasses.replace(c, text=reply))
     replies = balanced_verdicts(replies, rng)
-    plan = "\n".join(f"{i}. {s}" for i, s in enumerate(PLANS[problems[0].kind][:n_agents], 1))
-    replies += [dataclasses.replace(c, text=plan) for c in calls if c.role == "orchestrator"]
+    for c in (c for c in calls if c.role == "orchestrator"):  # a plan of its own for each episode
+        pool = PLANS[problems[0].kind]
+        picked = rng.sample(pool, min(n_agents, len(pool)))
+        replies.append(dataclasses.replace(c, text="\n".join(f"{i}. {s}" for i, s in enumerate(picked, 1))))
     # the solving roles keep their own sampled solutions that the verifier accepts (rejection
     # sampling, as in STaR, Zelikman et al. 2022), finished within the length limit: on a shared
     # adapter, without them the other roles' replies would teach the solvers to answer \boxed{k} too

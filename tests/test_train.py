@@ -1078,3 +1078,16 @@ def test_voting_is_evaluated_on_candidates_that_can_differ(tmp_path, monkeypatch
     voting = train.Config(model="tiny", workflow="voting", eval_samples=2)
     assert "sampled evaluation on 96 held-out problems x 2 samples" in launch.plan(voting, "cpu")
     assert "greedy evaluation on 96 held-out problems at" in launch.plan(cfg, "cpu")
+
+
+def test_the_orchestrators_warm_up_plans_vary_from_episode_to_episode():
+    """Each episode gets n distinct strategies of its own, numbered: a worker shown one cannot know
+    the others' (the central critic's extra information in Paper B in miniature)."""
+    problem = Problem("p", "What is 2 + 3?", "5")
+    calls = [Call(e, "orchestrator", "orchestrator", 0, [1], [1], "", "") for e in range(8)]
+    replies = contract_replies(calls, [problem] * 8, score_batch, 3, random.Random(0), ["orchestrator"])
+    plans = [c.text for c in replies]
+    assert len(plans) == 8 and len(set(plans)) > 4
+    for plan in plans:
+        strategies = [line.split(". ", 1)[1] for line in plan.splitlines()]
+        assert adherence("orchestrator", plan) and len(set(strategies)) == 3
