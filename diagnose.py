@@ -507,8 +507,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.seed < 2 ** 32:
         parser.error(f"--seed {args.seed}: must be in [0, 2**32)")
-    if any(n < 1 for n in args.probe_problems):
-        parser.error("--probe_problems: every size must be at least 1")
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)
     elif args.probe:
