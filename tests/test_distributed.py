@@ -217,7 +217,7 @@ def updated_critics(out: str) -> None:
     run_workflow("eval_opt", ["What is 1 + 2?", "What is 3 + 4?"] * 2, rollout, n_agents=3)
     for c in rollout.calls:
         c.reward = float(c.episode % 2)
-    s = CriticSettings(critic="central", minibatch_size=3, normalize_advantages=True)
+    s = CriticSettings(critic="central", steps=3, normalize_advantages=True)  # several mini-batches
     batch = critic_advantages(model, tok, heads, rollout.calls, s)
     sgd = {"critic": torch.optim.SGD(params, lr=0.5)}
     update_critics(model, heads, batch, sgd, random.Random(0), tok.pad_token_id, s)
