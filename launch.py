@@ -482,7 +482,7 @@ def check_start(cfg: RunConfig) -> dict:
     """--start_from: the start run's config, once it is known to differ from this run's in RL
     settings only and its checkpoint to be of step 0, or its best one."""
     where = cfg.start_from
-    if not os.path.isdir(where):
+    if os.path.exists(where) and not os.path.isdir(where):
         raise SystemExit(f"--start_from {where}: not a directory (a run's, or its best checkpoint's)")
     run, ckpt = start_checkpoint(where)
     if os.path.realpath(run) == os.path.realpath(cfg.out):  # --overwrite would delete it before it is read

@@ -203,16 +203,16 @@ def take_lock(out: str) -> str:
         return "--out is empty: name the run's directory"
     if os.path.exists(out) and not os.path.isdir(out):
         return f"--out {out} is a file, not a directory"
-    if os.path.isdir(os.path.join(out, LOCK)):
-        return f"--out {out}: its {LOCK} is a directory, not a lock file; remove it"
-    if home := enclosing_run(out):  # that run's next save or --overwrite would delete this one
-        return f"--out {out} is inside the run in {home}; choose a directory outside it"
     parent = os.path.abspath(out)
     while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         where = "write in it" if parent == os.path.abspath(out) else f"create a directory in {parent}"
         return f"--out {out}: cannot {where}"
+    if os.path.isdir(os.path.join(out, LOCK)):
+        return f"--out {out}: its {LOCK} is a directory, not a lock file; remove it"
+    if home := enclosing_run(out):  # that run's next save or --overwrite would delete this one
+        return f"--out {out} is inside the run in {home}; choose a directory outside it"
     own = [os.path.join(out, name) for name in (LOCK,) + RUN_FILES]  # a run kept or copied read-only
     own += [os.path.join(root, n) for path in own for root, dirs, files in os.walk(path) for n in dirs + files]
     if read_only := [p for p in own if os.path.exists(p) and not os.access(p, os.W_OK)]:
