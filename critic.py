@@ -362,7 +362,8 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     keys, texts = critic_inputs(calls, s.critic, s.per)
     ids = encode(tok, texts, s.max_tokens)
     values = predict_values(model, heads, keys, ids, tok.pad_token_id, s.predict_batch)  # (N,)
-    adv, returns = call_advantages(calls, values, s.gamma, s.lam, cut_returns_zero=s.cut_returns_zero)
+    adv, returns = call_advantages(calls, values, s.gamma, s.lam,
+                                   cut_returns_zero=s.cut_returns_zero)  # (N,), (N,)
     if s.normalize_advantages:
         adv = normalize(adv)
     for call, a in zip(calls, adv.tolist()):

@@ -200,7 +200,8 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
             continue
         # an interrupted cell continues from its checkpoint (one killed between a save's two renames
         # has it in ckpt.tmp or ckpt.old: train.py puts it back); one killed before its first starts over
-        saved = any(os.path.exists(os.path.join(run_dir, f"ckpt{end}", "state.pt")) for end in ("", ".tmp", ".old"))
+        saved = any(os.path.exists(os.path.join(run_dir, f"ckpt{end}", "state.pt"))
+                    for end in ("", ".tmp", ".old"))
         again = ["--resume"] if saved else ["--overwrite"]
         cmd = [sys.executable, "train.py", *flags, "--out", run_dir, *again]
         print(" ".join(cmd[1:]), flush=True)
@@ -341,7 +342,8 @@ def claims(by_cell: Runs) -> list[str]:
     numbers = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()} for cell, runs in by_cell.items()
                if runs}
     config = next(config for runs in by_cell.values() for config, _ in runs.values())
-    accuracies = [x[k] for runs in numbers.values() for x in runs.values() for k in ("start", "peak", "end")]
+    accuracies = [x[k] for runs in numbers.values() for x in runs.values()
+                  for k in ("start", "peak", "end")]
     seeds = min(len(runs) for runs in numbers.values())
     verdict = partial(paired_verdict, floor=noise_floor(accuracies, config["eval_problems"], seeds))
     lines = []
@@ -452,7 +454,8 @@ def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
         lines.append(f"| {seed} | " + " | ".join(f"{a:.3f} -> {b:.3f}" for a, b in (acc, answer))
                      + f" | {rest[0]:+.3f} -> {rest[1]:+.3f} |")
     floor = noise_floor(accuracies, config["eval_problems"], len(runs))
-    return lines + [""] + [f"- gain of {key}: {paired_verdict(diffs, floor)}" for key, diffs in gains.items()]
+    verdicts = [f"- gain of {key}: {paired_verdict(diffs, floor)}" for key, diffs in gains.items()]
+    return lines + [""] + verdicts
 
 
 def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
@@ -528,7 +531,8 @@ def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This file's flags, and every other flag, in order, for each cell's train.py."""
-    parser = argparse.ArgumentParser(prog="grid.py", description=__doc__.split("\n")[0], allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog="grid.py", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False,
                                      epilog="Every other flag goes to each cell's train.py, after the cell's "
                                             "own (e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
     what = parser.add_mutually_exclusive_group(required=True)

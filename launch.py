@@ -466,8 +466,7 @@ def set_rngs(state: dict, rng: random.Random, source: str) -> None:
 RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay", "grad_clip",
                "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef", "role_kl", "balance",
                "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every",
-               "algo", "critic", "critic_per", "gamma", "lam", "critic_lr", "critic_steps", "vf_coef", "value_clip", "norm_adv",
-               "critic_max_tokens")
+               "algo", *MAAC_ONLY)
 
 
 def start_checkpoint(where: str) -> tuple[str, str]:
@@ -505,7 +504,8 @@ def check_start(cfg: RunConfig) -> dict:
     if saved.workflow not in ROLES or saved.sharing not in ("shared", "isolated"):
         raise SystemExit(f"--start_from {where}: its config.json names no known workflow and sharing")
     needed = sorted({adapter_for(role, saved.sharing) for role in ROLES[saved.workflow]})
-    if missing := [n for n in needed if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]:
+    missing = [n for n in needed if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]
+    if missing:
         raise SystemExit(f"--start_from {where}: its checkpoint lacks the adapter(s) {', '.join(missing)}")
     if read_best(ckpt) is None:  # the step-0 row this run begins its log with
         rows = read_jsonl(os.path.join(run, "metrics.jsonl"))

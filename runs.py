@@ -284,7 +284,8 @@ def writable(directory: str, what: str) -> None:
 def start_run_dir(out: str, held: list[str], config: dict) -> None:
     """Clear the old run's own files and what diagnose.py made of them (--overwrite; nothing else
     in the directory), write the config."""
-    derived = [p for pattern in DERIVED for p in glob.glob(os.path.join(out, pattern))] if held else []
+    derived = [p for pattern in DERIVED for p in glob.glob(os.path.join(out, pattern))]
+    derived = derived if held else []  # a directory without a run keeps what is in it
     for path in [os.path.join(out, f) for f in held] + derived:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(out, exist_ok=True)
