@@ -9,7 +9,7 @@ of them. Sections:
 
   generate   one workflow stage: the default step's first, 16 generator calls.
              transformers' own `generate` on the base model (the LoRA layers taken
-             out) against the rollout (Rollout.__call__, rollout.decode) with its
+             out) against the rollout (Rollout.__call__, decode.py) with its
              adapter merged into the weights, as training runs it, and with the
              low-rank path on every token. A fresh adapter is an exact no-op, so
              under greedy decoding all three write the same tokens (checked once);
@@ -30,7 +30,8 @@ of them. Sections:
              update's forward + backward, each
              with its arithmetic rate (2 x parameters FLOP per generated token, 4 x
              per trained position: the frozen weights get no gradient of their own)
-             against the peak
+             against the peak; on CUDA the CUDA graph's decode beside the CPU's loop
+             ("loop"), and milliseconds a decoding step against reading the weights once
 
 Memory is the peak over each part: the allocator's on CUDA, the process's resident
 set on CPU (reset between parts through /proc/self/clear_refs where Linux allows).
@@ -53,6 +54,7 @@ from launch import TASK_TOKENS
 from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
 from machine import check_device, peak_memory_mb, pick_threads
 from model import cpu_has_bf16, load_policy, resolve_dtype
+from decode import decode
 from rollout import Rollout, chat_text, old_logprobs
 from tasks import DEFAULT_LEVEL, load_task
 from train import Config
@@ -143,10 +145,10 @@ def raw_generate(model, tok, chats, max_new_tokens: int, temperature: float, see
 
 
 def rollout_stage(model, tok, chats, max_new_tokens: int, temperature: float, seed: int, merge: bool,
-                  greedy: bool = False):
+                  greedy: bool = False, decoder=None):
     """The project's rollout of one generator stage under the (fresh) shared adapter."""
     rollout = Rollout(model, tok, "shared", max_new_tokens=max_new_tokens, temperature=temperature,
-                      merge=merge, greedy=greedy)
+                      merge=merge, greedy=greedy, decoder=decoder)
     torch.manual_seed(seed)
     rollout("generator", ["generator"] * len(chats), list(range(len(chats))), chats)
     return rollout.calls
@@ -316,12 +318,17 @@ def throughput(args, device: str, questions: list[str], cfg: Config, batches: li
         add_adapter(model, "shared")
         models[d] = model
     n_params = sum(p.numel() for n, p in models["fp32"].named_parameters() if "lora_" not in n)
-    T, fig = cfg.max_new_tokens, {"params": n_params, "dtypes": dtypes, "generate": {}}
+    weight_bytes = {d: sum(p.numel() * p.element_size() for n, p in models[d].named_parameters()
+                           if "lora_" not in n) for d in dtypes}
+    T, fig = cfg.max_new_tokens, {"params": n_params, "dtypes": dtypes, "generate": {}, "weight_bytes": weight_bytes}
     for B in batches:
         chats = [chat("math", "generator", question=questions[i % len(questions)]) for i in range(B)]
         runs, warmups = {}, []
         for d in dtypes:  # the rollout's decode, and transformers' generate as it was before
             runs[f"decode {d}"] = lambda m=models[d]: rollout_stage(m, tok, chats, T, cfg.temperature, cfg.seed, True)
+            if device.startswith("cuda"):  # the CUDA graph's, and the CPU's loop beside it
+                runs[f"loop {d}"] = lambda m=models[d]: rollout_stage(m, tok, chats, T, cfg.temperature,
+                                                                      cfg.seed, True, decoder=decode)
             runs[f"generate {d}"] = lambda m=models[d]: raw_generate(m, tok, chats, T, cfg.temperature, cfg.seed)
             warmups.append(lambda m=models[d]: rollout_stage(m, tok, chats[:2], 4, 1.0, 0, True))
         r = alternate(device, runs, args.repeats, warmups)
@@ -357,9 +364,16 @@ def throughput_lines(fig: dict) -> list[str]:
              f"{peak['bf16']:.0f} bf16; copying 256 MiB runs at {lim['copy_gbs']:.1f} GB/s",
              f"  generate, one generator stage ({fig['new_tokens']} new tokens), tokens/s "
              f"(GFLOP/s at {gflop['generate']:.2f} GFLOP a token, % of the dtype's peak):"]
+    # a step of B rows writes B tokens; its floor is reading every weight once at the copy's rate
+    floor = {d: 1e3 * t["weight_bytes"][d] / (lim["copy_gbs"] * 1e9) for d in t["dtypes"]}
+    lines.append("    ms a decoding step = 1000 x rows / tokens/s (prefill included); reading the weights once "
+                 "takes " + ", ".join(f"{floor[d]:.3f} ms in {d}" for d in t["dtypes"]))
     for B, row in t["generate"].items():
-        for sampler in ("decode", "generate"):
-            cells = [f"{d} {row[f'{sampler} {d}']:6.1f} ({row[f'{sampler} {d}'] * gflop['generate']:5.1f}, "
+        for sampler in ("decode", "loop", "generate"):
+            if f"{sampler} fp32" not in row:
+                continue
+            cells = [f"{d} {row[f'{sampler} {d}']:8.1f} ({1e3 * int(B) / row[f'{sampler} {d}']:6.2f} ms, "
+                     f"{row[f'{sampler} {d}'] * gflop['generate']:6.1f}, "
                      f"{100 * row[f'{sampler} {d}'] * gflop['generate'] / peak[d]:4.1f}%)" for d in t["dtypes"]]
             lines.append(f"    batch {int(B):4d}, {sampler:8s}: " + " | ".join(cells))
     cells = [f"{d} {v:6.1f} ({v * gflop['update']:5.1f}, {100 * v * gflop['update'] / peak[d]:4.1f}%)"

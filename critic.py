@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from decode import forward_padded
 from lora import add_adapter, use_adapter
 from machine import my_share, sum_across, sum_gradients
 from rollout import Call, left_pad, token_batches
@@ -95,11 +96,9 @@ def critic_values(model: nn.Module, head: ValueHead, adapter: str,
     """V of each input under one critic (adapter + head): (B,). Differentiable."""
     ids, attn = left_pad(prompt_id_lists, pad_id)  # (B, L), (B, L)
     ids, attn = ids.to(model.device), attn.to(model.device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L): left padding does not shift positions
     with use_adapter(model, adapter):
         # logits_to_keep=1: the LM head runs on one column only; we never use its output.
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                    output_hidden_states=True, logits_to_keep=1)
+        out = forward_padded(model, ids, attn, output_hidden_states=True, logits_to_keep=1)
     last = out.hidden_states[-1][:, -1]  # (B, H): final layer (after its norm), last real token
     return head(last.float())  # (B,): the head is fp32 even over a bf16 base
 

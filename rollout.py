@@ -2,8 +2,8 @@
 
 A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once
 per stage. `Rollout.__call__` is that callback: it runs every call of the
-stage - all episodes, all agent slots - through one batched `decode` (the loop
-`model.generate` runs, written out) under the role's LoRA adapter, and keeps a
+stage - all episodes, all agent slots - through one batched decode (decode.py:
+`decode` on a CPU, `graph_decode` on a GPU) under the role's LoRA adapter, and keeps a
 `Call` record of each (prompt ids, completion ids, text), which the trainer
 later turns into a loss. A prompt that leaves no room for max_new_tokens in the
 model's context is cut to its head and tail first (fit_prompt), and counted.
@@ -21,7 +21,7 @@ update's scoring (one full forward, adapter beside the weights) round
 differently, so pi_rollout, the policy the tokens were sampled from, and pi_old,
 the policy the update scores them under, are not bit-identical; in bf16 they
 differ visibly. `Rollout` records log pi_rollout of every sampled token
-(`sample_next`), so the update can log the gap and, optionally, correct for
+(`decode.sample_next`), so the update can log the gap and, optionally, correct for
 it with truncated importance sampling (grpo.py).
 
 Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
+from decode import decode, forward_padded, graph_decode
 from lora import adapter_for, merged_adapter, use_adapter
 
 # ----------------------------------------------------------------------------
@@ -135,12 +135,10 @@ def token_batches(sizes: list[tuple[int, int]], max_tokens: int) -> list[list[in
 
 def completion_logits(model, ids: torch.Tensor, attn: torch.Tensor, T: int) -> torch.Tensor:
     """Logits that predict the T completion columns: (B, T, V)."""
-    # Positions follow the mask, so left padding does not shift them.
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L)
     # logits_to_keep=T+1 computes the LM head on the last T+1 columns only: a (B, L, V)
     # tensor over the prompt would dominate memory. Column P+j-1 predicts token P+j,
     # so drop the last column (it predicts past the end): the one-token shift.
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=T + 1)
+    out = forward_padded(model, ids, attn, logits_to_keep=T + 1)
     return out.logits[:, :-1].float()  # (B, T, V)
 
 
@@ -191,86 +189,15 @@ def old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temperatur
 # The generate callback
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from logits (B, V) at `temperature`, within the top_p nucleus:
-    the tokens (B,) and their log pi_rollout (B,), the log-softmax of logits / temperature.
-
-    A draw is one uniform number per row read through the cumulative distribution
-    (inverse-CDF sampling): on a CPU, torch.multinomial's exponential draw over a
-    49k vocabulary costs as much as a decoding step's matrix products. As in pi_old, the
-    nucleus cut is not in the recorded log-probs.
-    """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    probs = logp.exp()
-    if top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        sorted_p[sorted_p.cumsum(-1) - sorted_p >= top_p] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    cdf = probs.cumsum(-1)  # (B, V)
-    u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # (B,)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-@torch.no_grad()
-def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eos_id: int, pad_id: int,
-           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False):
-    """Generate up to max_new_tokens after left-padded prompts ids/attn (B, P): the new
-    tokens (B, T), pad after each row's eos, and log pi_rollout of each (B, T), None when greedy.
-
-    The loop `model.generate` runs, without its general machinery: one forward over the
-    prompts fills the KV cache, then one forward per token over the last token only, for
-    the rows still writing. Greedy decoding gives `generate`'s tokens (tests/test_rollout.py).
-    """
-    (B, P), device = ids.shape, ids.device
-    # The samples of one prompt (a GRPO group) share its prefill: each distinct prompt runs
-    # once, then its cache rows and logits are copied to every row that asked for it.
-    distinct, copy = torch.unique(torch.cat([ids, attn.to(ids.dtype)], dim=-1), dim=0,
-                                  return_inverse=True)  # (U, 2P), (B,)
-    ids_u, attn_u = distinct[:, :P], distinct[:, P:]
-    cache = DynamicCache()
-    out = model(input_ids=ids_u, attention_mask=attn_u, position_ids=(attn_u.cumsum(-1) - 1).clamp(min=0),
-                cache=cache, use_cache=True, logits_to_keep=1)
-    for layer in cache.layers:
-        layer.batch_select_indices(copy)
-    logits = out.logits[copy, -1]  # (L, V): one row per live row, all B at first
-    position = attn.long().sum(-1, keepdim=True) - 1  # (L, 1): positions count real tokens only
-    live = torch.arange(B, device=device)  # (L,) the rows in the batch, by their index in it
-    done = torch.zeros(B, dtype=torch.bool, device=device)  # (L,) those that wrote their eos
-    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = None if greedy else torch.zeros(B, max_new_tokens, device=device)
-    for t in range(max_new_tokens):
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            token, logp = sample_next(logits, temperature, top_p)
-            logps[live, t] = logp
-        token = token.masked_fill(done, pad_id)  # (L,) a finished row only pads
-        tokens[live, t] = token
-        done |= token == eos_id
-        if t == max_new_tokens - 1 or done.all():
-            break
-        # Finished rows leave the batch, their cache rows with them, once they are an eighth of
-        # it: copying the cache costs about what a step does.
-        if done.sum() * 8 >= len(live):
-            keep = (~done).nonzero().squeeze(-1)  # (L',)
-            for layer in cache.layers:
-                layer.batch_select_indices(keep)
-            live, done, token, attn, position = live[keep], done[keep], token[keep], attn[keep], position[keep]
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # (L, P + t + 1)
-        position = position + 1
-        logits = model(input_ids=token[:, None], attention_mask=attn, position_ids=position, cache=cache,
-                       use_cache=True).logits[:, -1]
-    return tokens[:, : t + 1], None if greedy else logps[:, : t + 1]
-
-
 class Rollout:
     """The `generate` callback of workflows.py: one batched model call per stage."""
 
     def __init__(self, model, tok, sharing: str, max_new_tokens: int = 64, temperature: float = 0.7,
                  top_p: float = 1.0, greedy: bool = False, progress: Callable[[str], None] | None = None,
-                 merge: bool = True):
+                 merge: bool = True, decoder: Callable | None = None):
         self.model, self.tok, self.sharing = model, tok, sharing
+        # On a GPU each token is a replay of one CUDA graph; on a CPU, host calls cost little.
+        self.decoder = decoder or (graph_decode if model.device.type == "cuda" else None)
         self.merge = merge  # generate with the adapter folded into the weights (lora.merged_adapter)
         self.max_new_tokens, self.temperature, self.top_p, self.greedy = (
             max_new_tokens, temperature, top_p, greedy)
@@ -294,8 +221,9 @@ class Rollout:
         self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
         adapter = adapter_for(role, self.sharing)
+        decoder = self.decoder or decode  # looked up per stage: tests count the CPU's decodes
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
-            new, sampled = decode(model, ids, attn, self.max_new_tokens, tok.eos_token_id, tok.pad_token_id,
+            new, sampled = decoder(model, ids, attn, self.max_new_tokens, tok.eos_token_id, tok.pad_token_id,
                                   self.temperature, self.top_p, self.greedy)  # (B, T) each
         new, sampled = new.cpu(), (None if sampled is None else sampled.cpu())
         texts = []

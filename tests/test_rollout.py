@@ -13,8 +13,9 @@ from conftest import ROOT
 from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters, use_adapter
 import rollout as rollout_module
 from model import load_policy, resolve_dtype
-from rollout import (Call, Rollout, chat_text, cut_at_eos, decode, fit_prompt, left_pad, pack, sample_next,
-                     sequence_logprobs, token_batches)
+from decode import decode
+from rollout import (Call, Rollout, chat_text, cut_at_eos, fit_prompt, left_pad, pack, sequence_logprobs,
+                     token_batches)
 from workflows import run_workflow
 
 
@@ -63,23 +64,6 @@ def test_greedy_decode_gives_generates_tokens(tiny):
     assert logp is None
     assert new.tolist() == out.tolist()
     assert new[0, 5] == stop and (new[0, 6:] == tok.pad_token_id).all()
-
-
-def test_the_sampler_draws_from_the_softmax_and_its_nucleus():
-    """sample_next's inverse-CDF draws: frequencies within 4 standard errors of the softmax at
-    the temperature, the recorded log-probs are log_softmax's, and top_p keeps only the nucleus."""
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
-    torch.manual_seed(0)
-    tokens, logp = sample_next(logits, temperature=0.7)
-    expected = torch.softmax(logits[0] / 0.7, -1)
-    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
-    se = (expected * (1 - expected) / len(tokens)).sqrt()
-    assert ((freq - expected).abs() <= 4 * se + 1e-9).all(), (freq, expected)
-    assert torch.allclose(logp, torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1))
-    tokens, _ = sample_next(logits, temperature=1.0, top_p=0.8)  # p = .64 .24 .09 .03 ...: keeps 0 and 1
-    assert set(tokens.tolist()) == {0, 1}
-    kept = torch.softmax(logits[0, :2], -1)[0]
-    assert abs((tokens == 0).float().mean() - kept) < 4 * (kept * (1 - kept) / len(tokens)).sqrt()
 
 
 def test_orch_workers_three_stages(tiny, monkeypatch):
@@ -316,3 +300,25 @@ def test_a_prompt_too_long_for_the_context_keeps_its_head_and_tail_and_is_counte
     assert cut.prompt_ids == full[:24] + full[-24:] and cut.prompt == tok.decode(cut.prompt_ids)
     assert kept.prompt_ids == tok(chat_text(tok, short_chat), add_special_tokens=False).input_ids
     assert fit_prompt(list(range(10)), 4) == [0, 1, 8, 9] and fit_prompt([1, 2], 4) == [1, 2]
+
+
+def test_random_shapes_have_their_model_cards_parameter_counts():
+    """random:qwen3-* against the counts the Qwen3 model cards give, in all and without the
+    embedding (built on the meta device: no memory, no time)."""
+    from transformers import Qwen3ForCausalLM
+    from model import RANDOM_SHAPES, random_config, tiny_model
+
+    _, tok = tiny_model()
+    cards = {"qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6)}
+    assert set(cards) == set(RANDOM_SHAPES)
+    for shape, (total, body) in cards.items():
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(random_config(shape, tok))
+        n = sum(p.numel() for p in model.parameters()) / 1e9
+        embedding = model.model.embed_tokens.weight.numel() / 1e9
+        assert round(n, 1) == total and round(n - embedding, 2 if total < 1 else 1) == body, (shape, n)
+
+
+def test_an_unknown_random_shape_is_one_line():
+    with pytest.raises(SystemExit, match="random:qwen3-0.6b"):
+        load_policy("random:llama-7b")

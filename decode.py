@@ -1,0 +1,282 @@
+"""Decoding: the token loop of one workflow stage, on a CPU and on a GPU.
+
+Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens
+(B, T), pad after each row's eos, with log pi_rollout of each (B, T) (None when
+greedy). Positions count real tokens only, so a left-padded row is positioned
+as it would be alone, and each distinct prompt (a GRPO group's samples share
+one) is prefilled once, its cache rows copied to every row that asked for it.
+
+- `decode` (the CPU's): a cache that grows by one column a token, and rows
+  that leave the batch once they wrote their eos. Every operation is a host
+  call, which a CPU pays little for.
+- `graph_decode` (CUDA's): a static cache of the stage's shape, one decoding
+  step (`StaticStep`, the model's layers written out over that cache) captured
+  as a CUDA graph and replayed per token, so a step costs one launch instead
+  of about a thousand (30 layers x some 30 kernels). Finished rows stay in the
+  batch and write pad; the host asks whether all rows are done every
+  CHECK_EVERY tokens only. As nano-vllm's model runner and gpt-fast's
+  `decode_one_token` do; unlike them, a graph is captured per stage (its shape
+  is the stage's, and the adapter merged into the weights is the stage's),
+  which costs tens of milliseconds against a stage of seconds.
+
+Padding and NaN. In a left-padded batch a pad column's query may attend to
+nothing: every key before it is padding. CUDA's fused attention kernels give
+such a row NaN (or NaN in its backward pass) where the CPU's give zeros, and
+the NaN reaches real tokens through the pad's keys and values in the next
+layer, since 0 x NaN is NaN. `padded_causal_mask` lets a pad query see
+itself: no row is empty, and no real query sees a pad, so real tokens' outputs
+do not change.
+
+Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
+"""
+import torch
+from transformers import DynamicCache
+
+CHECK_EVERY = 8  # tokens between the GPU decoder's questions "are all rows done?"
+
+
+def padded_causal_mask(attn: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The (B, 1, L, L) attention mask of left-padded rows attn (B, L): causal, no query sees a
+    pad key, and a pad query sees itself (an empty row is NaN in CUDA's kernels). Boolean for
+    SDPA (True: attend), additive (0 or the dtype's min) for eager attention."""
+    L = attn.shape[-1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=attn.device).tril()  # (L, L)
+    itself = torch.eye(L, dtype=torch.bool, device=attn.device)  # (L, L)
+    mask = causal & (attn.bool()[:, None, :] | itself)  # (B, L, L): query i, key j
+    mask = mask[:, None]  # (B, 1, L, L)
+    if implementation == "sdpa":
+        return mask
+    additive = torch.zeros(mask.shape, dtype=dtype, device=attn.device)
+    return additive.masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def forward_padded(model, ids: torch.Tensor, attn: torch.Tensor, **kw):
+    """model(...) over left-padded rows, positions counting real tokens, under
+    `padded_causal_mask` where some row is padded and the model's attention takes a 4-D mask
+    (without padding, transformers' plain causal attention has no empty row)."""
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L): left padding does not shift positions
+    implementation = model.config._attn_implementation
+    mask = attn
+    if implementation in ("sdpa", "eager") and not bool(attn.all()):
+        mask = padded_causal_mask(attn, implementation, model.dtype)
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
+
+
+def sample_next(logits: torch.Tensor, temperature: float,
+                top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits (B, V) at `temperature`, within the top_p nucleus:
+    the tokens (B,) and their log pi_rollout (B,), the log-softmax of logits / temperature.
+
+    A draw is one uniform number per row read through the cumulative distribution
+    (inverse-CDF sampling): on a CPU, torch.multinomial's exponential draw over a
+    49k vocabulary costs as much as a decoding step's matrix products. As in pi_old, the
+    nucleus cut is not in the recorded log-probs. No host synchronisation.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    probs = logp.exp()
+    if top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p[sorted_p.cumsum(-1) - sorted_p >= top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    cdf = probs.cumsum(-1)  # (B, V)
+    u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # (B,)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def prefill(model, ids: torch.Tensor, attn: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    """The KV cache of every row and the logits of its next token (B, V), each distinct prompt
+    run once and its cache rows and logits copied to every row that asked for it."""
+    P = ids.shape[1]
+    distinct, copy = torch.unique(torch.cat([ids, attn.to(ids.dtype)], dim=-1), dim=0,
+                                  return_inverse=True)  # (U, 2P), (B,)
+    cache = DynamicCache()
+    out = forward_padded(model, distinct[:, :P], distinct[:, P:], cache=cache, use_cache=True,
+                         logits_to_keep=1)
+    for layer in cache.layers:
+        layer.batch_select_indices(copy)
+    return cache, out.logits[copy, -1]
+
+
+# ----------------------------------------------------------------------------
+# The CPU's decoder: a growing cache, finished rows leave
+
+
+@torch.no_grad()
+def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eos_id: int,
+           pad_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False):
+    """Generate up to max_new_tokens after left-padded prompts ids/attn (B, P): the new
+    tokens (B, T), pad after each row's eos, and log pi_rollout of each (B, T), None when greedy.
+
+    The loop `model.generate` runs, without its general machinery: one forward over the
+    prompts fills the KV cache, then one forward per token over the last token only, for
+    the rows still writing. Greedy decoding gives `generate`'s tokens (tests/test_rollout.py).
+    """
+    B, device = ids.shape[0], ids.device
+    cache, logits = prefill(model, ids, attn)  # logits (L, V): one row per live row, all B at first
+    position = attn.long().sum(-1, keepdim=True) - 1  # (L, 1): positions count real tokens only
+    live = torch.arange(B, device=device)  # (L,) the rows in the batch, by their index in it
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # (L,) those that wrote their eos
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = None if greedy else torch.zeros(B, max_new_tokens, device=device)
+    for t in range(max_new_tokens):
+        if greedy:
+            token = logits.argmax(-1)
+        else:
+            token, logp = sample_next(logits, temperature, top_p)
+            logps[live, t] = logp
+        token = token.masked_fill(done, pad_id)  # (L,) a finished row only pads
+        tokens[live, t] = token
+        done |= token == eos_id
+        if t == max_new_tokens - 1 or done.all():
+            break
+        # Finished rows leave the batch, their cache rows with them, once they are an eighth of
+        # it: copying the cache costs about what a step does.
+        if done.sum() * 8 >= len(live):
+            keep = (~done).nonzero().squeeze(-1)  # (L',)
+            for layer in cache.layers:
+                layer.batch_select_indices(keep)
+            live, done, token = live[keep], done[keep], token[keep]
+            attn, position = attn[keep], position[keep]
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=-1)  # (L, P + t + 1)
+        position = position + 1
+        logits = model(input_ids=token[:, None], attention_mask=attn, position_ids=position,
+                       cache=cache, use_cache=True).logits[:, -1]
+    return tokens[:, : t + 1], None if greedy else logps[:, : t + 1]
+
+
+# ----------------------------------------------------------------------------
+# The GPU's decoder: a static cache, one step captured as a CUDA graph
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x (B, H, 1, d) at cos, sin (B, 1, 1, d) (Su et al. 2021,
+    arXiv 2104.09864; the half-split layout of Llama and Qwen3 in transformers)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class StaticStep:
+    """One decoding step of a Llama- or Qwen3-style model over a static KV cache of B rows and
+    S columns: every tensor it reads or writes has a fixed address, so the step can be captured
+    as a CUDA graph. It calls the model's own modules (embedding, norms, projections, rotary
+    table, output layer), so a merged adapter is in its weights as in the model's.
+
+    Inputs, set before each step: `token` (B,) the last token of each row, `position` (B, 1)
+    its position, `column` (1,) the cache column it goes in (the same for every row).
+    `valid` (B, S) says which columns hold a row's real tokens; the step marks its own column.
+    """
+
+    def __init__(self, model, cache: DynamicCache, valid: torch.Tensor, S: int):
+        inner, config = model.model, model.config
+        self.model, self.layers = model, inner.layers
+        B, device = valid.shape[0], valid.device
+        attn = self.layers[0].self_attn
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.scale = attn.head_dim, attn.scaling
+        if len(cache.layers) != len(self.layers):
+            raise RuntimeError(f"the prefill filled {len(cache.layers)} cache layers of "
+                               f"{len(self.layers)}: a transformers whose models take `cache=` "
+                               "is needed (requirements.txt)")
+        # the prefill's keys and values (B, Hkv, P, d), in caches of S columns
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            k = layer.keys.new_zeros(B, self.kv_heads, S, self.head_dim)
+            v = torch.zeros_like(k)
+            P = layer.keys.shape[2]
+            k[:, :, :P], v[:, :, :P] = layer.keys, layer.values
+            self.keys.append(k)
+            self.values.append(v)
+        self.valid = torch.zeros(B, S, dtype=torch.bool, device=device)
+        self.valid[:, : valid.shape[1]] = valid
+        self.token = torch.zeros(B, dtype=torch.long, device=device)
+        self.position = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+
+    def __call__(self) -> torch.Tensor:
+        """Write the step's keys and values into the cache; the next token's logits (B, V)."""
+        inner = self.model.model
+        B, H, Hkv, d = len(self.token), self.heads, self.kv_heads, self.head_dim
+        self.valid.index_fill_(1, self.column, True)
+        x = inner.embed_tokens(self.token[:, None])  # (B, 1, D)
+        cos, sin = inner.rotary_emb(x, self.position)  # (B, 1, d) each
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, d)
+        hide = ~self.valid[:, None, None, :]  # (B, 1, 1, S)
+        for layer, keys, values in zip(self.layers, self.keys, self.values):
+            a, h = layer.self_attn, layer.input_layernorm(x)
+            q = a.q_proj(h).view(B, 1, H, d)
+            k = a.k_proj(h).view(B, 1, Hkv, d)
+            v = a.v_proj(h).view(B, 1, Hkv, d).transpose(1, 2)  # (B, Hkv, 1, d)
+            if hasattr(a, "q_norm"):  # Qwen3 normalises each head's query and key
+                q, k = a.q_norm(q), a.k_norm(k)
+            q = rotate(q.transpose(1, 2), cos, sin)  # (B, H, 1, d)
+            k = rotate(k.transpose(1, 2), cos, sin)  # (B, Hkv, 1, d)
+            keys.index_copy_(2, self.column, k)
+            values.index_copy_(2, self.column, v)
+            # Grouped-query attention of one query per row: the H query heads in Hkv groups,
+            # each group reading its own key/value head, with no copy of the cache.
+            q = q.view(B, Hkv, H // Hkv, d)  # (B, Hkv, g, d)
+            scores = (q @ keys.transpose(-1, -2)).float() * self.scale  # (B, Hkv, g, S)
+            p = scores.masked_fill(hide, float("-inf")).softmax(-1).to(values.dtype)
+            out = (p @ values).reshape(B, 1, H * d)  # (B, 1, H*d)
+            x = x + a.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(inner.norm(x))[:, 0].float()  # (B, V)
+
+
+def capture(step: StaticStep):
+    """A CUDA graph of `step`, and its output tensor, which each replay rewrites. Running the
+    step writes only the current column, so the warm-up runs below leave nothing behind."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # kernels' first runs (cuBLAS handles, workspaces) off the graph
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+    return graph, logits
+
+
+@torch.no_grad()
+def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eos_id: int,
+                 pad_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 use_graph: bool = True):
+    """`decode`'s contract over a static cache of P + max_new_tokens columns, each step one
+    replay of a CUDA graph (use_graph=False runs the same step eagerly: the CPU's tests)."""
+    (B, P), device = ids.shape, ids.device
+    cache, logits = prefill(model, ids, attn)  # (B, V)
+    step = StaticStep(model, cache, attn.bool(), P + max_new_tokens)
+    del cache
+    step.position.copy_(attn.long().sum(-1, keepdim=True) - 1)  # the last prompt token's
+    step.column.fill_(P - 1)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = None if greedy else torch.zeros(B, max_new_tokens, device=device)
+    graph = None
+    for t in range(max_new_tokens):
+        if greedy:
+            token = logits.argmax(-1)
+        else:
+            token, logp = sample_next(logits, temperature, top_p)
+            logps[:, t] = logp
+        token = token.masked_fill(done, pad_id)  # (B,) a finished row only pads
+        tokens[:, t] = token
+        done |= token == eos_id
+        if t == max_new_tokens - 1 or (t % CHECK_EVERY == CHECK_EVERY - 1 and done.all()):
+            break
+        step.token.copy_(token)
+        step.position.add_(1)
+        step.column.add_(1)
+        if use_graph and graph is None:
+            graph, logits = capture(step)
+        if graph is None:
+            logits = step()
+        else:
+            graph.replay()
+    # Rows all done before a check wrote only pad since: cut after the last eos, as `decode` stops.
+    T = t + 1
+    if bool(done.all()):
+        T = int((tokens == eos_id).long().argmax(-1).max()) + 1
+    return tokens[:, :T], None if greedy else logps[:, :T]

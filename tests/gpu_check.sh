@@ -1,0 +1,69 @@
+#!/bin/bash
+# The GPU checks of docs/performance.md, in one run of about eight minutes on one GPU:
+# the decoders' tests with CUDA visible, a bf16 gradient through left padding under the old
+# and the new attention mask, bench.py's throughput (32, 128, 512 rows; the CUDA graph's
+# decode, the CPU's loop and transformers' generate, fp32 and bf16), the default run, and
+# three steps of the GPU recipe on the embedded model. Every log lands in $OUT (default: ./gpu).
+#   bash tests/gpu_check.sh
+OUT=${OUT:-gpu}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYTHONPATH"
+PY=${PY:-python}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+  | tee -a "$OUT/device.txt"
+$PY -c "from model import load_policy; load_policy('smollm2', 'cuda')" || exit 1   # the first load converts
+
+echo "== tests"
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tee "$OUT/tests.txt" | tail -3
+grep -q " failed" "$OUT/tests.txt" && { echo "the decoders' tests failed: the rest would measure a broken decode"; exit 1; }
+
+echo "== bf16 gradient through left padding, the old mask against the new"
+timeout 120 $PY - <<'PY' 2>&1 | tee "$OUT/nan.txt"
+import torch
+import decode
+from lora import add_adapter, adapter_parameters, inject_lora, use_adapter
+from model import load_policy
+from rollout import Call, sequence_logprobs
+
+def padding_only(model, ids, attn, **kw):  # the mask before: padding and causality, as transformers makes it
+    return model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), **kw)
+
+model, tok = load_policy("smollm2", "cuda")
+inject_lora(model, 16, 32)
+add_adapter(model, "shared")
+g = torch.Generator().manual_seed(0)
+calls = [Call(i, "generator", "generator0", 0, torch.randint(100, 40000, (20 + 13 * i,), generator=g).tolist(),
+              torch.randint(100, 40000, (30,), generator=g).tolist(), "", "") for i in range(16)]
+params = adapter_parameters(model, "shared")
+for name, forward in (("padding only", padding_only), ("padded_causal_mask", decode.forward_padded)):
+    import rollout
+    rollout.forward_padded = forward
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = None
+    with use_adapter(model, "shared"):
+        logp, mask, _ = sequence_logprobs(model, calls, tok.pad_token_id)
+        (logp * mask).sum().backward()
+    bad = sum(int((~p.grad.isfinite()).sum()) for p in params)
+    print(f"{name}: log-probs finite {bool(logp[mask.bool()].isfinite().all())}, "
+          f"non-finite gradient entries {bad} of {sum(p.numel() for p in params)}")
+PY
+
+echo "== bench"
+timeout 200 $PY bench.py --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
+  --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | grep -v "^bench:"
+
+echo "== the default run"
+start=$EPOCHREALTIME
+timeout 120 $PY train.py --out /tmp/gpu-default --overwrite > "$OUT/default.txt" 2>&1
+echo "exit $?, wall $(awk "BEGIN {print $EPOCHREALTIME - $start}") s (loading included)" | tee -a "$OUT/default.txt"
+grep -E "^step|not applied|peak" "$OUT/default.txt" | tail -8
+
+echo "== three steps of the GPU recipe"
+timeout 130 $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
+  --max_new_tokens 256 --level 3 --steps 3 --eval_problems 32 --out /tmp/gpu-recipe --overwrite \
+  > "$OUT/recipe.txt" 2>&1
+echo "exit $?" | tee -a "$OUT/recipe.txt"
+grep -E "^step|not applied|adherence|warm-up" "$OUT/recipe.txt" | tail -14
+cp /tmp/gpu-recipe/metrics.jsonl "$OUT/recipe-metrics.jsonl" 2>/dev/null
+cp /tmp/gpu-default/metrics.jsonl "$OUT/default-metrics.jsonl" 2>/dev/null

@@ -1,0 +1,144 @@
+"""decode.py: the mask that keeps pad queries out of NaN, the sampler's draws, and the GPU's
+static-cache step (run eagerly here) against the CPU's decoder, transformers' generate and a
+scoring pass."""
+import pytest
+import torch
+
+from decode import decode, forward_padded, graph_decode, padded_causal_mask, sample_next
+from lora import inject_lora, lora_layers, merged_adapter, setup_adapters, use_adapter
+from rollout import Call, chat_text, left_pad, sequence_logprobs
+
+
+def prompts(tok, texts):
+    return left_pad(tok([chat_text(tok, [{"role": "user", "content": t}]) for t in texts],
+                        add_special_tokens=False).input_ids, tok.pad_token_id)
+
+
+def test_the_mask_hides_pads_from_real_queries_and_shows_a_pad_query_itself():
+    attn = torch.tensor([[0, 0, 1, 1]])  # two pads, then two tokens
+    mask = padded_causal_mask(attn, "sdpa", torch.float32)[0, 0].int().tolist()
+    assert mask == [[1, 0, 0, 0],   # a pad query: itself alone (padding would leave it nothing)
+                    [0, 1, 0, 0],
+                    [0, 0, 1, 0],   # the first token: itself, no pad
+                    [0, 0, 1, 1]]
+    additive = padded_causal_mask(attn, "eager", torch.bfloat16)[0, 0]
+    assert additive.dtype == torch.bfloat16
+    assert ((additive == 0) == torch.tensor(mask).bool()).all()
+    assert (additive[torch.tensor(mask) == 0] == torch.finfo(torch.bfloat16).min).all()
+
+
+def test_an_empty_query_row_turns_real_tokens_nan_through_the_next_layer():
+    """The mechanism, by hand: attention whose empty rows give NaN (as CUDA's fused kernels do)
+    over two layers of a left-padded row. With padding alone as the mask, the pad's NaN output
+    becomes its value in the next layer and reaches the real token as 0 x NaN; with the pad
+    query shown itself, every output is finite and the real tokens' are unchanged."""
+    torch.manual_seed(0)
+    attn = torch.tensor([[0, 1, 1]])
+    causal = torch.ones(3, 3).tril().bool()
+    padding_only = (causal & attn.bool()[:, None, :])[:, None]  # (1, 1, 3, 3): row 0 empty
+
+    def two_layers(mask):
+        x = torch.randn(1, 1, 3, 4, generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            scores = (x @ x.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+            x = scores.softmax(-1) @ x  # an empty row: softmax of all -inf is NaN
+        return x[0, 0]
+
+    old, new = two_layers(padding_only), two_layers(padded_causal_mask(attn, "sdpa", torch.float32))
+    assert old[1:].isnan().all()  # the real tokens, lost
+    assert new.isfinite().all()
+    x = torch.randn(1, 1, 3, 4, generator=torch.Generator().manual_seed(1))
+    s = (x @ x.transpose(-1, -2))[..., 1:, 1:].masked_fill(~causal[1:, 1:], float("-inf"))
+    first = s.softmax(-1) @ x[..., 1:, :]  # the real tokens alone, one layer
+    s = (first @ first.transpose(-1, -2)).masked_fill(~causal[1:, 1:], float("-inf"))
+    assert torch.allclose(new[1:], (s.softmax(-1) @ first)[0, 0], atol=1e-6)
+
+
+def test_the_padded_mask_leaves_real_tokens_logits_as_they_were(tiny):
+    model, tok = tiny
+    ids, attn = prompts(tok, ["What is 1 + 2?", "x", "Name three colours, then stop."])
+    with torch.no_grad():
+        ours = forward_padded(model, ids, attn).logits
+        theirs = model(input_ids=ids, attention_mask=attn,
+                       position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+    real = attn.bool()
+    assert torch.allclose(ours[real], theirs[real], atol=1e-5)
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            eager = forward_padded(model, ids, attn).logits
+    finally:
+        model.config._attn_implementation = "sdpa"
+    assert torch.allclose(eager[real], theirs[real], atol=1e-5)
+
+
+def test_the_static_step_writes_generates_greedy_tokens(tiny):
+    """The GPU's decoder, its step run eagerly: transformers' generate's greedy tokens on
+    left-padded prompts, some asked twice, rows ending at different steps, and it stops where
+    `decode` stops although it asks whether all rows are done only every few tokens."""
+    model, tok = tiny
+    ids, attn = prompts(tok, ["What is 1 + 2?", "Name three colours, then stop.", "What is 1 + 2?",
+                              "x", "What is 12 * 13? Think step by step."])
+    free, _ = decode(model, ids, attn, 24, tok.eos_token_id, tok.pad_token_id, greedy=True)
+    # the random model never says eos: tokens it writes stand in for it
+    for stop in (free[0, 5].item(), free[3, 10].item()):
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=24, do_sample=False,
+                             eos_token_id=stop, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+        static, logp = graph_decode(model, ids, attn, 24, stop, tok.pad_token_id, greedy=True,
+                                    use_graph=False)
+        dynamic, _ = decode(model, ids, attn, 24, stop, tok.pad_token_id, greedy=True)
+        assert logp is None
+        assert static.tolist() == out.tolist() == dynamic.tolist()
+
+
+def test_the_static_step_records_the_log_probs_a_scoring_pass_gives(tiny):
+    """Sampled through the static step under a merged adapter: each recorded log-prob equals a
+    forward pass's over prompt and completion (fp32), token by token."""
+    model, tok = tiny
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "shared")
+    for layer in lora_layers(model):  # a non-zero adapter, so that merging changes the weights
+        torch.nn.init.normal_(layer.lora_B["shared"], std=0.05)
+    ids, attn = prompts(tok, ["What is 1 + 2?", "What is 1 + 2?", "Name three colours."])
+    torch.manual_seed(0)
+    with merged_adapter(model, "shared"):
+        new, logp = graph_decode(model, ids, attn, 16, tok.eos_token_id, tok.pad_token_id,
+                                 temperature=0.7, use_graph=False)
+    calls = [Call(i, "generator", "generator0", 0, ids[i][attn[i].bool()].tolist(), new[i].tolist(),
+                  "", "") for i in range(len(ids))]
+    with torch.no_grad(), use_adapter(model, "shared"):
+        scored, mask, _ = sequence_logprobs(model, calls, tok.pad_token_id, 0.7)
+    assert logp.shape == new.shape == (3, 16)
+    assert torch.allclose(logp, scored, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph needs a GPU")
+def test_the_cuda_graph_replays_what_the_eager_step_computes(tiny):
+    model, tok = tiny
+    model = model.cuda()
+    ids, attn = (t.cuda() for t in prompts(tok, ["What is 1 + 2?", "x", "Name three colours."]))
+    eager, _ = graph_decode(model, ids, attn, 20, -1, tok.pad_token_id, greedy=True,
+                            use_graph=False)
+    graphed, _ = graph_decode(model, ids, attn, 20, -1, tok.pad_token_id, greedy=True)
+    assert graphed.tolist() == eager.tolist()
+
+
+def test_the_sampler_draws_from_the_softmax_and_its_nucleus():
+    """sample_next's inverse-CDF draws: frequencies within 4 standard errors of the softmax at
+    the temperature, the recorded log-probs are log_softmax's, and top_p keeps only the nucleus."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
+    torch.manual_seed(0)
+    tokens, logp = sample_next(logits, temperature=0.7)
+    expected = torch.softmax(logits[0] / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    se = (expected * (1 - expected) / len(tokens)).sqrt()
+    assert ((freq - expected).abs() <= 4 * se + 1e-9).all(), (freq, expected)
+    expected_logp = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    assert torch.allclose(logp, expected_logp)
+    # p = .64 .24 .09 .03 ...: the nucleus keeps 0 and 1
+    tokens, _ = sample_next(logits, temperature=1.0, top_p=0.8)
+    assert set(tokens.tolist()) == {0, 1}
+    kept = torch.softmax(logits[0, :2], -1)[0]
+    assert abs((tokens == 0).float().mean() - kept) < 4 * (kept * (1 - kept) / len(tokens)).sqrt()
+
+
