@@ -1,13 +1,17 @@
 #!/bin/bash
-# The GPU checks of docs/performance.md, in one run of about eight minutes on one GPU:
+# The GPU checks of docs/performance.md, in one run of about seven minutes on one GPU:
 # the decoders' tests with CUDA visible, a bf16 gradient through left padding under the old
 # and the new attention mask, bench.py's throughput (32, 128, 512 rows; the CUDA graph's
-# decode, the CPU's loop and transformers' generate, fp32 and bf16), the default run, and
-# three steps of the GPU recipe on the embedded model. Every log lands in $OUT (default: ./gpu).
+# decode, the CPU's loop and transformers' generate, fp32 and bf16) on the embedded model and
+# on Qwen3-0.6B's shape with random weights, the default run, and three steps of the GPU recipe
+# on the embedded model. Every log lands in $OUT (default: ./gpu).
 #   bash tests/gpu_check.sh
-OUT=${OUT:-gpu}; mkdir -p "$OUT"
+OUT=${OUT:-gpu}
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYTHONPATH"
 PY=${PY:-python}
+$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+  || { echo "gpu_check: $PY finds no torch with a CUDA device here; run it where one is"; exit 1; }
+mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$OUT/device.txt"
@@ -53,6 +57,10 @@ echo "== bench"
 timeout 200 $PY bench.py --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
   --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | grep -v "^bench:"
 
+echo "== bench, Qwen3-0.6B's shape with random weights"
+timeout 150 $PY bench.py --model random:qwen3-0.6b --device cuda --skip step,sharing --batches 32,512 \
+  --repeats 1 --json "$OUT/bench-qwen3.json" 2>&1 | tee "$OUT/bench-qwen3.txt" | grep -v "^bench:"
+
 echo "== the default run"
 start=$EPOCHREALTIME
 timeout 120 $PY train.py --out /tmp/gpu-default --overwrite > "$OUT/default.txt" 2>&1
@@ -60,8 +68,9 @@ echo "exit $?, wall $(awk "BEGIN {print $EPOCHREALTIME - $start}") s (loading in
 grep -E "^step|not applied|peak" "$OUT/default.txt" | tail -8
 
 echo "== three steps of the GPU recipe"
-timeout 130 $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
-  --max_new_tokens 256 --level 3 --steps 3 --eval_problems 32 --out /tmp/gpu-recipe --overwrite \
+timeout 100 $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
+  --max_new_tokens 256 --level 3 --steps 3 --eval_problems 32 --micro_batch_tokens 16384 \
+  --out /tmp/gpu-recipe --overwrite \
   > "$OUT/recipe.txt" 2>&1
 echo "exit $?" | tee -a "$OUT/recipe.txt"
 grep -E "^step|not applied|adherence|warm-up" "$OUT/recipe.txt" | tail -14
