@@ -1,7 +1,8 @@
 #!/bin/bash
-# The GPU checks of docs/performance.md, in one run of about seven minutes on one GPU:
+# The GPU checks of docs/performance.md, in one run of about eight minutes on one GPU:
 # the decoders' tests with CUDA visible, a bf16 gradient through left padding under the old
-# and the new attention mask, bench.py's throughput (32, 128, 512 rows; the CUDA graph's
+# and the new attention mask, one decoding step alone (eager, and a CUDA graph's replay),
+# bench.py's throughput (32, 128, 512 rows; the CUDA graph's
 # decode, the CPU's loop and transformers' generate, fp32 and bf16) on the embedded model and
 # on Qwen3-0.6B's shape with random weights, the default run, and three steps of the GPU recipe
 # on the embedded model. Every log lands in $OUT (default: ./gpu).
@@ -56,6 +57,56 @@ PY
 echo "== bench"
 timeout 200 $PY bench.py --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
   --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | grep -v "^bench:"
+
+echo "== one decoding step alone, eager and replayed as a CUDA graph, by rows"
+for model in smollm2 random:qwen3-0.6b; do
+timeout 90 $PY - $model <<'PY' 2>&1 | grep -v "^$" | tee -a "$OUT/step.txt"
+import sys
+import time
+
+import torch
+
+from decode import StaticStep, capture, prefill
+from model import load_policy
+from rollout import chat_text, left_pad
+from tasks import DEFAULT_LEVEL, load_task
+from workflows import chat
+
+name, device, sync = sys.argv[1], "cuda", torch.cuda.synchronize
+pool = load_task("arith", "train", 64, DEFAULT_LEVEL, 0)
+for dtype in ("bf16", "fp32"):
+    model, tok = load_policy(name, device, dtype)
+    for B in (32, 128, 512):
+        chats = [chat("math", "generator", question=pool[i % len(pool)].question) for i in range(B)]
+        rows = tok([chat_text(tok, c) for c in chats], add_special_tokens=False).input_ids
+        ids, attn = (t.to(device) for t in left_pad(rows, tok.pad_token_id))
+        with torch.no_grad():
+            cache, logits = prefill(model, ids, attn)
+            step = StaticStep(model, cache, attn.bool(), ids.shape[1] + 48)
+            step.position.copy_(attn.long().sum(-1, keepdim=True))
+            step.column.fill_(ids.shape[1])
+            step.token.copy_(logits.argmax(-1))
+            timed = {}
+            for label, run in (("eager", step), ("replay", None)):
+                if label == "replay":
+                    start = time.perf_counter()
+                    graph, _ = capture(step)
+                    sync()
+                    timed["capture"] = time.perf_counter() - start
+                    run = graph.replay
+                for _ in range(3):
+                    run()
+                sync()
+                start = time.perf_counter()
+                for _ in range(24):  # the same column each time: a timing, not a decode
+                    run()
+                sync()
+                timed[label] = (time.perf_counter() - start) / 24
+        print(f"{name} {dtype}, {B} rows, context {ids.shape[1]}: " +
+              ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timed.items()), flush=True)
+    del model
+PY
+done
 
 echo "== bench, Qwen3-0.6B's shape with random weights"
 timeout 150 $PY bench.py --model random:qwen3-0.6b --device cuda --skip step,sharing --batches 32,512 \
