@@ -5,7 +5,7 @@
 # bench.py's throughput (32, 128, 512 rows; the CUDA graph's
 # decode, the CPU's loop and transformers' generate, fp32 and bf16) on the embedded model and
 # on Qwen3-0.6B's shape with random weights, the default run, and three steps of the GPU recipe
-# on the embedded model. Every log lands in $OUT (default: ./gpu).
+# on the embedded model with the diagnostics and without. Every log lands in $OUT (default: ./gpu).
 #   bash tests/gpu_check.sh
 OUT=${OUT:-gpu}
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYTHONPATH"
@@ -118,12 +118,15 @@ timeout 120 $PY train.py --out /tmp/gpu-default --overwrite > "$OUT/default.txt"
 echo "exit $?, wall $(awk "BEGIN {print $EPOCHREALTIME - $start}") s (loading included)" | tee -a "$OUT/default.txt"
 grep -E "^step|not applied|peak" "$OUT/default.txt" | tail -8
 
-echo "== three steps of the GPU recipe"
-timeout 100 $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
-  --max_new_tokens 256 --level 3 --steps 3 --eval_problems 32 --micro_batch_tokens 16384 \
-  --out /tmp/gpu-recipe --overwrite \
-  > "$OUT/recipe.txt" 2>&1
-echo "exit $?" | tee -a "$OUT/recipe.txt"
-grep -E "^step|not applied|adherence|warm-up" "$OUT/recipe.txt" | tail -14
-cp /tmp/gpu-recipe/metrics.jsonl "$OUT/recipe-metrics.jsonl" 2>/dev/null
+# The recipe with the diagnostics (per-slot and half-batch backward passes) every step, the
+# default, and with none: what they cost on the GPU.
+for diag in 1 0; do
+  echo "== three steps of the GPU recipe, --diag_every $diag"
+  timeout 100 $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
+    --max_new_tokens 256 --level 3 --steps 3 --eval_problems 32 --micro_batch_tokens 16384 \
+    --diag_every $diag --out /tmp/gpu-recipe$diag --overwrite > "$OUT/recipe$diag.txt" 2>&1
+  echo "exit $?" | tee -a "$OUT/recipe$diag.txt"
+  grep -E "^step [0-9]+/|not applied" "$OUT/recipe$diag.txt" | tail -4
+  cp /tmp/gpu-recipe$diag/metrics.jsonl "$OUT/recipe$diag-metrics.jsonl" 2>/dev/null
+done
 cp /tmp/gpu-default/metrics.jsonl "$OUT/default-metrics.jsonl" 2>/dev/null
