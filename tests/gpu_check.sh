@@ -5,25 +5,25 @@
 # bench.py's throughput (32, 128, 512 rows; the CUDA graph's
 # decode, the CPU's loop and transformers' generate, fp32 and bf16) on the embedded model and
 # on Qwen3-0.6B's shape with random weights, the default run, and three steps of the GPU recipe
-# on the embedded model with the diagnostics and without. Every log lands in $OUT (default: ./gpu).
+# on the embedded model with the diagnostics and without. Every log lands in $LOGS (default: ./gpu).
 #   bash tests/gpu_check.sh
-OUT=${OUT:-gpu}
+LOGS=${LOGS:-gpu}
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYTHONPATH"
 PY=${PY:-python}
 $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
   || { echo "gpu_check: $PY finds no torch with a CUDA device here; run it where one is"; exit 1; }
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+mkdir -p "$LOGS"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOGS/device.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
-  | tee -a "$OUT/device.txt"
+  | tee -a "$LOGS/device.txt"
 $PY -c "from model import load_policy; load_policy('smollm2', 'cuda')" || exit 1   # the first load converts
 
 echo "== tests"
-timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tee "$OUT/tests.txt" | tail -3
-grep -q " failed" "$OUT/tests.txt" && { echo "the decoders' tests failed: the rest would measure a broken decode"; exit 1; }
+timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tee "$LOGS/tests.txt" | tail -3
+grep -q " failed" "$LOGS/tests.txt" && { echo "the decoders' tests failed: the rest would measure a broken decode"; exit 1; }
 
 echo "== bf16 gradient through left padding, the old mask against the new"
-timeout 120 $PY - <<'PY' 2>&1 | tee "$OUT/nan.txt"
+timeout 120 $PY - <<'PY' 2>&1 | tee "$LOGS/nan.txt"
 import torch
 import decode
 from lora import add_adapter, adapter_parameters, inject_lora, use_adapter
@@ -56,11 +56,11 @@ PY
 
 echo "== bench"
 timeout 200 $PY bench.py --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
-  --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt" | grep -v "^bench:"
+  --json "$LOGS/bench.json" 2>&1 | tee "$LOGS/bench.txt" | grep -v "^bench:"
 
 echo "== one decoding step alone, eager and replayed as a CUDA graph, by rows"
 for model in smollm2 random:qwen3-0.6b; do
-timeout 90 $PY - $model <<'PY' 2>&1 | grep -v "^$" | tee -a "$OUT/step.txt"
+timeout 90 $PY - $model <<'PY' 2>&1 | grep -v "^$" | tee -a "$LOGS/step.txt"
 import sys
 import time
 
@@ -110,13 +110,13 @@ done
 
 echo "== bench, Qwen3-0.6B's shape with random weights"
 timeout 150 $PY bench.py --model random:qwen3-0.6b --device cuda --skip step,sharing --batches 32,512 \
-  --repeats 1 --json "$OUT/bench-qwen3.json" 2>&1 | tee "$OUT/bench-qwen3.txt" | grep -v "^bench:"
+  --repeats 1 --json "$LOGS/bench-qwen3.json" 2>&1 | tee "$LOGS/bench-qwen3.txt" | grep -v "^bench:"
 
 echo "== the default run"
 start=$EPOCHREALTIME
-timeout 120 $PY train.py --out /tmp/gpu-default --overwrite > "$OUT/default.txt" 2>&1
-echo "exit $?, wall $(awk "BEGIN {print $EPOCHREALTIME - $start}") s (loading included)" | tee -a "$OUT/default.txt"
-grep -E "^step|not applied|peak" "$OUT/default.txt" | tail -8
+timeout 120 $PY train.py --out /tmp/gpu-default --overwrite > "$LOGS/default.txt" 2>&1
+echo "exit $?, wall $(awk "BEGIN {print $EPOCHREALTIME - $start}") s (loading included)" | tee -a "$LOGS/default.txt"
+grep -E "^step|not applied|peak" "$LOGS/default.txt" | tail -8
 
 # The recipe with the diagnostics (per-slot and half-batch backward passes) every step, the
 # default, and with none: what they cost on the GPU.
@@ -124,9 +124,9 @@ for diag in 1 0; do
   echo "== three steps of the GPU recipe, --diag_every $diag"
   timeout 100 $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
     --max_new_tokens 256 --level 3 --steps 3 --eval_problems 32 --micro_batch_tokens 16384 \
-    --diag_every $diag --out /tmp/gpu-recipe$diag --overwrite > "$OUT/recipe$diag.txt" 2>&1
-  echo "exit $?" | tee -a "$OUT/recipe$diag.txt"
-  grep -E "^step [0-9]+/|not applied" "$OUT/recipe$diag.txt" | tail -4
-  cp /tmp/gpu-recipe$diag/metrics.jsonl "$OUT/recipe$diag-metrics.jsonl" 2>/dev/null
+    --diag_every $diag --out /tmp/gpu-recipe$diag --overwrite > "$LOGS/recipe$diag.txt" 2>&1
+  echo "exit $?" | tee -a "$LOGS/recipe$diag.txt"
+  grep -E "^step [0-9]+/|not applied" "$LOGS/recipe$diag.txt" | tail -4
+  cp /tmp/gpu-recipe$diag/metrics.jsonl "$LOGS/recipe$diag-metrics.jsonl" 2>/dev/null
 done
-cp /tmp/gpu-default/metrics.jsonl "$OUT/default-metrics.jsonl" 2>/dev/null
+cp /tmp/gpu-default/metrics.jsonl "$LOGS/default-metrics.jsonl" 2>/dev/null
