@@ -79,7 +79,8 @@ def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
 # --help shows the flags a first week changes (all of the README's), --help-all every flag
 TUTORIAL = {"workflow", "sharing", "algo", "critic", "critic_per", "lam", "model", "task", "level", "steps",
             "problems_per_step", "group_size", "max_new_tokens", "lr", "lora_r", "eval_problems", "eval_every",
-            "seed", "out", "resume", "overwrite", "threads", "one_step", "balance", "damping", "role_kl"}
+            "seed", "out", "resume", "overwrite", "threads", "one_step", "balance", "damping", "role_kl",
+            "micro_batch_tokens"}
 # both in these groups; each group starts at the field named here
 SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation",
             "balance": "mitigations of Paper A's failure modes (README, diagnose.py)",
@@ -126,10 +127,10 @@ class Config:
                          "roles the warm-up teaches, of those the workflow has")
     weight_decay: float = arg(0.0, "AdamW weight decay", bounds="[0, inf)")
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
-    one_step: bool = arg(True, "one optimizer step per adapter and training step, over all of its calls; "
-                         "--no-one_step: one per --minibatch_size calls, as the paper")
+    one_step: bool = arg(True, "one optimizer step per adapter a step (--no-one_step: one per "
+                         "--minibatch_size)")
     minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step", bounds="[1, inf)")
-    micro_batch_tokens: int = arg(1024, "padded tokens per forward pass (memory only; same gradient)",
+    micro_batch_tokens: int = arg(1024, "padded tokens a pass (memory only)",
                                   bounds="[1, inf)")
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
     eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)", bounds="[0, inf)")
