@@ -2,6 +2,7 @@
 
     python bench.py                     # the embedded model on a 2-core CPU: about 4.5 minutes
     python bench.py --model Qwen/Qwen3-1.7B --device cuda --json bench.json
+    python bench.py --model random:qwen3-0.6b --device cuda   # its shape, random weights: no hub
 
 Each timed figure is the median of --repeats runs after a warm-up, and runs that
 are compared alternate (A B C A B C ...), so a machine that slows down slows all
@@ -427,7 +428,8 @@ def report(fig: dict, device_name: str) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny, or a HF id/path")
+    p.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny, random:qwen3-0.6b "
+                   "(-1.7b, -4b: random weights), or a HF id/path")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--repeats", type=int, default=4, help="timed runs of each alternating part")
     p.add_argument("--problems", type=int, default=4, help="problems of the stage (x 4 episodes each)")
