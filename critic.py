@@ -162,7 +162,8 @@ def local_observation(call: Call) -> str:
     return f"[{call.slot}] prompt:\n{call.prompt}"
 
 
-LIST_MARK = re.compile(r"^[\s#*-]*(?:\d+\s*[.):])?\s*")  # "1. ", "- ", "2) ": a plan's list, quoted without it
+# "1. ", "- ", "2) ": the marks of a plan's list, which a prompt may quote without them
+LIST_MARK = re.compile(r"^[\s#*-]*(?:\d+\s*[.):])?\s*")
 
 
 def unseen(calls: list[Call]) -> list[float | None]:
@@ -179,7 +180,8 @@ def unseen(calls: list[Call]) -> list[float | None]:
                  for line in d.text.splitlines())
         said = [line for line in lines if line]
         total = sum(map(len, said))
-        shares.append(sum(len(line) for line in said if line not in c.prompt) / total if total else None)
+        hidden = sum(len(line) for line in said if line not in c.prompt)
+        shares.append(hidden / total if total else None)
     return shares
 
 
@@ -336,14 +338,16 @@ class CriticSettings:
     lam: float = 0.95                # GAE lambda
     normalize_advantages: bool = False  # (A - mean) / std over the batch
     predict_batch: int = 8           # inputs per forward pass when predicting values
-    steps: int = 1                   # optimizer steps of each critic per training step, over its rows
-                                     # split evenly: a central critic reading N times the rows of a
-                                     # decentral one takes no more steps (AdamW's step size is the same)
+    steps: int = 1                   # optimizer steps of each critic per training step, over
+                                     # its rows split evenly: a central critic reading N times the
+                                     # rows of a decentral one takes no more steps (AdamW's step
+                                     # size is the same)
     micro_batch_tokens: int = 1024   # padded tokens per forward pass (memory only)
     vf_coef: float = 1.0             # value-loss coefficient
     value_clip: float | None = None  # PPO-style clip of each value's move (None = off)
     grad_clip: float = 1.0           # max gradient norm per optimizer step
-    cut_returns_zero: bool = False   # --truncated penalize: a call cut by the length limit returns 0
+    cut_returns_zero: bool = False   # --truncated penalize: a call cut by the length limit
+                                     # returns 0
 
 
 @dataclass

@@ -77,7 +77,8 @@ class LoRALinear(nn.Module):
     def merged_weight(self, name: str) -> torch.Tensor:
         """W + (alpha / r) B A in the base's dtype: (out, in)."""
         W = self.base.weight  # fp32 adapters: the sum is formed in fp32, then rounded once
-        return torch.addmm(W.float(), self.lora_B[name], self.lora_A[name], alpha=self.scaling).to(W.dtype)
+        merged = torch.addmm(W.float(), self.lora_B[name], self.lora_A[name], alpha=self.scaling)
+        return merged.to(W.dtype)
 
 
 def inject_lora(model: nn.Module, r: int = 64, alpha: float = 32.0,
@@ -92,7 +93,8 @@ def inject_lora(model: nn.Module, r: int = 64, alpha: float = 32.0,
                 layer = LoRALinear(child, r, alpha)
                 setattr(parent, child_name, layer)
                 wrapped.append(layer)
-    found = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    found = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+             if isinstance(m, LoRALinear)}
     if missing := [t for t in targets if t not in found]:
         raise ValueError(f"no linear layer named {', '.join(missing)} in the model")
     return wrapped
@@ -221,7 +223,8 @@ def load_adapter_state(model: nn.Module, name: str, state: dict[str, torch.Tenso
                 for key, param in ((f"{PEFT_PREFIX}{path}.lora_A.weight", module.lora_A[name]),
                                    (f"{PEFT_PREFIX}{path}.lora_B.weight", module.lora_B[name])):
                     if key not in state or state[key].shape != param.shape:
-                        raise ValueError(f"adapter {name!r}: no tensor {key} of shape {tuple(param.shape)}")
+                        raise ValueError(f"adapter {name!r}: no tensor {key} of shape "
+                                         f"{tuple(param.shape)}")
                     param.copy_(state[key])
 
 
@@ -244,10 +247,12 @@ def save_adapters(model: nn.Module, directory: str) -> None:
         os.makedirs(os.path.join(directory, name), exist_ok=True)
         with open(os.path.join(directory, name, "adapter_config.json"), "w") as f:
             f.write(config)
-        save_file(adapter_state(model, name), os.path.join(directory, name, "adapter_model.safetensors"))
+        path = os.path.join(directory, name, "adapter_model.safetensors")
+        save_file(adapter_state(model, name), path)
 
 
 def load_adapters(model: nn.Module, directory: str, names: list[str]) -> None:
     """Load the adapters `names` from DIR/<name>/, as save_adapters wrote them."""
     for name in names:
-        load_adapter_state(model, name, load_file(os.path.join(directory, name, "adapter_model.safetensors")))
+        path = os.path.join(directory, name, "adapter_model.safetensors")
+        load_adapter_state(model, name, load_file(path))

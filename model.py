@@ -118,16 +118,19 @@ def _from_pretrained(name: str, dtype: torch.dtype, local_files_only: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local_files_only)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype,
+                                                 local_files_only=local_files_only)
     return model, tok
 
 
 def _hub_knows(name: str) -> None:
-    """Stop with one line unless the Hugging Face hub answers, within seconds, that it has `name`."""
+    """Stop with one line unless the Hugging Face hub answers, within seconds, that it has
+    `name`."""
     from huggingface_hub import HfApi
 
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise SystemExit(_cannot_load(name, "HF_HUB_OFFLINE is set and it is not in the local cache"))
+        why = "HF_HUB_OFFLINE is set and it is not in the local cache"
+        raise SystemExit(_cannot_load(name, why))
     try:
         HfApi().model_info(name, timeout=5)
     except Exception as e:  # no network, no such repository, a gated one without a token

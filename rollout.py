@@ -52,7 +52,8 @@ class Call:
     prompt: str
     text: str                # completion decoded without special tokens
     truncated: bool = False  # stopped by max_new_tokens before its eos: an unfinished answer
-    reward: float = 0.0      # the episode's outcome, broadcast to every call (--credit own: its own part)
+    reward: float = 0.0      # the episode's outcome, broadcast to every call
+                             # (--credit own: the call's own part)
     solved: float | None = None  # a solving call's own answer, scored as a final answer would be
     advantage: float = 0.0
     rollout_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,) as sampled;
@@ -152,7 +153,8 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
                       with_entropy: bool = False):
     """Per-token log-probs of the calls' completions (B, T), the mask (B, T), and
     with_entropy the entropy of each next-token distribution (B, T), else None."""
-    ids, attn, cmask = pack([c.prompt_ids for c in calls], [c.completion_ids for c in calls], pad_id)
+    ids, attn, cmask = pack([c.prompt_ids for c in calls], [c.completion_ids for c in calls],
+                            pad_id)
     T = cmask.shape[1]
     logits = completion_logits(model, ids.to(model.device), attn.to(model.device), T)
     logp = token_logprobs(logits, ids[:, -T:].to(model.device), temperature)  # (B, T)
@@ -166,7 +168,8 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
 
 def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
     """The calls in micro-batches of at most max_tokens padded positions, shortest first, so that
-    calls of like lengths share one and little of it is padding (the sum is the same in any order)."""
+    calls of like lengths share one and little of it is padding (the sum is the same in any
+    order)."""
     calls = sorted(calls, key=lambda c: (len(c.prompt_ids), len(c.completion_ids)))
     sizes = [(len(c.prompt_ids), len(c.completion_ids)) for c in calls]
     return [[calls[i] for i in idx] for idx in token_batches(sizes, max_tokens)]
@@ -193,18 +196,21 @@ class Rollout:
     """The `generate` callback of workflows.py: one batched model call per stage."""
 
     def __init__(self, model, tok, sharing: str, max_new_tokens: int = 64, temperature: float = 0.7,
-                 top_p: float = 1.0, greedy: bool = False, progress: Callable[[str], None] | None = None,
+                 top_p: float = 1.0, greedy: bool = False,
+                 progress: Callable[[str], None] | None = None,
                  merge: bool = True, decoder: Callable | None = None):
         self.model, self.tok, self.sharing = model, tok, sharing
         # On a GPU each token is a replay of one CUDA graph; on a CPU, host calls cost little.
         self.decoder = decoder or (graph_decode if model.device.type == "cuda" else None)
-        self.merge = merge  # generate with the adapter folded into the weights (lora.merged_adapter)
+        # generate with the adapter folded into the weights (lora.merged_adapter)
+        self.merge = merge
         self.max_new_tokens, self.temperature, self.top_p, self.greedy = (
             max_new_tokens, temperature, top_p, greedy)
         self.progress = progress  # told of every finished stage: a stage can take minutes on a CPU
         self.calls: list[Call] = []
         self.stages = 0  # one per generate call; also the `turn` of its calls
-        context = context_length(model)  # a prompt longer than the room left for it is cut (fit_prompt)
+        # a prompt longer than the room left for it is cut (fit_prompt)
+        context = context_length(model)
         self.room = None if context is None else context - max_new_tokens
         self.prompts_cut = 0  # prompts cut to fit
 
@@ -223,8 +229,9 @@ class Rollout:
         adapter = adapter_for(role, self.sharing)
         decoder = self.decoder or decode  # looked up per stage: tests count the CPU's decodes
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
-            new, sampled = decoder(model, ids, attn, self.max_new_tokens, tok.eos_token_id, tok.pad_token_id,
-                                  self.temperature, self.top_p, self.greedy)  # (B, T) each
+            new, sampled = decoder(model, ids, attn, self.max_new_tokens, tok.eos_token_id,
+                                   tok.pad_token_id, self.temperature, self.top_p,
+                                   self.greedy)  # (B, T) each
         new, sampled = new.cpu(), (None if sampled is None else sampled.cpu())
         texts = []
         for i in range(len(chats)):
@@ -232,11 +239,13 @@ class Rollout:
             completion = cut_at_eos(new[i].tolist(), tok.eos_token_id)
             text = tok.decode(completion, skip_special_tokens=True)
             texts.append(text)
-            self.calls.append(Call(episodes[i], role, slots[i], self.stages, prompt_ids,
-                                   completion, prompts[i], text, truncated=completion[-1:] != [tok.eos_token_id],
-                                   rollout_logp=None if sampled is None else sampled[i, : len(completion)]))
+            truncated = completion[-1:] != [tok.eos_token_id]
+            logp = None if sampled is None else sampled[i, : len(completion)]
+            self.calls.append(Call(episodes[i], role, slots[i], self.stages, prompt_ids, completion,
+                                   prompts[i], text, truncated=truncated, rollout_logp=logp))
         self.stages += 1
         if self.progress:
             fits = f", {len(cut)} prompt(s) cut to fit the context" if cut else ""
-            self.progress(f"stage {self.stages} {role} x{len(chats)}: {time.time() - start:.0f}s{fits}")
+            seconds = time.time() - start
+            self.progress(f"stage {self.stages} {role} x{len(chats)}: {seconds:.0f}s{fits}")
         return texts
