@@ -543,10 +543,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", default=None, help="where the cells and report.md go "
                         "(default: runs/reproduce, runs/demo-NAME)")
     args, train_flags = parser.parse_known_args(argv)
+    given = args.seeds
     try:
-        args.seeds = [int(s) for s in args.seeds.split(",")]
+        args.seeds = [int(s) for s in given.split(",")]
     except ValueError:
-        parser.error(f"--seeds {args.seeds!r}: give seeds as 0,1,2")
+        parser.error(f"--seeds {given!r}: give seeds as 0,1,2")
+    if len(set(args.seeds)) < len(args.seeds) or not all(0 <= s < 2 ** 32 for s in args.seeds):
+        parser.error(f"--seeds {given}: give distinct seeds from 0 to 4294967295")
+    if any(f == "--seed" or f.startswith("--seed=") for f in train_flags):
+        parser.error("--seed: each cell's seed is one of --seeds (a --seed for train.py would give "
+                     "every cell the same one)")
     return args, train_flags
 
 

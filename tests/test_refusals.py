@@ -237,5 +237,18 @@ def test_every_tool_refuses_an_abbreviated_flag():
         with pytest.raises(SystemExit) as stop:
             parse(argv)
         assert stop.value.code == 2
-    args, train_flags = grid.parse_args(["--demo", "default", "--seed", "1"])  # train.py's, not --seeds
-    assert args.seeds == [0, 1, 2] and train_flags == ["--seed", "1"]
+    args, train_flags = grid.parse_args(["--demo", "default", "--lr", "1e-3"])  # train.py's flag
+    assert args.seeds == [0, 1, 2] and train_flags == ["--lr", "1e-3"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--seeds", "0,0"], "distinct seeds"),
+    (["--seeds", "-1"], "distinct seeds"),
+    (["--seeds", "4294967296"], "distinct seeds"),
+    (["--seed", "1"], "each cell's seed is one of --seeds"),   # every cell would run seed 1
+    (["--seed=1"], "each cell's seed is one of --seeds")])
+def test_grid_refuses_seeds_that_would_repeat_a_cell(argv, words, capsys):
+    import grid
+    with pytest.raises(SystemExit) as stop:
+        grid.parse_args(["--demo", "default", *argv])
+    assert stop.value.code == 2 and words in capsys.readouterr().err
