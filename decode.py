@@ -169,7 +169,7 @@ class StaticStep:
 
     def __init__(self, model, cache: DynamicCache, valid: torch.Tensor, S: int):
         inner, config = model.model, model.config
-        self.model, self.layers = model, inner.layers
+        self.model, self.inner, self.layers = model, inner, inner.layers
         B, device = valid.shape[0], valid.device
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -195,7 +195,7 @@ class StaticStep:
 
     def __call__(self) -> torch.Tensor:
         """Write the step's keys and values into the cache; the next token's logits (B, V)."""
-        inner = self.model.model
+        inner = self.inner
         B, H, Hkv, d = len(self.token), self.heads, self.kv_heads, self.head_dim
         self.valid.index_fill_(1, self.column, True)
         x = inner.embed_tokens(self.token[:, None])  # (B, 1, D)
@@ -213,8 +213,9 @@ class StaticStep:
             k = rotate(k.transpose(1, 2), cos, sin)  # (B, Hkv, 1, d)
             keys.index_copy_(2, self.column, k)
             values.index_copy_(2, self.column, v)
-            # Grouped-query attention of one query per row: the H query heads in Hkv groups,
-            # each group reading its own key/value head, with no copy of the cache.
+            # Grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245) of one query per
+            # row: the H query heads in Hkv groups, each reading its own key/value head, with no
+            # copy of the cache.
             q = q.view(B, Hkv, H // Hkv, d)  # (B, Hkv, g, d)
             scores = (q @ keys.transpose(-1, -2)).float() * self.scale  # (B, Hkv, g, S)
             p = scores.masked_fill(hide, float("-inf")).softmax(-1).to(values.dtype)

@@ -200,8 +200,7 @@ class Rollout:
                  progress: Callable[[str], None] | None = None,
                  merge: bool = True, decoder: Callable | None = None):
         self.model, self.tok, self.sharing = model, tok, sharing
-        # On a GPU each token is a replay of one CUDA graph; on a CPU, host calls cost little.
-        self.decoder = decoder or (graph_decode if model.device.type == "cuda" else None)
+        self.decoder = decoder  # None: decode.graph_decode on a GPU, decode.decode on a CPU
         # generate with the adapter folded into the weights (lora.merged_adapter)
         self.merge = merge
         self.max_new_tokens, self.temperature, self.top_p, self.greedy = (
@@ -227,7 +226,8 @@ class Rollout:
         self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
         adapter = adapter_for(role, self.sharing)
-        decoder = self.decoder or decode  # looked up per stage: tests count the CPU's decodes
+        # On a GPU each token is a replay of one CUDA graph; on a CPU, host calls cost little.
+        decoder = self.decoder or (graph_decode if model.device.type == "cuda" else decode)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
             new, sampled = decoder(model, ids, attn, self.max_new_tokens, tok.eos_token_id,
                                    tok.pad_token_id, self.temperature, self.top_p,
