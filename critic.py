@@ -53,8 +53,8 @@ import torch
 import torch.nn as nn
 
 from decode import forward_padded
+from lab.machine import my_share, sum_across, sum_gradients
 from lora import add_adapter, use_adapter
-from machine import my_share, sum_across, sum_gradients
 from rollout import Call, left_pad, token_batches
 
 CRITICS = ("central", "decentral")

@@ -21,7 +21,7 @@ two ways, one per way of sharing the LoRA policy:
 This file reads train.py's logs (metrics.jsonl), plots them and applies three detectors (a cliff,
 the two mechanisms' signatures) with explicit thresholds, this project's choices; a fall counts
 only beyond its noise, a peak is chosen on the val split where a run has one. It imports train.py
-(the probe drives it); grid.py builds its tables on this file.
+(the probe drives it); lab/grid.py builds its tables on this file.
 
 Exercised by: pytest tests/test_diagnose.py
 """
@@ -43,15 +43,15 @@ import torch
 matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-import launch
-import train
 from grpo import policy_update, set_advantages
+from lab import launch
+from lab.launch import check_numbers
+from lab.runs import load_run, read_best, writable
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
-from launch import check_numbers
 from model import load_policy
 from rollout import Rollout
-from runs import load_run, read_best, writable
 from tasks import KINDS, load_task
+import train
 from workflows import ROLES, role_of, run_workflow, slots
 
 # Thresholds of the detectors: choices of this project (Paper A gives none). Raise FALL_Z or
@@ -482,7 +482,7 @@ def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                     epilog="grid.py trains the main table's and the demos' cells.")
+                                     epilog="python -m lab.grid trains the main table's and the demos' cells.")
     parser.add_argument("runs", nargs="*", help="train.py run directories")
     parser.add_argument("--out", default=None, help="where report.md and the plots go "
                         "(default: the run directory, or the runs' common parent)")

@@ -60,8 +60,8 @@ from typing import Hashable, NamedTuple
 
 import torch
 
+from lab.machine import gather_lists, my_share, sum_across, sum_gradients
 from lora import adapter_for, adapter_parameters, use_adapter
-from machine import gather_lists, my_share, sum_across, sum_gradients
 from rollout import Call, micro_batches, old_logprobs, sequence_logprobs
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")

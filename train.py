@@ -32,7 +32,7 @@ holds all the episodes, and each mini-batch's forward and backward passes are
 split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
 What comes before step 0 (settings, problems, model, optimizers), a checkpoint read back and the
-clock are launch.py's, the run on disk runs.py's, the machine (processes, threads, signals) machine.py's.
+clock are lab/launch.py's, the run on disk lab/runs.py's, the machine (processes, threads, signals) lab/machine.py's.
 
 Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU in about 12
 minutes (a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, a
@@ -53,18 +53,18 @@ from tqdm import tqdm
 
 from critic import CRITICS, PER, CriticSettings, critic_advantages, critic_metrics, update_critics
 from grpo import AGG_MODES, BALANCE, RATIO_LEVELS, UpdateSettings, policy_update, set_advantages, supervised_steps
-from launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes, eval_steps, evaluation_samples,
-                    launch, load_problems, load_start, make_optimizers, resume_run, step_line, typed_flags,
-                    warmup_roles)
+from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes, eval_steps,
+                        evaluation_samples, launch, load_problems, load_start, make_optimizers,
+                        resume_run, step_line, typed_flags, warmup_roles)
+from lab.machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats,
+                         join_processes, log, peak_memory_mb, pick_threads, pick_threads_again,
+                         rank_and_world, release_free_memory, run_main, stop_requested)
+from lab.runs import (NONFINITE_STOP, episode_samples, keep_best, leave_processes, save_checkpoint,
+                      start_logs, stop_run, write_step)
 from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
-from machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats, join_processes, log,
-                     peak_memory_mb, pick_threads, pick_threads_again, rank_and_world, release_free_memory, run_main,
-                     stop_requested)
-from reward import CREDITS, TRUNCATED, credit_calls, cut_finals, score_batch, step_metrics
 from model import DTYPES
+from reward import CREDITS, TRUNCATED, credit_calls, cut_finals, score_batch, step_metrics
 from rollout import Call, Rollout
-from runs import (NONFINITE_STOP, episode_samples, keep_best, leave_processes, save_checkpoint, start_logs, stop_run,
-                  write_step)
 from sandbox import CODE_TIMEOUT
 from tasks import DEFAULT_LEVEL, TASKS
 from workflows import SOLVERS, WORKFLOWS, adherence, boxed_contents, contract_replies, role_of, run_workflow, slots
@@ -173,7 +173,7 @@ class Config:
     diag_every: int = arg(1, "per-slot gradients, entropy and output similarity every k steps (0: never)",
                           bounds="[0, inf)")
     eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)", bounds="[1, inf)")
-    val_problems: int = arg(0, "validation problems per evaluation, where a peak is chosen (0: none; grid.py "
+    val_problems: int = arg(0, "validation problems per evaluation, where a peak is chosen (0: none; lab/grid.py "
                             "uses 48)", bounds="[0, inf)")
     eval_sampling: str = arg("auto", "evaluation decoding: greedy, sample (at --temperature), or auto = sample "
                              "for voting only", ("auto", "greedy", "sample"))
@@ -502,5 +502,5 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    catch_stop_signals()  # Ctrl-C and SIGTERM stop the run after its current step (machine.py)
+    catch_stop_signals()  # Ctrl-C and SIGTERM stop the run after its current step (lab/machine.py)
     run_main(lambda: main(parse_config(), typed=typed_flags(sys.argv[1:])))

@@ -2,7 +2,7 @@
 # The GPU checks of docs/performance.md, in one run of about eight minutes on one GPU:
 # the decoders' tests with CUDA visible, a bf16 gradient through left padding under the old
 # and the new attention mask, one decoding step alone (eager, and a CUDA graph's replay),
-# bench.py's throughput (32, 128, 512 rows; the CUDA graph's
+# lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's
 # decode, the CPU's loop and transformers' generate, fp32 and bf16) on the embedded model and
 # on Qwen3-0.6B's shape with random weights, the default run, and three steps of the GPU recipe
 # on the embedded model with the diagnostics and without. Every log lands in $LOGS (default: ./gpu).
@@ -55,7 +55,7 @@ for name, forward in (("padding only", padding_only), ("padded_causal_mask", dec
 PY
 
 echo "== bench"
-timeout 200 $PY bench.py --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
+timeout 200 $PY -m lab.bench --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
   --json "$LOGS/bench.json" 2>&1 | tee "$LOGS/bench.txt" | grep -v "^bench:"
 
 echo "== one decoding step alone, eager and replayed as a CUDA graph, by rows"
@@ -109,7 +109,7 @@ PY
 done
 
 echo "== bench, Qwen3-0.6B's shape with random weights"
-timeout 150 $PY bench.py --model random:qwen3-0.6b --device cuda --skip step,sharing --batches 32,512 \
+timeout 150 $PY -m lab.bench --model random:qwen3-0.6b --device cuda --skip step,sharing --batches 32,512 \
   --repeats 1 --json "$LOGS/bench-qwen3.json" 2>&1 | tee "$LOGS/bench-qwen3.txt" | grep -v "^bench:"
 
 echo "== the default run"

@@ -127,8 +127,7 @@ def child(argv: list[str]) -> None:
     """train.py's command line on problems whose answer is always 7: the tiny model's random replies
     are right often enough that rewards vary and every update path moves the adapters."""
     sys.path.insert(0, ROOT)
-    import launch
-    import machine
+    from lab import launch, machine
     import train
     from tasks import Problem
     problems = [Problem(f"seven-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]

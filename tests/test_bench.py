@@ -1,4 +1,4 @@
-"""bench.py end to end on the tiny model, and the memory figure a fresh process reports."""
+"""lab/bench.py end to end on the tiny model, and the memory figure a fresh process reports."""
 import json
 import re
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-import bench
 from conftest import ROOT
+from lab import bench
 
 
 def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, capsys):
@@ -38,10 +38,10 @@ def test_bench_refuses_an_unknown_part_before_loading_a_model():
 
 def test_a_process_started_from_a_big_one_reports_its_own_peak():
     """ru_maxrss carries a parent's peak over to the process it starts; machine.peak_memory_mb
-    must not (bench.py and grid.py --reproduce start train.py)."""
+    must not (lab/bench.py and lab/grid.py --reproduce start train.py)."""
     ballast = bytearray(1 << 30)
     ballast[:: 1 << 12] = b"x" * len(ballast[:: 1 << 12])  # touch every page: 1 GiB resident
-    child = subprocess.run([sys.executable, "-c", "import machine; print(machine.peak_memory_mb('cpu'))"],
+    child = subprocess.run([sys.executable, "-c", "from lab import machine; print(machine.peak_memory_mb('cpu'))"],
                            cwd=ROOT, capture_output=True, text=True, check=True)
     assert float(child.stdout.split()[-1]) < 1000, child.stdout
     del ballast

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-import course
 from conftest import ROOT
+from lab import course
 
 
 def pytest_in(root: str, ids: list[str], *flags: str) -> subprocess.CompletedProcess:
@@ -168,7 +168,7 @@ def test_a_stubbed_copy_fails_its_own_tests_and_passes_the_others(number, tmp_pa
         module, function = name.split(".", 1)
         fn = course.find_function(parse(f"{out}/{module}.py"), function)
         assert isinstance(fn.body[-1], ast.Raise) and len(fn.body) == 1 + (ast.get_docstring(fn) is not None)
-    graded = subprocess.run([sys.executable, "course.py", "grade"], cwd=out, capture_output=True, text=True)
+    graded = subprocess.run([sys.executable, "-m", "lab.course", "grade"], cwd=out, capture_output=True, text=True)
     assert graded.returncode == 1 and f"total 0/{len(course.node_ids(number))} points" in graded.stdout, \
         graded.stdout[-3000:]
     others = [t for j in course.ASSIGNMENTS if j != number and number not in course.prerequisites(j)
@@ -178,12 +178,12 @@ def test_a_stubbed_copy_fails_its_own_tests_and_passes_the_others(number, tmp_pa
 
 
 def test_every_command_of_the_syllabus_parses():
-    """docs/course.md's commands take the flags train.py, diagnose.py, grid.py, bench.py and course.py take
+    """docs/course.md's commands take the flags train.py, diagnose.py, lab/grid.py, lab/bench.py and lab/course.py take
     today, and a report reads runs that the page trains (YOURS, the student's workflow, is read as
     single)."""
-    import bench
+    from lab import bench
     import diagnose
-    import grid
+    from lab import grid
     import train
     with open(f"{ROOT}/docs/course.md") as f:
         blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.DOTALL)
@@ -191,16 +191,18 @@ def test_every_command_of_the_syllabus_parses():
     for line in "\n".join(blocks).splitlines():
         words = [{"YOURS": "single"}.get(w, w) for w in shlex.split(line, comments=True)
                  if "=" not in w or w.startswith("-")]  # no environment variables
+        if words[1:2] == ["-m"] and words[2].startswith("lab."):
+            words[1:3] = [words[2].replace(".", "/") + ".py"]  # a tool in lab/, by its file
         if words[:1] != [".venv/bin/python"] or words[1] in ("-m", "workflows.py"):
             continue
         script, args = words[1], words[2:]
         scripts.add(script)
         if script == "train.py":
             trained.add(train.parse_config(args).out)
-        elif script == "grid.py":
+        elif script == "lab/grid.py":
             train.parse_config(grid.parse_args(args)[1])
         elif script == "diagnose.py":
             assert set(diagnose.make_parser().parse_args(args).runs) <= trained, line
         else:
-            {"bench.py": bench.make_parser, "course.py": course.make_parser}[script]().parse_args(args)
-    assert scripts == {"train.py", "diagnose.py", "grid.py", "bench.py", "course.py"}, scripts
+            {"lab/bench.py": bench.make_parser, "lab/course.py": course.make_parser}[script]().parse_args(args)
+    assert scripts == {"train.py", "diagnose.py", "lab/grid.py", "lab/bench.py", "lab/course.py"}, scripts

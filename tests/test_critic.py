@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-import lora
 from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_inputs, critic_key,
                     critic_values, encode, explained_variance, gae, joint_history, local_observation, normalize,
                     outcome_rewards, predict_values, setup_critics, unseen, update_critics, value_loss)
+import lora
 from rollout import Call
 
 

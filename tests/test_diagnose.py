@@ -9,15 +9,14 @@ import shutil
 import pytest
 import torch
 
-import diagnose
-import launch
-import runs
-import train
 from conftest import make_read_only
+import diagnose
 from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_advantages
+from lab import launch, runs
 from lora import add_adapter, adapter_parameters, inject_lora
-from tasks import Problem
 from rollout import Call, Rollout
+from tasks import Problem
+import train
 from workflows import adherence, role_of, run_workflow, similarity, slots
 
 # ----------------------------------------------------------------------------

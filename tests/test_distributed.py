@@ -13,15 +13,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import machine
-import runs
-import train
 from grpo import UpdateSettings, policy_update
+from lab import machine, runs
+from lab.machine import rank_and_world
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
-from tasks import Problem
-from machine import rank_and_world
 from model import tiny_model
 from rollout import Rollout
+from tasks import Problem
+import train
 from workflows import ROLES, run_workflow
 
 

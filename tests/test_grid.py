@@ -4,8 +4,7 @@ import os
 
 import pytest
 
-import grid
-import runs
+from lab import grid, runs
 import train
 
 TINY = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems", "2",

@@ -11,12 +11,10 @@ import sys
 
 import pytest
 
-import bench
-import course
-import diagnose
-import grid
-import train
 from conftest import ROOT
+import diagnose
+from lab import bench, course, grid
+import train
 
 HUB = ("Qwen/", "dapo_math", "deepcoder")  # need the Hugging Face hub: parsed, not run
 # Later flags win: the README's command, shrunk to seconds on the tiny model.
@@ -44,6 +42,8 @@ def readme_commands(pages: list[str] = PAGES[:1]) -> list[list[str]]:
             words = shlex.split(part, comments=True)
             while words and ("=" in words[0] or words[0] in ("time", "/usr/bin/time")):
                 words = words[1:]  # an environment assignment or a timer before the command
+            if words[1:3] in (["-m", "lab.grid"], ["-m", "lab.bench"], ["-m", "lab.course"]):
+                words[1:3] = [words[2].replace(".", "/") + ".py"]  # a tool in lab/, by its file
             if words[:1] == [".venv/bin/python"] and words[1:2] != ["-m"] and words[1:] not in commands:
                 commands.append(words[1:])  # a second mention of a command means the same run
     return commands
@@ -52,7 +52,7 @@ def readme_commands(pages: list[str] = PAGES[:1]) -> list[list[str]]:
 def test_the_readme_has_commands_to_check():
     scripts = [c[0] for c in readme_commands()]
     assert scripts.count("train.py") >= 10 and scripts.count("diagnose.py") >= 3, scripts
-    assert "grid.py" in scripts, scripts
+    assert "lab/grid.py" in scripts, scripts
 
 
 def test_the_readme_links_every_deep_page():
@@ -78,16 +78,16 @@ def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypa
                 continue
             steps = "0" if cfg.steps == 0 else "1"
             train.main(train.parse_config(args + TINY + ["--steps", steps] if not cfg.resume else args))
-        elif script == "bench.py":  # runs for minutes: parsed here, run in test_bench.py
+        elif script == "lab/bench.py":  # runs for minutes: parsed here, run in test_bench.py
             bench.make_parser().parse_args(args)
-        elif script == "course.py":  # make copies the project here; grade is tested in test_course.py
+        elif script == "lab/course.py":  # make copies the project here; grade is tested in test_course.py
             parsed = course.make_parser().parse_args(args)
             if parsed.command == "make":
                 course.main(args)
         elif script == "workflows.py":  # a workflow's prompts on a canned model
             subprocess.run([sys.executable, f"{ROOT}/workflows.py", *args], check=True,
                            capture_output=True, timeout=120)
-        elif script == "grid.py":  # trains many runs: parsed only, what it hands to train.py too
+        elif script == "lab/grid.py":  # trains many runs: parsed only, what it hands to train.py too
             train.parse_config(grid.parse_args(args)[1])
         else:
             assert script == "diagnose.py", script

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-import launch
-import train
 from conftest import ROOT, directory_state
+from lab import launch
 from lora import inject_lora
 from model import tiny_model
+import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = dict(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2, group_size=2,
@@ -58,7 +58,7 @@ def test_a_directory_beside_a_run_or_below_a_non_run_is_free(tmp_path):
 def test_step_0s_best_is_saved_before_the_checkpoint(tmp_path, monkeypatch):
     """Killed between the two saves of step 0, the run must not resume without step 0's best: the
     best comes first, so such a run has no checkpoint and starts over."""
-    import runs
+    from lab import runs
     order, real = [], runs.save_checkpoint
 
     def recorded(out, *args, best=None, **kw):
@@ -227,10 +227,9 @@ def test_diagnose_names_a_foreign_config_and_refuses_a_bad_seed(finished, tmp_pa
 
 
 def test_every_tool_refuses_an_abbreviated_flag():
-    import bench
-    import course
+    from lab import bench, course
     import diagnose
-    import grid
+    from lab import grid
     for parse, argv in ((bench.make_parser().parse_args, ["--rep", "1"]),
                         (diagnose.make_parser().parse_args, ["--wat", "a", "b"]),
                         (course.make_parser().parse_args, ["make", "1", "--ou", "x"])):
@@ -248,7 +247,7 @@ def test_every_tool_refuses_an_abbreviated_flag():
     (["--seed", "1"], "each cell's seed is one of --seeds"),   # every cell would run seed 1
     (["--seed=1"], "each cell's seed is one of --seeds")])
 def test_grid_refuses_seeds_that_would_repeat_a_cell(argv, words, capsys):
-    import grid
+    from lab import grid
     with pytest.raises(SystemExit) as stop:
         grid.parse_args(["--demo", "default", *argv])
     assert stop.value.code == 2 and words in capsys.readouterr().err

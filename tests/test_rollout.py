@@ -10,10 +10,10 @@ import pytest
 import torch.nn.functional as F
 
 from conftest import ROOT
-from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters, use_adapter
-import rollout as rollout_module
-from model import load_policy, resolve_dtype
 from decode import decode
+from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters, use_adapter
+from model import load_policy, resolve_dtype
+import rollout as rollout_module
 from rollout import (Call, Rollout, chat_text, cut_at_eos, fit_prompt, left_pad, pack, sequence_logprobs,
                      token_batches)
 from workflows import run_workflow

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import ROOT as ROOT_DIR
 from reward import code_reward, extract_code, score, score_batch
-from tasks import Problem
 from sandbox import harness_source, plain, run_code, sandbox
+from tasks import Problem
 
 TIMEOUT = 2.0  # per program; hostile programs that must be killed take this long
 SLACK = 2.0  # start-up and clean-up on a busy 2-core machine
@@ -292,7 +292,7 @@ def test_training_goes_on_when_generated_code_misbehaves(tmp_path, monkeypatch):
     correct program per group is the only reward, so the policy still gets a gradient."""
     import dataclasses
 
-    import launch
+    from lab import launch
     import train
     fence = "```python\n{}\n```"
     programs = [fence.format(code) for code in (

@@ -16,19 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import ROOT, directory_state, make_read_only
 import diagnose
 import grpo
-import launch
-import machine
-import runs
-import train
-from conftest import ROOT, directory_state, make_read_only
 from grpo import policy_update
+from lab import launch, machine, runs
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
-from reward import credit_calls, score_batch, step_metrics
-from tasks import Problem, load_task
 from model import load_policy, tiny_model
+from reward import credit_calls, score_batch, step_metrics
 from rollout import Call
+from tasks import Problem, load_task
+import train
 from workflows import ROLES, adherence, contract_replies, slots
 
 # One thread: the test model is tiny, and on a busy 2-core machine two threads
@@ -869,8 +867,9 @@ def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
     once, naming that process, and touches nothing: a new run, --overwrite, --resume."""
     out = str(tmp_path / "run")
     train.main(small_config(out, steps=1))
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, runs; runs.lock_run(sys.argv[1]); print('held', "
-                               "flush=True); sys.stdin.read()", out], cwd=ROOT, stdin=subprocess.PIPE,
+    hold = ("import sys; from lab import runs; runs.lock_run(sys.argv[1]); "
+            "print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", hold, out], cwd=ROOT, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=ENV)
     try:
         assert holder.stdout.readline() == "held\n"

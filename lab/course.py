@@ -7,9 +7,9 @@ is a few of those functions: `make` copies the project with their bodies replace
 that pin them and prints the points of each function. docs/course.md is the syllabus: what
 each assignment teaches, what runs on a laptop, and one experiment per assignment.
 
-    python course.py list                    # the assignments: functions, tests, prerequisites
-    python course.py make 3 --out hw3/       # assignment 3 for a student
-    cd hw3 && python course.py grade 3       # its tests; points per function
+    python -m lab.course list                # the assignments: functions, tests, prerequisites
+    python -m lab.course make 3 --out hw3/   # assignment 3 for a student
+    cd hw3 && python -m lab.course grade 3   # its tests; points per function
 
 Functions are found by name with the standard library's ast (`Class.method` for a method),
 so a changed signature does not break the kit; a renamed function or test does, and
@@ -29,7 +29,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from functools import partial
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project, above lab/
 MARKER = ".assignment"  # in a student copy: the number of its assignment
 # Never copied: history, environments, run directories, caches; the kit's own test needs the
 # reference solutions, so a student copy leaves it out.
@@ -197,7 +197,7 @@ def make(number: int, out: str, root: str = ROOT) -> None:
     with open(os.path.join(out, MARKER), "w") as f:
         f.write(f"{number}\n")
     print(f"{out}: assignment {number}, {ASSIGNMENTS[number].title}\n"
-          f"to write: {', '.join(ASSIGNMENTS[number].tests)}\nto grade, in {out}: python course.py grade")
+          f"to write: {', '.join(ASSIGNMENTS[number].tests)}\nto grade, in {out}: python -m lab.course grade")
 
 
 def run_tests(ids: list[str], root: str = ROOT) -> dict[str, bool]:
@@ -238,7 +238,8 @@ def show() -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m lab.course", description=__doc__.split("\n")[0],
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="the assignments, their functions and tests")
     p = commands.add_parser("make", help="copy the project with one assignment's functions stubbed",

@@ -209,7 +209,7 @@ def pick_threads_again(requested: int, t0: float, cpu_before: float) -> float:
 def peak_memory_mb(device: str) -> float:
     """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU.
     Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
-    started from it (grid.py --reproduce, bench.py), VmHWM starts afresh."""
+    started from it (lab/grid.py --reproduce, lab/bench.py), VmHWM starts afresh."""
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated() / 2**20
     try:

@@ -1,6 +1,6 @@
 """A run on disk: its directory and its lock, config.json, the metrics and samples logs and their
 TensorBoard copy, checkpoints saved (the newest and the best); how it ends, early or not (a
-checkpoint read back, --resume and --start_from: launch.py; the machine it runs on: machine.py;
+checkpoint read back, --resume and --start_from: lab/launch.py; the machine it runs on: lab/machine.py;
 the rules in full: docs/runs.md).
 
     python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, tb/, ckpt/, best/
@@ -11,7 +11,7 @@ as it was. A kill at any moment leaves whole files: logs are appended a line at 
 last line is dropped when read back), config.json is written through a rename, a checkpoint as a
 directory swapped in whole (flushed to the disk first, and resumed only if it reads back: a power
 loss costs no checkpoint). One launch at a time: a run holds its directory with an OS lock. A run
-ends early, with one line that says how to go on, after a stop signal (machine.py) or after steps
+ends early, with one line that says how to go on, after a stop signal (lab/machine.py) or after steps
 whose loss or gradient was not finite. Under torchrun every process keeps its own sampling state
 in the checkpoint, and only rank 0 writes.
 
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from lab.machine import barrier, gather_lists, rank_and_world
 from lora import save_adapters
-from machine import barrier, gather_lists, rank_and_world
 from rollout import Call
 
 
@@ -379,7 +379,7 @@ def read_best(ckpt: str) -> dict | None:
 
 # ----------------------------------------------------------------------------
 # The end of a run: its directory let go, its process group left; stopping early, after a
-# signal (machine.py) or after steps that could not be applied
+# signal (lab/machine.py) or after steps that could not be applied
 
 NONFINITE_STOP = 3  # training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
 

@@ -1,8 +1,8 @@
 """Speed and memory of the rollout, the update and a training step (as nanoGPT has a bench.py).
 
-    python bench.py                     # the embedded model on a 2-core CPU: about 4.5 minutes
-    python bench.py --model Qwen/Qwen3-1.7B --device cuda --json bench.json
-    python bench.py --model random:qwen3-0.6b --device cuda   # its shape, random weights: no hub
+    python -m lab.bench                 # the embedded model on a 2-core CPU: about 4.5 minutes
+    python -m lab.bench --model Qwen/Qwen3-1.7B --device cuda --json bench.json
+    python -m lab.bench --model random:qwen3-0.6b --device cuda  # its shape, random weights: no hub
 
 Each timed figure is the median of --repeats runs after a warm-up, and runs that
 are compared alternate (A B C A B C ...), so a machine that slows down slows all
@@ -50,18 +50,18 @@ from contextlib import contextmanager
 
 import torch
 
-from grpo import UpdateSettings, policy_update
-from launch import TASK_TOKENS
-from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
-from machine import check_device, peak_memory_mb, pick_threads
-from model import cpu_has_bf16, load_policy, resolve_dtype
 from decode import decode
+from grpo import UpdateSettings, policy_update
+from lab.launch import TASK_TOKENS
+from lab.machine import check_device, peak_memory_mb, pick_threads
+from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
+from model import cpu_has_bf16, load_policy, resolve_dtype
 from rollout import Rollout, chat_text, old_logprobs
 from tasks import DEFAULT_LEVEL, load_task
 from train import Config
 from workflows import chat, run_workflow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 
 
 # ----------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats:
 
 def train_step(args, threads: int, out: str, flags: list[str]) -> dict:
     """One training step of train.py in a fresh process; its metrics.jsonl row of step 1."""
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--steps", "1", "--model", args.model,
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "1", "--model", args.model,
            "--device", args.device, "--threads", str(threads), "--out", out, "--overwrite", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -427,7 +427,8 @@ def report(fig: dict, device_name: str) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m lab.bench", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny, random:qwen3-0.6b "
                    "(-1.7b, -4b: random weights), or a HF id/path")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")

@@ -4,7 +4,7 @@ its LoRA layers, the adapters RL trains and the critics, and an AdamW optimizer 
 learning-rate schedule for each; the run's clock: its plan (the first line it logs), the steps
 it evaluates at, the time it has left; and a step 0 read back from a checkpoint, this run's
 (--resume) or another run's (--start_from). The warm-up, the first evaluation and the training
-loop are train.py's; the run directory and the checkpoints it saves are runs.py's: it is locked
+loop are train.py's; the run directory and the checkpoints it saves are lab/runs.py's: it is locked
 first and written only once the model has loaded and the flags fit it, so a launch that fails
 leaves a run in --out as it was.
 
@@ -32,12 +32,12 @@ from safetensors.torch import load_file
 
 from critic import CriticSettings, critic_key, setup_critics
 from grpo import UpdateSettings
+from lab.machine import barrier, log, rank_and_world
+from lab.runs import check_run_dir, lock_run, read_best, read_jsonl, start_run_dir, write_whole
 from lora import (adapter_for, adapter_names, adapter_parameters, freeze_copy, inject_lora, load_adapter_state,
                   load_adapters, setup_adapters)
-from machine import barrier, log, rank_and_world
 from model import load_policy
 from rollout import chat_text, context_length
-from runs import check_run_dir, lock_run, read_best, read_jsonl, start_run_dir, write_whole
 from tasks import KINDS, load_task
 from workflows import ROLES, every_prompt, role_of, slots
 

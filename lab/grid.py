@@ -1,13 +1,13 @@
 """Paper A's main table in miniature and the two mechanisms' demos: which train.py runs they are,
 training them, and their tables.
 
-    python grid.py --reproduce --seeds 0,1,2    # single, Eval-Opt and Voting x shared/isolated, 3 seeds
-    python grid.py --demo capture --seeds 0,1,2  # a mechanism's cells next to its contrast and mitigation
-    python grid.py --demo amplification
-    python grid.py --demo optimizer              # many AdamW steps: isolated generators against a single agent
-    python grid.py --demo capture_dose           # the generators' share of a shared adapter raised on purpose
-    python grid.py --demo critics                # Paper B: GRPO, a central and decentral critics on Orch-Workers
-    python grid.py --demo default --seeds 0,1,2  # the default run's gain over seeds, and where it comes from
+    python -m lab.grid --reproduce --seeds 0,1,2    # single, Eval-Opt, Voting x shared/isolated
+    python -m lab.grid --demo capture --seeds 0,1,2  # a mechanism, its contrast, its mitigation
+    python -m lab.grid --demo amplification
+    python -m lab.grid --demo optimizer     # many AdamW steps: isolated generators, one agent
+    python -m lab.grid --demo capture_dose  # the generators' share of a shared adapter, raised
+    python -m lab.grid --demo critics       # Paper B: GRPO, central and decentral critics
+    python -m lab.grid --demo default --seeds 0,1,2  # the default run's gain, and its source
 
 Flags this file does not know go to every cell's train.py, after the cell's own, so they
 override them (e.g. --model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in
@@ -40,11 +40,13 @@ import matplotlib
 matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-import train
 from diagnose import KAPPA_FRAC, findings, multiplicity, peak_step, report, series
-from launch import evaluation_samples, resolve_resume, typed_flags
-from runs import load_run
+from lab.launch import evaluation_samples, resolve_resume, typed_flags
+from lab.runs import load_run
+import train
 from workflows import ROLES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 
 # ----------------------------------------------------------------------------
 # Paper A's main table in miniature
@@ -206,7 +208,7 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
         cmd = [sys.executable, "train.py", *flags, "--out", run_dir, *again]
         print(" ".join(cmd[1:]), flush=True)
         t0 = time.time()
-        if subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__))).returncode != 0:
+        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
             raise SystemExit(f"{run_dir}: train.py failed (see its output above)")
         print(f"{run_dir}: {time.time() - t0:.0f} s", flush=True)
     return run_dirs
@@ -531,7 +533,7 @@ def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This file's flags, and every other flag, in order, for each cell's train.py."""
-    parser = argparse.ArgumentParser(prog="grid.py", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m lab.grid", description=__doc__.split("\n")[0],
                                      allow_abbrev=False,
                                      epilog="Every other flag goes to each cell's train.py, after the cell's "
                                             "own (e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
