@@ -45,8 +45,9 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from grpo import policy_update, set_advantages
 from lab import launch
+from lab.checkpoint import read_best
 from lab.launch import check_numbers
-from lab.runs import load_run, read_best, writable
+from lab.runs import load_run, writable
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from model import load_policy
 from rollout import Rollout

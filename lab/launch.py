@@ -4,9 +4,9 @@ its LoRA layers, the adapters RL trains and the critics, and an AdamW optimizer 
 learning-rate schedule for each; the run's clock: its plan (the first line it logs), the steps
 it evaluates at, the time it has left; and a step 0 read back from a checkpoint, this run's
 (--resume) or another run's (--start_from). The warm-up, the first evaluation and the training
-loop are train.py's; the run directory and the checkpoints it saves are lab/runs.py's: it is locked
-first and written only once the model has loaded and the flags fit it, so a launch that fails
-leaves a run in --out as it was.
+loop are train.py's; the run directory is lab/runs.py's, the training state and its checkpoints
+lab/checkpoint.py's. The directory is locked first and written only once the model has loaded
+and the flags fit it, so a launch that fails leaves a run in --out as it was.
 
     python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
     python train.py --steps 0 --sft_warmup 4 --out runs/start      # a warm-up and step-0 evaluation ...
@@ -22,8 +22,6 @@ import glob
 import json
 import math
 import os
-import random
-import shutil
 from functools import partial
 from typing import TypeVar
 
@@ -33,9 +31,9 @@ from safetensors.torch import load_file
 from critic import CriticSettings, critic_key, setup_critics
 from grpo import UpdateSettings
 from lab.machine import barrier, log, rank_and_world
-from lab.runs import check_run_dir, lock_run, read_best, read_jsonl, start_run_dir, write_whole
-from lora import (adapter_for, adapter_names, adapter_parameters, freeze_copy, inject_lora, load_adapter_state,
-                  load_adapters, setup_adapters)
+from lab.checkpoint import TrainState, read_best, restore_best, start_checkpoint
+from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
+from lora import adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters
 from model import load_policy
 from rollout import chat_text, context_length
 from tasks import KINDS, load_task
@@ -313,7 +311,7 @@ def step_line(cfg: RunConfig, row: dict, eval_seconds: float, step_seconds: list
 
 
 # ----------------------------------------------------------------------------
-# --resume: the run's saved config, its newest checkpoint (runs.save_checkpoint writes it)
+# --resume: the run's saved config, its newest checkpoint (TrainState.save writes it)
 # and its logs cut back to it
 
 # Flags that say where and how a run is executed, not what it is: --resume may change them.
@@ -349,15 +347,15 @@ def resolve_resume(cfg: RunConfig, typed: set[str] | None = None, new_lr: tuple[
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
 
 
-def resume_run(out: str, model, references: dict[str, str], heads, optimizers: dict, schedulers: dict,
-               rng: random.Random, emas: dict, lrs: dict[str, float]) -> tuple[int, dict, dict]:
+def resume_run(out: str, state: TrainState, references: dict[str, str],
+               lrs: dict[str, float]) -> tuple[int, dict, dict]:
     """Load the newest checkpoint and cut the logs back to it; returns its step and the metrics
     rows of the first evaluation (step 0) and of the last one kept. `references`: adapter ->
     its frozen KL anchor, which the checkpoint fills in; `lrs`: the learning rates from now on
     (NEW_LR), which config.json records."""
     for name, ref in references.items():
-        freeze_copy(model, name, ref)
-    start = load_checkpoint(out, model, heads, optimizers, schedulers, rng, emas)
+        freeze_copy(state.model, name, ref)
+    start = state.load(out)
     metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
     if rank_and_world()[0] == 0:
         truncate_jsonl(metrics_path, start)
@@ -372,88 +370,11 @@ def resume_run(out: str, model, references: dict[str, str], heads, optimizers: d
     return start, evaluated[0], evaluated[-1]
 
 
-def load_checkpoint(out: str, model, heads, optimizers: dict, schedulers: dict,
-                    rng: random.Random, emas: dict) -> int:
-    """Load out/ckpt, the newest checkpoint that reads back whole put in its place first (a damaged
-    one too: it fails to load, with one line); returns its step."""
-    path = os.path.join(out, "ckpt")
-    if rank_and_world()[0] == 0 and not whole_checkpoint(path) and not os.path.exists(f"{path}/state.pt"):
-        raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first one); "
-                         "start it again without --resume, with --overwrite")
-    barrier()
-    try:
-        load_adapters(model, path, adapter_names(model))  # the references' frozen copies too
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-        for k, h in heads.items():
-            h.load_state_dict(load_file(os.path.join(path, k, "value_head.safetensors")))
-    except Exception as e:  # a truncated or foreign file: say so in one line
-        raise SystemExit(f"--resume: the checkpoint in {path} cannot be read ({type(e).__name__}); "
-                         "start the run over with --overwrite") from None
-    for k in optimizers:
-        lrs = [group["initial_lr"] for group in optimizers[k].param_groups]  # this launch's --lr
-        optimizers[k].load_state_dict(state["optimizers"][k])
-        schedulers[k].load_state_dict(state["schedulers"][k])
-        if lrs != schedulers[k].base_lrs:  # --resume --lr: the same schedule, scaled to the new peak
-            schedulers[k].base_lrs = lrs
-            for group, lr, factor in zip(optimizers[k].param_groups, lrs, schedulers[k].lr_lambdas):
-                group["initial_lr"], group["lr"] = lr, lr * factor(schedulers[k].last_epoch)
-            schedulers[k]._last_lr = [group["lr"] for group in optimizers[k].param_groups]
-    set_rngs(state, rng, f"--resume: {out}")
-    emas.update(state["emas"])
-    return state["step"]
-
-
-def whole_checkpoint(final: str) -> bool:
-    """Put the newest checkpoint that reads back whole in place as `final` (out/ckpt or out/best):
-    final.tmp (a save that crashed before its swap finished), else final, else final.old; False
-    when none does."""
-    for path in (final + ".tmp", final, final + ".old"):
-        try:  # the files a load reads: one torn by a crash or a power loss replaces nothing
-            torch.load(os.path.join(path, "state.pt"), weights_only=False)
-            for tensors in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
-                load_file(tensors)
-            if os.path.exists(os.path.join(path, "best.json")) and read_best(path) is None:
-                raise ValueError("best.json is not keep_best's")
-        except Exception:  # missing, truncated or foreign
-            continue
-        if path != final:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(path, final)
-        for other in (final + ".tmp", final + ".old"):  # torn or older: never read
-            shutil.rmtree(other, ignore_errors=True)
-        return True
-    return False
-
-
-def restore_best(out: str) -> None:
-    """--resume: the best checkpoint put back whole, as ckpt is; a damaged one is dropped with a
-    line (the next evaluation keeps a new one), never stopping the resume."""
-    final = os.path.join(out, "best")
-    paths = [final + end for end in ("", ".tmp", ".old")]
-    if any(os.path.exists(p) for p in paths) and not whole_checkpoint(final):
-        for p in (p for p in paths if os.path.lexists(p)):  # a file named best is no checkpoint either
-            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
-        log(f"--resume: the best checkpoint in {final} cannot be read; dropped, the next evaluation keeps a new one")
-
-
 def truncate_jsonl(path: str, last_step: int) -> list[dict]:
     """Drop log lines written after the checkpoint we resume from; return the rows kept."""
     keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
     write_whole(path, "".join(json.dumps(row) + "\n" for row in keep))
     return keep
-
-
-def set_rngs(state: dict, rng: random.Random, source: str) -> None:
-    """This process's random number states from a checkpoint's state.pt, saved by as many processes."""
-    rank, world = rank_and_world()
-    torch_rngs = state["torch_rngs"]
-    if len(torch_rngs) != world:
-        raise SystemExit(f"{source} was saved by {len(torch_rngs)} process(es); run it with as many "
-                         f"(torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
-    torch.set_rng_state(torch_rngs[rank])
-    if state["cuda_rngs"] is not None:
-        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
-    rng.setstate(state["py_rng"])
 
 
 # ----------------------------------------------------------------------------
@@ -467,14 +388,6 @@ RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor
                "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef", "role_kl", "balance",
                "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every",
                "algo", *MAAC_ONLY)
-
-
-def start_checkpoint(where: str) -> tuple[str, str]:
-    """--start_from's run directory and checkpoint: RUN and its ckpt (of a --steps 0 run), or RUN/best
-    (a run's best checkpoint, known by its best.json)."""
-    if os.path.exists(os.path.join(where, "best.json")):
-        return os.path.dirname(os.path.normpath(where)), where
-    return where, os.path.join(where, "ckpt")
 
 
 def check_start(cfg: RunConfig) -> dict:
@@ -524,20 +437,3 @@ def check_start(cfg: RunConfig) -> dict:
         raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot become one "
                          "shared adapter")
     return dataclasses.asdict(saved)
-
-
-def load_start(where: str, sharing: str, saved: dict, model, heads, rng: random.Random) -> dict:
-    """--start_from: the start's adapters (a shared one copied into each role's), critics and
-    random number states; `saved`: its config (check_start). Returns its step-0 metrics, or
-    the best checkpoint's evaluation as this run's step 0."""
-    run, path = start_checkpoint(where)
-    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-    fresh = {name for name in heads if not os.path.isdir(os.path.join(path, name))}  # critics the start lacks
-    for name in (n for n in adapter_names(model) if n not in fresh):
-        source = name if saved["sharing"] == sharing or name in heads else "shared"
-        load_adapter_state(model, name, load_file(os.path.join(path, source, "adapter_model.safetensors")))
-    for name, head in ((n, h) for n, h in heads.items() if n not in fresh):
-        head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
-    set_rngs(state, rng, f"--start_from {where}")
-    best = read_best(path)
-    return {"step": 0, **best["evaluation"]} if best else read_jsonl(os.path.join(run, "metrics.jsonl"))[0]

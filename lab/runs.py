@@ -1,40 +1,35 @@
 """A run on disk: its directory and its lock, config.json, the metrics and samples logs and their
-TensorBoard copy, checkpoints saved (the newest and the best); how it ends, early or not (a
-checkpoint read back, --resume and --start_from: lab/launch.py; the machine it runs on: lab/machine.py;
-the rules in full: docs/runs.md).
+TensorBoard copy; how it ends, early or not (its checkpoints: lab/checkpoint.py; --resume and
+--start_from: lab/launch.py; the machine it runs on: lab/machine.py; the rules in full:
+docs/runs.md).
 
-    python train.py --out runs/a                      # runs/a: config.json, metrics.jsonl, samples.jsonl, tb/, ckpt/, best/
-    python train.py --out runs/a --overwrite          # start it over (its own files go, nothing else)
+    python train.py --out runs/a              # config.json, metrics.jsonl, samples.jsonl, tb/, ckpt/, best/
+    python train.py --out runs/a --overwrite  # start it over (its own files go, nothing else)
 
 A directory that holds a run is never overwritten implicitly, and a launch that fails leaves it
 as it was. A kill at any moment leaves whole files: logs are appended a line at a time (a torn
 last line is dropped when read back), config.json is written through a rename, a checkpoint as a
-directory swapped in whole (flushed to the disk first, and resumed only if it reads back: a power
-loss costs no checkpoint). One launch at a time: a run holds its directory with an OS lock. A run
-ends early, with one line that says how to go on, after a stop signal (lab/machine.py) or after steps
-whose loss or gradient was not finite. Under torchrun every process keeps its own sampling state
-in the checkpoint, and only rank 0 writes.
+directory swapped in whole (lab/checkpoint.py). One launch at a time: a run holds its directory
+with an OS lock. A run ends early, with one line that says how to go on, after a stop signal
+(lab/machine.py) or after steps whose loss or gradient was not finite. Under torchrun only rank
+0 writes.
 
-Exercised by: pytest tests/test_train.py (resume, --start_from, damaged runs, the lock, stopping early),
+Exercised by: pytest tests/test_train.py (damaged runs, the lock, stopping early),
 tests/test_distributed.py
 """
 import fcntl
 import glob
 import json
 import os
-import random
 import shlex
 import shutil
 import signal
 import sys
 import time
 
-import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from lab.machine import barrier, gather_lists, rank_and_world
-from lora import save_adapters
 from rollout import Call
 
 
@@ -301,80 +296,6 @@ def start_logs(out: str, first: dict) -> None:
         open(path, "w").close()
     append_jsonl(metrics_path, [first])
     tensorboard_row(out, first)
-
-
-# ----------------------------------------------------------------------------
-# Checkpoints
-
-
-def save_checkpoint(out: str, model, heads, step: int, optimizers: dict, schedulers: dict,
-                    rng: random.Random, emas: dict, best: dict | None = None) -> None:
-    """Every process calls it (each one's sampling state is kept); rank 0 writes out/ckpt, or with
-    `best` (best.json's content, keep_best) out/best."""
-    torch_rngs = gather_lists([torch.get_rng_state()])
-    cuda_rngs = gather_lists([torch.cuda.get_rng_state()]) if torch.cuda.is_available() else None
-    if rank_and_world()[0] != 0:
-        return
-    final = os.path.join(out, "best" if best else "ckpt")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    if best:
-        with open(os.path.join(tmp, "best.json"), "w") as f:
-            json.dump(best, f, indent=2)
-    save_adapters(model, tmp)  # one PEFT LoRA directory per adapter, critics' included
-    for name, head in heads.items():  # a critic's directory also holds its value head
-        save_file(head.state_dict(), os.path.join(tmp, name, "value_head.safetensors"))
-    torch.save({"step": step,
-                "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
-                "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
-                "torch_rngs": torch_rngs,  # one per process
-                "cuda_rngs": cuda_rngs,  # of each process's own GPU
-                "py_rng": rng.getstate(),
-                "emas": emas}, os.path.join(tmp, "state.part"))
-    for root, _, files in os.walk(tmp):
-        fsync(root, *(os.path.join(root, name) for name in files))
-    os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # state.pt: tmp is whole
-    fsync(tmp)
-    # Swap directories so a crash leaves either the old or the new checkpoint whole
-    # (launch.whole_checkpoint finds it).
-    shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
-    if os.path.exists(final):
-        os.replace(final, final + ".old")
-    os.replace(tmp, final)
-    fsync(out)  # the swap on disk before the old checkpoint goes
-    shutil.rmtree(final + ".old", ignore_errors=True)
-
-
-BEST_OF = ("val/accuracy", "eval/accuracy")  # the best step is chosen on val; on test in a run without val
-
-
-def keep_best(out: str, row: dict, model, heads, optimizers: dict, schedulers: dict, rng: random.Random,
-              emas: dict) -> None:
-    """After an evaluation (`row`): a checkpoint of its own, out/best, when it beats the best so far
-    (BEST_OF; of equal scores the earliest stays), with best.json: its step, metric, score and
-    evaluation. Paper A's cliffs come late: the peak outlives the newest checkpoints' rotation."""
-    metric = next(k for k in BEST_OF if k in row)
-    best = read_best(os.path.join(out, "best"))
-    better = best is None or best["metric"] != metric or row[metric] > best["score"]
-    if gather_lists([better])[0]:  # rank 0's answer, which reads the run: every process takes part in a save
-        evaluation = {k: v for k, v in row.items() if k.startswith(("eval/", "val/"))}
-        save_checkpoint(out, model, heads, row["step"], optimizers, schedulers, rng, emas,
-                        best={"step": row["step"], "metric": metric, "score": row[metric], "evaluation": evaluation})
-
-
-def read_best(ckpt: str) -> dict | None:
-    """The best.json of checkpoint `ckpt` (keep_best); None where there is none, it cannot be read
-    or it is not what keep_best writes (an integer step, a metric, a number, an evaluation)."""
-    try:
-        with open(os.path.join(ckpt, "best.json")) as f:
-            best = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    whole = (isinstance(best, dict) and type(best.get("step")) is int and best.get("metric") in BEST_OF
-             and type(best.get("score")) in (int, float) and isinstance(best.get("evaluation"), dict)
-             and isinstance(best["evaluation"].get("eval/accuracy"), (int, float)))
-    return best if whole else None
 
 
 # ----------------------------------------------------------------------------

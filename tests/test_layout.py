@@ -10,10 +10,11 @@ LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0,
           "decode": 0,
           "rollout": 1, "reward": 1,
           "grpo": 2, "critic": 2, "lab.runs": 2,
-          "lab.launch": 3,
-          "train": 4,
-          "lab.bench": 5,
-          "diagnose": 6, "lab.course": 6, "lab.grid": 7}
+          "lab.checkpoint": 3,
+          "lab.launch": 4,
+          "train": 5,
+          "lab.bench": 6,
+          "diagnose": 7, "lab.course": 7, "lab.grid": 8}
 
 
 def project_imports(source: str) -> set[str]:

@@ -58,14 +58,13 @@ def test_a_directory_beside_a_run_or_below_a_non_run_is_free(tmp_path):
 def test_step_0s_best_is_saved_before_the_checkpoint(tmp_path, monkeypatch):
     """Killed between the two saves of step 0, the run must not resume without step 0's best: the
     best comes first, so such a run has no checkpoint and starts over."""
-    from lab import runs
-    order, real = [], runs.save_checkpoint
+    from lab.checkpoint import TrainState
+    order, real = [], TrainState.save
 
-    def recorded(out, *args, best=None, **kw):
+    def recorded(state, out, step, best=None):
         order.append("best" if best else "ckpt")
-        return real(out, *args, best=best, **kw)
-    monkeypatch.setattr(runs, "save_checkpoint", recorded)
-    monkeypatch.setattr(train, "save_checkpoint", recorded)
+        return real(state, out, step, best)
+    monkeypatch.setattr(TrainState, "save", recorded)
     run(tmp_path / "a", steps=0)
     assert order == ["best", "ckpt"]
 

@@ -20,7 +20,8 @@ from conftest import ROOT, directory_state, make_read_only
 import diagnose
 import grpo
 from grpo import policy_update
-from lab import launch, machine, runs
+from lab import checkpoint, launch, machine, runs
+from lab.checkpoint import TrainState
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
 from model import load_policy, tiny_model
 from reward import credit_calls, score_batch, step_metrics
@@ -464,7 +465,7 @@ def test_a_torn_save_never_replaces_a_good_checkpoint_and_a_save_is_on_disk_befo
     shutil.copytree(f"{out}/ckpt", f"{out}/ckpt.tmp")
     with open(f"{out}/ckpt.tmp/generator/adapter_model.safetensors", "r+b") as f:
         f.truncate(100)
-    events, real_fsync, real_replace = [], runs.fsync, os.replace
+    events, real_fsync, real_replace = [], checkpoint.fsync, os.replace
 
     def fsync(*paths):
         events.extend(paths)
@@ -473,7 +474,7 @@ def test_a_torn_save_never_replaces_a_good_checkpoint_and_a_save_is_on_disk_befo
     def replace(src, dst):
         events.append((src, dst))
         real_replace(src, dst)
-    monkeypatch.setattr(runs, "fsync", fsync)
+    monkeypatch.setattr(checkpoint, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     capsys.readouterr()
     train.main(train.Config(out=out, resume=True))
@@ -744,12 +745,13 @@ def scripted_evaluations(monkeypatch, test: list[float], val: list[float] | None
 
 def adapters_saved_each_step(out: str, monkeypatch) -> dict[int, dict[str, bytes]]:
     """step -> the adapter files of the newest checkpoint as saved at that step (filled in as the run saves)."""
-    saved, real = {}, train.save_checkpoint
+    saved, real = {}, TrainState.save
 
-    def save_checkpoint(out, model, heads, step, *args):
-        real(out, model, heads, step, *args)
-        saved[step] = adapter_files(f"{out}/ckpt")
-    monkeypatch.setattr(train, "save_checkpoint", save_checkpoint)
+    def save(state, out, step, best=None):
+        real(state, out, step, best)
+        if best is None:
+            saved[step] = adapter_files(f"{out}/ckpt")
+    monkeypatch.setattr(TrainState, "save", save)
     return saved
 
 

@@ -1,0 +1,222 @@
+"""A run's training state, one object, and its checkpoints: what a run saves after a step and a
+resume reads back, so that the run goes on exactly where it stopped.
+
+`TrainState` holds everything training changes besides the frozen base model: the LoRA adapters
+(in the model), the critics' value heads, an AdamW optimizer and a learning-rate schedule per
+adapter and per critic, the random number states (Python's for problems and mini-batches,
+torch's for sampling, one per process) and the gradient EMAs of --damping. `save` writes it to
+out/ckpt, or with best.json to out/best (`keep_best`: the best evaluation so far); `load` reads
+out/ckpt back (--resume); `load_start` reads the part of another run's checkpoint a new run
+starts from (--start_from: adapters, critics, random states, not the optimizers).
+
+A checkpoint is a directory written as .tmp, flushed to the disk and swapped in whole, so a kill
+or a power loss at any moment leaves the old one or the new one: `whole_checkpoint` finds
+whichever reads back. Under torchrun every process calls `save` (each one's sampling state is
+kept) and only rank 0 writes.
+
+    python train.py --out runs/a           # runs/a/ckpt every --save_every steps, runs/a/best
+    python train.py --out runs/a --resume  # TrainState.load: on from runs/a/ckpt
+
+Exercised by: pytest tests/test_train.py (resume, --start_from, damaged checkpoints),
+tests/test_distributed.py
+"""
+import glob
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lab.machine import barrier, gather_lists, log, rank_and_world
+from lab.runs import fsync, read_jsonl
+from lora import adapter_names, load_adapter_state, load_adapters, save_adapters
+
+BEST_OF = ("val/accuracy", "eval/accuracy")  # the best step is chosen on val; on test without val
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds; the base model's own weights are frozen and not saved."""
+    model: torch.nn.Module  # the LoRA adapters RL trains, critics' and KL anchors' included
+    heads: dict  # critic name -> its value head (maac)
+    optimizers: dict  # adapter or critic name -> its AdamW
+    schedulers: dict  # the same names -> its learning-rate schedule
+    rng: random.Random  # problems and mini-batches (torch's generator is the global one)
+    emas: dict  # adapter name -> the EMA of its gradient (--damping)
+
+    def save(self, out: str, step: int, best: dict | None = None) -> None:
+        """Write out/ckpt, or with `best` (best.json's content, keep_best) out/best. Every process
+        calls it; rank 0 writes."""
+        torch_rngs = gather_lists([torch.get_rng_state()])
+        cuda = torch.cuda.is_available()
+        cuda_rngs = gather_lists([torch.cuda.get_rng_state()]) if cuda else None
+        if rank_and_world()[0] != 0:
+            return
+        final = os.path.join(out, "best" if best else "ckpt")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        if best:
+            with open(os.path.join(tmp, "best.json"), "w") as f:
+                json.dump(best, f, indent=2)
+        save_adapters(self.model, tmp)  # one PEFT LoRA directory per adapter, critics' included
+        for name, head in self.heads.items():  # a critic's directory also holds its value head
+            save_file(head.state_dict(), os.path.join(tmp, name, "value_head.safetensors"))
+        torch.save({"step": step,
+                    "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
+                    "schedulers": {k: s.state_dict() for k, s in self.schedulers.items()},
+                    "torch_rngs": torch_rngs,  # one per process
+                    "cuda_rngs": cuda_rngs,  # of each process's own GPU
+                    "py_rng": self.rng.getstate(),
+                    "emas": self.emas}, os.path.join(tmp, "state.part"))
+        for root, _, files in os.walk(tmp):
+            fsync(root, *(os.path.join(root, name) for name in files))
+        os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # tmp is whole
+        fsync(tmp)
+        # Swap directories so a crash leaves either the old or the new checkpoint whole
+        # (whole_checkpoint finds it).
+        shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
+        if os.path.exists(final):
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)
+        fsync(out)  # the swap on disk before the old checkpoint goes
+        shutil.rmtree(final + ".old", ignore_errors=True)
+
+    def keep_best(self, out: str, row: dict) -> None:
+        """After an evaluation (`row`): a checkpoint of its own, out/best, when it beats the best
+        so far (BEST_OF; of equal scores the earliest stays), with best.json: its step, metric,
+        score and evaluation. Paper A's cliffs come late: the peak outlives the newest
+        checkpoints' rotation."""
+        metric = next(k for k in BEST_OF if k in row)
+        best = read_best(os.path.join(out, "best"))
+        better = best is None or best["metric"] != metric or row[metric] > best["score"]
+        if gather_lists([better])[0]:  # rank 0's answer, which reads the run; every process saves
+            evaluation = {k: v for k, v in row.items() if k.startswith(("eval/", "val/"))}
+            self.save(out, row["step"], best={"step": row["step"], "metric": metric,
+                                              "score": row[metric], "evaluation": evaluation})
+
+    def load(self, out: str) -> int:
+        """Load out/ckpt, the newest checkpoint that reads back whole put in its place first (a
+        damaged one too: it fails to load, with one line); returns its step. An optimizer whose
+        learning rate this launch changed (--resume --lr) keeps its schedule, scaled to the new
+        peak."""
+        path = os.path.join(out, "ckpt")
+        rank0 = rank_and_world()[0] == 0  # only rank 0 puts a checkpoint back in place
+        if rank0 and not whole_checkpoint(path) and not os.path.exists(f"{path}/state.pt"):
+            raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first "
+                             "one); start it again without --resume, with --overwrite")
+        barrier()
+        try:
+            load_adapters(self.model, path, adapter_names(self.model))  # the KL anchors too
+            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            for k, h in self.heads.items():
+                h.load_state_dict(load_file(os.path.join(path, k, "value_head.safetensors")))
+        except Exception as e:  # a truncated or foreign file: say so in one line
+            raise SystemExit(f"--resume: the checkpoint in {path} cannot be read "
+                             f"({type(e).__name__}); start the run over with --overwrite") from None
+        for k, optimizer in self.optimizers.items():
+            scheduler = self.schedulers[k]
+            lrs = [group["initial_lr"] for group in optimizer.param_groups]  # this launch's --lr
+            optimizer.load_state_dict(state["optimizers"][k])
+            scheduler.load_state_dict(state["schedulers"][k])
+            if lrs != scheduler.base_lrs:  # --resume --lr: the schedule scaled to the new peak
+                scheduler.base_lrs = lrs
+                for group, lr, factor in zip(optimizer.param_groups, lrs, scheduler.lr_lambdas):
+                    group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+                scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        set_rngs(state, self.rng, f"--resume: {out}")
+        self.emas.update(state["emas"])
+        return state["step"]
+
+    def load_start(self, where: str, sharing: str, saved: dict) -> dict:
+        """--start_from: the start's adapters (a shared one copied into each role's), critics and
+        random number states; `saved`: its config (launch.check_start). Returns its step-0
+        metrics, or the best checkpoint's evaluation as this run's step 0."""
+        run, path = start_checkpoint(where)
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        fresh = {n for n in self.heads if not os.path.isdir(os.path.join(path, n))}  # start lacks
+        for name in (n for n in adapter_names(self.model) if n not in fresh):
+            source = name if saved["sharing"] == sharing or name in self.heads else "shared"
+            load_adapter_state(self.model, name,
+                               load_file(os.path.join(path, source, "adapter_model.safetensors")))
+        for name, head in ((n, h) for n, h in self.heads.items() if n not in fresh):
+            head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
+        set_rngs(state, self.rng, f"--start_from {where}")
+        best = read_best(path)
+        if best:
+            return {"step": 0, **best["evaluation"]}
+        return read_jsonl(os.path.join(run, "metrics.jsonl"))[0]
+
+
+def set_rngs(state: dict, rng: random.Random, source: str) -> None:
+    """This process's random number states from a checkpoint's state.pt, saved by as many
+    processes."""
+    rank, world = rank_and_world()
+    torch_rngs = state["torch_rngs"]
+    if len(torch_rngs) != world:
+        raise SystemExit(f"{source} was saved by {len(torch_rngs)} process(es); run it with as "
+                         f"many (torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
+    torch.set_rng_state(torch_rngs[rank])
+    if state["cuda_rngs"] is not None:
+        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
+    rng.setstate(state["py_rng"])
+
+
+def read_best(ckpt: str) -> dict | None:
+    """The best.json of checkpoint `ckpt` (keep_best); None where there is none, it cannot be read
+    or it is not what keep_best writes (an integer step, a metric, a number, an evaluation)."""
+    try:
+        with open(os.path.join(ckpt, "best.json")) as f:
+            best = json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    whole = (isinstance(best, dict) and type(best.get("step")) is int
+             and best.get("metric") in BEST_OF and type(best.get("score")) in (int, float)
+             and isinstance(best.get("evaluation"), dict)
+             and isinstance(best["evaluation"].get("eval/accuracy"), (int, float)))
+    return best if whole else None
+
+
+def start_checkpoint(where: str) -> tuple[str, str]:
+    """--start_from's run directory and checkpoint: RUN and its ckpt (of a --steps 0 run), or
+    RUN/best (a run's best checkpoint, known by its best.json)."""
+    if os.path.exists(os.path.join(where, "best.json")):
+        return os.path.dirname(os.path.normpath(where)), where
+    return where, os.path.join(where, "ckpt")
+
+
+def whole_checkpoint(final: str) -> bool:
+    """Put the newest checkpoint that reads back whole in place as `final` (out/ckpt or out/best):
+    final.tmp (a save that crashed before its swap finished), else final, else final.old; False
+    when none does."""
+    for path in (final + ".tmp", final, final + ".old"):
+        try:  # the files a load reads: one torn by a crash or a power loss replaces nothing
+            torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            for tensors in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
+                load_file(tensors)
+            if os.path.exists(os.path.join(path, "best.json")) and read_best(path) is None:
+                raise ValueError("best.json is not keep_best's")
+        except Exception:  # missing, truncated or foreign
+            continue
+        if path != final:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(path, final)
+        for other in (final + ".tmp", final + ".old"):  # torn or older: never read
+            shutil.rmtree(other, ignore_errors=True)
+        return True
+    return False
+
+
+def restore_best(out: str) -> None:
+    """--resume: the best checkpoint put back whole, as ckpt is; a damaged one is dropped with a
+    line (the next evaluation keeps a new one), never stopping the resume."""
+    final = os.path.join(out, "best")
+    paths = [final + end for end in ("", ".tmp", ".old")]
+    if any(os.path.exists(p) for p in paths) and not whole_checkpoint(final):
+        for p in (p for p in paths if os.path.lexists(p)):  # a file named best is not one either
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
+        log(f"--resume: the best checkpoint in {final} cannot be read; dropped, the next "
+            "evaluation keeps a new one")
