@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from lab import grid, runs
+from lab import grid, runs, tables
 import train
 
 TINY = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems", "2",
@@ -104,14 +104,14 @@ def test_a_demo_tables_the_critics_numbers_and_drops_what_no_cell_logged():
             {"step": 1, "critic/explained_variance": 0.1, "adv/std": 0.5, "adapter/shared/grad_noise": 0.9},
             {"step": 2, "critic/explained_variance": 0.3, "adv/std": 0.3, "adapter/shared/grad_noise": 0.7,
              "eval/accuracy": 0.5}]
-    numbers = grid.cell_numbers(config, rows)
+    numbers = tables.cell_numbers(config, rows)
     assert (numbers["explained variance"], numbers["advantage std"]) == pytest.approx((0.2, 0.4))
     assert numbers["gradient noise"] == pytest.approx(0.8)
     assert (numbers["accuracy start"], numbers["accuracy end"]) == (0.25, 0.5)
-    grpo = grid.cell_numbers(config, [{k: v for k, v in r.items() if k != "critic/explained_variance"} for r in rows])
-    header = grid.mean_table({"central": [numbers], "grpo": [grpo]})[0]
+    grpo = tables.cell_numbers(config, [{k: v for k, v in r.items() if k != "critic/explained_variance"} for r in rows])
+    header = tables.mean_table({"central": [numbers], "grpo": [grpo]})[0]
     assert "explained variance" in header and "kappa" not in header  # no cell logged a kappa
-    assert grid.mean_table({"central": [numbers], "grpo": [grpo]})[3].split(" | ")[-3] == "-"
+    assert tables.mean_table({"central": [numbers], "grpo": [grpo]})[3].split(" | ")[-3] == "-"
 
 
 def test_demo_names_must_be_known():
@@ -156,26 +156,26 @@ def fake_run(workflow: str, sharing: str, accuracy: list[float], val: list[float
 
 
 def test_the_peak_is_chosen_on_val_and_read_on_test():
-    numbers = grid.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8], val=[0.5, 0.9, 0.6]))
+    numbers = tables.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8], val=[0.5, 0.9, 0.6]))
     assert numbers["peak"] == 0.5 and math.isclose(numbers["peak - end"], -0.3)  # not test's own best, 0.8
-    assert grid.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8]))["peak"] == 0.8  # no val split
+    assert tables.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8]))["peak"] == 0.8  # no val split
 
 
 def test_a_paired_interval_by_hand():
     """Differences 0.10, 0.12, 0.14: mean 0.12, standard deviation 0.02, standard error
     0.02 / sqrt 3 = 0.01155; t at 97.5 % with 2 degrees of freedom is 4.303: half-width 0.0497."""
-    mean, se, half = grid.interval([0.10, 0.12, 0.14])
+    mean, se, half = tables.interval([0.10, 0.12, 0.14])
     assert math.isclose(mean, 0.12) and math.isclose(se, 0.02 / math.sqrt(3)) and math.isclose(half, 0.04969, rel_tol=1e-3)
-    assert grid.paired_verdict([0.10, 0.12, 0.14]) == \
+    assert tables.paired_verdict([0.10, 0.12, 0.14]) == \
         "+0.120 (SE 0.012; 95 % CI +0.07 to +0.17, t with 2 df) over 3 seeds: holds"
     # twice the standard error is not enough on 2 degrees of freedom: 0.1 +- 0.0577 covers 0
-    assert grid.paired_verdict([0.0, 0.1, 0.2]).endswith("not distinguishable at 3 seeds")
+    assert tables.paired_verdict([0.0, 0.1, 0.2]).endswith("not distinguishable at 3 seeds")
     # the evaluation's own noise: 64 problems at p = 0.5 over 3 seeds, sqrt(0.25 / 64 / 3) = 0.0361
-    assert math.isclose(grid.noise_floor([0.4, 0.6], 64, 3), 0.0361, rel_tol=1e-3)
-    assert grid.paired_verdict([0.10, 0.12, 0.14], floor=0.05) == \
+    assert math.isclose(tables.noise_floor([0.4, 0.6], 64, 3), 0.0361, rel_tol=1e-3)
+    assert tables.paired_verdict([0.10, 0.12, 0.14], floor=0.05) == \
         "+0.120 (SE 0.050; 95 % CI -0.10 to +0.34, t with 2 df) over 3 seeds: not distinguishable at 3 seeds"
-    assert grid.interval([0.1] * 40, floor=0.01)[2] == pytest.approx(0.02042)  # beyond 30 df: 30's value
-    assert grid.paired_verdict([0.1]) == "+0.100 on one seed: no verdict"
+    assert tables.interval([0.1] * 40, floor=0.01)[2] == pytest.approx(0.02042)  # beyond 30 df: 30's value
+    assert tables.paired_verdict([0.1]) == "+0.100 on one seed: no verdict"
 
 
 def test_the_findings_by_hand():
@@ -190,10 +190,10 @@ def test_the_findings_by_hand():
                "voting-isolated": {s: fake_run("voting", "isolated", [0.4, 0.8, e], problems=n)
                                    for s, e in zip(seeds, (0.5, 0.3, 0.4))},
                "eval_opt-shared": {s: fake_run("eval_opt", "shared", [0.5, 0.4, 0.2], problems=n) for s in seeds}}
-    numbers = grid.accuracy_numbers(*by_cell["voting-isolated"]["1"])
+    numbers = tables.accuracy_numbers(*by_cell["voting-isolated"]["1"])
     assert numbers["peak"] == 0.8 and math.isclose(numbers["peak - end"], 0.5)
     assert math.isclose(numbers["end - middle"], -0.5) and math.isclose(numbers["end - start"], -0.1)
-    lines = grid.claims(by_cell)
+    lines = tables.claims(by_cell)
     for expected in [
             # ends - 0.4 = 0.2, 0.2, 0.5: mean 0.3, sd sqrt(0.03), se 0.1, half-width 0.43
             "- multi-agent RL above its base, voting-shared: end - start +0.300 (SE 0.100; 95 % CI -0.13 to "
@@ -210,13 +210,13 @@ def test_the_findings_by_hand():
             "over 3 seeds: the opposite holds (a plateau: not distinguishable from 0)"]:
         assert expected in lines, (expected, lines)
     assert not any("isolated peaks higher, eval_opt" in line for line in lines)  # no isolated cell to compare
-    table = grid.main_table(by_cell)
+    table = tables.main_table(by_cell)
     assert "| voting-isolated | 0.40 (0.40 to 0.40) | 0.80 (0.80 to 0.80) | 0.40 (0.30 to 0.50) | 0.40 (0.30 to 0.50) |" in \
         "\n".join(table)
     # on 50 problems the floor decides where the seeds agree: -0.3 on every seed, SE sqrt(p (1 - p) / 150)
     small = {cell: {s: fake_run(c["workflow"], c["sharing"], [r["eval/accuracy"] for r in rows])
                     for s, (c, rows) in runs.items()} for cell, runs in by_cell.items()}
-    assert any("eval_opt-shared: end - start -0.300 (SE 0.04" in line for line in grid.claims(small))
+    assert any("eval_opt-shared: end - start -0.300 (SE 0.04" in line for line in tables.claims(small))
 
 
 def test_the_default_runs_gain_and_its_parts_by_hand():
@@ -225,7 +225,7 @@ def test_the_default_runs_gain_and_its_parts_by_hand():
     def run(acc, first):
         return ({"eval_problems": 96}, [{"step": 0, "eval/accuracy": acc[0], "eval/first_answer": first[0]},
                                         {"step": 10, "eval/accuracy": acc[1], "eval/first_answer": first[1]}])
-    lines = grid.gain_table({"1": run((0.6, 0.7), (0.4, 0.6)), "0": run((0.5, 0.7), (0.5, 0.5))})
+    lines = tables.gain_table({"1": run((0.6, 0.7), (0.4, 0.6)), "0": run((0.5, 0.7), (0.5, 0.5))})
     assert lines[2:4] == ["| 0 | 0.500 -> 0.700 | 0.500 -> 0.500 | +0.000 -> +0.200 |",
                           "| 1 | 0.600 -> 0.700 | 0.400 -> 0.600 | +0.200 -> +0.100 |"]
     # gains 0.2, 0.1: mean 0.15, se 0.05, t with 1 df 12.706
@@ -246,7 +246,7 @@ def test_where_the_signal_went_by_hand():
              "adapter/aggregator/empty_batches": 0, "adapter/generator/update_norm": 0.6,
              "adapter/aggregator/update_norm": 0.8, "role/aggregator/adherence": 0.3,
              "eval/accuracy": 0.5, "eval/first_answer": 0.625}]
-    got = grid.signal_numbers(config, rows)
+    got = tables.signal_numbers(config, rows)
     assert math.isclose(got["no contrast"], 0.5) and math.isclose(got["empty mini-batches"], 1.0)
     assert math.isclose(got["update norm"], (0.3 + 0.7) / 2) and math.isclose(got["judge adherence"], 0.2)
     assert got["reward"] == 0.25 and got["crowded solved"] == 0.5  # only step 1 logged them

@@ -14,7 +14,9 @@ LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0,
           "lab.launch": 4,
           "train": 5,
           "lab.bench": 6,
-          "diagnose": 7, "lab.course": 7, "lab.grid": 8}
+          "diagnose": 7, "lab.course": 7,
+          "lab.tables": 8,
+          "lab.grid": 9}
 
 
 def project_imports(source: str) -> set[str]:

@@ -1,0 +1,289 @@
+"""A grid's tables over seeds, from finished runs: Paper A's main table (accuracy at the start, the
+peak and the end), where each cell's learning signal went, a demo's signals cell by cell, the
+default run's gain split into the generator's first answers and what the rest of the workflow
+adds, and the plots; every difference paired by seed, with its 95 % interval from Student's t on
+n - 1 degrees of freedom and a floor from the evaluation's own size, and a verdict that says
+"not distinguishable" where the interval covers 0.
+
+    python -m lab.grid --demo default --seeds 0,1,2   # trains the cells, then writes these tables
+
+Exercised by: pytest tests/test_grid.py (the intervals against hand-computed ones)
+"""
+import math
+import re
+import statistics
+from functools import partial
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: the plots are files
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+from diagnose import KAPPA_FRAC, multiplicity, peak_step, series
+from lab.launch import evaluation_samples
+import train
+from workflows import ROLES
+
+Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's (config, rows)
+
+
+def accuracy_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
+    """Test accuracy of one run: at step 0 (the base model in the run's workflow), at the peak, at
+    the end, and after the middle step's evaluation. The peak is the step with the best val
+    accuracy where the run has a val split (the test split is never chosen on), else the best test."""
+    acc = dict(series(rows, "eval/accuracy"))
+    steps = sorted(acc)
+    peak = acc[peak_step(rows, steps)]
+    middle = acc[min(steps, key=lambda step: abs(step - config["steps"] / 2))]
+    start, end = acc[steps[0]], acc[steps[-1]]
+    return {"start": start, "peak": peak, "end": end, "peak - end": peak - end,
+            "end - start": end - start, "end - middle": end - middle}
+
+
+def main_table(by_cell: Runs) -> list[str]:
+    """Paper A's main table: a row per cell, accuracy at the start, peak and end with the two
+    differences, each the mean over the seeds (range); the single agent's start is the base model."""
+    lines = mean_table({cell: [accuracy_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()})
+    configs = [config for runs in by_cell.values() for config, _ in runs.values()]
+    sampled = sorted({c["workflow"] for c in configs if evaluation_samples(train.Config(**c))})
+    decoding = "greedy" + (f" ({', '.join(sampled)}: sampled at the training temperature)" if sampled else "")
+    return lines + ["", f"Held-out accuracy, {decoding}, on {configs[0]['eval_problems']} problems, every "
+                    f"{configs[0]['eval_every']} of {configs[0]['steps']} steps; start = step 0, before any update."]
+
+
+def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
+    """Where one run's learning signal went, each a mean over its training steps (docs/runs.md
+    says what each key is): the reward, the crowded role's own right answers, the fallbacks, the
+    calls without reward contrast, the mini-batches without a live call (summed over the adapters),
+    each adapter's change per step, the crowded role's gradient share, the supervisory role's
+    adherence, the evaluator's verdicts that agree with the verifier; and at the last evaluation,
+    the final answer's accuracy against the first one's."""
+    def mean(pattern: str, per_step=statistics.mean) -> float:
+        """The mean over the training steps of per_step(the step's values of the matching keys)."""
+        values = []
+        for r in rows:
+            hits = [v for k, v in r.items() if re.fullmatch(pattern, k)]
+            if hits and r["step"] > 0:  # step 0 is the evaluation before training
+                values.append(per_step(hits))
+        return statistics.mean(values) if values else math.nan
+
+    n = multiplicity(config)
+    crowded = max(n, key=n.get)
+    judge = next((r for r in ROLES[config["workflow"]] if r != crowded), None)
+    last = next(r for r in reversed(rows) if "eval/accuracy" in r)
+    return {"reward": mean(r"reward/mean"), "crowded solved": mean(rf"role/{crowded}/solved"),
+            "fallback": mean(r"contract/fallback_rate"), "no contrast": mean(r"adv/zero_frac"),
+            "empty mini-batches": mean(r"adapter/[^/]+/empty_batches", per_step=sum),
+            "update norm": mean(r"adapter/[^/]+/update_norm"),
+            "crowded share": mean(rf"role/{crowded}/grad_share"),
+            "judge adherence": mean(rf"role/{judge}/adherence") if judge else math.nan,
+            "verdict agrees": mean(r"role/evaluator/verdict_acc"),
+            "final - first answer": last["eval/accuracy"] - last.get("eval/first_answer", math.nan)}
+
+
+def by_seed(a: dict[str, dict], b: dict[str, dict], key: str, key_b: str | None = None) -> list[float]:
+    """a[seed][key] - b[seed][key_b] for every seed both cells ran: a difference paired by seed, so
+    that what a seed shares (its problems, its start) cancels."""
+    return [a[s][key] - b[s][key_b or key] for s in sorted(a.keys() & b.keys())]
+
+
+# Two-sided 95 % critical values of Student's t by degrees of freedom, 1 to 30 (beyond: 30's, a
+# little wide). A mean over n seeds has n - 1: with 3 seeds the interval is 4.30 standard errors wide
+# on each side, not 2 (|t| = 2 on 2 degrees of freedom is a two-sided p of 0.18).
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+       2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+       2.052, 2.048, 2.045, 2.042)
+
+
+def noise_floor(accuracies: list[float], problems: int, seeds: int) -> float:
+    """The least standard error a mean over `seeds` of accuracies on `problems` problems can have:
+    one evaluation's binomial noise, sqrt(p (1 - p) / problems), over sqrt(seeds). Three seeds of 64
+    problems near p = 0.5: 0.036, whatever the seeds' own spread says."""
+    p = statistics.mean(accuracies)
+    return math.sqrt(p * (1 - p) / problems / seeds)
+
+
+def interval(diffs: list[float], floor: float = 0.0) -> tuple[float, float, float]:
+    """Mean of differences paired by seed, its standard error (at least `floor`), and the half-width
+    of its 95 % interval from the t distribution with n - 1 degrees of freedom."""
+    n = len(diffs)
+    mean, se = statistics.mean(diffs), max(statistics.stdev(diffs) / math.sqrt(n), floor)
+    return mean, se, T95[min(n - 1, len(T95)) - 1] * se
+
+
+def paired_verdict(diffs: list[float], floor: float = 0.0) -> str:
+    """A paired mean, its standard error and its 95 % t interval, and what the interval carries: it
+    holds where the interval lies above 0, the opposite where below, else the seeds cannot tell."""
+    if len(diffs) < 2:
+        return f"{diffs[0] if diffs else math.nan:+.3f} on one seed: no verdict"
+    mean, se, half = interval(diffs, floor)
+    n = len(diffs)
+    holds = ("holds" if mean - half > 0 else "the opposite holds" if mean + half < 0
+             else f"not distinguishable at {n} seeds")
+    return (f"{round(mean, 3) + 0.0:+.3f} (SE {se:.3f}; 95 % CI {mean - half:+.2f} to {mean + half:+.2f}, "
+            f"t with {n - 1} df) over {n} seeds: {holds}")
+
+
+def claims(by_cell: Runs) -> list[str]:
+    """Paper A's findings, a line each, with this grid's numbers as differences paired by seed."""
+    numbers = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()} for cell, runs in by_cell.items()
+               if runs}
+    config = next(config for runs in by_cell.values() for config, _ in runs.values())
+    accuracies = [x[k] for runs in numbers.values() for x in runs.values()
+                  for k in ("start", "peak", "end")]
+    seeds = min(len(runs) for runs in numbers.values())
+    verdict = partial(paired_verdict, floor=noise_floor(accuracies, config["eval_problems"], seeds))
+    lines = []
+    single = numbers.get("single-shared")
+    for cell, runs in ((c, r) for c, r in numbers.items() if not c.startswith("single")):
+        lines.append(f"multi-agent RL above its base, {cell}: end - start {verdict(by_seed(runs, runs, 'end', 'start'))}")
+        if single:
+            lines.append(f"multi-agent RL above single-agent RL, {cell}: end - single's end "
+                         f"{verdict(by_seed(runs, single, 'end'))}")
+    for w in sorted({c.rsplit("-", 1)[0] for c in numbers}):
+        iso, sh = numbers.get(f"{w}-isolated"), numbers.get(f"{w}-shared")
+        if iso and sh:
+            lines.append(f"isolated peaks higher, {w}: peak - shared's peak {verdict(by_seed(iso, sh, 'peak'))}")
+            lines.append(f"isolated falls further at the end, {w}: (peak - end) - shared's "
+                         f"{verdict(by_seed(iso, sh, 'peak - end'))}")
+        if sh and w != "single":
+            lines.append(f"shared plateaus, {w}: end - middle {verdict([x['end - middle'] for x in sh.values()])} "
+                         "(a plateau: not distinguishable from 0)")
+    return [f"- {line}" for line in lines] + [
+        "", "Each difference is paired by seed: its mean, its standard error over the seeds (at least the "
+        "evaluation's own noise, grid.noise_floor) and its 95 % interval from the t distribution; it holds "
+        "where the interval excludes 0. The peak is the step chosen on the val split, read on test: the "
+        "choice does not bias it upward."]
+
+
+def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The signals the demos follow, step by step, in one run: the crowded role's kappa, its
+    adapter's update norm, the first supervisory role's adherence, each role's gradient share,
+    reward and accuracy."""
+    n = multiplicity(config)
+    crowded = max(n, key=n.get)  # the role with the most slots
+    judge = next((r for r in ROLES[config["workflow"]] if r != crowded), crowded)
+    adapter = "shared" if config["sharing"] == "shared" else crowded
+    keys = {"kappa": f"role/{crowded}/kappa", "update norm": f"adapter/{adapter}/update_norm",
+            "adherence": f"role/{judge}/adherence", "reward": "reward/mean", "accuracy": "eval/accuracy",
+            "explained variance": "critic/explained_variance", "advantage std": "adv/std",
+            "gradient noise": f"adapter/{adapter}/grad_noise"}
+    keys |= {f"{r} share": f"role/{r}/grad_share" for r in ROLES[config["workflow"]]}
+    return {name: series(rows, key) for name, key in keys.items()}
+
+
+def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
+    """What the demos compare, from one run: the crowded role's kappa (mean, and the share of
+    steps at >= 0.8 sqrt(N)), its adapter's update norm, the first supervisory role's
+    adherence (first and last step), the largest gradient share, reward and accuracy."""
+    n = max(multiplicity(config).values())
+    got = {name: [v for _, v in points] for name, points in cell_series(config, rows).items()}
+    kappa, adh, reward, acc = got["kappa"], got["adherence"], got["reward"], got["accuracy"]
+    shares = [statistics.mean(vs) for name, vs in got.items() if name.endswith(" share") and vs]
+    mean = statistics.mean
+    return {"kappa": mean(kappa) if kappa else math.nan,
+            "coherent steps": mean(k >= KAPPA_FRAC * math.sqrt(n) for k in kappa) if kappa else math.nan,
+            "update norm": mean(got["update norm"] or [math.nan]),
+            "adherence first": adh[0] if adh else math.nan, "adherence last": adh[-1] if adh else math.nan,
+            "top share": max(shares) if shares else math.nan,
+            "reward first": reward[0] if reward else math.nan, "reward last": reward[-1] if reward else math.nan,
+            "accuracy start": acc[0], "accuracy peak": max(acc), "accuracy end": acc[-1],
+            **{k: mean(got[k] or [math.nan]) for k in ("explained variance", "advantage std", "gradient noise")}}
+
+
+def demo_table(by_cell: Runs) -> list[str]:
+    """One row per cell: each of cell_numbers' numbers, its mean over the seeds and its range."""
+    return mean_table({cell: [cell_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()})
+
+
+def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
+    """Test accuracy before -> after RL seed by seed: the workflow's, its generator's first answers',
+    and the rest's (the workflow's minus the first answers'), then each gain's paired interval."""
+    lines = ["| seed | workflow | generator's first answers | the rest of the workflow adds |",
+             "|---|---|---|---|"]
+    gains = {"workflow": [], "first answers": [], "the rest": []}
+    accuracies = []
+    for seed, (config, rows) in sorted(runs.items(), key=lambda item: int(item[0])):
+        first, last = rows[0], rows[-1]
+        acc = [first["eval/accuracy"], last["eval/accuracy"]]
+        answer = [first["eval/first_answer"], last["eval/first_answer"]]
+        rest = [a - b for a, b in zip(acc, answer)]
+        for key, pair in zip(gains, (acc, answer, rest)):
+            gains[key].append(pair[1] - pair[0])
+        accuracies += acc
+        lines.append(f"| {seed} | " + " | ".join(f"{a:.3f} -> {b:.3f}" for a, b in (acc, answer))
+                     + f" | {rest[0]:+.3f} -> {rest[1]:+.3f} |")
+    floor = noise_floor(accuracies, config["eval_problems"], len(runs))
+    verdicts = [f"- gain of {key}: {paired_verdict(diffs, floor)}" for key, diffs in gains.items()]
+    return lines + [""] + verdicts
+
+
+def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
+    """A markdown table, a row per cell: each number's mean over the seeds, and its range when
+    there are several; NaN (not logged) is left out."""
+    keys = [k for k in next(iter(rows.values()))[0]  # a number no cell logged gets no column
+            if any(not math.isnan(x[k]) for numbers in rows.values() for x in numbers)]
+    lines = ["| cell | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for cell, numbers in rows.items():
+        parts = []
+        for k in keys:
+            vs = [x[k] for x in numbers if not math.isnan(x[k])]
+            if not vs:
+                parts.append("-")
+            elif len(vs) == 1:
+                parts.append(f"{vs[0]:.2f}")
+            else:
+                parts.append(f"{statistics.mean(vs):.2f} ({min(vs):.2f} to {max(vs):.2f})")
+        lines.append(f"| {cell} | " + " | ".join(parts) + " |")
+    return lines
+
+
+def seed_table(signal: str, by_cell: Runs) -> list[str]:
+    """The signal at every step it was logged, a row per seed and a column per cell."""
+    cells = {cell: {seed: cell_series(*run)[signal] for seed, run in runs.items()} for cell, runs in by_cell.items()}
+    seeds = sorted({seed for runs in cells.values() for seed in runs}, key=int)
+    lines = [f"{signal}, step by step:", "", "| seed | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+    for seed in seeds:
+        parts = [", ".join(f"{v:.2f}" for _, v in runs.get(seed, [])) or "-" for runs in cells.values()]
+        lines.append(f"| {seed} | " + " | ".join(parts) + " |")
+    return lines
+
+
+SIGNALS = {"accuracy": "held-out accuracy (test)",
+           "explained variance": "the critics' explained variance of the returns",
+           "gradient noise": "noise's share of the policy gradient (grad_noise)",
+           "kappa": "kappa of the crowded role's slots (dashed: the detector's 0.8 sqrt(N))",
+           "update norm": "change of the crowded role's adapter in a step (L2)",
+           "adherence": "the supervisory role's calls that keep its contract",
+           "generator share": "the generators' share of the shared gradient"}
+
+
+def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
+    """A panel per signal: every seed of a cell as a thin line, their mean as a thick one (at each
+    step, over the seeds that logged the signal there: a role with no reward contrast in a step
+    has no gradient share)."""
+    fig, axes = plt.subplots(1, len(signals), figsize=(5.5 * len(signals), 3.8), squeeze=False)
+    for ax, signal in zip(axes[0], signals):
+        for i, (cell, runs) in enumerate(by_cell.items()):
+            curves = [c for c in (dict(cell_series(*run)[signal]) for run in runs.values()) if c]
+            if not curves:  # e.g. no gradient share under isolated adapters
+                continue
+            for c in curves:
+                ax.plot(list(c), list(c.values()), color=f"C{i}", alpha=0.25, linewidth=1)
+            steps = sorted(set().union(*curves))  # a step's mean is over the seeds that logged it
+            ax.plot(steps, [statistics.mean(c[t] for c in curves if t in c) for t in steps], color=f"C{i}",
+                    linewidth=2.5, marker="o", markersize=4, label=f"{cell}, {len(curves)} seeds")
+        if signal == "kappa":
+            config = next(config for runs in by_cell.values() for config, _ in runs.values())
+            n = max(multiplicity(config).values())
+            ax.axhline(KAPPA_FRAC * math.sqrt(n), color="grey", linestyle="--", linewidth=1)
+        ax.set_title(SIGNALS.get(signal, signal), fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged in these runs", ha="center", transform=ax.transAxes)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return path
