@@ -53,7 +53,7 @@ import torch
 from decode import decode
 from grpo import UpdateSettings, policy_update
 from lab.launch import TASK_TOKENS
-from lab.machine import check_device, peak_memory_mb, pick_threads
+from lab.machine import alternate, check_device, pick_threads, sync, timed
 from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
 from model import cpu_has_bf16, load_policy, resolve_dtype
 from rollout import Rollout, chat_text, old_logprobs
@@ -62,54 +62,6 @@ from train import Config
 from workflows import chat, run_workflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
-
-
-# ----------------------------------------------------------------------------
-# Clocks and memory
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def reset_peak(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the resident set's high-water mark starts again from now
-    except OSError:
-        pass  # the peak then covers the whole process so far
-
-
-def timed(device: str, fn) -> tuple[float, float, object]:
-    """Seconds and peak memory (MiB) of one call of fn, and what it returned."""
-    sync(device)
-    reset_peak(device)
-    start = time.perf_counter()
-    result = fn()
-    sync(device)
-    return time.perf_counter() - start, peak_memory_mb(device), result
-
-
-def alternate(device: str, runs: dict, repeats: int, warmups: list) -> dict[str, dict]:
-    """Call each of `warmups` once (the same code on a smaller input), then `repeats` rounds of
-    `runs` (name -> fn) in turn. Returns per name the median seconds, every seconds figure, the
-    largest peak and the last result."""
-    for fn in warmups:
-        fn()
-    seconds = {name: [] for name in runs}
-    peaks = {name: [] for name in runs}
-    results = {}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            s, mb, results[name] = timed(device, fn)
-            seconds[name].append(s)
-            peaks[name].append(mb)
-    return {name: {"seconds": statistics.median(seconds[name]), "all": seconds[name],
-                   "peak_mb": max(peaks[name]), "result": results[name]} for name in runs}
 
 
 # ----------------------------------------------------------------------------

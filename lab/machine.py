@@ -1,6 +1,6 @@
 """A run on its machine: the processes under torchrun and the device of each, what they
-exchange in a step, torch's CPU threads, the peak memory, and the signals that ask a run to
-stop.
+exchange in a step, torch's CPU threads, the peak memory and the clocks that time a part
+(lab/bench.py), and the signals that ask a run to stop.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --out runs/two   # docs/torchrun.md
     kill -TERM PID      # the run stops after its current step, its checkpoint kept (docs/runs.md)
@@ -11,7 +11,7 @@ its matrix product), chosen again after every step; the peak memory logged is th
 accelerator's or the process's own. Ctrl-C (SIGINT) and SIGTERM, what a cluster sends before
 it pre-empts a job, only set a flag: the training loop reads it at the end of every step,
 where under torchrun the processes agree on it, so that all of them stop after the same step
-(runs.stop_run ends the run).
+(lab/runs.py's stop_run ends the run).
 
 Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py, tests/test_bench.py
 """
@@ -21,6 +21,7 @@ import os
 import re
 import resource
 import signal
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -217,6 +218,51 @@ def peak_memory_mb(device: str) -> float:
             return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
     except (OSError, AttributeError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the resident set's high-water mark starts again from now
+    except OSError:
+        pass  # the peak then covers the whole process so far
+
+
+def timed(device: str, fn) -> tuple[float, float, object]:
+    """Seconds and peak memory (MiB) of one call of fn, and what it returned."""
+    sync(device)
+    reset_peak(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, peak_memory_mb(device), result
+
+
+def alternate(device: str, runs: dict, repeats: int, warmups: list) -> dict[str, dict]:
+    """Call each of `warmups` once (the same code on a smaller input), then `repeats` rounds of
+    `runs` (name -> fn) in turn. Returns per name the median seconds, every seconds figure, the
+    largest peak and the last result."""
+    for fn in warmups:
+        fn()
+    seconds = {name: [] for name in runs}
+    peaks = {name: [] for name in runs}
+    results = {}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            s, mb, results[name] = timed(device, fn)
+            seconds[name].append(s)
+            peaks[name].append(mb)
+    return {name: {"seconds": statistics.median(seconds[name]), "all": seconds[name],
+                   "peak_mb": max(peaks[name]), "result": results[name]} for name in runs}
+
 
 
 def release_free_memory() -> float:
