@@ -1,29 +1,30 @@
-r"""Verifiable rewards: a final text and a problem (tasks.py) in, 1 (right) or 0 (wrong) out, without
-any learned judge.
+r"""Verifiable rewards: a final text and a problem (tasks.py) in, 1 (right) or 0 (wrong) out,
+without any learned judge.
 
 Math verifier. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) it reads the *last* \boxed{...} and
-compares it with the gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" == "\frac{7}{2}",
-"1,000" == "1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500"); else with sympy ("\frac{\sqrt{2}}{2}" ==
-"1/\sqrt{2}", "2(x+1)" == "2x+2", "1,000,000" == "10^6"). A set of answers matches in any order ("\{1, 2\}"
-== "2, 1"); a tuple "(1, 2)" does not. Sympy only sees short strings of numbers, single letters, sqrt, pi
-and + - * / ^ with no power inside an exponent, and both sides are evaluated at fixed points to 30 digits
-rather than simplified: a call takes milliseconds and cannot hang. Departure: with no complete \boxed{},
-the last number in the text is the answer (a tiny model often states it without the box); `strict=True`
-switches that off.
+compares it with the gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" ==
+"\frac{7}{2}", "1,000" == "1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500"); else with sympy
+("\frac{\sqrt{2}}{2}" == "1/\sqrt{2}", "2(x+1)" == "2x+2", "1,000,000" == "10^6"). A set of answers
+matches in any order ("\{1, 2\}" == "2, 1"); a tuple "(1, 2)" does not. Sympy only sees short
+strings of numbers, single letters, sqrt, pi and + - * / ^ with no power inside an exponent, and
+both sides are evaluated at fixed points to 30 digits rather than simplified: a call takes
+milliseconds and cannot hang. Departure: with no complete \boxed{}, the last number in the text is
+the answer (a tiny model often states it without the box); `strict=True` switches that off.
 
-Units. Both sides first lose $...$, \$, ^\circ, a percent sign and the units or words that trail a number
-or an expression, as the MATH graders drop them (Hendrycks et al. 2021; Minerva's normalize_final_answer,
-Lewkowycz et al. 2022): "12 \text{ cm}^2" == "12", "5 square units" == "\text{5 apples}" == "5", "\$1,000"
-== "1000", "4\sqrt{2}\text{ cm}" == "\sqrt{32}". Unlike those graders, which delete listed words anywhere,
-a unit goes only from the end and only after a value ("\text{no solution}" keeps its words); it takes its
-exponent along, while a number keeps its own ("3 cm^2" == "3", "3^2" == "9"); a lone letter is a unit only
-in text mode ("5\text{ m}" == "5", but "5 m" and "2x" stay products) and a bare 2-3 letter word only when
-listed ("cm", "ft"); nothing is converted ("50 cents" != "0.5"). A percent sign goes as in MATH: "50\%" ==
-"50" but != "0.5" (taking both would pay two values a hundredfold apart for one bare number; so a gold 0.5
-for a probability rejects "50\%").
+Units. Both sides first lose $...$, \$, ^\circ, a percent sign and the units or words that trail a
+number or an expression, as the MATH graders drop them (Hendrycks et al. 2021; Minerva's
+normalize_final_answer, Lewkowycz et al. 2022): "12 \text{ cm}^2" == "12", "5 square units" ==
+"\text{5 apples}" == "5", "\$1,000" == "1000", "4\sqrt{2}\text{ cm}" == "\sqrt{32}". Unlike those
+graders, which delete listed words anywhere, a unit goes only from the end and only after a value
+("\text{no solution}" keeps its words); it takes its exponent along, while a number keeps its own
+("3 cm^2" == "3", "3^2" == "9"); a lone letter is a unit only in text mode ("5\text{ m}" == "5", but
+"5 m" and "2x" stay products) and a bare 2-3 letter word only when listed ("cm", "ft"); nothing is
+converted ("50 cents" != "0.5"). A percent sign goes as in MATH: "50\%" == "50" but != "0.5" (taking
+both would pay two values a hundredfold apart for one bare number; so a gold 0.5 for a probability
+rejects "50\%").
 
-Code reward. The last fenced python block runs against every test of the problem; 1.0 only if all pass.
-It runs in sandbox.py, never in the trainer's process.
+Code reward. The last fenced python block runs against every test of the problem; 1.0 only if all
+pass. It runs in sandbox.py, never in the trainer's process.
 
 Each call's reward. `credit_calls` decides, in one place, what every call of a workflow is paid (the
 episode's outcome broadcast, as Paper A does, or each call's own part), and `role_jobs` measures
@@ -49,8 +50,10 @@ from workflows import SOLVERS, adherence, parse_choice, parse_verdict, similarit
 # catastrophic backtracking), so a 100k-char completion takes milliseconds.
 BOXED = re.compile(r"\\boxed\s*\{")
 BRACE = re.compile(r"[{}]")
-# a number not glued to the end of another one, nor an exponent (the 2 of "12 cm^2"): 12, -3, 2.5, 1,000, 3/4
-NUMBER = re.compile(r"(?<![\d.^])(?<!\^\{)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
+# a number not glued to the end of another one, nor an exponent (the 2 of "12 cm^2"):
+# 12, -3, 2.5, 1,000, 3/4
+NUMBER = re.compile(r"(?<![\d.^])(?<!\^\{)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
+                    r"(?:\.\d+)?(?:/\d+)?")
 FRAC = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
 # unsigned: 12, 1,000, 2.5, .5 (no leading zero), 1.5e3 (scientific notation)
 PLAIN = re.compile(r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?")
@@ -59,18 +62,24 @@ MAX_DIGITS = 200  # longer "numbers" are compared as strings: Fraction on them i
 TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox|operatorname)\s*\{([^{}]*)\}")
 DEGREES = re.compile(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ|\\degree|°")
 VAR_EQ = re.compile(r"[a-zA-Z]\w{0,2}\s*=([^=]*)")  # "x = 5" -> " 5"
-# Units that may trail a value, dropped one at a time from the end, as Minerva's normalize_final_answer
-# (Lewkowycz et al. 2022) drops "cm", "square", "units", "dollars"... (it drops them anywhere; here only at the end)
-POWER = r"(?:\s*\^\s*(?:\{\s*[23]\s*\}|[23])|[²³])?"  # cm^2, \text{ft}^{3}, m²: the unit's, not the value's
-TEXT_UNIT = re.compile(  # words in text mode: "\text{ square units}", "\mbox{cm}^2", "\mathrm{km/h}"
-    r"\\(?:text|textrm|textup|textnormal|textit|textbf|mbox|mathrm)\s*\{([a-zA-Z\s./]*)\}" + POWER + "$")
+# Units that may trail a value, dropped one at a time from the end, as Minerva's
+# normalize_final_answer (Lewkowycz et al. 2022) drops "cm", "square", "units", "dollars"...
+# (it drops them anywhere; here only at the end)
+# cm^2, \text{ft}^{3}, m²: the unit's, not the value's
+POWER = r"(?:\s*\^\s*(?:\{\s*[23]\s*\}|[23])|[²³])?"
+# words in text mode: "\text{ square units}", "\mbox{cm}^2", "\mathrm{km/h}"
+TEXT_UNIT = re.compile(r"\\(?:text|textrm|textup|textnormal|textit|textbf|mbox|mathrm)"
+                       r"\s*\{([a-zA-Z\s./]*)\}" + POWER + "$")
 UNIT_LETTERS = set("mgshLCFK")  # one-letter units, and only in text mode: "2\text{ x}" stays 2x
 SHORT_UNITS = "cm|mm|km|ft|in|yd|mi|kg|mg|gm|lb|lbs|oz|hr|hrs|min|sec|mph|sq|cu|deg|rad|ml"
-# a bare word: any of 4+ letters after a space ("7 apples"), a listed one after a space or a digit ("12cm");
-# "2 xy" keeps its letters (sympy reads no word, so a 2-3 letter word that is no unit is left to string equality)
-BARE_UNIT = re.compile(rf"(?:(?<=\s)(?:[a-zA-Z]{{4,}}|{SHORT_UNITS})|(?<=\d)(?:{SHORT_UNITS}))\.?{POWER}$")
+# a bare word: any of 4+ letters after a space ("7 apples"), a listed one after a space or a
+# digit ("12cm"); "2 xy" keeps its letters (sympy reads no word, so a 2-3 letter word that is no
+# unit is left to string equality)
+BARE_UNIT = re.compile(rf"(?:(?<=\s)(?:[a-zA-Z]{{4,}}|{SHORT_UNITS})|(?<=\d)(?:{SHORT_UNITS}))"
+                       rf"\.?{POWER}$")
 SYMPY_MAX_CHARS = 80  # longer answers are only compared as strings
-# what the sympy step accepts, after LaTeX is rewritten: numbers, sqrt, pi, single letters, operators
+# what the sympy step accepts, after LaTeX is rewritten:
+# numbers, sqrt, pi, single letters, operators
 TOKEN = re.compile(r"\d+(?:\.\d+)?|sqrt|pi|[a-z](?![a-z])|\*\*|[-+*/()]")
 LATEX = (("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", "pi"), ("\\sqrt", "sqrt"),
          ("{", "("), ("}", ")"), ("^", "**"))
@@ -81,7 +90,8 @@ def _last_boxed(text: str) -> str | None:
     starts = [m.end() - 1 for m in BOXED.finditer(text)]  # positions of the opening '{'
     if not starts:
         return None
-    # one pass with a stack pairs every brace; a scan from each \boxed is quadratic on many unclosed boxes
+    # one pass with a stack pairs every brace; a scan from each \boxed is quadratic on many
+    # unclosed boxes
     stack, close = [], {}
     for m in BRACE.finditer(text, starts[0]):
         if m.group() == "{":
@@ -95,7 +105,8 @@ def _last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str, strict: bool = False) -> str | None:
-    """The final answer in a completion: last \\boxed{} content, else (lenient only) the last number."""
+    """The final answer in a completion: last \\boxed{} content,
+    else (lenient only) the last number."""
     boxed = _last_boxed(text)
     if boxed is not None or strict:
         return boxed
@@ -104,14 +115,17 @@ def extract_answer(text: str, strict: bool = False) -> str | None:
 
 
 def _normalise(s: str) -> str:
-    """The bare answer: drops $, \\text{}, degrees, percent signs, "x =", units, spaces, a trailing '.'."""
+    """The bare answer: drops $, \\text{}, degrees, percent signs, "x =", units, spaces,
+    a trailing '.'."""
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("{,}", ",")  # LaTeX's thousands separator: 1{,}000
     for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\:"):
         s = s.replace(junk, "")
-    s = re.sub(r"(?<!\\)\\ ", " ", s.replace("~", " "))  # LaTeX spaces "\ " and "~", not a matrix's "\\"
+    # LaTeX spaces "\ " and "~", not a matrix's "\\"
+    s = re.sub(r"(?<!\\)\\ ", " ", s.replace("~", " "))
     s = DEGREES.sub("", s)
-    # MATH's convention: "50\%" is the number 50, so a bare 0.5 is not 50% (see the module docstring)
+    # MATH's convention: "50\%" is the number 50, so a bare 0.5 is not 50%
+    # (see the module docstring)
     s = s.replace("\\%", "").replace("%", "").strip().rstrip(".").strip()
     if len(s) <= SYMPY_MAX_CHARS:  # short answers only
         whole = TEXT.fullmatch(s)  # "\text{7 apples}"
@@ -123,11 +137,13 @@ def _normalise(s: str) -> str:
 
 
 def _drop_units(s: str) -> str:
-    """s less the units that trail a number or expression ("12 \\text{ cm}^2", "4\\sqrt{2} square units"); s
-    itself when none trails, or when what they trail is no value ("\\text{no solution}" keeps its words)."""
+    """s less the units that trail a number or expression ("12 \\text{ cm}^2",
+    "4\\sqrt{2} square units"); s itself when none trails, or when what they trail is no value
+    ("\\text{no solution}" keeps its words)."""
     head = s.rstrip()
     while m := TEXT_UNIT.search(head) or BARE_UNIT.search(head):
-        if m.re is TEXT_UNIT and not all(len(w) > 1 or w in UNIT_LETTERS for w in re.findall("[a-zA-Z]+", m[1])):
+        if m.re is TEXT_UNIT and not all(len(w) > 1 or w in UNIT_LETTERS
+                                         for w in re.findall("[a-zA-Z]+", m[1])):
             break
         head = head[:m.start()].rstrip()
     value = "".join(head.split())
@@ -137,7 +153,8 @@ def _drop_units(s: str) -> str:
 
 
 def _value(s: str) -> Fraction | None:
-    """Exact value of a normalised answer: 12, -3.5, 1,000, 3/4, -\\frac{1}{2}; None if not a plain number."""
+    """Exact value of a normalised answer: 12, -3.5, 1,000, 3/4, -\\frac{1}{2};
+    None if not a plain number."""
     sign = -1 if s.startswith("-") else 1
     s = s[1:] if s[:1] in ("+", "-") else s
     frac = FRAC.fullmatch(s)
@@ -186,14 +203,16 @@ def _to_python(s: str) -> str | None:
         return None  # an unknown command, a word, a comma...: not for sympy
     out = tokens[:1]
     for left, right in zip(tokens, tokens[1:]):  # implicit products: 2x, 3\pi, x(x+1), (a)(b)
-        if (left == ")" or left[0].isalnum() and left != "sqrt") and (right == "(" or right[0].isalnum()):
+        if ((left == ")" or left[0].isalnum() and left != "sqrt")
+                and (right == "(" or right[0].isalnum())):
             out.append("*")
         out.append(right)
     return "".join(out)
 
 
 def _sympy_expr(s: str):
-    """A sympy expression built without evaluation, or None. Safe to parse: only TOKEN names reach eval."""
+    """A sympy expression built without evaluation, or None.
+    Safe to parse: only TOKEN names reach eval."""
     code = _to_python(s)
     if code is None:
         return None
@@ -208,7 +227,8 @@ def _sympy_expr(s: str):
 
 
 def _sympy_equal(p: str, g: str) -> bool:
-    """Equal as expressions: the same value, to 1e-9, at 3 fixed points (1 if there are no variables)."""
+    """Equal as expressions: the same value, to 1e-9, at 3 fixed points
+    (1 if there are no variables)."""
     try:
         a, b = _sympy_expr(p), _sympy_expr(g)
         if a is None or b is None:
@@ -228,7 +248,8 @@ def _sympy_equal(p: str, g: str) -> bool:
 
 
 def math_equal(pred: str | None, gold: str) -> bool:
-    """True when pred and gold are the same number, the same expression, or the same normalised string."""
+    """True when pred and gold are the same number, the same expression, or the same
+    normalised string."""
     if pred is None:
         return False
     p, g = _normalise(pred), _normalise(gold)
@@ -239,7 +260,8 @@ def math_equal(pred: str | None, gold: str) -> bool:
     pv, gv = _value(p), _value(g)
     if pv is not None and gv is not None:
         return pv == gv
-    ps, gs = ([s] if v is not None else _elements(s) for s, v in ((p, pv), (g, gv)))  # 1,000 is one number
+    # 1,000 is one number
+    ps, gs = ([s] if v is not None else _elements(s) for s, v in ((p, pv), (g, gv)))
     if _is_set(p) or _is_set(g) or len(ps) > 1 and len(gs) > 1:
         return _same_elements(ps, gs)  # a set of answers, in any order (each element is shorter)
     # a plain number meets an expression ("1,000,000" and "10^6"): sympy reads its digits
@@ -288,7 +310,8 @@ PYTHON_TAGS = ("", "python", "py", "python3")
 
 def extract_code(text: str) -> str | None:
     """The last fenced code block tagged python (or untagged); None if there is none."""
-    blocks = [body for tag, body in FENCE.findall(text) if tag.strip().split(" ")[0].lower() in PYTHON_TAGS]
+    blocks = [body for tag, body in FENCE.findall(text)
+              if tag.strip().split(" ")[0].lower() in PYTHON_TAGS]
     return blocks[-1] if blocks else None
 
 
@@ -299,8 +322,10 @@ def code_reward(text: str, problem: Problem, timeout: float = CODE_TIMEOUT) -> f
 
 
 # ----------------------------------------------------------------------------- scoring
-def score(problem: Problem, text: str, strict: bool = False, timeout: float = CODE_TIMEOUT) -> float:
-    """Reward of one final text, 1.0 or 0.0, by the problem's kind; never raises, whatever the text."""
+def score(problem: Problem, text: str, strict: bool = False,
+          timeout: float = CODE_TIMEOUT) -> float:
+    """Reward of one final text, 1.0 or 0.0, by the problem's kind;
+    never raises, whatever the text."""
     try:
         if problem.kind == "code":
             return code_reward(text, problem, timeout)
@@ -311,7 +336,8 @@ def score(problem: Problem, text: str, strict: bool = False, timeout: float = CO
 
 def score_batch(problems: list[Problem], texts: list[str], strict: bool = False, workers: int = 2,
                 timeout: float = CODE_TIMEOUT) -> list[float]:
-    """score() of each (problem, text), at most `workers` programs at a time (threads: each only waits)."""
+    """score() of each (problem, text), at most `workers` programs at a time
+    (threads: each only waits)."""
     if len(problems) != len(texts):
         raise ValueError(f"{len(problems)} problems but {len(texts)} texts")
     with ThreadPoolExecutor(max(1, workers)) as pool:
@@ -326,8 +352,8 @@ CREDITS = ("final", "own")
 TRUNCATED = ("penalize", "mask", "keep")
 
 
-def credit_calls(calls: list, problems: list[Problem], rewards: list[float], credit: str, truncated: str,
-                 strict: bool = False) -> None:
+def credit_calls(calls: list, problems: list[Problem], rewards: list[float], credit: str,
+                 truncated: str, strict: bool = False) -> None:
     """Decide every call's reward, in this one place. `rewards`: each episode's final outcome.
 
     final: the outcome is broadcast to every call of the episode (Paper A, Sec. 3; CoLLM).
@@ -338,17 +364,17 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
       reward of a wrong answer (under --algo maac its return is 0: critic.critic_advantages). DAPO
       (Yu et al. 2025, Sec. 3.4) instead adds a penalty that grows over the last tokens before the
       limit to -1 past it, on top of a +-1 correctness reward, or masks cut samples out of the loss
-      (overlong filtering, "mask" here, acting in the update). Unless "keep", a cut call's own answer
-      (`solved`) is no answer either, and rollout scores an episode whose final answer was cut as 0
-      (cut_finals), in training and evaluation alike.
+      (overlong filtering, "mask" here, acting in the update). Unless "keep", a cut call's own
+      answer (`solved`) is no answer either, and rollout scores an episode whose final answer was
+      cut as 0 (cut_finals), in training and evaluation alike.
     On math every solving call's own answer is also scored, into `solved`: what the later roles did
     to it (role_jobs), and own credit."""
     for c in calls:
         c.reward = rewards[c.episode]
     if problems[0].kind == "math":
         solvers = [c for c in calls if c.role in SOLVERS]
-        for c, r in zip(solvers, score_batch([problems[c.episode] for c in solvers], [c.text for c in solvers],
-                                             strict=strict)):
+        for c, r in zip(solvers, score_batch([problems[c.episode] for c in solvers],
+                                             [c.text for c in solvers], strict=strict)):
             c.solved = 0.0 if c.truncated and truncated != "keep" else r
     if credit == "own":
         for c in calls:
@@ -368,14 +394,15 @@ def cut_finals(calls: list, finals: list[str]) -> list[bool]:
 
 
 def read_by(calls: list) -> list[tuple]:
-    """Each judging call (evaluator, aggregator, synthesizer) with the solutions it read: the solving
-    calls of its episode one stage before it, in slot order."""
+    """Each judging call (evaluator, aggregator, synthesizer) with the solutions it read: the
+    solving calls of its episode one stage before it, in slot order."""
     made = {}
     for c in calls:
         if c.solved is not None:
             made.setdefault((c.episode, c.turn), []).append(c)
     return [(c, made[c.episode, c.turn - 1]) for c in calls
-            if c.role in ("evaluator", "aggregator", "synthesizer") and (c.episode, c.turn - 1) in made]
+            if c.role in ("evaluator", "aggregator", "synthesizer")
+            and (c.episode, c.turn - 1) in made]
 
 
 def verdicts(calls: list) -> list[tuple]:
@@ -388,8 +415,8 @@ def verdicts(calls: list) -> list[tuple]:
 def role_jobs(calls: list) -> dict[str, float]:
     """Whether each supervisory role does its job, beyond its format (math: needs `solved`).
 
-    evaluator: verdict_acc, how often its verdict agrees with the verifier, against verdict_base, the
-      same for a constant evaluator that always says Incorrect (the share of wrong solutions);
+    evaluator: verdict_acc, how often its verdict agrees with the verifier, against verdict_base,
+      the same for a constant evaluator that always says Incorrect (the share of wrong solutions);
     refine/fixed and refine/broken: of the answers judged Incorrect and rewritten, the share the
       rewrite turned right, and turned wrong;
     aggregator and synthesizer: skill, the reward of the answer it chose or wrote minus the mean of
@@ -400,7 +427,8 @@ def role_jobs(calls: list) -> dict[str, float]:
         m["role/evaluator/verdict_acc"] = sum(right for _, right in verdicts(calls)) / len(judged)
         m["role/evaluator/verdict_base"] = sum(s != 1.0 for _, s in judged) / len(judged)
     after = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
-    refined = [(s, after[c.episode, c.turn + 1]) for c, s in judged if (c.episode, c.turn + 1) in after]
+    refined = [(s, after[c.episode, c.turn + 1]) for c, s in judged
+               if (c.episode, c.turn + 1) in after]
     if refined:
         m["refine/fixed"] = sum(a < b for a, b in refined) / len(refined)
         m["refine/broken"] = sum(a > b for a, b in refined) / len(refined)
@@ -414,11 +442,12 @@ def role_jobs(calls: list) -> dict[str, float]:
     return m
 
 
-def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int, diag: bool) -> dict[str, float]:
-    """A step's figures, from its calls and the episodes' outcomes and rewards: per role and per slot
-    the reward, length, calls, token share and the solvers' own answers; the roles' jobs; which rule
-    decided each final answer, the truncated calls, each role's adherence to its contract and, with
-    `diag`, how alike the roles' outputs are (role capture shows in outputs)."""
+def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int,
+                 diag: bool) -> dict[str, float]:
+    """A step's figures, from its calls and the episodes' outcomes and rewards: per role and per
+    slot the reward, length, calls, token share and the solvers' own answers; the roles' jobs; which
+    rule decided each final answer, the truncated calls, each role's adherence to its contract and,
+    with `diag`, how alike the roles' outputs are (role capture shows in outputs)."""
     m = {"reward/mean": sum(rewards) / len(rewards),
          "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes)}
     all_tokens = sum(len(c.completion_ids) for c in calls)
@@ -437,7 +466,8 @@ def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int, dia
                 m[f"{key}/{name}/solved"] = sum(solved) / len(solved)
     m.update(role_jobs(calls))  # does each supervisory role do its job, beyond its format?
     rules = [o.info["rule"] for o in outcomes if "rule" in o.info]
-    for rule in sorted(set(rules)):  # which rule decided the final answer: the contract's, or a fallback
+    # which rule decided the final answer: the contract's, or a fallback
+    for rule in sorted(set(rules)):
         m[f"contract/rule/{rule}"] = rules.count(rule) / len(rules)
     m["contract/truncated"] = sum(c.truncated for c in calls) / len(calls)
     # role capture shows in outputs: contract adherence, and likeness to the other roles

