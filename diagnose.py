@@ -20,40 +20,30 @@ two ways, one per way of sharing the LoRA policy:
 
 This file reads train.py's logs (metrics.jsonl), plots them and applies three detectors (a cliff,
 the two mechanisms' signatures) with explicit thresholds, this project's choices; a fall counts
-only beyond its noise, a peak is chosen on the val split where a run has one. It imports train.py
-(the probe drives it); lab/grid.py builds its tables on this file.
+only beyond its noise, a peak is chosen on the val split where a run has one. A checkpoint's
+gradient probe and a trained workflow watched are lab/probe.py's (it drives train.py);
+lab/tables.py builds the grid's tables on this file.
 
 Exercised by: pytest tests/test_diagnose.py
 """
 import argparse
-import dataclasses
 import itertools
 import json
 import math
 import os
-import random
 import re
 import statistics
 import sys
 from collections import Counter
 
 import matplotlib
-import torch
 
 matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from grpo import policy_update, set_advantages
-from lab import launch
-from lab.checkpoint import read_best
-from lab.launch import check_numbers
+from lab.probe import probe, watch
 from lab.runs import load_run, writable
-from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
-from model import load_policy
-from rollout import Rollout
-from tasks import KINDS, load_task
-import train
-from workflows import ROLES, role_of, run_workflow, slots
+from workflows import ROLES, role_of, slots
 
 # Thresholds of the detectors: choices of this project (Paper A gives none). Raise FALL_Z or
 # MIN_CALLS to be stricter about noise; the others set how large an event must be.
@@ -378,70 +368,8 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
 
 
 # ----------------------------------------------------------------------------
-# A trained run: the gradient probe, and watching it answer
-
-
-def run_config(run_dir: str) -> train.Config:
-    """A run's config.json as train.py's Config, its values checked as a launch checks them."""
-    try:
-        cfg = train.Config(**load_run(run_dir)[0])
-        check_numbers(cfg)
-    except TypeError as e:  # a key train.py does not know
-        raise SystemExit(f"{run_dir}/config.json is not a config of this project ({e})") from None
-    except SystemExit as e:
-        raise SystemExit(f"{run_dir}/config.json: {e}") from None
-    return cfg
-
-
-def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
-    """The run's config, its model and tokenizer, and its adapters as saved in checkpoint `ckpt`."""
-    run_dir = os.path.dirname(os.path.normpath(ckpt))
-    if not os.path.exists(os.path.join(ckpt, "state.pt")):
-        raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
-    cfg = run_config(run_dir)
-    model, tok = load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu", cfg.dtype)
-    inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
-    names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
-    try:
-        load_adapters(model, ckpt, names)
-    except Exception as e:  # a truncated or foreign adapter file
-        raise SystemExit(f"{ckpt}: the adapters cannot be read ({type(e).__name__}: {str(e)[:80]})") from None
-    return cfg, model, tok, names
-
-
-def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[dict[str, float]]:
-    """kappa, coherence and gradient shares of a fresh sampled batch of each size (problems x the
-    run's group), without a step; `credit` replaces the run's, `seed` draws another batch. GRPO's
-    advantages whatever the run's algorithm: the probe asks how the slots' gradients line up."""
-    cfg, model, tok, names = trained_model(ckpt)
-    cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
-    writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")  # where main writes it, known before the work
-    pool, results = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed), []
-    if not all(1 <= n <= len(pool) for n in sizes):
-        raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] (the run's training pool)")
-    # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
-    settings = dataclasses.replace(launch.update_settings(cfg), one_step=True, grad_clip=float("inf"),
-                                   balance="none", damping=0.0)
-    for problems in sizes:
-        # seed 0: the pool's first problems; another seed, a sample of the pool
-        picked = random.Random(seed).sample(range(len(pool)), problems) if seed else range(problems)
-        torch.manual_seed(cfg.seed + 1 + seed)  # samples the run did not train on, the same every time
-        problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
-        rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[picked[i]] for i in problem_of],
-                                                 greedy=False)
-        set_advantages(rollout.calls, problem_of, cfg.adv_group)
-        result = {"episodes": len(problem_of), "reward/mean": sum(rewards) / len(rewards)}
-        for name in names:
-            mine = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
-            frozen = torch.optim.SGD(adapter_parameters(model, name), lr=0.0)  # measure, do not move
-            for p in adapter_parameters(model, name):
-                p.requires_grad_(True)
-                p.grad = torch.zeros_like(p)
-            stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id, settings)
-            result.update({k: v[0] for k, v in stats.items()
-                           if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
-        results.append(result)
-    return results
+# A trained run: the gradient probe and watching it answer (lab/probe.py), and where
+# kappa would align
 
 
 def episodes_to_align(results: list[dict[str, float]], role: str, n_slots: int) -> float:
@@ -456,29 +384,6 @@ def episodes_to_align(results: list[dict[str, float]], role: str, n_slots: int) 
         return math.inf
     b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines)
     return b * c / (1 - c)
-
-
-def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
-    """Run a trained workflow on one question and print every call: stage, slot, adapter,
-    prompt (as the model saw it, chat template included) and output. `run`: a run directory (its
-    newest checkpoint) or a checkpoint in one, RUN/best. Returns the final text."""
-    ckpt = run if os.path.exists(os.path.join(run, "state.pt")) else os.path.join(run, "ckpt")
-    cfg, model, tok, _ = trained_model(ckpt)
-    torch.manual_seed(seed)
-    rollout = Rollout(model, tok, cfg.sharing, max_new_tokens=cfg.max_new_tokens,
-                      temperature=cfg.temperature, top_p=cfg.top_p, greedy=not sample)
-    outcome = run_workflow(cfg.workflow, [question], rollout, kind=KINDS[cfg.task],
-                           n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)[0]
-    decoding = f"sampled at temperature {cfg.temperature}, seed {seed}" if sample else "greedy"
-    best = read_best(ckpt)
-    kept = f" (step {best['step']}, {best['metric']} {best['score']:.3f})" if best else ""
-    print(f"{cfg.workflow}, {cfg.sharing} adapters, from {ckpt}{kept}; {decoding}")
-    for call in rollout.calls:
-        print(f"\n=== stage {call.turn + 1}: {call.slot} (adapter {adapter_for(call.role, cfg.sharing)})")
-        print(f"--- prompt:\n{call.prompt}")
-        print(f"--- output:\n{call.text}")
-    print(f"\n=== final answer:\n{outcome.final}\n=== info: {outcome.info}")
-    return outcome.final
 
 
 def make_parser() -> argparse.ArgumentParser:

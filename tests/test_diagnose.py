@@ -12,7 +12,7 @@ import torch
 from conftest import make_read_only
 import diagnose
 from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_advantages
-from lab import launch, runs
+from lab import launch, probe, runs
 from lora import add_adapter, adapter_parameters, inject_lora
 from rollout import Call, Rollout
 from tasks import Problem
@@ -484,7 +484,7 @@ def test_watch_prints_every_call_of_a_trained_workflow(workflow, sharing, tmp_pa
     train.main(train.Config(model="tiny", workflow=workflow, sharing=sharing, steps=1, problems_per_step=1,
                             group_size=2, max_new_tokens=6, lora_r=4, eval_problems=1, out=out))
     capsys.readouterr()
-    final = diagnose.watch(out, "What is 2 + 3?")
+    final = probe.watch(out, "What is 2 + 3?")
     printed = capsys.readouterr().out
     stages = [line for line in printed.splitlines() if line.startswith("=== stage")]
     for slot in slots(workflow):

@@ -13,7 +13,7 @@ LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0,
           "lab.checkpoint": 3,
           "lab.launch": 4,
           "train": 5,
-          "lab.bench": 6,
+          "lab.bench": 6, "lab.probe": 6,
           "diagnose": 7, "lab.course": 7,
           "lab.tables": 8,
           "lab.grid": 9}

@@ -20,7 +20,7 @@ from conftest import ROOT, directory_state, make_read_only
 import diagnose
 import grpo
 from grpo import policy_update
-from lab import checkpoint, launch, machine, runs
+from lab import checkpoint, launch, machine, probe, runs
 from lab.checkpoint import TrainState
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
 from model import load_policy, tiny_model
@@ -243,7 +243,7 @@ def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, m
     train.main(small_config(out, model=base_dir, workflow="voting", sharing=sharing, steps=1, seed=1,
                             max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2,
                             dtype="fp32"))  # fp32: as the snippet loads it; seed 1: every adapter moves
-    cfg, ours, _, names = diagnose.trained_model(f"{out}/ckpt")
+    cfg, ours, _, names = probe.trained_model(f"{out}/ckpt")
     ours.to("cpu")  # where the snippet's PEFT model is, on a machine with a GPU too
     ids = torch.randint(0, len(tok), (2, 12), generator=torch.Generator().manual_seed(1))
     snippet = readme_python_block("PeftModel.from_pretrained")
