@@ -46,10 +46,11 @@ class Assignment:
 
 ASSIGNMENTS = {
     1: Assignment("LoRA: the forward pass, merging and restoring, shared vs isolated routing", {
-        "lora.LoRALinear.forward": ["tests/test_lora.py::test_lora_linear_matches_formula",
-                                    "tests/test_lora.py::test_fresh_adapter_is_bit_identical",
-                                    "tests/test_lora.py::test_adapters_off_equals_base",
-                                    "tests/test_lora.py::test_only_adapter_parameters_get_gradients"],
+        "lora.LoRALinear.forward": [
+            "tests/test_lora.py::test_lora_linear_matches_formula",
+            "tests/test_lora.py::test_fresh_adapter_is_bit_identical",
+            "tests/test_lora.py::test_adapters_off_equals_base",
+            "tests/test_lora.py::test_only_adapter_parameters_get_gradients"],
         "lora.LoRALinear.merged_weight": [
             "tests/test_lora.py::test_merged_bf16_base_differs_by_no_more_than_bf16_rounding"],
         "lora.merged_adapter": [
@@ -64,28 +65,35 @@ ASSIGNMENTS = {
             "tests/test_rollout.py::test_logprobs_equal_direct_computation_and_ignore_padding"],
         "rollout.token_logprobs": ["tests/test_rollout.py::test_temperature_scales_logits"],
     }),
-    3: Assignment("GRPO: group advantages, the clipped surrogate with clip-higher, loss aggregation", {
+    3: Assignment("GRPO: group advantages, the clipped surrogate with clip-higher, "
+                  "loss aggregation", {
         "grpo.masked_mean": ["tests/test_grpo.py::test_masked_mean"],
         "grpo.group_advantages": ["tests/test_grpo.py::test_group_advantages_by_hand"],
         "grpo.aggregate": ["tests/test_grpo.py::test_aggregation_modes_by_hand",
                            "tests/test_grpo.py::test_micro_batches_add_up_to_the_mini_batch"],
-        "grpo.policy_loss": ["tests/test_grpo.py::test_clipped_loss_is_plain_policy_gradient_at_ratio_one",
-                             "tests/test_grpo.py::test_clipping_by_hand",
-                             "tests/test_grpo.py::test_k3_kl_by_hand",
-                             "tests/test_grpo.py::test_chi2_and_perplexity_by_hand",
-                             "tests/test_grpo.py::test_the_clip_acts_only_after_the_first_mini_batch_step[False]"],
-    }, needs=(1, 2, 5)),  # the update runs a LoRA model, its log-probs, and measures kappa and shares
+        "grpo.policy_loss": [
+            "tests/test_grpo.py::test_clipped_loss_is_plain_policy_gradient_at_ratio_one",
+            "tests/test_grpo.py::test_clipping_by_hand",
+            "tests/test_grpo.py::test_k3_kl_by_hand",
+            "tests/test_grpo.py::test_chi2_and_perplexity_by_hand",
+            "tests/test_grpo.py::test_the_clip_acts_only_after_the_first_mini_batch_step[False]"],
+    # the update runs a LoRA model, its log-probs, and measures kappa and shares
+    }, needs=(1, 2, 5)),
     4: Assignment("The actor-critic: GAE, the value loss, central vs decentral critic inputs", {
-        "critic.gae": ["tests/test_critic.py::test_gae_lambda_zero_is_one_step_td",
-                       "tests/test_critic.py::test_gae_lambda_one_is_monte_carlo",
-                       "tests/test_critic.py::test_gae_intermediate_lambda_on_sequences_of_different_lengths",
-                       "tests/test_critic.py::test_call_advantages_follow_each_agents_own_turns"],
+        "critic.gae": [
+            "tests/test_critic.py::test_gae_lambda_zero_is_one_step_td",
+            "tests/test_critic.py::test_gae_lambda_one_is_monte_carlo",
+            "tests/test_critic.py::test_gae_intermediate_lambda_on_sequences_of_different_lengths",
+            "tests/test_critic.py::test_call_advantages_follow_each_agents_own_turns"],
         "critic.value_loss": ["tests/test_critic.py::test_value_loss_unclipped_by_hand",
                               "tests/test_critic.py::test_value_loss_clipped_by_hand"],
-        "critic.joint_history": ["tests/test_critic.py::test_central_critic_reads_every_agents_history"],
-        "critic.critic_inputs": ["tests/test_critic.py::test_decentral_critic_reads_only_its_own_agent"],
+        "critic.joint_history": [
+            "tests/test_critic.py::test_central_critic_reads_every_agents_history"],
+        "critic.critic_inputs": [
+            "tests/test_critic.py::test_decentral_critic_reads_only_its_own_agent"],
     }),
-    5: Assignment("Diagnostics: kappa and coherence, gradient shares, role balance, contract adherence", {
+    5: Assignment("Diagnostics: kappa and coherence, gradient shares, role balance, "
+                  "contract adherence", {
         "grpo.amplification": ["tests/test_grpo.py::test_amplification_identical_and_orthogonal"],
         "grpo.gradient_stats": ["tests/test_grpo.py::test_gradient_stats_shares_and_roles"],
         "grpo.loss_weight": ["tests/test_diagnose.py::test_loss_weight_by_hand"],
@@ -93,12 +101,14 @@ ASSIGNMENTS = {
         "workflows.similarity": ["tests/test_diagnose.py::test_similarity"],
     }),
     6: Assignment("Workflow topologies: Eval-Opt and Orch-Workers, then one of your own", {
-        "workflows.eval_opt": ["tests/test_workflows.py::test_eval_opt_stops_each_episode_on_its_own",
-                               "tests/test_workflows.py::test_eval_opt_prompts_carry_solution_and_critique",
-                               "tests/test_workflows.py::test_eval_opt_round_limits",
-                               "tests/test_workflows.py::test_eval_opt_missing_verdict_refines_and_is_flagged"],
-        "workflows.orch_workers": ["tests/test_workflows.py::test_orch_workers_stages_prompts_and_final",
-                                   "tests/test_workflows.py::test_orch_workers_fills_missing_strategies"],
+        "workflows.eval_opt": [
+            "tests/test_workflows.py::test_eval_opt_stops_each_episode_on_its_own",
+            "tests/test_workflows.py::test_eval_opt_prompts_carry_solution_and_critique",
+            "tests/test_workflows.py::test_eval_opt_round_limits",
+            "tests/test_workflows.py::test_eval_opt_missing_verdict_refines_and_is_flagged"],
+        "workflows.orch_workers": [
+            "tests/test_workflows.py::test_orch_workers_stages_prompts_and_final",
+            "tests/test_workflows.py::test_orch_workers_fills_missing_strategies"],
     }),
 }
 
@@ -127,7 +137,8 @@ def find_function(tree: ast.Module, name: str) -> ast.FunctionDef:
     """The definition of `name` ("function" or "Class.method") at the top of a module."""
     node = tree
     for part in name.split("."):
-        node = next((n for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part),
+        node = next((n for n in node.body
+                     if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part),
                     None)
         if node is None:
             raise LookupError(f"no function {name!r}")
@@ -141,7 +152,8 @@ def body_range(lines: list[str], fn: ast.FunctionDef) -> tuple[int, int, str]:
     if len(fn.body) <= has_doc or fn.body[0].lineno == fn.lineno:
         raise ValueError(f"{fn.name}: no body to replace, or a body on the def line")
     start = fn.body[has_doc].lineno - 1
-    floor = fn.body[0].end_lineno if has_doc else fn.lineno  # the docstring's or the header's last line
+    # the docstring's or the header's last line
+    floor = fn.body[0].end_lineno if has_doc else fn.lineno
     while start > floor and lines[start - 1].strip()[:1] in ("", "#"):
         start -= 1
     return start, fn.end_lineno, " " * fn.body[has_doc].col_offset
@@ -156,7 +168,8 @@ def stub(source: str, names: list[str], number: int) -> str:
     for (start, end, indent), name in ranges:  # bottom up: the line numbers above stay right
         if end > limit:
             raise ValueError(f"{name} overlaps another stubbed function")
-        lines[start:end] = [f'{indent}raise NotImplementedError("assignment {number}: write {name}")\n']
+        lines[start:end] = [f'{indent}raise NotImplementedError('
+                            f'"assignment {number}: write {name}")\n']
         limit = start
     return "".join(lines)
 
@@ -175,7 +188,8 @@ def skipped(root: str, out: str, directory: str, names: list[str]) -> set[str]:
 
 
 def copy_project(root: str, out: str) -> None:
-    shutil.copytree(root, out, ignore=partial(skipped, root, os.path.realpath(out)), dirs_exist_ok=True)
+    shutil.copytree(root, out, ignore=partial(skipped, root, os.path.realpath(out)),
+                    dirs_exist_ok=True)
 
 
 def make(number: int, out: str, root: str = ROOT) -> None:
@@ -197,21 +211,23 @@ def make(number: int, out: str, root: str = ROOT) -> None:
     with open(os.path.join(out, MARKER), "w") as f:
         f.write(f"{number}\n")
     print(f"{out}: assignment {number}, {ASSIGNMENTS[number].title}\n"
-          f"to write: {', '.join(ASSIGNMENTS[number].tests)}\nto grade, in {out}: python -m lab.course grade")
+          f"to write: {', '.join(ASSIGNMENTS[number].tests)}\n"
+          f"to grade, in {out}: python -m lab.course grade")
 
 
 def run_tests(ids: list[str], root: str = ROOT) -> dict[str, bool]:
     """Run the tests in one pytest process; whether each id passed (all its parameters did)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.xml")
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
-                        f"--junitxml={report}", *ids], cwd=root)
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--tb=short", f"--junitxml={report}", *ids], cwd=root)
         cases = ET.parse(report).iter("testcase") if os.path.exists(report) else []
         outcome = {}  # node id -> passed
         for case in cases:
             node = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
             outcome[node] = not any(child.tag in ("failure", "error", "skipped") for child in case)
-    ran = {i: [ok for node, ok in outcome.items() if node == i or node.startswith(i + "[")] for i in ids}
+    ran = {i: [ok for node, ok in outcome.items() if node == i or node.startswith(i + "[")]
+           for i in ids}
     return {i: bool(oks) and all(oks) for i, oks in ran.items()}
 
 
@@ -231,15 +247,16 @@ def grade(number: int, root: str = ROOT) -> int:
 
 def show() -> None:
     for number, a in ASSIGNMENTS.items():
-        needs = f" (its tests also run assignments {sorted(prerequisites(number))})" if a.needs else ""
+        needs = (f" (its tests also run assignments {sorted(prerequisites(number))})"
+                 if a.needs else "")
         print(f"{number}. {a.title}{needs}")
         for name, tests in a.tests.items():
             print(f"   {name}: {', '.join(t.split('::')[1] for t in tests)}")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lab.course", description=__doc__.split("\n")[0],
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m lab.course",
+                                     description=__doc__.split("\n")[0], allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="the assignments, their functions and tests")
     p = commands.add_parser("make", help="copy the project with one assignment's functions stubbed",

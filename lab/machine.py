@@ -2,7 +2,8 @@
 exchange in a step, torch's CPU threads, the peak memory and the clocks that time a part
 (lab/bench.py), and the signals that ask a run to stop.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --out runs/two   # docs/torchrun.md
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --out runs/two
+        # docs/torchrun.md
     kill -TERM PID      # the run stops after its current step, its checkpoint kept (docs/runs.md)
 
 Under torchrun (WORLD_SIZE > 1) a process joins the process group. Torch's CPU threads are
@@ -13,7 +14,8 @@ it pre-empts a job, only set a flag: the training loop reads it at the end of ev
 where under torchrun the processes agree on it, so that all of them stop after the same step
 (lab/runs.py's stop_run ends the run).
 
-Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py, tests/test_bench.py
+Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py,
+tests/test_bench.py
 """
 import ctypes
 import ctypes.util
@@ -93,7 +95,8 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
     gradient of the mini-batch's loss, as one process would have computed it."""
     if rank_and_world()[1] == 1:
         return
-    flat = sum_across(torch.cat([p.grad.reshape(-1) for p in params]))  # one message, not one per tensor
+    # one message, not one per tensor
+    flat = sum_across(torch.cat([p.grad.reshape(-1) for p in params]))
     i = 0
     for p in params:
         p.grad.copy_(flat[i:i + p.numel()].view_as(p))
@@ -108,18 +111,22 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
 def check_device(device: str) -> None:
     """A one-line error for a device that is not one of this project's, or not here."""
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise SystemExit(f"--device {device}: not a device of this project; use auto, cpu, cuda or cuda:N")
+        raise SystemExit(f"--device {device}: not a device of this project; "
+                         "use auto, cpu, cuda or cuda:N")
     cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
-        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        why = ("this torch is built without CUDA" if torch.version.cuda is None
+               else "no GPU is visible")
         raise SystemExit(f"--device {device}: {why}; use --device cpu (or auto)")
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise SystemExit(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s), from cuda:0")
+        raise SystemExit(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s), "
+                         "from cuda:0")
 
 
 def join_processes(device: str) -> str:
-    """This process's device (one that is not here: a one-line error); under torchrun (WORLD_SIZE > 1)
-    also join the process group: nccl and one GPU per local rank on CUDA, gloo on CPU."""
+    """This process's device (one that is not here: a one-line error); under torchrun
+    (WORLD_SIZE > 1) also join the process group: nccl and one GPU per local rank on CUDA, gloo on
+    CPU."""
     check_device(device)
     cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -134,7 +141,8 @@ def join_processes(device: str) -> str:
 
 
 def log(line: str) -> None:
-    """One line of the run's log: rank 0's, above the progress bar on a terminal, plain in a file."""
+    """One line of the run's log: rank 0's, above the progress bar on a terminal, plain in a
+    file."""
     if rank_and_world()[0] != 0:
         return
     tqdm.write(line, file=sys.stdout)
@@ -165,7 +173,8 @@ def gather_episodes(calls: list, outcomes, rewards: list[float], problem_of: lis
     offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
     for c in calls:
         c.episode += offset
-    return gather_lists(calls), gather_lists(outcomes), gather_lists(rewards), gather_lists(problem_of)
+    return (gather_lists(calls), gather_lists(outcomes), gather_lists(rewards),
+            gather_lists(problem_of))
 
 
 def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:

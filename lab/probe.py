@@ -50,7 +50,8 @@ def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
     try:
         load_adapters(model, ckpt, names)
     except Exception as e:  # a truncated or foreign adapter file
-        raise SystemExit(f"{ckpt}: the adapters cannot be read ({type(e).__name__}: {str(e)[:80]})") from None
+        raise SystemExit(f"{ckpt}: the adapters cannot be read "
+                         f"({type(e).__name__}: {str(e)[:80]})") from None
     return cfg, model, tok, names
 
 
@@ -60,29 +61,35 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
     advantages whatever the run's algorithm: the probe asks how the slots' gradients line up."""
     cfg, model, tok, names = trained_model(ckpt)
     cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
-    writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")  # where main writes it, known before the work
+    # where main writes it, known before the work
+    writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")
     pool, results = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed), []
     if not all(1 <= n <= len(pool) for n in sizes):
-        raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] (the run's training pool)")
+        raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] "
+                         "(the run's training pool)")
     # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
-    settings = dataclasses.replace(launch.update_settings(cfg), one_step=True, grad_clip=float("inf"),
-                                   balance="none", damping=0.0)
+    settings = dataclasses.replace(launch.update_settings(cfg), one_step=True,
+                                   grad_clip=float("inf"), balance="none", damping=0.0)
     for problems in sizes:
         # seed 0: the pool's first problems; another seed, a sample of the pool
         picked = random.Random(seed).sample(range(len(pool)), problems) if seed else range(problems)
-        torch.manual_seed(cfg.seed + 1 + seed)  # samples the run did not train on, the same every time
+        # samples the run did not train on, the same every time
+        torch.manual_seed(cfg.seed + 1 + seed)
         problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
-        rollout, _, rewards = train.rollout_step(model, tok, cfg, [pool[picked[i]] for i in problem_of],
+        rollout, _, rewards = train.rollout_step(model, tok, cfg,
+                                                 [pool[picked[i]] for i in problem_of],
                                                  greedy=False)
         set_advantages(rollout.calls, problem_of, cfg.adv_group)
         result = {"episodes": len(problem_of), "reward/mean": sum(rewards) / len(rewards)}
         for name in names:
             mine = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
-            frozen = torch.optim.SGD(adapter_parameters(model, name), lr=0.0)  # measure, do not move
+            # measure, do not move
+            frozen = torch.optim.SGD(adapter_parameters(model, name), lr=0.0)
             for p in adapter_parameters(model, name):
                 p.requires_grad_(True)
                 p.grad = torch.zeros_like(p)
-            stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id, settings)
+            stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id,
+                                  settings)
             result.update({k: v[0] for k, v in stats.items()
                            if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
         results.append(result)
@@ -105,7 +112,8 @@ def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
     kept = f" (step {best['step']}, {best['metric']} {best['score']:.3f})" if best else ""
     print(f"{cfg.workflow}, {cfg.sharing} adapters, from {ckpt}{kept}; {decoding}")
     for call in rollout.calls:
-        print(f"\n=== stage {call.turn + 1}: {call.slot} (adapter {adapter_for(call.role, cfg.sharing)})")
+        print(f"\n=== stage {call.turn + 1}: {call.slot} "
+              f"(adapter {adapter_for(call.role, cfg.sharing)})")
         print(f"--- prompt:\n{call.prompt}")
         print(f"--- output:\n{call.text}")
     print(f"\n=== final answer:\n{outcome.final}\n=== info: {outcome.info}")

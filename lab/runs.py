@@ -3,7 +3,8 @@ TensorBoard copy; how it ends, early or not (its checkpoints: lab/checkpoint.py;
 --start_from: lab/launch.py; the machine it runs on: lab/machine.py; the rules in full:
 docs/runs.md).
 
-    python train.py --out runs/a              # config.json, metrics.jsonl, samples.jsonl, tb/, ckpt/, best/
+    python train.py --out runs/a              # config.json, metrics.jsonl, samples.jsonl, tb/,
+                                                ckpt/, best/
     python train.py --out runs/a --overwrite  # start it over (its own files go, nothing else)
 
 A directory that holds a run is never overwritten implicitly, and a launch that fails leaves it
@@ -49,7 +50,8 @@ def fsync(*paths: str) -> None:
 
 
 def write_whole(path: str, text: str) -> None:
-    """Write a file through a rename, on the disk first: a kill or a power loss leaves the old or the new."""
+    """Write a file through a rename, on the disk first: a kill or a power loss leaves the old or
+    the new."""
     with open(path + ".tmp", "w") as f:
         f.write(text)
     fsync(path + ".tmp")
@@ -79,7 +81,8 @@ def read_jsonl(path: str) -> list[dict]:
             continue
         row = rows[-1]
         if not isinstance(row, dict) or type(row.get("step")) is not int:
-            raise SystemExit(f"{path}, line {i}: not a row of this log (an object with an integer step)")
+            raise SystemExit(f"{path}, line {i}: not a row of this log "
+                             "(an object with an integer step)")
     return rows
 
 
@@ -117,7 +120,8 @@ def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> N
     """Every number of a metrics.jsonl row as a TensorBoard scalar in <out>/tb, and the step's
     episodes as text (`transcript`), so that `tensorboard --logdir runs` shows runs as they
     train. A process opens its writer at its first row with purge_step at that row's step: after
-    --resume, TensorBoard drops what the stopped run wrote past the checkpoint, as metrics.jsonl does."""
+    --resume, TensorBoard drops what the stopped run wrote past the checkpoint, as metrics.jsonl
+    does."""
     from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
     if out not in tb_writers:
@@ -125,7 +129,8 @@ def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> N
     for key, value in row.items():
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
             tb_writers[out].add_scalar(key, value, row["step"])
-    for k, episode in enumerate(samples or []):  # a tag per place in the step's list: a slider over steps
+    # a tag per place in the step's list: a slider over steps
+    for k, episode in enumerate(samples or []):
         tb_writers[out].add_text(f"episodes/{k}", transcript(episode), row["step"])
     tb_writers[out].flush()
 
@@ -134,8 +139,10 @@ def transcript(episode: dict, limit: int = 600) -> str:
     """A samples.jsonl episode as Markdown for TensorBoard's TEXT tab: the problem, every call's
     slot, role, reward, advantage and output, the final answer. Texts are indented code blocks
     (a model's ``` or * shows as written), each cut to `limit` characters."""
-    lines = [f"**{episode['problem']}**, episode {episode['episode']}: reward **{episode['reward']:g}**",
-             code_block(episode["question"], limit), "expected:", code_block(episode["answer"], limit)]
+    lines = [f"**{episode['problem']}**, episode {episode['episode']}: "
+             f"reward **{episode['reward']:g}**",
+             code_block(episode["question"], limit), "expected:",
+             code_block(episode["answer"], limit)]
     for i, c in enumerate(episode["calls"], 1):
         lines += [f"**{i}. {c['slot']}** ({c['role']}, turn {c['turn']}): reward {c['reward']:g}, "
                   f"advantage **{c['advantage']:+.3f}**", code_block(c["output"], limit)]
@@ -143,7 +150,8 @@ def transcript(episode: dict, limit: int = 600) -> str:
 
 
 def code_block(text: str, limit: int) -> str:
-    cut = text if len(text) <= limit else text[:limit] + f" [... {len(text) - limit} more characters]"
+    cut = (text if len(text) <= limit
+           else text[:limit] + f" [... {len(text) - limit} more characters]")
     return "\n".join("    " + line for line in cut.splitlines() or [""])
 
 
@@ -152,8 +160,8 @@ def close_tensorboard() -> None:
         tb_writers.popitem()[1].close()
 
 
-def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float], group_size: int,
-                    count: int) -> list[dict]:
+def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float],
+                    group_size: int, count: int) -> list[dict]:
     """Complete episodes for samples.jsonl, the first of each of the first `count` groups: every
     call's prompt and output, the outcome."""
     rows = []
@@ -170,8 +178,8 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
 # ----------------------------------------------------------------------------
 # The run directory
 
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tb", "ckpt", "ckpt.tmp", "ckpt.old", "best",
-             "best.tmp", "best.old")
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tb", "ckpt", "ckpt.tmp", "ckpt.old",
+             "best", "best.tmp", "best.old")
 # What diagnose.py writes beside a run's files: its report, probe and plots, gone with the run.
 DERIVED = ("report.md", "probe.json", "*.png")
 LOCK = ".lock"  # in --out, kept by --overwrite: it is not one of the run's files
@@ -202,18 +210,23 @@ def take_lock(out: str) -> str:
     while not os.path.exists(parent):  # the nearest existing ancestor is where the run will be made
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        where = "write in it" if parent == os.path.abspath(out) else f"create a directory in {parent}"
+        where = ("write in it" if parent == os.path.abspath(out)
+                 else f"create a directory in {parent}")
         return f"--out {out}: cannot {where}"
     if os.path.isdir(os.path.join(out, LOCK)):
         return f"--out {out}: its {LOCK} is a directory, not a lock file; remove it"
     if home := enclosing_run(out):  # that run's next save or --overwrite would delete this one
         return f"--out {out} is inside the run in {home}; choose a directory outside it"
-    own = [os.path.join(out, name) for name in (LOCK,) + RUN_FILES]  # a run kept or copied read-only
-    own += [os.path.join(root, n) for path in own for root, dirs, files in os.walk(path) for n in dirs + files]
+    # a run kept or copied read-only
+    own = [os.path.join(out, name) for name in (LOCK,) + RUN_FILES]
+    own += [os.path.join(root, n) for path in own for root, dirs, files in os.walk(path)
+            for n in dirs + files]
     if read_only := [p for p in own if os.path.exists(p) and not os.access(p, os.W_OK)]:
-        return f"--out {out}: {read_only[0]} is read-only; make the run writable (chmod -R u+w) or copy it"
+        return (f"--out {out}: {read_only[0]} is read-only; make the run writable (chmod -R u+w) "
+                "or copy it")
     os.makedirs(out, exist_ok=True)
-    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by children
+    # not inherited by children
+    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -259,8 +272,8 @@ def check_run_dir(out: str, overwrite: bool) -> list[str]:
     implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if held and not overwrite:
-        raise SystemExit(f"--out {out} already holds a run: add --resume to continue it, --overwrite "
-                         "to start it over, or choose another --out")
+        raise SystemExit(f"--out {out} already holds a run: add --resume to continue it, "
+                         "--overwrite to start it over, or choose another --out")
     return held
 
 
@@ -302,7 +315,8 @@ def start_logs(out: str, first: dict) -> None:
 # The end of a run: its directory let go, its process group left; stopping early, after a
 # signal (lab/machine.py) or after steps that could not be applied
 
-NONFINITE_STOP = 3  # training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
+# training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
+NONFINITE_STOP = 3
 
 
 def leave_processes() -> None:
@@ -326,9 +340,11 @@ def stop_run(out: str, step: int, saved: int, signum: int) -> None:
     leave_processes()
     if signum:
         if rank == 0:
-            print(f"stopped by {signal.Signals(signum).name} after step {step}, the checkpoint of step {saved} "
-                  f"kept; to go on: {resume}", file=sys.stderr, flush=True)
+            print(f"stopped by {signal.Signals(signum).name} after step {step}, "
+                  f"the checkpoint of step {saved} kept; to go on: {resume}",
+                  file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
-    raise SystemExit(1 if rank else f"step {step}: {NONFINITE_STOP} steps in a row with a non-finite loss or "
-                     f"gradient (those mini-batches were not applied); the last good checkpoint is step {saved} "
-                     f"in {out}/ckpt; to go on from it with a lower learning rate: {resume} --lr <lower>")
+    raise SystemExit(1 if rank else f"step {step}: {NONFINITE_STOP} steps in a row with a "
+                     f"non-finite loss or gradient (those mini-batches were not applied); "
+                     f"the last good checkpoint is step {saved} in {out}/ckpt; to go on from it "
+                     f"with a lower learning rate: {resume} --lr <lower>")
