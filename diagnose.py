@@ -1,9 +1,11 @@
 """Diagnose a multi-agent training run: Paper A's two failure mechanisms, measured and named.
 
-    python diagnose.py runs/a runs/b              # report.md and plots of these runs
-    python diagnose.py --probe runs/a/ckpt        # kappa, coherence and gradient shares on one batch
-    python diagnose.py --probe runs/a/ckpt --probe_problems 4,8,16   # ... and where kappa would align
-    python diagnose.py --watch runs/a "What is 7 + 5?"   # every call of the trained workflow, printed
+    python diagnose.py runs/a runs/b          # report.md and plots of these runs
+    python diagnose.py --probe runs/a/ckpt    # kappa, coherence and gradient shares on one batch
+    python diagnose.py --probe runs/a/ckpt --probe_problems 4,8,16
+        # ... and where kappa would align
+    python diagnose.py --watch runs/a "What is 7 + 5?"
+        # every call of the trained workflow, printed
     python diagnose.py --watch runs/a/best "What is 7 + 5?"   # ... as its best evaluation left it
 
 Paper A (Zeng et al. 2026, arXiv 2605.24202) finds that multi-agent RL on one base model fails in
@@ -57,14 +59,16 @@ KAPPA_FRAC = 0.8  # where kappa is logged at the spike, it must be >= 0.8 sqrt(N
 FALL_WITHIN = 5  # the validation fall shows at an evaluation at most 5 steps after the spike,
 DROP = 0.10  # and is at least 0.10 (as well as beyond noise)
 SHARE = 0.70  # a role owning this share of a shared adapter's gradient dominates it
-MIN_CALLS = 32  # each capture window holds >= 32 of the role's calls (a standard error <= 0.09 each)
+# each capture window holds >= 32 of the role's calls (a standard error <= 0.09 each)
+MIN_CALLS = 32
 ADHERENCE_FALL = 0.20  # the captured role's adherence falls by this much, early window to late,
 LEN_RISE = 1.2  # while its completions grow by 20 %
 SIM_RISE = 0.05  # and its word-trigram similarity to the dominant role rises by 0.05
 
 # figure name -> (regex over metric keys, y-axis label); the regex's groups name the line
 PLOTS = {
-    "accuracy": (r"(eval|val)/accuracy", "held-out accuracy: eval test split, val validation split"),
+    "accuracy": (r"(eval|val)/accuracy",
+                 "held-out accuracy: eval test split, val validation split"),
     "reward": (r"reward/mean", "training reward (mean outcome, 0-1)"),
     "grad_norm": (r"role/(\w+)/grad_norm", "gradient L2 norm of the role's loss"),
     "update_norm": (r"adapter/([\w-]+)/update_norm", "L2 norm of the adapter's change in the step"),
@@ -109,12 +113,14 @@ def validation(rows: list[dict]) -> str:
 
 
 def peak_step(rows: list[dict], steps: list[int]) -> int:
-    """The step of `steps` with the best accuracy on validation(rows); the earliest of equal bests."""
+    """The step of `steps` with the best accuracy on validation(rows); the earliest of equal
+    bests."""
     chosen = dict(series(rows, f"{validation(rows)}/accuracy"))
     return max(steps, key=lambda s: (chosen.get(s, -math.inf), -s))
 
 
-def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float | None], floor: float) -> str | None:
+def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float | None],
+                      floor: float) -> str | None:
     """How a fall from `high` to `low` ((accuracy, standard error) each) compares with its noise,
     if it is >= floor and more than FALL_Z standard errors of the difference; else None. The error
     of the difference treats the two evaluations as independent: they are of the same problems,
@@ -151,7 +157,8 @@ def find_cliff(config: dict, rows: list[dict], threshold: float = CLIFF) -> list
         noise = fall_beyond_noise(test[peak], test[end], threshold)
         if noise is not None:
             ended = "" if end == final else f" and ended at {test[final][0]:.3f}"
-            return [f"accuracy {kind}: test accuracy fell from {test[peak][0]:.3f} at step {peak} (the peak, "
+            return [f"accuracy {kind}: test accuracy fell from {test[peak][0]:.3f} "
+                    f"at step {peak} (the peak, "
                     f"chosen on {'val' if split == 'val' else 'test'}) to {test[end][0]:.3f} at "
                     f"step {end} (-{test[peak][0] - test[end][0]:.3f}){ended}{noise}"]
     return []
@@ -180,7 +187,8 @@ def validation_fall(config: dict, rows: list[dict], step: int) -> str | None:
     for s in (s for s in sorted(points) if step <= s <= step + FALL_WITHIN):
         noise = fall_beyond_noise(points[before[-1]], points[s], DROP)
         if noise is not None:
-            return (f"{split} accuracy falls from {points[before[-1]][0]:.3f} at step {before[-1]} to "
+            return (f"{split} accuracy falls from {points[before[-1]][0]:.3f} "
+                    f"at step {before[-1]} to "
                     f"{points[s][0]:.3f} at step {s}{noise}")
     return None
 
@@ -201,19 +209,21 @@ def find_amplification(config: dict, rows: list[dict]) -> list[str]:
         if n < 2:
             continue
         kappa = dict(series(rows, f"role/{role}/kappa"))
-        events = sorted((s, signal, v, m) for signal, key, factor in (("gradient norm", "grad_norm", GRAD_SPIKE),
-                                                                       ("perplexity", "ppl", PPL_SPIKE))
+        events = sorted((s, signal, v, m)
+                        for signal, key, factor in (("gradient norm", "grad_norm", GRAD_SPIKE),
+                                                    ("perplexity", "ppl", PPL_SPIKE))
                         for s, v, m in spikes(series(rows, f"role/{role}/{key}"), factor))
         for step, signal, value, median in events:
             if step in kappa and kappa[step] < KAPPA_FRAC * math.sqrt(n):
                 continue  # measured, and the slots' gradients did not line up: not this mechanism
             fall = validation_fall(config, rows, step)
             if fall:
-                coherence = (f"kappa {kappa[step]:.2f} (sqrt(N) = {math.sqrt(n):.2f})" if step in kappa
-                             else "kappa not logged")
-                found.append(f"gradient amplification: {role} (N={n}), its {signal} spikes to {value:.3g} "
-                             f"({value / median:.1f}x its running median) at step {step}, {coherence}; "
-                             f"then {fall}")
+                coherence = (f"kappa {kappa[step]:.2f} (sqrt(N) = {math.sqrt(n):.2f})"
+                             if step in kappa else "kappa not logged")
+                found.append(f"gradient amplification: {role} (N={n}), "
+                             f"its {signal} spikes to {value:.3g} "
+                             f"({value / median:.1f}x its running median) at step {step}, "
+                             f"{coherence}; then {fall}")
                 break
     return found
 
@@ -228,7 +238,8 @@ def windows(rows: list[dict], role: str) -> tuple[list[dict], list[dict]] | None
     sizes = []
     for ordered in (logged, logged[::-1]):
         total = itertools.accumulate(r[f"role/{role}/calls"] for r in ordered)
-        sizes.append(next((i for i, c in enumerate(total, 1) if i >= third and c >= MIN_CALLS), None))
+        sizes.append(next((i for i, c in enumerate(total, 1) if i >= third and c >= MIN_CALLS),
+                          None))
     early, late = sizes
     if early is None or late is None or early + late > len(logged):
         return None
@@ -236,8 +247,10 @@ def windows(rows: list[dict], role: str) -> tuple[list[dict], list[dict]] | None
 
 
 def weighted(rows: list[dict], role: str, signal: str) -> tuple[float | None, int]:
-    """The mean of role/<role>/<signal> over the rows that log it, weighted by their calls; and the calls."""
-    pairs = [(r[f"role/{role}/{signal}"], r[f"role/{role}/calls"]) for r in rows if f"role/{role}/{signal}" in r]
+    """The mean of role/<role>/<signal> over the rows that log it, weighted by their calls; and the
+    calls."""
+    pairs = [(r[f"role/{role}/{signal}"], r[f"role/{role}/calls"]) for r in rows
+             if f"role/{role}/{signal}" in r]
     calls = sum(c for _, c in pairs)
     return (sum(v * c for v, c in pairs) / calls if calls else None), calls
 
@@ -257,11 +270,13 @@ def captured(rows: list[dict], role: str, dominant: str) -> str | None:
         return None
     pooled = (a1 * n1 + a2 * n2) / (n1 + n2)
     se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
-    if a1 - a2 < ADHERENCE_FALL or a1 - a2 <= FALL_Z * se or l2 < LEN_RISE * l1 or s2 - s1 < SIM_RISE:
+    if (a1 - a2 < ADHERENCE_FALL or a1 - a2 <= FALL_Z * se or l2 < LEN_RISE * l1
+            or s2 - s1 < SIM_RISE):
         return None
     (early, late) = split
     return (f"steps {early[0]['step']}-{early[-1]['step']} ({n1} calls) against {late[0]['step']}-"
-            f"{late[-1]['step']} ({n2}): its adherence falls from {a1:.2f} to {a2:.2f} ({FALL_Z:g} standard "
+            f"{late[-1]['step']} ({n2}): its adherence falls from {a1:.2f} to {a2:.2f} "
+            f"({FALL_Z:g} standard "
             f"errors: {FALL_Z * se:.2f}), its length grows from {l1:.0f} to {l2:.0f} tokens, its "
             f"similarity to {dominant} rises from {s1:.2f} to {s2:.2f}")
 
@@ -310,7 +325,8 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
             for key in keys:
                 label = "/".join([run, *re.fullmatch(pattern, key).groups()])
                 xs, ys = zip(*series(rows, key))
-                ax.plot(xs, ys, LINESTYLES[i % len(LINESTYLES)], marker="o", markersize=3, label=label)
+                ax.plot(xs, ys, LINESTYLES[i % len(LINESTYLES)], marker="o", markersize=3,
+                        label=label)
         if not ax.lines:
             plt.close(fig)
             continue
@@ -332,11 +348,14 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
     steps = sorted(acc)
     row = {"workflow": config["workflow"], "sharing": config["sharing"], "algo": config["algo"],
            "steps": str(max(r["step"] for r in rows)),
-           "accuracy": " / ".join(f"{acc[s]:.3f}" for s in (steps[0], peak_step(rows, steps), steps[-1]))
-           if acc else "-"}
+           "accuracy": (" / ".join(f"{acc[s]:.3f}"
+                                   for s in (steps[0], peak_step(rows, steps), steps[-1]))
+                        if acc else "-")}
     for signal in ("kappa", "grad_share", "adherence"):
-        means = {role: [v for _, v in series(rows, f"role/{role}/{signal}")] for role in ROLES[config["workflow"]]}
-        row[signal] = ", ".join(f"{role} {statistics.mean(vs):.2f}" for role, vs in means.items() if vs) or "-"
+        means = {role: [v for _, v in series(rows, f"role/{role}/{signal}")]
+                 for role in ROLES[config["workflow"]]}
+        row[signal] = (", ".join(f"{role} {statistics.mean(vs):.2f}"
+                                 for role, vs in means.items() if vs) or "-")
     return row
 
 
@@ -349,16 +368,20 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
     header = list(table[0])
     lines = ["# Diagnosis", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r[h] for h in header) + " |" for r in table]
-    lines += ["", "accuracy: before / peak (chosen on val where logged) / final, test split; kappa, grad_share, "
-              "adherence: means over the logged steps, per role.", "", "## Findings", ""]
+    lines += ["", "accuracy: before / peak (chosen on val where logged) / final, test split; "
+              "kappa, grad_share, adherence: means over the logged steps, per role.",
+              "", "## Findings", ""]
     for name, (config, rows) in runs.items():
         found = findings(config, rows)
         lines.append(f"- **{name}**: " + ("; ".join(found) if found else "nothing detected"))
-    lines += ["", f"Thresholds: falls beyond {FALL_Z:g} standard errors; cliff {CLIFF}; spikes of the "
-              f"gradient norm {GRAD_SPIKE}x or perplexity {PPL_SPIKE}x the median of the last {HISTORY} "
-              f"steps, kappa >= {KAPPA_FRAC} sqrt(N) where logged, then a fall >= {DROP} within "
-              f"{FALL_WITHIN} steps; dominant share {SHARE}, windows of >= {MIN_CALLS} calls, adherence "
-              f"fall {ADHERENCE_FALL}, length x{LEN_RISE}, similarity rise {SIM_RISE}.", "", "## Plots", ""]
+    lines += ["", f"Thresholds: falls beyond {FALL_Z:g} standard errors; cliff {CLIFF}; "
+              f"spikes of the gradient norm {GRAD_SPIKE}x or perplexity {PPL_SPIKE}x "
+              f"the median of the last {HISTORY} steps, "
+              f"kappa >= {KAPPA_FRAC} sqrt(N) where logged, then a fall >= {DROP} "
+              f"within {FALL_WITHIN} steps; dominant share {SHARE}, "
+              f"windows of >= {MIN_CALLS} calls, adherence fall {ADHERENCE_FALL}, "
+              f"length x{LEN_RISE}, similarity rise {SIM_RISE}.",
+              "", "## Plots", ""]
     plots = plot({name: rows for name, (_, rows) in runs.items()}, out)
     lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
     path = os.path.join(out, "report.md")
@@ -379,7 +402,8 @@ def episodes_to_align(results: list[dict[str, float]], role: str, n_slots: int) 
     line at cos c = (KAPPA_FRAC^2 N - 1) / (N - 1), at n = b c / (1 - c). inf if a probe's cosine
     is <= 0; a probe with no gradient (no reward contrast) measured nothing and is left out."""
     c = (KAPPA_FRAC ** 2 * n_slots - 1) / (n_slots - 1)
-    cosines = [(r["episodes"], r[f"role/{role}/coherence"]) for r in results if f"role/{role}/coherence" in r]
+    cosines = [(r["episodes"], r[f"role/{role}/coherence"]) for r in results
+               if f"role/{role}/coherence" in r]
     if not cosines or min(cos for _, cos in cosines) <= 0:
         return math.inf
     b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines)
@@ -388,21 +412,26 @@ def episodes_to_align(results: list[dict[str, float]], role: str, n_slots: int) 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                     epilog="python -m lab.grid trains the main table's and the demos' cells.")
+                                     epilog="python -m lab.grid trains the main table's "
+                                            "and the demos' cells.")
     parser.add_argument("runs", nargs="*", help="train.py run directories")
     parser.add_argument("--out", default=None, help="where report.md and the plots go "
                         "(default: the run directory, or the runs' common parent)")
     parser.add_argument("--probe", metavar="CHECKPOINT", help="a run's ckpt directory")
-    parser.add_argument("--probe_problems", default=[4], type=lambda v: [int(n) for n in v.split(",")],
+    parser.add_argument("--probe_problems", default=[4],
+                        type=lambda v: [int(n) for n in v.split(",")],
                         help="problems in the probe batch; several (4,8,16): a batch each, and the "
                         "episodes per slot at which kappa would reach the detector's line")
-    parser.add_argument("--probe_credit", default="", choices=["final", "own"], help="--probe: each call's "
+    parser.add_argument("--probe_credit", default="", choices=["final", "own"],
+                        help="--probe: each call's "
                         "reward (default: the run's --credit)")
-    parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"), help="print every call of the run's "
+    parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"),
+                        help="print every call of the run's "
                         "trained workflow on one question (RUN/best: its best checkpoint)")
     parser.add_argument("--sample", action="store_true", help="--watch: sample at the run's "
                         "temperature instead of greedy decoding")
-    parser.add_argument("--seed", type=int, default=0, help="--watch --sample: the sampling seed; --probe: "
+    parser.add_argument("--seed", type=int, default=0,
+                        help="--watch --sample: the sampling seed; --probe: "
                         "which batch (0: the training pool's first problems, as before)")
     return parser
 
@@ -419,8 +448,8 @@ def main(argv: list[str] | None = None) -> None:
         results = probe(args.probe, args.probe_problems, args.probe_credit, args.seed)
         run_dir = os.path.dirname(os.path.normpath(args.probe))
         config = load_run(run_dir)[0]
-        align = {role: episodes_to_align(results, role, n) for role, n in multiplicity(config).items()
-                 if n > 1 and len(results) > 1}
+        align = {role: episodes_to_align(results, role, n)
+                 for role, n in multiplicity(config).items() if n > 1 and len(results) > 1}
         for k in dict.fromkeys(k for r in results for k in r):  # every key, in the order first seen
             print(f"{k:40s}" + "".join(f" {r.get(k, math.nan):10.4f}" for r in results))
         for role, n in align.items():

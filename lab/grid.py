@@ -35,8 +35,8 @@ import time
 from diagnose import findings, report
 from lab.launch import resolve_resume, typed_flags
 from lab.runs import load_run
-from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table, seed_table,
-                        signal_numbers)
+from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
+                        seed_table, signal_numbers)
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
@@ -54,7 +54,8 @@ GRID_FLAGS = ("--eval_every", "2", "--eval_problems", "64", "--val_problems", "4
 def grid_cells(train_flags: list[str], seeds: list[int]) -> list[tuple[str, list[str]]]:
     """The grid's (name, train.py flags) cells, seed<S>/<workflow>-<sharing> for every seed;
     `train_flags` come after the grid's and override them."""
-    return [(f"seed{seed}/{w}-{s}", ["--workflow", w, "--sharing", s, *GRID_FLAGS, "--seed", str(seed), *train_flags])
+    return [(f"seed{seed}/{w}-{s}", ["--workflow", w, "--sharing", s, *GRID_FLAGS,
+                                     "--seed", str(seed), *train_flags])
             for seed in seeds for w, s in GRID]
 
 
@@ -68,7 +69,8 @@ class Demo:
     finding: str                      # how the detector's finding starts ("": none is asked)
     flags: tuple[str, ...]            # train.py flags of every cell
     cells: dict[str, tuple[str, ...]]  # cell name -> its own flags
-    shows: tuple[str, ...]            # the cells meant to show the mechanism; the others mitigate or contrast
+    # the cells meant to show the mechanism; the others mitigate or contrast
+    shows: tuple[str, ...]
     signals: tuple[str, ...]          # what demo.png shows, a panel each (cell_series names);
                                       # the first is also tabled seed by seed
     start: tuple[str, ...] = ()       # flags of a warm-up that every cell of a seed starts from
@@ -81,9 +83,10 @@ class Demo:
 # only in how RL updates the adapters: 5 RL steps at a learning rate (1.5e-3) where the
 # aggregator's contract breaks in some cells and not in others. Neither shows its mechanism at
 # this scale; docs/mechanisms.md gives the seeds, the sweeps and what it would take.
-DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3", "--problems_per_step", "2",
-              "--max_new_tokens", "32", "--steps", "5", "--eval_every", "0", "--eval_problems", "16",
-              "--no-one_step")  # the paper's mini-batch steps: more steps for a role with more slots
+# --no-one_step: the paper's mini-batch steps: more steps for a role with more slots
+DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3",
+              "--problems_per_step", "2", "--max_new_tokens", "32", "--steps", "5",
+              "--eval_every", "0", "--eval_problems", "16", "--no-one_step")
 DEMOS = {
     "amplification": Demo(
         "gradient amplification", DEMO_FLAGS,
@@ -103,9 +106,10 @@ DEMOS = {
     # single agent given as many calls and steps (6 problems x 4 episodes, 6 mini-batches).
     "optimizer": Demo(
         "gradient amplification",
-        ("--workflow", "voting", "--sft_warmup", "4", "--problems_per_step", "2", "--max_new_tokens", "32",
-         "--steps", "12", "--warmup_steps", "0", "--lr_floor", "1", "--minibatch_size", "4",
-         "--eval_every", "3", "--eval_problems", "16", "--val_problems", "16"),
+        ("--workflow", "voting", "--sft_warmup", "4", "--problems_per_step", "2",
+         "--max_new_tokens", "32", "--steps", "12", "--warmup_steps", "0", "--lr_floor", "1",
+         "--minibatch_size", "4", "--eval_every", "3", "--eval_problems", "16",
+         "--val_problems", "16"),
         {"isolated": ("--sharing", "isolated", "--no-one_step"),
          "isolated-one_step": ("--sharing", "isolated", "--one_step"),
          "single": ("--workflow", "single", "--problems_per_step", "6", "--no-one_step")},
@@ -116,24 +120,28 @@ DEMOS = {
     # rate over 10 steps, and the strongest dose with a KL anchor on the aggregator's warm-up.
     "capture_dose": Demo(
         "role capture",
-        ("--workflow", "voting", "--sharing", "shared", "--sft_warmup", "4", "--problems_per_step", "2",
-         "--max_new_tokens", "32", "--steps", "10", "--warmup_steps", "0", "--lr_floor", "1",
-         "--minibatch_size", "4", "--eval_every", "5", "--eval_problems", "16", "--val_problems", "16"),
+        ("--workflow", "voting", "--sharing", "shared", "--sft_warmup", "4",
+         "--problems_per_step", "2", "--max_new_tokens", "32", "--steps", "10",
+         "--warmup_steps", "0", "--lr_floor", "1", "--minibatch_size", "4", "--eval_every", "5",
+         "--eval_problems", "16", "--val_problems", "16"),
         {"per-call": ("--loss_agg", "seq-mean-token-mean"),
          "per-token": ("--loss_agg", "token-mean"),
          "per-token-steps": ("--loss_agg", "token-mean", "--no-one_step"),
-         "per-token-steps-anchored": ("--loss_agg", "token-mean", "--no-one_step", "--role_kl", "aggregator=0.5")},
-        ("per-token", "per-token-steps"), ("adherence", "generator share"), start=("--sharing", "shared")),
-    # Paper B in miniature: in Orch-Workers a worker is shown one strategy, not the plan or the other
-    # workers' (critic.unseen: 0.75 of what was said before it), so the central critic reads what a
-    # decentral one cannot. GRPO's group baseline against the two critics, from one warm-up per seed,
-    # at the main table's recipe on 4 problems a step (an episode is 5 calls). `--level 4` after
-    # the demo's name asks two-digit subtraction, where fewer episodes are right: the sparse reward.
+         "per-token-steps-anchored": ("--loss_agg", "token-mean", "--no-one_step",
+                                      "--role_kl", "aggregator=0.5")},
+        ("per-token", "per-token-steps"), ("adherence", "generator share"),
+        start=("--sharing", "shared")),
+    # Paper B in miniature: in Orch-Workers a worker is shown one strategy, not the plan or the
+    # other workers' (critic.unseen: 0.75 of what was said before it), so the central critic reads
+    # what a decentral one cannot. GRPO's group baseline against the two critics, from one warm-up
+    # per seed, at the main table's recipe on 4 problems a step (an episode is 5 calls). `--level 4`
+    # after the demo's name asks two-digit subtraction, where fewer episodes are right: the sparse
+    # reward.
     # No mechanism to find: the detector is not asked.
     "critics": Demo(
         "",
-        ("--workflow", "orch_workers", "--problems_per_step", "4", "--steps", "8", "--eval_every", "4",
-         "--eval_problems", "32", "--val_problems", "32"),
+        ("--workflow", "orch_workers", "--problems_per_step", "4", "--steps", "8",
+         "--eval_every", "4", "--eval_problems", "32", "--val_problems", "32"),
         {"grpo": (), "central": ("--algo", "maac", "--critic", "central"),
          "decentral": ("--algo", "maac", "--critic", "decentral")},
         (), ("accuracy", "explained variance", "gradient noise"), start=("--algo", "grpo")),
@@ -143,7 +151,8 @@ DEMOS = {
 }
 
 
-def demo_cells(name: str, home: str, train_flags: list[str], seeds: list[int]) -> list[tuple[str, list[str]]]:
+def demo_cells(name: str, home: str, train_flags: list[str],
+               seeds: list[int]) -> list[tuple[str, list[str]]]:
     """The demo's (name, train.py flags) cells in home: seed<S>/<cell> for every seed, after the
     seed's start (seed<S>/start) when the demo has one; `train_flags` override the demo's."""
     spec, cells = DEMOS[name], []
@@ -154,7 +163,8 @@ def demo_cells(name: str, home: str, train_flags: list[str], seeds: list[int]) -
             start = ["--start_from", os.path.join(home, f"seed{seed}", "start")]
         for cell, flags in spec.cells.items():  # a cell of another workflow cannot go on from the
             own = "--workflow" in flags  # start (only RL settings may differ): it warms up itself
-            cells.append((f"seed{seed}/{cell}", [*mine, *([] if own else start), *flags, *train_flags]))
+            cells.append((f"seed{seed}/{cell}",
+                          [*mine, *([] if own else start), *flags, *train_flags]))
     return cells
 
 
@@ -189,12 +199,14 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
             try:  # the check --resume makes: every flag given must match the run's config, --lr too
                 resolve_resume(train.parse_config(argv), typed_flags(argv), new_lr=())
             except SystemExit as e:
-                raise SystemExit(f"{run_dir} was trained with other settings ({str(e).removeprefix('--resume: ')}): "
+                raise SystemExit(f"{run_dir} was trained with other settings "
+                                 f"({str(e).removeprefix('--resume: ')}): "
                                  "remove it or choose another --out") from None
             print(f"{run_dir}: already finished")
             continue
-        # an interrupted cell continues from its checkpoint (one killed between a save's two renames
-        # has it in ckpt.tmp or ckpt.old: train.py puts it back); one killed before its first starts over
+        # an interrupted cell continues from its checkpoint (one killed between a save's two
+        # renames has it in ckpt.tmp or ckpt.old: train.py puts it back); one killed before its
+        # first starts over
         saved = any(os.path.exists(os.path.join(run_dir, f"ckpt{end}", "state.pt"))
                     for end in ("", ".tmp", ".old"))
         again = ["--resume"] if saved else ["--overwrite"]
@@ -217,11 +229,14 @@ def reproduce(out: str, train_flags: list[str], seeds: list[int]) -> str:
     (curves.png) and diagnose.py's report on every run."""
     run_dirs = train_cells(out, grid_cells(train_flags, seeds))
     path = report(run_dirs, out, names=lambda d: os.path.relpath(d, out))
-    by_cell = {f"{w}-{s}": {seed_of(d): load_run(d) for d in run_dirs if os.path.basename(d) == f"{w}-{s}"}
+    by_cell = {f"{w}-{s}": {seed_of(d): load_run(d) for d in run_dirs
+                            if os.path.basename(d) == f"{w}-{s}"}
                for w, s in GRID}
     lines = main_table(by_cell) + ["", "Paper A's findings at this scale:", ""] + claims(by_cell)
-    lines += ["", "Where the learning signal went (means over the training steps, then over the seeds):", ""]
-    lines += mean_table({cell: [signal_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()})
+    lines += ["", "Where the learning signal went "
+              "(means over the training steps, then over the seeds):", ""]
+    lines += mean_table({cell: [signal_numbers(*run) for run in runs.values()]
+                         for cell, runs in by_cell.items()})
     picture = demo_plot(("accuracy",), by_cell, os.path.join(out, "curves.png"))
     with open(path) as f:
         text = f.read()
@@ -244,7 +259,8 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
                for cell in spec.cells}  # cell -> seed -> (config, rows)
     lines, verdict = demo_table(by_cell) + [""] + seed_table(spec.signals[0], by_cell), []
     for cell, runs in by_cell.items() if spec.finding else ():  # a comparison asks no detector
-        found = sum(any(f.startswith(spec.finding) for f in findings(*run)) for run in runs.values())
+        found = sum(any(f.startswith(spec.finding) for f in findings(*run))
+                    for run in runs.values())
         meant = "the mechanism" if cell in spec.shows else "a contrast or a mitigation"
         verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(runs)} seeds")
     if name == "default":
@@ -253,7 +269,8 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     with open(path) as f:
         text = f.read()
     with open(path, "w") as f:
-        f.write(f"# Demo: {name}\n\n" + "\n".join(lines) + "\n\n" + "\n".join(f"- {v}" for v in verdict)
+        f.write(f"# Demo: {name}\n\n" + "\n".join(lines) + "\n\n"
+                + "\n".join(f"- {v}" for v in verdict)
                 + f"\n\n![demo.png]({os.path.basename(picture)})\n\n" + text)
     print("\n".join(lines + [""] + verdict))
     return path
@@ -263,10 +280,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This file's flags, and every other flag, in order, for each cell's train.py."""
     parser = argparse.ArgumentParser(prog="python -m lab.grid", description=__doc__.split("\n")[0],
                                      allow_abbrev=False,
-                                     epilog="Every other flag goes to each cell's train.py, after the cell's "
-                                            "own (e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
+                                     epilog="Every other flag goes to each cell's train.py, "
+                                            "after the cell's own "
+                                            "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--reproduce", action="store_true", help="train the main table's cells, then report")
+    what.add_argument("--reproduce", action="store_true",
+                      help="train the main table's cells, then report")
     what.add_argument("--demo", choices=list(DEMOS), help="train one mechanism's demo cells "
                       "(the mechanism, its contrast, its mitigation), then report")
     parser.add_argument("--seeds", default="0,1,2", help="the seeds to run, e.g. 0,1,2")

@@ -30,7 +30,8 @@ Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's 
 def accuracy_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
     """Test accuracy of one run: at step 0 (the base model in the run's workflow), at the peak, at
     the end, and after the middle step's evaluation. The peak is the step with the best val
-    accuracy where the run has a val split (the test split is never chosen on), else the best test."""
+    accuracy where the run has a val split (the test split is never chosen on), else the best
+    test."""
     acc = dict(series(rows, "eval/accuracy"))
     steps = sorted(acc)
     peak = acc[peak_step(rows, steps)]
@@ -42,13 +43,18 @@ def accuracy_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
 
 def main_table(by_cell: Runs) -> list[str]:
     """Paper A's main table: a row per cell, accuracy at the start, peak and end with the two
-    differences, each the mean over the seeds (range); the single agent's start is the base model."""
-    lines = mean_table({cell: [accuracy_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()})
+    differences, each the mean over the seeds (range); the single agent's start is the base
+    model."""
+    lines = mean_table({cell: [accuracy_numbers(*run) for run in runs.values()]
+                        for cell, runs in by_cell.items()})
     configs = [config for runs in by_cell.values() for config, _ in runs.values()]
     sampled = sorted({c["workflow"] for c in configs if evaluation_samples(train.Config(**c))})
-    decoding = "greedy" + (f" ({', '.join(sampled)}: sampled at the training temperature)" if sampled else "")
-    return lines + ["", f"Held-out accuracy, {decoding}, on {configs[0]['eval_problems']} problems, every "
-                    f"{configs[0]['eval_every']} of {configs[0]['steps']} steps; start = step 0, before any update."]
+    decoding = "greedy" + (f" ({', '.join(sampled)}: sampled at the training temperature)"
+                           if sampled else "")
+    return lines + ["", f"Held-out accuracy, {decoding}, "
+                    f"on {configs[0]['eval_problems']} problems, "
+                    f"every {configs[0]['eval_every']} of {configs[0]['steps']} steps; "
+                    "start = step 0, before any update."]
 
 
 def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
@@ -81,15 +87,16 @@ def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
             "final - first answer": last["eval/accuracy"] - last.get("eval/first_answer", math.nan)}
 
 
-def by_seed(a: dict[str, dict], b: dict[str, dict], key: str, key_b: str | None = None) -> list[float]:
+def by_seed(a: dict[str, dict], b: dict[str, dict], key: str,
+            key_b: str | None = None) -> list[float]:
     """a[seed][key] - b[seed][key_b] for every seed both cells ran: a difference paired by seed, so
     that what a seed shares (its problems, its start) cancels."""
     return [a[s][key] - b[s][key_b or key] for s in sorted(a.keys() & b.keys())]
 
 
 # Two-sided 95 % critical values of Student's t by degrees of freedom, 1 to 30 (beyond: 30's, a
-# little wide). A mean over n seeds has n - 1: with 3 seeds the interval is 4.30 standard errors wide
-# on each side, not 2 (|t| = 2 on 2 degrees of freedom is a two-sided p of 0.18).
+# little wide). A mean over n seeds has n - 1: with 3 seeds the interval is 4.30 standard errors
+# wide on each side, not 2 (|t| = 2 on 2 degrees of freedom is a two-sided p of 0.18).
 T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
        2.052, 2.048, 2.045, 2.042)
@@ -120,14 +127,15 @@ def paired_verdict(diffs: list[float], floor: float = 0.0) -> str:
     n = len(diffs)
     holds = ("holds" if mean - half > 0 else "the opposite holds" if mean + half < 0
              else f"not distinguishable at {n} seeds")
-    return (f"{round(mean, 3) + 0.0:+.3f} (SE {se:.3f}; 95 % CI {mean - half:+.2f} to {mean + half:+.2f}, "
+    return (f"{round(mean, 3) + 0.0:+.3f} (SE {se:.3f}; "
+            f"95 % CI {mean - half:+.2f} to {mean + half:+.2f}, "
             f"t with {n - 1} df) over {n} seeds: {holds}")
 
 
 def claims(by_cell: Runs) -> list[str]:
     """Paper A's findings, a line each, with this grid's numbers as differences paired by seed."""
-    numbers = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()} for cell, runs in by_cell.items()
-               if runs}
+    numbers = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()}
+               for cell, runs in by_cell.items() if runs}
     config = next(config for runs in by_cell.values() for config, _ in runs.values())
     accuracies = [x[k] for runs in numbers.values() for x in runs.values()
                   for k in ("start", "peak", "end")]
@@ -136,24 +144,27 @@ def claims(by_cell: Runs) -> list[str]:
     lines = []
     single = numbers.get("single-shared")
     for cell, runs in ((c, r) for c, r in numbers.items() if not c.startswith("single")):
-        lines.append(f"multi-agent RL above its base, {cell}: end - start {verdict(by_seed(runs, runs, 'end', 'start'))}")
+        lines.append(f"multi-agent RL above its base, {cell}: end - start "
+                     f"{verdict(by_seed(runs, runs, 'end', 'start'))}")
         if single:
             lines.append(f"multi-agent RL above single-agent RL, {cell}: end - single's end "
                          f"{verdict(by_seed(runs, single, 'end'))}")
     for w in sorted({c.rsplit("-", 1)[0] for c in numbers}):
         iso, sh = numbers.get(f"{w}-isolated"), numbers.get(f"{w}-shared")
         if iso and sh:
-            lines.append(f"isolated peaks higher, {w}: peak - shared's peak {verdict(by_seed(iso, sh, 'peak'))}")
+            lines.append(f"isolated peaks higher, {w}: peak - shared's peak "
+                         f"{verdict(by_seed(iso, sh, 'peak'))}")
             lines.append(f"isolated falls further at the end, {w}: (peak - end) - shared's "
                          f"{verdict(by_seed(iso, sh, 'peak - end'))}")
         if sh and w != "single":
-            lines.append(f"shared plateaus, {w}: end - middle {verdict([x['end - middle'] for x in sh.values()])} "
+            lines.append(f"shared plateaus, {w}: end - middle "
+                         f"{verdict([x['end - middle'] for x in sh.values()])} "
                          "(a plateau: not distinguishable from 0)")
     return [f"- {line}" for line in lines] + [
-        "", "Each difference is paired by seed: its mean, its standard error over the seeds (at least the "
-        "evaluation's own noise, grid.noise_floor) and its 95 % interval from the t distribution; it holds "
-        "where the interval excludes 0. The peak is the step chosen on the val split, read on test: the "
-        "choice does not bias it upward."]
+        "", "Each difference is paired by seed: its mean, its standard error over the seeds "
+        "(at least the evaluation's own noise, grid.noise_floor) and its 95 % interval from the t "
+        "distribution; it holds where the interval excludes 0. The peak is the step chosen on the "
+        "val split, read on test: the choice does not bias it upward."]
 
 
 def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -165,7 +176,8 @@ def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, flo
     judge = next((r for r in ROLES[config["workflow"]] if r != crowded), crowded)
     adapter = "shared" if config["sharing"] == "shared" else crowded
     keys = {"kappa": f"role/{crowded}/kappa", "update norm": f"adapter/{adapter}/update_norm",
-            "adherence": f"role/{judge}/adherence", "reward": "reward/mean", "accuracy": "eval/accuracy",
+            "adherence": f"role/{judge}/adherence", "reward": "reward/mean",
+            "accuracy": "eval/accuracy",
             "explained variance": "critic/explained_variance", "advantage std": "adv/std",
             "gradient noise": f"adapter/{adapter}/grad_noise"}
     keys |= {f"{r} share": f"role/{r}/grad_share" for r in ROLES[config["workflow"]]}
@@ -182,23 +194,29 @@ def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
     shares = [statistics.mean(vs) for name, vs in got.items() if name.endswith(" share") and vs]
     mean = statistics.mean
     return {"kappa": mean(kappa) if kappa else math.nan,
-            "coherent steps": mean(k >= KAPPA_FRAC * math.sqrt(n) for k in kappa) if kappa else math.nan,
+            "coherent steps": (mean(k >= KAPPA_FRAC * math.sqrt(n) for k in kappa) if kappa
+                               else math.nan),
             "update norm": mean(got["update norm"] or [math.nan]),
-            "adherence first": adh[0] if adh else math.nan, "adherence last": adh[-1] if adh else math.nan,
+            "adherence first": adh[0] if adh else math.nan,
+            "adherence last": adh[-1] if adh else math.nan,
             "top share": max(shares) if shares else math.nan,
-            "reward first": reward[0] if reward else math.nan, "reward last": reward[-1] if reward else math.nan,
+            "reward first": reward[0] if reward else math.nan,
+            "reward last": reward[-1] if reward else math.nan,
             "accuracy start": acc[0], "accuracy peak": max(acc), "accuracy end": acc[-1],
-            **{k: mean(got[k] or [math.nan]) for k in ("explained variance", "advantage std", "gradient noise")}}
+            **{k: mean(got[k] or [math.nan])
+               for k in ("explained variance", "advantage std", "gradient noise")}}
 
 
 def demo_table(by_cell: Runs) -> list[str]:
     """One row per cell: each of cell_numbers' numbers, its mean over the seeds and its range."""
-    return mean_table({cell: [cell_numbers(*run) for run in runs.values()] for cell, runs in by_cell.items()})
+    return mean_table({cell: [cell_numbers(*run) for run in runs.values()]
+                       for cell, runs in by_cell.items()})
 
 
 def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
-    """Test accuracy before -> after RL seed by seed: the workflow's, its generator's first answers',
-    and the rest's (the workflow's minus the first answers'), then each gain's paired interval."""
+    """Test accuracy before -> after RL seed by seed: the workflow's, its generator's first
+    answers', and the rest's (the workflow's minus the first answers'), then each gain's paired
+    interval."""
     lines = ["| seed | workflow | generator's first answers | the rest of the workflow adds |",
              "|---|---|---|---|"]
     gains = {"workflow": [], "first answers": [], "the rest": []}
@@ -240,11 +258,14 @@ def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
 
 def seed_table(signal: str, by_cell: Runs) -> list[str]:
     """The signal at every step it was logged, a row per seed and a column per cell."""
-    cells = {cell: {seed: cell_series(*run)[signal] for seed, run in runs.items()} for cell, runs in by_cell.items()}
+    cells = {cell: {seed: cell_series(*run)[signal] for seed, run in runs.items()}
+             for cell, runs in by_cell.items()}
     seeds = sorted({seed for runs in cells.values() for seed in runs}, key=int)
-    lines = [f"{signal}, step by step:", "", "| seed | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+    lines = [f"{signal}, step by step:", "", "| seed | " + " | ".join(cells) + " |",
+             "|---|" + "---|" * len(cells)]
     for seed in seeds:
-        parts = [", ".join(f"{v:.2f}" for _, v in runs.get(seed, [])) or "-" for runs in cells.values()]
+        parts = [", ".join(f"{v:.2f}" for _, v in runs.get(seed, [])) or "-"
+                 for runs in cells.values()]
         lines.append(f"| {seed} | " + " | ".join(parts) + " |")
     return lines
 
@@ -271,8 +292,9 @@ def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
             for c in curves:
                 ax.plot(list(c), list(c.values()), color=f"C{i}", alpha=0.25, linewidth=1)
             steps = sorted(set().union(*curves))  # a step's mean is over the seeds that logged it
-            ax.plot(steps, [statistics.mean(c[t] for c in curves if t in c) for t in steps], color=f"C{i}",
-                    linewidth=2.5, marker="o", markersize=4, label=f"{cell}, {len(curves)} seeds")
+            ax.plot(steps, [statistics.mean(c[t] for c in curves if t in c) for t in steps],
+                    color=f"C{i}", linewidth=2.5, marker="o", markersize=4,
+                    label=f"{cell}, {len(curves)} seeds")
         if signal == "kappa":
             config = next(config for runs in by_cell.values() for config, _ in runs.values())
             n = max(multiplicity(config).values())
