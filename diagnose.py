@@ -1,11 +1,9 @@
 """Diagnose a multi-agent training run: Paper A's two failure mechanisms, measured and named.
 
-    python diagnose.py runs/a runs/b          # report.md and plots of these runs
-    python diagnose.py --probe runs/a/ckpt    # kappa, coherence and gradient shares on one batch
-    python diagnose.py --probe runs/a/ckpt --probe_problems 4,8,16
-        # ... and where kappa would align
-    python diagnose.py --watch runs/a "What is 7 + 5?"
-        # every call of the trained workflow, printed
+    python diagnose.py runs/a runs/b                     # report.md and plots of these runs
+    python diagnose.py --probe runs/a/ckpt               # kappa, coherence, gradient shares
+    python diagnose.py --probe runs/a/ckpt --probe_problems 4,8,16   # ... and where kappa aligns
+    python diagnose.py --watch runs/a "What is 7 + 5?"   # every call of the trained workflow
     python diagnose.py --watch runs/a/best "What is 7 + 5?"   # ... as its best evaluation left it
 
 Paper A (Zeng et al. 2026, arXiv 2605.24202) finds that multi-agent RL on one base model fails in
