@@ -8,9 +8,9 @@ loop are train.py's; the run directory is lab/runs.py's, the training state and 
 lab/checkpoint.py's. The directory is locked first and written only once the model has loaded
 and the flags fit it, so a launch that fails leaves a run in --out as it was.
 
-    python train.py --out runs/a --resume             # continue it exactly from its last checkpoint
-    python train.py --steps 0 --sft_warmup 4 --out runs/start      # a warm-up and step-0 evaluation ...
-    python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that several runs start from
+  python train.py --out runs/a --resume  # continue it exactly from its last checkpoint
+  python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation ...
+  python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that several runs start from
 
 The settings are train.py's `Config`, read by name: this file never imports train.py.
 
@@ -47,27 +47,29 @@ TASK_TOKENS = {"math": 48, "code": 320}  # --max_new_tokens 0: code needs room f
 # The settings: checked before a file or the model is touched
 
 
-def check_settings(cfg: RunConfig,
-                   typed: set[str] | None) -> tuple[RunConfig, UpdateSettings, CriticSettings, dict | None]:
+def check_settings(cfg: RunConfig, typed: set[str] | None
+                   ) -> tuple[RunConfig, UpdateSettings, CriticSettings, dict | None]:
     """The run's config (a resumed run's own), what grpo.py and critic.py read from it, and with
     --start_from the start's config, all checked before a file or the model is touched."""
     if cfg.resume and cfg.overwrite:
-        raise SystemExit("--resume continues the run in --out and --overwrite starts it over: give one")
+        raise SystemExit("--resume continues the run in --out and --overwrite starts it over: "
+                         "give one")
     cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
     check_numbers(cfg)
     check_algo_flags(cfg, typed)
     if cfg.credit == "own" and KINDS[cfg.task] != "math":
-        raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier (its answers are programs); "
-                         "use --credit final")
+        raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
+                         "(its answers are programs); use --credit final")
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles
     return cfg, update, critic_settings(cfg), start_config
 
 
-# The actor-critic's settings: with --algo grpo they would change nothing, so giving one is an error.
-MAAC_ONLY = ("critic", "critic_per", "gamma", "lam", "critic_lr", "critic_steps", "vf_coef", "value_clip",
-             "norm_adv", "critic_max_tokens")
+# The actor-critic's settings: with --algo grpo they would change nothing, so giving one is an
+# error.
+MAAC_ONLY = ("critic", "critic_per", "gamma", "lam", "critic_lr", "critic_steps", "vf_coef",
+             "value_clip", "norm_adv", "critic_max_tokens")
 
 
 def check_algo_flags(cfg: RunConfig, typed: set[str] | None) -> None:
@@ -95,15 +97,17 @@ def check_numbers(cfg: RunConfig) -> None:
         value, bounds, choices = getattr(cfg, f.name), f.metadata["bounds"], f.metadata["choices"]
         if bounds and not in_bounds(value, bounds):
             raise SystemExit(f"--{f.name} {value}: must be in {bounds}")
-        if choices and value not in choices:  # argparse checks a typed flag; a resumed config.json too
+        # argparse checks a typed flag; a resumed config.json too
+        if choices and value not in choices:
             raise SystemExit(f"--{f.name} {value!r}: must be one of {', '.join(choices)}")
     cores = len(os.sched_getaffinity(0))
     if cfg.threads > cores:
-        raise SystemExit(f"--threads {cfg.threads}: this process may use {cores} core(s); more threads "
-                         "than cores make every matmul wait for a core (0 picks the free ones)")
+        raise SystemExit(f"--threads {cfg.threads}: this process may use {cores} core(s); "
+                         "more threads than cores make every matmul wait for a core "
+                         "(0 picks the free ones)")
     if cfg.algo == "grpo" and cfg.group_size < 2:
-        raise SystemExit(f"--group_size {cfg.group_size}: must be >= 2 with --algo grpo (a group of one "
-                         "has no contrast: every advantage is 0)")
+        raise SystemExit(f"--group_size {cfg.group_size}: must be >= 2 with --algo grpo "
+                         "(a group of one has no contrast: every advantage is 0)")
 
 
 def kl_coefs(cfg: RunConfig) -> dict[str, float]:
@@ -118,7 +122,8 @@ def kl_coefs(cfg: RunConfig) -> dict[str, float]:
             coefs[role.strip()] = float(value)
         except ValueError:
             raise SystemExit(f"--role_kl: {item!r} is not role=number") from None
-        if not in_bounds(coefs[role.strip()], "[0, inf)"):  # as --kl_coef: a negative, nan or inf is no anchor
+        # as --kl_coef: a negative, nan or inf is no anchor
+        if not in_bounds(coefs[role.strip()], "[0, inf)"):
             raise SystemExit(f"--role_kl {item.strip()}: must be in [0, inf)")
     return coefs
 
@@ -131,8 +136,9 @@ def update_settings(cfg: RunConfig) -> UpdateSettings:
     anchored = cfg.sft_warmup > 0 and any(v > 0 for v in kl.values())
     return UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
                           one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
-                          eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg, ratio=cfg.ratio,
-                          kl_coef=kl, grad_clip=cfg.grad_clip, balance=cfg.balance, group_size=cfg.group_size,
+                          eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
+                          ratio=cfg.ratio, kl_coef=kl, grad_clip=cfg.grad_clip,
+                          balance=cfg.balance, group_size=cfg.group_size,
                           damping=cfg.damping, tis_cap=cfg.tis_cap, skip_empty=cfg.skip_empty,
                           reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
 
@@ -142,7 +148,8 @@ def critic_settings(cfg: RunConfig) -> CriticSettings:
     return CriticSettings(critic=cfg.critic, per=cfg.critic_per, max_tokens=cfg.critic_max_tokens,
                           gamma=cfg.gamma, lam=cfg.lam, normalize_advantages=cfg.norm_adv,
                           steps=cfg.critic_steps, micro_batch_tokens=cfg.micro_batch_tokens,
-                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None, grad_clip=cfg.grad_clip,
+                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None,
+                          grad_clip=cfg.grad_clip,
                           cut_returns_zero=cfg.truncated == "penalize")
 
 
@@ -152,10 +159,12 @@ def warmup_roles(cfg: RunConfig) -> list[str]:
     known = {r for rs in ROLES.values() for r in rs}
     for role in roles:
         if role not in known:
-            raise SystemExit(f"--sft_roles: {role!r} is not a role (roles: {', '.join(sorted(known))})")
+            raise SystemExit(f"--sft_roles: {role!r} is not a role "
+                             f"(roles: {', '.join(sorted(known))})")
     mine = [r for r in roles if r in ROLES[cfg.workflow]]
     if cfg.sft_warmup and not mine:
-        raise SystemExit(f"--sft_roles: no role of {cfg.workflow} ({', '.join(ROLES[cfg.workflow])}) to warm up")
+        raise SystemExit(f"--sft_roles: no role of {cfg.workflow} "
+                         f"({', '.join(ROLES[cfg.workflow])}) to warm up")
     return mine
 
 
@@ -167,8 +176,8 @@ def load_problems(cfg: RunConfig, world: int) -> tuple[RunConfig, list, dict[str
     """The training pool and the held-out problems, {"eval": test, "val": val} (no "val" without
     --val_problems); --max_new_tokens 0 becomes the task's own."""
     if cfg.problems_per_step < world:
-        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than the {world} "
-                         "processes; every process needs at least one")
+        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than "
+                         f"the {world} processes; every process needs at least one")
     try:
         train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
         held_out = {"eval": load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)}
@@ -177,22 +186,25 @@ def load_problems(cfg: RunConfig, world: int) -> tuple[RunConfig, list, dict[str
     except ValueError as e:
         raise SystemExit(f"task {cfg.task}: {e}") from None
     if cfg.problems_per_step > len(train_set):
-        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} training pool "
-                         f"holds {len(train_set)} problems")
-    cfg = dataclasses.replace(cfg, max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[train_set[0].kind])
+        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} "
+                         f"training pool holds {len(train_set)} problems")
+    cfg = dataclasses.replace(cfg,
+                              max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[train_set[0].kind])
     return cfg, train_set, held_out
 
 
 def launch(cfg: RunConfig, device: str, rank: int, problems: list):
     """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. The
     run directory is locked first (runs.lock_run), a new run's is checked, and it is written only
-    once the model has loaded and the flags fit it, so a failed launch leaves a run in --out as it was."""
+    once the model has loaded and the flags fit it, so a failed launch leaves a run in --out as it
+    was."""
     lock_run(cfg.out)
     held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
     log(plan(cfg, device))
     model, tok = load_policy(cfg.model, device, cfg.dtype)
     try:
-        inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(t.strip() for t in cfg.lora_targets.split(",")))
+        inject_lora(model, cfg.lora_r, cfg.lora_alpha,
+                    tuple(t.strip() for t in cfg.lora_targets.split(",")))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
     check_context(model, tok, cfg, problems)
@@ -209,17 +221,19 @@ def check_context(model, tok, cfg: RunConfig, problems: list) -> None:
     if context is None:
         return
     if cfg.algo == "maac" and cfg.critic_max_tokens > context:
-        raise SystemExit(f"--critic_max_tokens {cfg.critic_max_tokens}: more than the {context} positions of "
-                         f"model {cfg.model}; lower it to at most {context}")
-    sizes = [len(ids) for ids in tok([p.question for p in problems], add_special_tokens=False).input_ids]
+        raise SystemExit(f"--critic_max_tokens {cfg.critic_max_tokens}: more than the {context} "
+                         f"positions of model {cfg.model}; lower it to at most {context}")
+    sizes = [len(ids) for ids
+             in tok([p.question for p in problems], add_special_tokens=False).input_ids]
     longest = problems[sizes.index(max(sizes))]
     chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents, cfg.max_rounds)
     prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
     if prompt + cfg.max_new_tokens > context:
         fix = (f"lower --max_new_tokens to at most {context - prompt}" if prompt < context
                else "choose a model with a longer context")
-        raise SystemExit(f"--max_new_tokens {cfg.max_new_tokens}: the longest prompt of {cfg.workflow} on "
-                         f"{cfg.task} takes {prompt} tokens, and model {cfg.model} reads {context}; {fix}")
+        raise SystemExit(f"--max_new_tokens {cfg.max_new_tokens}: the longest prompt of "
+                         f"{cfg.workflow} on {cfg.task} takes {prompt} tokens, and model "
+                         f"{cfg.model} reads {context}; {fix}")
 
 
 def actors_and_critics(model, cfg: RunConfig) -> tuple[list[str], dict]:
@@ -228,7 +242,8 @@ def actors_and_critics(model, cfg: RunConfig) -> tuple[list[str], dict]:
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     if cfg.algo != "maac":
         return names, {}
-    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per) for s in slots(cfg.workflow, cfg.n_agents)}
+    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
+            for s in slots(cfg.workflow, cfg.n_agents)}
     return names, setup_critics(model, sorted(keys))
 
 
@@ -237,14 +252,16 @@ def make_optimizers(model, cfg: RunConfig, names: list[str], heads) -> tuple[dic
     (its adapter and value head)."""
     optimizers, schedulers = {}, {}
     for name in names + list(heads):
-        params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads else [])
+        params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads
+                                                    else [])
         for p in params:
             p.requires_grad_(True)
             p.grad = torch.zeros_like(p)  # kept allocated: per-slot gradients are differences of it
         lr = cfg.critic_lr if name in heads else cfg.lr
         optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
-            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps, floor=cfg.lr_floor))
+            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps,
+                                      floor=cfg.lr_floor))
     return optimizers, schedulers
 
 
@@ -268,7 +285,8 @@ def eval_steps(cfg: RunConfig) -> list[int]:
 
 def evaluation_samples(cfg: RunConfig) -> bool:
     """Whether evaluation samples at the training temperature rather than decoding greedily."""
-    return cfg.eval_sampling == "sample" or (cfg.eval_sampling == "auto" and cfg.workflow == "voting")
+    return cfg.eval_sampling == "sample" or (cfg.eval_sampling == "auto"
+                                             and cfg.workflow == "voting")
 
 
 def plan(cfg: RunConfig, device: str) -> str:
@@ -279,9 +297,11 @@ def plan(cfg: RunConfig, device: str) -> str:
     return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
             f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
             f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; "
-            f"{'sampled' if evaluation_samples(cfg) else 'greedy'} evaluation on {cfg.eval_problems} held-out "
-            f"problems{f' x {cfg.eval_samples} samples' * (evaluation_samples(cfg) and cfg.eval_samples > 1)} "
-            f"at steps {evals}; a checkpoint every "
+            f"{'sampled' if evaluation_samples(cfg) else 'greedy'} evaluation on "
+            f"{cfg.eval_problems} held-out problems"
+            f"""{f' x {cfg.eval_samples} samples'
+                   * (evaluation_samples(cfg) and cfg.eval_samples > 1)}"""
+            f" at steps {evals}; a checkpoint every "
             f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
             "Time: estimated after the step-0 evaluation.")
 
@@ -326,7 +346,8 @@ def typed_flags(argv: list[str]) -> set[str]:
     return {n[3:] if n.startswith("no-") else n for n in names}
 
 
-def resolve_resume(cfg: RunConfig, typed: set[str] | None = None, new_lr: tuple[str, ...] = NEW_LR) -> RunConfig:
+def resolve_resume(cfg: RunConfig, typed: set[str] | None = None,
+                   new_lr: tuple[str, ...] = NEW_LR) -> RunConfig:
     """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
     was typed (`typed`, from the command line) or differs from its default, except the learning
     rates in `new_lr`. The run lives wherever --out now points, however that path is spelled."""
@@ -336,7 +357,8 @@ def resolve_resume(cfg: RunConfig, typed: set[str] | None = None, new_lr: tuple[
         with open(os.path.join(cfg.out, "config.json")) as f:
             saved = type(cfg)(**json.load(f))
     except (json.JSONDecodeError, TypeError) as e:
-        raise SystemExit(f"--resume: {cfg.out}/config.json cannot be read ({type(e).__name__})") from None
+        raise SystemExit(f"--resume: {cfg.out}/config.json cannot be read "
+                         f"({type(e).__name__})") from None
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         chosen = f.name in typed if typed is not None else given != f.default
@@ -360,9 +382,11 @@ def resume_run(out: str, state: TrainState, references: dict[str, str],
     if rank_and_world()[0] == 0:
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
-        restore_best(out)  # kept whatever its step: a peak past the checkpoint was evaluated all the same
+        # kept whatever its step: a peak past the checkpoint was evaluated all the same
+        restore_best(out)
         with open(os.path.join(out, "config.json")) as f:
-            write_whole(os.path.join(out, "config.json"), json.dumps({**json.load(f), **lrs}, indent=2))
+            write_whole(os.path.join(out, "config.json"),
+                        json.dumps({**json.load(f), **lrs}, indent=2))
     barrier()
     evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
     if not evaluated or evaluated[0]["step"] != 0:
@@ -384,10 +408,10 @@ def truncate_jsonl(path: str, last_step: int) -> list[dict]:
 # them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
 # random numbers they leave, and must match. The critics' settings are RL settings: a critic
 # the start lacks begins fresh, as every critic begins RL.
-RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay", "grad_clip",
-               "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef", "role_kl", "balance",
-               "one_step", "damping", "credit", "truncated", "eval_every", "diag_every", "log_samples", "save_every",
-               "algo", *MAAC_ONLY)
+RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay",
+               "grad_clip", "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef",
+               "role_kl", "balance", "one_step", "damping", "credit", "truncated", "eval_every",
+               "diag_every", "log_samples", "save_every", "algo", *MAAC_ONLY)
 
 
 def check_start(cfg: RunConfig) -> dict:
@@ -395,13 +419,16 @@ def check_start(cfg: RunConfig) -> dict:
     settings only and its checkpoint to be of step 0, or its best one."""
     where = cfg.start_from
     if os.path.exists(where) and not os.path.isdir(where):
-        raise SystemExit(f"--start_from {where}: not a directory (a run's, or its best checkpoint's)")
+        raise SystemExit(f"--start_from {where}: not a directory "
+                         "(a run's, or its best checkpoint's)")
     run, ckpt = start_checkpoint(where)
-    if os.path.realpath(run) == os.path.realpath(cfg.out):  # --overwrite would delete it before it is read
-        raise SystemExit(f"--start_from {where} is this run's own --out; start it in another directory")
+    # --overwrite would delete it before it is read
+    if os.path.realpath(run) == os.path.realpath(cfg.out):
+        raise SystemExit(f"--start_from {where} is this run's own --out; "
+                         "start it in another directory")
     if os.path.exists(os.path.join(ckpt, "best.json")) and read_best(ckpt) is None:
-        raise SystemExit(f"--start_from {where}: its best.json is not a best checkpoint's (an integer step, "
-                         "a metric, a score and an evaluation)")
+        raise SystemExit(f"--start_from {where}: its best.json is not a best checkpoint's "
+                         "(an integer step, a metric, a score and an evaluation)")
     try:
         with open(os.path.join(run, "config.json")) as f:
             saved = type(cfg)(**json.load(f))
@@ -409,31 +436,41 @@ def check_start(cfg: RunConfig) -> dict:
         for tensors in glob.glob(os.path.join(ckpt, "**", "*.safetensors"), recursive=True):
             load_file(tensors)  # a torn adapter stops the launch here, before a file is written
     except FileNotFoundError:
-        raise SystemExit(f"--start_from {where}: no run with a checkpoint there (train it with --steps 0)") from None
+        raise SystemExit(f"--start_from {where}: no run with a checkpoint there "
+                         "(train it with --steps 0)") from None
     except Exception as e:  # a torn or foreign file: say so in one line
-        raise SystemExit(f"--start_from {where}: its run cannot be read ({type(e).__name__})") from None
+        raise SystemExit(f"--start_from {where}: its run cannot be read "
+                         f"({type(e).__name__})") from None
     if not isinstance(state, dict) or type(state.get("step")) is not int:
         raise SystemExit(f"--start_from {where}: its state.pt is not a checkpoint's")
     if saved.workflow not in ROLES or saved.sharing not in ("shared", "isolated"):
-        raise SystemExit(f"--start_from {where}: its config.json names no known workflow and sharing")
+        raise SystemExit(f"--start_from {where}: its config.json names no known workflow "
+                         "and sharing")
     needed = sorted({adapter_for(role, saved.sharing) for role in ROLES[saved.workflow]})
-    missing = [n for n in needed if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]
+    missing = [n for n in needed
+               if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]
     if missing:
-        raise SystemExit(f"--start_from {where}: its checkpoint lacks the adapter(s) {', '.join(missing)}")
+        raise SystemExit(f"--start_from {where}: its checkpoint lacks the adapter(s) "
+                         f"{', '.join(missing)}")
     if read_best(ckpt) is None:  # the step-0 row this run begins its log with
         rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
         if not rows or rows[0]["step"] != 0 or "eval/accuracy" not in rows[0]:
-            raise SystemExit(f"--start_from {where}: its metrics.jsonl lacks the evaluation of step 0")
-    if state["step"] != 0 and read_best(ckpt) is None:  # a best checkpoint: RL goes on from its step
+            raise SystemExit(f"--start_from {where}: its metrics.jsonl lacks the evaluation "
+                             "of step 0")
+    # a best checkpoint: RL goes on from its step
+    if state["step"] != 0 and read_best(ckpt) is None:
         raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
-                         f"(train the start with --steps 0, or start from its best checkpoint, {where}/best)")
-    cfg = dataclasses.replace(cfg, max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[KINDS[cfg.task]])  # as saved
+                         "(train the start with --steps 0, or start from its best checkpoint, "
+                         f"{where}/best)")
+    # as saved
+    cfg = dataclasses.replace(cfg,
+                              max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[KINDS[cfg.task]])
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
-            raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's ({old}); "
-                             "only RL settings may differ")
+            raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's "
+                             f"({old}); only RL settings may differ")
     if saved.sharing == "isolated" and cfg.sharing == "shared":
-        raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot become one "
-                         "shared adapter")
+        raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot "
+                         "become one shared adapter")
     return dataclasses.asdict(saved)
