@@ -8,9 +8,9 @@ loop are train.py's; the run directory is lab/runs.py's, the training state and 
 lab/checkpoint.py's. The directory is locked first and written only once the model has loaded
 and the flags fit it, so a launch that fails leaves a run in --out as it was.
 
-  python train.py --out runs/a --resume  # continue it exactly from its last checkpoint
-  python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation ...
-  python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that several runs start from
+    python train.py --out runs/a --resume                   # on from its last checkpoint, exactly
+    python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation
+    python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that runs start from
 
 The settings are train.py's `Config`, read by name: this file never imports train.py.
 
@@ -294,14 +294,13 @@ def plan(cfg: RunConfig, device: str) -> str:
     evals = ", ".join(map(str, eval_steps(cfg)))
     threads = torch.get_num_threads()
     adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
+    sampled = evaluation_samples(cfg)
+    samples = f" x {cfg.eval_samples} samples" if sampled and cfg.eval_samples > 1 else ""
     return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
             f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
             f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; "
-            f"{'sampled' if evaluation_samples(cfg) else 'greedy'} evaluation on "
-            f"{cfg.eval_problems} held-out problems"
-            f"""{f' x {cfg.eval_samples} samples'
-                   * (evaluation_samples(cfg) and cfg.eval_samples > 1)}"""
-            f" at steps {evals}; a checkpoint every "
+            f"{'sampled' if sampled else 'greedy'} evaluation on "
+            f"{cfg.eval_problems} held-out problems{samples} at steps {evals}; a checkpoint every "
             f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
             "Time: estimated after the step-0 evaluation.")
 
