@@ -2,8 +2,8 @@
 # The GPU checks of docs/performance.md, in one run of about eight minutes on one GPU:
 # the decoders' tests with CUDA visible, a bf16 gradient through left padding under the old
 # and the new attention mask, one decoding step alone (eager, and a CUDA graph's replay),
-# lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's
-# decode, the CPU's loop and transformers' generate, fp32 and bf16) on the embedded model and
+# lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's decode, the CPU's loop and
+# transformers' generate, fp32 and bf16) on the embedded model and
 # on Qwen3-0.6B's shape with random weights, the default run, and three steps of the GPU recipe
 # on the embedded model with the diagnostics and without. Every log lands in $LOGS (default: ./gpu).
 #   bash tests/gpu_check.sh
