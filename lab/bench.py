@@ -52,13 +52,12 @@ import torch
 
 from decode import decode
 from grpo import UpdateSettings, policy_update
-from lab.launch import TASK_TOKENS
 from lab.machine import alternate, check_device, pick_threads, sync, timed
+from lab.settings import TASK_TOKENS, Config
 from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
 from model import cpu_has_bf16, load_policy, resolve_dtype
 from rollout import Rollout, chat_text, old_logprobs
 from tasks import DEFAULT_LEVEL, load_task
-from train import Config
 from workflows import chat, run_workflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is

@@ -35,9 +35,9 @@ import time
 from diagnose import findings, report
 from lab.launch import resolve_resume, typed_flags
 from lab.runs import load_run
+from lab.settings import parse_config
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
                         seed_table, signal_numbers)
-import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 
@@ -197,7 +197,7 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
         if finished(run_dir):
             argv = [*flags, "--out", run_dir]
             try:  # the check --resume makes: every flag given must match the run's config, --lr too
-                resolve_resume(train.parse_config(argv), typed_flags(argv), new_lr=())
+                resolve_resume(parse_config(argv), typed_flags(argv), new_lr=())
             except SystemExit as e:
                 raise SystemExit(f"{run_dir} was trained with other settings "
                                  f"({str(e).removeprefix('--resume: ')}): "
@@ -307,7 +307,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     args, train_flags = parse_args(sys.argv[1:] if argv is None else argv)
-    train.parse_config(train_flags)  # a wrong flag fails here, before the first cell
+    parse_config(train_flags)  # a wrong flag fails here, before the first cell
     t0 = time.time()
     if args.demo:
         path = demo(args.demo, args.out or f"runs/demo-{args.demo}", train_flags, args.seeds)

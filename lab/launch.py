@@ -1,5 +1,5 @@
-"""Launching a run, everything before its step 0: the settings checked and turned into what each
-library file reads (grpo.UpdateSettings, critic.CriticSettings), the problems, the base model with
+"""Launching a run, everything before its step 0: the settings checked (lab/settings.py's
+checks, a resumed run's own config, another run's start), the problems, the base model with
 its LoRA layers, the adapters RL trains and the critics, and an AdamW optimizer with its
 learning-rate schedule for each; the run's clock: its plan (the first line it logs), the steps
 it evaluates at, the time it has left; and a step 0 read back from a checkpoint, this run's
@@ -12,8 +12,6 @@ and the flags fit it, so a launch that fails leaves a run in --out as it was.
     python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation
     python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that runs start from
 
-The settings are train.py's `Config`, read by name: this file never imports train.py.
-
 Exercised by: pytest tests/test_train.py (bad flags, the context check, the schedule, resume,
 --start_from, damaged checkpoints), tests/test_distributed.py
 """
@@ -23,7 +21,6 @@ import json
 import math
 import os
 from functools import partial
-from typing import TypeVar
 
 import torch
 from safetensors.torch import load_file
@@ -33,22 +30,22 @@ from grpo import UpdateSettings
 from lab.machine import barrier, log, rank_and_world
 from lab.checkpoint import TrainState, read_best, restore_best, start_checkpoint
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
+from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_algo_flags, check_numbers,
+                          critic_settings, update_settings, warmup_roles)
 from lora import adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters
 from model import load_policy
 from rollout import chat_text, context_length
 from tasks import KINDS, load_task
 from workflows import ROLES, every_prompt, role_of, slots
 
-RunConfig = TypeVar("RunConfig")  # train.Config
-TASK_TOKENS = {"math": 48, "code": 320}  # --max_new_tokens 0: code needs room for a whole function
 
 
 # ----------------------------------------------------------------------------
 # The settings: checked before a file or the model is touched
 
 
-def check_settings(cfg: RunConfig, typed: set[str] | None
-                   ) -> tuple[RunConfig, UpdateSettings, CriticSettings, dict | None]:
+def check_settings(cfg: Config, typed: set[str] | None
+                   ) -> tuple[Config, UpdateSettings, CriticSettings, dict | None]:
     """The run's config (a resumed run's own), what grpo.py and critic.py read from it, and with
     --start_from the start's config, all checked before a file or the model is touched."""
     if cfg.resume and cfg.overwrite:
@@ -66,113 +63,11 @@ def check_settings(cfg: RunConfig, typed: set[str] | None
     return cfg, update, critic_settings(cfg), start_config
 
 
-# The actor-critic's settings: with --algo grpo they would change nothing, so giving one is an
-# error.
-MAAC_ONLY = ("critic", "critic_per", "gamma", "lam", "critic_lr", "critic_steps", "vf_coef",
-             "value_clip", "norm_adv", "critic_max_tokens")
-
-
-def check_algo_flags(cfg: RunConfig, typed: set[str] | None) -> None:
-    """No actor-critic setting given (typed, or unlike its default) to a run without critics."""
-    if cfg.algo == "maac":
-        return
-    for f in dataclasses.fields(cfg):
-        given = f.name in typed if typed is not None else getattr(cfg, f.name) != f.default
-        if f.name in MAAC_ONLY and given:
-            raise SystemExit(f"--{f.name} sets the critics of --algo maac; this run trains GRPO "
-                             f"(--algo {cfg.algo}): add --algo maac or drop --{f.name}")
-
-
-def in_bounds(value: float, bounds: str) -> bool:
-    """Whether value lies in an interval written "[low, high)", "(0, inf)" and so on."""
-    low, high = (float(x) for x in bounds[1:-1].split(","))
-    above = value >= low if bounds[0] == "[" else value > low
-    below = value <= high if bounds[-1] == "]" else value < high
-    return above and below
-
-
-def check_numbers(cfg: RunConfig) -> None:
-    """Every numeric flag in its interval, before any file or model is touched."""
-    for f in dataclasses.fields(cfg):
-        value, bounds, choices = getattr(cfg, f.name), f.metadata["bounds"], f.metadata["choices"]
-        if bounds and not in_bounds(value, bounds):
-            raise SystemExit(f"--{f.name} {value}: must be in {bounds}")
-        # argparse checks a typed flag; a resumed config.json too
-        if choices and value not in choices:
-            raise SystemExit(f"--{f.name} {value!r}: must be one of {', '.join(choices)}")
-    cores = len(os.sched_getaffinity(0))
-    if cfg.threads > cores:
-        raise SystemExit(f"--threads {cfg.threads}: this process may use {cores} core(s); "
-                         "more threads than cores make every matmul wait for a core "
-                         "(0 picks the free ones)")
-    if cfg.algo == "grpo" and cfg.group_size < 2:
-        raise SystemExit(f"--group_size {cfg.group_size}: must be >= 2 with --algo grpo "
-                         "(a group of one has no contrast: every advantage is 0)")
-
-
-def kl_coefs(cfg: RunConfig) -> dict[str, float]:
-    """--kl_coef for every role of the workflow, overridden per role by --role_kl."""
-    coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
-    for item in filter(None, cfg.role_kl.split(",")):
-        role, _, value = item.partition("=")
-        if role.strip() not in coefs:
-            raise SystemExit(f"--role_kl: {role.strip()!r} is not a role of {cfg.workflow} "
-                             f"({', '.join(coefs)})")
-        try:
-            coefs[role.strip()] = float(value)
-        except ValueError:
-            raise SystemExit(f"--role_kl: {item!r} is not role=number") from None
-        # as --kl_coef: a negative, nan or inf is no anchor
-        if not in_bounds(coefs[role.strip()], "[0, inf)"):
-            raise SystemExit(f"--role_kl {item.strip()}: must be in [0, inf)")
-    return coefs
-
-
-def update_settings(cfg: RunConfig) -> UpdateSettings:
-    """What grpo.policy_update reads, from the config (the same for every adapter). After a
-    warm-up, a KL term anchors each adapter to a frozen copy of itself, "<adapter>-ref"."""
-    kl = kl_coefs(cfg)
-    adapters = {adapter_for(role, cfg.sharing) for role in ROLES[cfg.workflow]}
-    anchored = cfg.sft_warmup > 0 and any(v > 0 for v in kl.values())
-    return UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
-                          one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
-                          eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
-                          ratio=cfg.ratio, kl_coef=kl, grad_clip=cfg.grad_clip,
-                          balance=cfg.balance, group_size=cfg.group_size,
-                          damping=cfg.damping, tis_cap=cfg.tis_cap, skip_empty=cfg.skip_empty,
-                          reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
-
-
-def critic_settings(cfg: RunConfig) -> CriticSettings:
-    """What critic.py's critic_advantages and update_critics read, from the config."""
-    return CriticSettings(critic=cfg.critic, per=cfg.critic_per, max_tokens=cfg.critic_max_tokens,
-                          gamma=cfg.gamma, lam=cfg.lam, normalize_advantages=cfg.norm_adv,
-                          steps=cfg.critic_steps, micro_batch_tokens=cfg.micro_batch_tokens,
-                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None,
-                          grad_clip=cfg.grad_clip,
-                          cut_returns_zero=cfg.truncated == "penalize")
-
-
-def warmup_roles(cfg: RunConfig) -> list[str]:
-    """The workflow's roles named in --sft_roles (an unknown name is a one-line error)."""
-    roles = [r.strip() for r in cfg.sft_roles.split(",") if r.strip()]
-    known = {r for rs in ROLES.values() for r in rs}
-    for role in roles:
-        if role not in known:
-            raise SystemExit(f"--sft_roles: {role!r} is not a role "
-                             f"(roles: {', '.join(sorted(known))})")
-    mine = [r for r in roles if r in ROLES[cfg.workflow]]
-    if cfg.sft_warmup and not mine:
-        raise SystemExit(f"--sft_roles: no role of {cfg.workflow} "
-                         f"({', '.join(ROLES[cfg.workflow])}) to warm up")
-    return mine
-
-
 # ----------------------------------------------------------------------------
 # The problems, the model, the adapters and their optimizers
 
 
-def load_problems(cfg: RunConfig, world: int) -> tuple[RunConfig, list, dict[str, list]]:
+def load_problems(cfg: Config, world: int) -> tuple[Config, list, dict[str, list]]:
     """The training pool and the held-out problems, {"eval": test, "val": val} (no "val" without
     --val_problems); --max_new_tokens 0 becomes the task's own."""
     if cfg.problems_per_step < world:
@@ -193,7 +88,7 @@ def load_problems(cfg: RunConfig, world: int) -> tuple[RunConfig, list, dict[str
     return cfg, train_set, held_out
 
 
-def launch(cfg: RunConfig, device: str, rank: int, problems: list):
+def launch(cfg: Config, device: str, rank: int, problems: list):
     """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. The
     run directory is locked first (runs.lock_run), a new run's is checked, and it is written only
     once the model has loaded and the flags fit it, so a failed launch leaves a run in --out as it
@@ -213,7 +108,7 @@ def launch(cfg: RunConfig, device: str, rank: int, problems: list):
     return model, tok
 
 
-def check_context(model, tok, cfg: RunConfig, problems: list) -> None:
+def check_context(model, tok, cfg: Config, problems: list) -> None:
     """The lengths fit the model's context, before any generation: --critic_max_tokens, and
     --max_new_tokens after the longest prompt the workflow builds for the longest problem with
     the agents' texts left out (those are known at run time, and cut to fit then: Rollout)."""
@@ -236,7 +131,7 @@ def check_context(model, tok, cfg: RunConfig, problems: list) -> None:
                          f"{cfg.model} reads {context}; {fix}")
 
 
-def actors_and_critics(model, cfg: RunConfig) -> tuple[list[str], dict]:
+def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
     """The adapters RL trains (one shared, or one per role type) and, with --algo maac, the
     critics: a fresh adapter and value head each."""
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
@@ -247,7 +142,7 @@ def actors_and_critics(model, cfg: RunConfig) -> tuple[list[str], dict]:
     return names, setup_critics(model, sorted(keys))
 
 
-def make_optimizers(model, cfg: RunConfig, names: list[str], heads) -> tuple[dict, dict]:
+def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, dict]:
     """AdamW and the warmup-cosine schedule for every adapter, and for every critic
     (its adapter and value head)."""
     optimizers, schedulers = {}, {}
@@ -277,19 +172,19 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 # The clock: what the run will do, and the time it has left
 
 
-def eval_steps(cfg: RunConfig) -> list[int]:
+def eval_steps(cfg: Config) -> list[int]:
     """The steps after which the workflow is evaluated (step 0 = before training)."""
     return [0] + [s for s in range(1, cfg.steps + 1) if (cfg.eval_every and s % cfg.eval_every == 0)
                   or s == cfg.steps]
 
 
-def evaluation_samples(cfg: RunConfig) -> bool:
+def evaluation_samples(cfg: Config) -> bool:
     """Whether evaluation samples at the training temperature rather than decoding greedily."""
     return cfg.eval_sampling == "sample" or (cfg.eval_sampling == "auto"
                                              and cfg.workflow == "voting")
 
 
-def plan(cfg: RunConfig, device: str) -> str:
+def plan(cfg: Config, device: str) -> str:
     """The first line of a run: what it will do."""
     evals = ", ".join(map(str, eval_steps(cfg)))
     threads = torch.get_num_threads()
@@ -305,7 +200,7 @@ def plan(cfg: RunConfig, device: str) -> str:
             "Time: estimated after the step-0 evaluation.")
 
 
-def estimate_minutes(cfg: RunConfig, eval_seconds: float, step_seconds: list[float],
+def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float],
                      step: int) -> float:
     """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
     evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
@@ -317,7 +212,7 @@ def estimate_minutes(cfg: RunConfig, eval_seconds: float, step_seconds: list[flo
     return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
 
 
-def step_line(cfg: RunConfig, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
+def step_line(cfg: Config, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
     """A training step's log line: its reward and seconds, its accuracy when it was evaluated,
     and the time left; `eval_seconds`: the last evaluation's."""
     step = row["step"]
@@ -345,8 +240,8 @@ def typed_flags(argv: list[str]) -> set[str]:
     return {n[3:] if n.startswith("no-") else n for n in names}
 
 
-def resolve_resume(cfg: RunConfig, typed: set[str] | None = None,
-                   new_lr: tuple[str, ...] = NEW_LR) -> RunConfig:
+def resolve_resume(cfg: Config, typed: set[str] | None = None,
+                   new_lr: tuple[str, ...] = NEW_LR) -> Config:
     """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
     was typed (`typed`, from the command line) or differs from its default, except the learning
     rates in `new_lr`. The run lives wherever --out now points, however that path is spelled."""
@@ -413,7 +308,7 @@ RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor
                "diag_every", "log_samples", "save_every", "algo", *MAAC_ONLY)
 
 
-def check_start(cfg: RunConfig) -> dict:
+def check_start(cfg: Config) -> dict:
     """--start_from: the start run's config, once it is known to differ from this run's in RL
     settings only and its checkpoint to be of step 0, or its best one."""
     where = cfg.start_from

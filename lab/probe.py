@@ -14,10 +14,9 @@ import random
 import torch
 
 from grpo import policy_update, set_advantages
-from lab import launch
 from lab.checkpoint import read_best
-from lab.launch import check_numbers
 from lab.runs import load_run, writable
+from lab.settings import Config, check_numbers, update_settings
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from model import load_policy
 from rollout import Rollout
@@ -26,10 +25,10 @@ import train
 from workflows import ROLES, run_workflow
 
 
-def run_config(run_dir: str) -> train.Config:
+def run_config(run_dir: str) -> Config:
     """A run's config.json as train.py's Config, its values checked as a launch checks them."""
     try:
-        cfg = train.Config(**load_run(run_dir)[0])
+        cfg = Config(**load_run(run_dir)[0])
         check_numbers(cfg)
     except TypeError as e:  # a key train.py does not know
         raise SystemExit(f"{run_dir}/config.json is not a config of this project ({e})") from None
@@ -38,7 +37,7 @@ def run_config(run_dir: str) -> train.Config:
     return cfg
 
 
-def trained_model(ckpt: str) -> tuple[train.Config, object, object, list[str]]:
+def trained_model(ckpt: str) -> tuple[Config, object, object, list[str]]:
     """The run's config, its model and tokenizer, and its adapters as saved in checkpoint `ckpt`."""
     run_dir = os.path.dirname(os.path.normpath(ckpt))
     if not os.path.exists(os.path.join(ckpt, "state.pt")):
@@ -68,7 +67,7 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
         raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] "
                          "(the run's training pool)")
     # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
-    settings = dataclasses.replace(launch.update_settings(cfg), one_step=True,
+    settings = dataclasses.replace(update_settings(cfg), one_step=True,
                                    grad_clip=float("inf"), balance="none", damping=0.0)
     for problems in sizes:
         # seed 0: the pool's first problems; another seed, a sample of the pool

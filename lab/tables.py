@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from diagnose import KAPPA_FRAC, multiplicity, peak_step, series
 from lab.launch import evaluation_samples
-import train
+from lab.settings import Config
 from workflows import ROLES
 
 Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's (config, rows)
@@ -48,7 +48,7 @@ def main_table(by_cell: Runs) -> list[str]:
     lines = mean_table({cell: [accuracy_numbers(*run) for run in runs.values()]
                         for cell, runs in by_cell.items()})
     configs = [config for runs in by_cell.values() for config, _ in runs.values()]
-    sampled = sorted({c["workflow"] for c in configs if evaluation_samples(train.Config(**c))})
+    sampled = sorted({c["workflow"] for c in configs if evaluation_samples(Config(**c))})
     decoding = "greedy" + (f" ({', '.join(sampled)}: sampled at the training temperature)"
                            if sampled else "")
     return lines + ["", f"Held-out accuracy, {decoding}, "

@@ -12,7 +12,7 @@ import torch
 from conftest import make_read_only
 import diagnose
 from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_advantages
-from lab import launch, probe, runs
+from lab import launch, probe, runs, settings
 from lora import add_adapter, adapter_parameters, inject_lora
 from rollout import Call, Rollout
 from tasks import Problem
@@ -466,15 +466,15 @@ def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
 
 
 def test_role_kl_names_must_be_roles_of_the_workflow():
-    assert launch.kl_coefs(train.Config(workflow="voting", kl_coef=0.01, role_kl="aggregator=0.1")) == \
+    assert settings.kl_coefs(train.Config(workflow="voting", kl_coef=0.01, role_kl="aggregator=0.1")) == \
         {"generator": 0.01, "aggregator": 0.1}
     with pytest.raises(SystemExit, match="'evaluator' is not a role of voting"):
-        launch.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
+        settings.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
     with pytest.raises(SystemExit, match="not role=number"):
-        launch.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
+        settings.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
     for value in ("-1", "nan", "inf"):  # checked as --kl_coef is, not taken for off or trained into NaN
         with pytest.raises(SystemExit, match=re.escape(f"--role_kl aggregator={value}: must be in [0, inf)")):
-            launch.kl_coefs(train.Config(workflow="voting", role_kl=f"generator=0.1, aggregator={value}"))
+            settings.kl_coefs(train.Config(workflow="voting", role_kl=f"generator=0.1, aggregator={value}"))
 
 
 @pytest.mark.parametrize("workflow,sharing", [("single", "shared"), ("eval_opt", "isolated"),

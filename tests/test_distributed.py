@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from grpo import UpdateSettings, policy_update
-from lab import machine, runs
+from lab import launch, machine, runs
 from lab.machine import rank_and_world
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
 from model import tiny_model
@@ -119,7 +119,7 @@ def odd_length_wins(problems, texts, **settings) -> list[float]:
 
 def run(out: str, resume: bool = False, dies_at_call: int = 0, **kw) -> None:
     """train.main on the toy task (rewards that vary); dies_at_call: raise in that rollout."""
-    train.load_task = lambda *args: TOY
+    launch.load_task = lambda *args: TOY
     train.score_batch = odd_length_wins
     if dies_at_call:
         real, seen = train.rollout_step, []

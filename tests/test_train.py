@@ -20,7 +20,7 @@ from conftest import ROOT, directory_state, make_read_only
 import diagnose
 import grpo
 from grpo import policy_update
-from lab import checkpoint, launch, machine, probe, runs
+from lab import checkpoint, launch, machine, probe, runs, settings
 from lab.checkpoint import TrainState
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
 from model import load_policy, tiny_model
@@ -273,7 +273,7 @@ def test_help_shows_a_first_weeks_flags_and_every_readme_flag_and_help_all_every
         assert stop.value.code == 0
         texts[word] = capsys.readouterr().out
     shown = {word: set(re.findall(r"^  --(\w+)", text, re.MULTILINE)) - {"help"} for word, text in texts.items()}
-    assert shown["--help"] == train.TUTORIAL and len(shown["--help"]) <= 27, shown["--help"]
+    assert shown["--help"] == settings.TUTORIAL and len(shown["--help"]) <= 27, shown["--help"]
     assert texts["--help"].count("\n") <= 80, texts["--help"]
     assert shown["--help-all"] == {f.name for f in dataclasses.fields(train.Config)}
     readme = {w[2:].split("=")[0].removeprefix("no-") for script, *args in readme_commands() if script == "train.py"
@@ -285,7 +285,7 @@ def test_help_is_grouped_and_shows_defaults_whole(capsys):
     with pytest.raises(SystemExit):
         train.parse_config(["--help-all"])
     text = capsys.readouterr().out
-    for title in train.SECTIONS.values():
+    for title in settings.SECTIONS.values():
         assert f"\n{title}:\n" in text, title
     role_kl = text[text.index("\n  --role_kl"):text.index("\n  --critic ")]
     assert "(default: none)" in role_kl
@@ -336,10 +336,10 @@ def test_bad_numbers_stop_before_any_model_work(flags, words, tmp_path, monkeypa
 
 
 def test_intervals_by_hand():
-    assert launch.in_bounds(0, "[0, inf)") and not launch.in_bounds(0, "(0, inf)")
-    assert launch.in_bounds(1, "(0, 1]") and not launch.in_bounds(1, "[0, 1)")
-    assert not launch.in_bounds(-1e-9, "[0, 1]") and launch.in_bounds(1e300, "(0, inf)")
-    launch.check_numbers(train.Config())  # the defaults are valid
+    assert settings.in_bounds(0, "[0, inf)") and not settings.in_bounds(0, "(0, inf)")
+    assert settings.in_bounds(1, "(0, 1]") and not settings.in_bounds(1, "[0, 1)")
+    assert not settings.in_bounds(-1e-9, "[0, 1]") and settings.in_bounds(1e300, "(0, inf)")
+    settings.check_numbers(train.Config())  # the defaults are valid
 
 
 def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
@@ -592,8 +592,8 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     pool = load_task("arith", "train", 4, 2, 0)
     torch.manual_seed(0)
     train.warm_up(model, tok, cfg, pool, names)
-    settings = launch.update_settings(cfg)
-    assert settings.reference == {"shared": "shared-ref"}
+    update = settings.update_settings(cfg)
+    assert update.reference == {"shared": "shared-ref"}
     sampling = torch.get_rng_state()
     freeze_copy(model, "shared", "shared-ref")
     assert torch.equal(torch.get_rng_state(), sampling)  # the same episodes as without the anchor
@@ -603,7 +603,7 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     agg = [dataclasses.replace(c, advantage=(-1.0) ** i) for i, c in enumerate(rollout.calls)
            if c.role == "aggregator"]
     kl = {}
-    for label, s in [("base", dataclasses.replace(settings, reference={})), ("warmed-up", settings)]:
+    for label, s in [("base", dataclasses.replace(update, reference={})), ("warmed-up", update)]:
         optimizer = torch.optim.AdamW(adapter_parameters(model, "shared"), lr=1e-2)
         state = [p.detach().clone() for p in adapter_parameters(model, "shared")]
         stats = policy_update(model, "shared", agg, optimizer, random.Random(0), tok.pad_token_id, s)
