@@ -47,8 +47,8 @@ by min(pi_old / pi_rollout, C), truncated importance sampling (Yao et al. 2025; 
 skip_empty a mini-batch without a live call takes no optimizer step: AdamW would still move the
 adapter on its moments.
 
-Before RL, train.py's warm-up (--sft_warmup) trains the same adapters on given replies, by their
-negative log-likelihood (supervised_steps).
+Before RL, the warm-up (warmup.py) trains the same adapters on given replies, by their negative
+log-likelihood.
 
 Exercised by: pytest tests/test_grpo.py
 """
@@ -60,8 +60,8 @@ from typing import Hashable, NamedTuple
 
 import torch
 
-from lab.machine import gather_lists, my_share, sum_across, sum_gradients
-from lora import adapter_for, adapter_parameters, use_adapter
+from lab.machine import my_share, sum_across, sum_gradients
+from lora import adapter_parameters, use_adapter
 from rollout import Call, micro_batches, old_logprobs, sequence_logprobs
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -450,49 +450,3 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     if with_entropy:
         st["entropy"] = masked_mean(entropy, mask).item()
     return st
-
-
-# ----------------------------------------------------------------------------
-# Supervised steps (train.py's --sft_warmup): the same adapters, before RL, on replies given
-# as the calls' completions
-
-
-def supervised_steps(model, calls: list[Call], adapters: list[str], sharing: str, steps: int, batch_size: int,
-                     lr: float, rng: random.Random, pad_id: int, micro_batch_tokens: int, grad_clip: float,
-                     log=print) -> list[float]:
-    """`steps` steps, each on `batch_size` calls drawn from `calls` and one AdamW step (its own
-    optimizer, learning rate `lr`) per adapter on the mean negative log-likelihood of its calls'
-    completion tokens; returns each step's loss, the mean over the adapters."""
-    optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=lr, weight_decay=0.0)
-                  for name in adapters}
-    losses = []
-    for i in range(steps):
-        mb = rng.sample(calls, min(batch_size, len(calls)))
-        step_loss = {}
-        for name in adapters:
-            batch = [c for c in mb if adapter_for(c.role, sharing) == name]
-            if batch:
-                step_loss[name] = supervised_update(model, name, batch, optimizers[name], pad_id,
-                                                    micro_batch_tokens, grad_clip)
-        losses.append(sum(step_loss.values()) / len(step_loss))
-        log(f"warm-up {i + 1}/{steps} | loss " + ", ".join(f"{k} {v:.3f}" for k, v in step_loss.items()))
-    return losses
-
-
-def supervised_update(model, adapter: str, batch: list[Call], optimizer, pad_id: int, micro_batch_tokens: int,
-                      grad_clip: float) -> float:
-    """One optimizer step on the mean negative log-likelihood of the batch's completion tokens;
-    returns that loss (under torchrun each process back-propagates its share, gradients summed)."""
-    params = adapter_parameters(model, adapter)
-    optimizer.zero_grad(set_to_none=False)
-    n_tokens, total = sum(len(c.completion_ids) for c in batch), 0.0
-    with use_adapter(model, adapter):
-        for micro in micro_batches(my_share(batch), micro_batch_tokens):
-            logp, mask, _ = sequence_logprobs(model, micro, pad_id)  # (b, T)
-            loss = -(logp * mask).sum() / n_tokens
-            loss.backward()
-            total += loss.item()
-    sum_gradients(params)
-    torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
-    return sum(gather_lists([total]))

@@ -51,7 +51,7 @@ import torch
 from tqdm import tqdm
 
 from critic import CriticSettings, critic_advantages, critic_metrics, update_critics
-from grpo import UpdateSettings, policy_update, set_advantages, supervised_steps
+from grpo import UpdateSettings, policy_update, set_advantages
 from lab.checkpoint import TrainState
 from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes, eval_steps,
                         evaluation_samples, launch, load_problems, make_optimizers, resume_run,
@@ -64,7 +64,8 @@ from lab.settings import Config, parse_config, warmup_roles
 from lora import adapter_for, freeze_copy
 from reward import credit_calls, cut_finals, score_batch, step_metrics
 from rollout import Call, Rollout
-from workflows import SOLVERS, adherence, boxed_contents, contract_replies, role_of, run_workflow, slots
+from warmup import contract_replies, supervised_steps
+from workflows import SOLVERS, adherence, boxed_contents, role_of, run_workflow, slots
 
 
 # ----------------------------------------------------------------------------
@@ -186,7 +187,7 @@ def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------
 # Step 0: a resumed run's checkpoint, another run's step 0 (--start_from), or the supervised
-# warm-up (--sft_warmup: every role learns replies that keep its contract, workflows.contract_replies,
+# warm-up (--sft_warmup: every role learns replies that keep its contract, warmup.contract_replies,
 # so that RL has a contract to keep or to lose) and the first evaluation
 
 
@@ -196,7 +197,7 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     One sampled rollout of the workflow on B x G distinct training problems (at least
     --minibatch_size of them) gives the prompts and the verifier's labels; each warm-up step
     draws a mini-batch of the replies and takes one AdamW step per adapter on their negative
-    log-likelihood (grpo.supervised_steps, learning rate --sft_lr). Returns the step-0 metrics:
+    log-likelihood (warmup.supervised_steps, learning rate --sft_lr). Returns the step-0 metrics:
     the loss of the first and last step, and each role's adherence in the rollout (before)."""
     rng = random.Random(cfg.seed + 1)  # its own problems: RL draws the same ones as without warm-up
     n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)  # at least a mini-batch's worth

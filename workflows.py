@@ -17,8 +17,8 @@ Multi-Agent RL Improve LLM Workflows?", arXiv 2605.24202):
 The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the orchestrator
 lists strategies and never solves. `adherence` says whether an output keeps its role's
 contract and `similarity` how alike two roles' outputs are: the signals of role capture
-(Paper A) that train.py logs every step. `contract_replies` gives the replies that keep each
-role's contract, which the supervised warm-up (train.py --sft_warmup) teaches before RL.
+(Paper A) that train.py logs every step. The replies that keep each role's contract, which the
+supervised warm-up teaches before RL, are warmup.py's.
 
 Departures from the paper:
   - the prompts are this project's own, short enough for a 135M model;
@@ -28,11 +28,9 @@ Departures from the paper:
   - texts passed to a later role keep their head and tail, MAX_FEED_CHARS in all;
   - info["fallback"] flags any broken answer contract (a cheap role-capture signal).
 
-Exercised by: pytest tests/test_workflows.py (contract_replies: tests/test_train.py), and
+Exercised by: pytest tests/test_workflows.py, and
 `python workflows.py voting`: every stage's prompts for one question, from a canned fake model.
 """
-import dataclasses
-import random
 import re
 import sys
 from dataclasses import dataclass
@@ -139,6 +137,7 @@ ROLES: dict[str, list[str]] = {
     "voting": ["generator", "aggregator"],
     "orch_workers": ["orchestrator", "worker", "synthesizer"],
 }
+SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a solution
 
 
 @dataclass
@@ -405,84 +404,6 @@ def silent_agents(chats: list[Chat], role: str, slot_list: list[str], episodes: 
     """A generate callback that keeps the prompts in `chats` and answers each with ""."""
     chats += new
     return [""] * len(new)
-
-
-# ---------------------------------------------------------------- contract-keeping replies
-# The supervised warm-up (train.py --sft_warmup) gives RL a contract to keep, or to lose:
-# the 135M model does not keep the supervisory roles' contracts by itself. It teaches
-# every role, on the adapter it trains under, replies that keep its contract and that a
-# verifier labels: the aggregator names a correct candidate (any of them; any candidate
-# when none is), the evaluator gives the verifier's verdict, the orchestrator lists a plan of
-# its own for each episode, and the solving roles repeat their own solutions that the verifier
-# accepts.
-
-ScoreFn = Callable[[list, list[str]], list[float]]  # (problems, texts) -> 1.0 where a text solves its problem
-SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a solution
-# The orchestrator's warm-up plans: each episode draws its own strategies from these, so that the
-# plan varies from episode to episode and a worker, shown one strategy, does not know the others'
-# (what a central critic reads and a decentral one cannot: Paper B in miniature, docs/learning.md).
-PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
-                  "Work backwards from what is asked.", "Split the numbers into tens and ones.",
-                  "Count on from the larger number.", "Estimate first, then compute exactly.",
-                  "Check the result with the opposite operation.", "Say what each number stands for first."],
-         "code": ["Loop over the input and build the result.", "Use Python's built-in functions.",
-                  "Split the task into small helper functions.", "Handle the edge cases first.",
-                  "Write the simplest version, then check it on the examples.", "Use a dictionary to count.",
-                  "Sort the input first.", "Build the answer with a list comprehension."]}
-
-
-def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int, rng: random.Random,
-                     roles: list[str]) -> list:
-    """Warm-up pairs of the given roles: copies of a rollout's calls (rollout.Call records) with
-    the same prompt and a reply (its text; the trainer sets the token ids) that keeps the
-    role's contract. `problems`: each episode's problem; `score`: the verifier (reward.py)."""
-    solutions = {(c.episode, c.turn): [] for c in calls}  # generator outputs by episode and stage
-    for c in calls:  # in slot order within each episode, as the workflow made them
-        if c.role == "generator":
-            solutions[c.episode, c.turn].append(c.text)
-    judged = [c for c in calls if c.role in ("aggregator", "evaluator")]
-    read = [solutions[c.episode, c.turn - 1] for c in judged]  # what each judge saw
-    flat = [(c.episode, text) for c, texts in zip(judged, read) for text in texts]
-    scores = iter(score([problems[e] for e, _ in flat], [t for _, t in flat]))
-    replies = []
-    for c, texts in zip(judged, read):
-        right = [k for k, _ in enumerate(texts, 1) if next(scores) == 1.0]
-        if c.role == "aggregator":  # any correct candidate; any candidate where none is correct
-            reply = f"\\boxed{{{rng.choice(right or range(1, len(texts) + 1))}}}"
-        else:
-            reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
-        replies.append(dataclasses.replace(c, text=reply))
-    replies = balanced_verdicts(replies, rng)
-    for c in (c for c in calls if c.role == "orchestrator"):  # a plan of its own for each episode
-        pool = PLANS[problems[0].kind]
-        picked = rng.sample(pool, min(n_agents, len(pool)))
-        replies.append(dataclasses.replace(c, text="\n".join(f"{i}. {s}" for i, s in enumerate(picked, 1))))
-    # the solving roles keep their own sampled solutions that the verifier accepts (rejection
-    # sampling, as in STaR, Zelikman et al. 2022), finished within the length limit: on a shared
-    # adapter, without them the other roles' replies would teach the solvers to answer \boxed{k} too
-    solvers = [c for c in calls if c.role in SOLVERS]
-    accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
-    right = {(c.episode, c.slot, c.turn): c.text for c, ok in zip(solvers, accepted) if ok == 1.0 and not c.truncated}
-    replies += [dataclasses.replace(c) for c in solvers if (c.episode, c.slot, c.turn) in right]
-    # Eval-Opt's refine of a right answer keeps it (the generator's turn before sits two stages
-    # back, the verdict between): without it, on a shared adapter the refine copies the format of
-    # the verdict it has just read, \boxed{Incorrect}, instead of writing a solution
-    replies += [dataclasses.replace(c, text=right[c.episode, c.slot, c.turn - 2]) for c in solvers
-                if c.role == "generator" and (c.episode, c.slot, c.turn) not in right
-                and (c.episode, c.slot, c.turn - 2) in right]
-    return [c for c in replies if c.role in roles]
-
-
-def balanced_verdicts(replies: list, rng: random.Random) -> list:
-    """The evaluator's warm-up replies with the rarer verdict repeated until both are as many: at a
-    training reward near 0.3, the verifier's labels alone would teach a constant Incorrect, and a
-    refine of every answer (Eval-Opt's final answer would be the refine's, not the generator's)."""
-    by = {v: [c for c in replies if c.role == "evaluator" and c.text == f"\\boxed{{{v}}}"]
-          for v in ("Correct", "Incorrect")}
-    rare, common = sorted(by.values(), key=len)
-    if not rare:
-        return replies
-    return replies + [dataclasses.replace(rng.choice(rare)) for _ in range(len(common) - len(rare))]
 
 
 # ---------------------------------------------------------------- demo: python workflows.py NAME

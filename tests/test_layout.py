@@ -9,7 +9,7 @@ from conftest import ROOT
 LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0, "model": 0,
           "decode": 0,
           "rollout": 1, "reward": 1,
-          "grpo": 2, "critic": 2, "lab.runs": 2,
+          "grpo": 2, "critic": 2, "lab.runs": 2, "warmup": 2,
           "lab.checkpoint": 3, "lab.settings": 3,
           "lab.launch": 4,
           "train": 5,

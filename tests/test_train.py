@@ -28,7 +28,8 @@ from reward import credit_calls, score_batch, step_metrics
 from rollout import Call
 from tasks import Problem, load_task
 import train
-from workflows import ROLES, adherence, contract_replies, slots
+from warmup import contract_replies
+from workflows import ROLES, adherence, slots
 
 # One thread: the test model is tiny, and on a busy 2-core machine two threads
 # waiting on each other turn seconds into minutes.

@@ -1,0 +1,138 @@
+"""The supervised warm-up before RL (train.py --sft_warmup): replies that keep each role's
+contract, labelled by the verifier, and the steps that teach them.
+
+The warm-up gives RL a contract to keep, or to lose: the 135M model does not keep the
+supervisory roles' contracts by itself. It teaches every role, on the adapter it trains under,
+replies that keep its contract and that a verifier labels (`contract_replies`): the aggregator
+names a correct candidate (any of them; any candidate when none is), the evaluator gives the
+verifier's verdict (the rarer one repeated until both are as many), the orchestrator lists a
+plan of its own for each episode, and the solving roles repeat their own solutions that the
+verifier accepts. `supervised_steps` then takes AdamW steps on the replies' negative
+log-likelihood, on the same adapters RL goes on to train. train.warm_up runs both on one
+sampled rollout of the workflow, before the first evaluation.
+
+Exercised by: pytest tests/test_train.py (the replies, balanced verdicts, varied plans, the
+warm-up's steps)
+"""
+import dataclasses
+import random
+from typing import Callable
+
+import torch
+
+from lab.machine import gather_lists, my_share, sum_gradients
+from lora import adapter_for, adapter_parameters, use_adapter
+from rollout import Call, micro_batches, sequence_logprobs
+from workflows import SOLVERS
+
+ScoreFn = Callable[[list, list[str]], list[float]]  # (problems, texts) -> 1.0 where a text solves its problem
+# The orchestrator's warm-up plans: each episode draws its own strategies from these, so that the
+# plan varies from episode to episode and a worker, shown one strategy, does not know the others'
+# (what a central critic reads and a decentral one cannot: Paper B in miniature, docs/learning.md).
+PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
+                  "Work backwards from what is asked.", "Split the numbers into tens and ones.",
+                  "Count on from the larger number.", "Estimate first, then compute exactly.",
+                  "Check the result with the opposite operation.", "Say what each number stands for first."],
+         "code": ["Loop over the input and build the result.", "Use Python's built-in functions.",
+                  "Split the task into small helper functions.", "Handle the edge cases first.",
+                  "Write the simplest version, then check it on the examples.", "Use a dictionary to count.",
+                  "Sort the input first.", "Build the answer with a list comprehension."]}
+
+
+def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int, rng: random.Random,
+                     roles: list[str]) -> list:
+    """Warm-up pairs of the given roles: copies of a rollout's calls (rollout.Call records) with
+    the same prompt and a reply (its text; the trainer sets the token ids) that keeps the
+    role's contract. `problems`: each episode's problem; `score`: the verifier (reward.py)."""
+    solutions = {(c.episode, c.turn): [] for c in calls}  # generator outputs by episode and stage
+    for c in calls:  # in slot order within each episode, as the workflow made them
+        if c.role == "generator":
+            solutions[c.episode, c.turn].append(c.text)
+    judged = [c for c in calls if c.role in ("aggregator", "evaluator")]
+    read = [solutions[c.episode, c.turn - 1] for c in judged]  # what each judge saw
+    flat = [(c.episode, text) for c, texts in zip(judged, read) for text in texts]
+    scores = iter(score([problems[e] for e, _ in flat], [t for _, t in flat]))
+    replies = []
+    for c, texts in zip(judged, read):
+        right = [k for k, _ in enumerate(texts, 1) if next(scores) == 1.0]
+        if c.role == "aggregator":  # any correct candidate; any candidate where none is correct
+            reply = f"\\boxed{{{rng.choice(right or range(1, len(texts) + 1))}}}"
+        else:
+            reply = "\\boxed{Correct}" if right else "\\boxed{Incorrect}"
+        replies.append(dataclasses.replace(c, text=reply))
+    replies = balanced_verdicts(replies, rng)
+    for c in (c for c in calls if c.role == "orchestrator"):  # a plan of its own for each episode
+        pool = PLANS[problems[0].kind]
+        picked = rng.sample(pool, min(n_agents, len(pool)))
+        replies.append(dataclasses.replace(c, text="\n".join(f"{i}. {s}" for i, s in enumerate(picked, 1))))
+    # the solving roles keep their own sampled solutions that the verifier accepts (rejection
+    # sampling, as in STaR, Zelikman et al. 2022), finished within the length limit: on a shared
+    # adapter, without them the other roles' replies would teach the solvers to answer \boxed{k} too
+    solvers = [c for c in calls if c.role in SOLVERS]
+    accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
+    right = {(c.episode, c.slot, c.turn): c.text for c, ok in zip(solvers, accepted) if ok == 1.0 and not c.truncated}
+    replies += [dataclasses.replace(c) for c in solvers if (c.episode, c.slot, c.turn) in right]
+    # Eval-Opt's refine of a right answer keeps it (the generator's turn before sits two stages
+    # back, the verdict between): without it, on a shared adapter the refine copies the format of
+    # the verdict it has just read, \boxed{Incorrect}, instead of writing a solution
+    replies += [dataclasses.replace(c, text=right[c.episode, c.slot, c.turn - 2]) for c in solvers
+                if c.role == "generator" and (c.episode, c.slot, c.turn) not in right
+                and (c.episode, c.slot, c.turn - 2) in right]
+    return [c for c in replies if c.role in roles]
+
+
+def balanced_verdicts(replies: list, rng: random.Random) -> list:
+    """The evaluator's warm-up replies with the rarer verdict repeated until both are as many: at a
+    training reward near 0.3, the verifier's labels alone would teach a constant Incorrect, and a
+    refine of every answer (Eval-Opt's final answer would be the refine's, not the generator's)."""
+    by = {v: [c for c in replies if c.role == "evaluator" and c.text == f"\\boxed{{{v}}}"]
+          for v in ("Correct", "Incorrect")}
+    rare, common = sorted(by.values(), key=len)
+    if not rare:
+        return replies
+    return replies + [dataclasses.replace(rng.choice(rare)) for _ in range(len(common) - len(rare))]
+
+
+# ----------------------------------------------------------------------------
+# Supervised steps: the same adapters, before RL, on replies given as the calls' completions
+
+
+def supervised_steps(model, calls: list[Call], adapters: list[str], sharing: str, steps: int, batch_size: int,
+                     lr: float, rng: random.Random, pad_id: int, micro_batch_tokens: int, grad_clip: float,
+                     log=print) -> list[float]:
+    """`steps` steps, each on `batch_size` calls drawn from `calls` and one AdamW step (its own
+    optimizer, learning rate `lr`) per adapter on the mean negative log-likelihood of its calls'
+    completion tokens; returns each step's loss, the mean over the adapters."""
+    optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=lr, weight_decay=0.0)
+                  for name in adapters}
+    losses = []
+    for i in range(steps):
+        mb = rng.sample(calls, min(batch_size, len(calls)))
+        step_loss = {}
+        for name in adapters:
+            batch = [c for c in mb if adapter_for(c.role, sharing) == name]
+            if batch:
+                step_loss[name] = supervised_update(model, name, batch, optimizers[name], pad_id,
+                                                    micro_batch_tokens, grad_clip)
+        losses.append(sum(step_loss.values()) / len(step_loss))
+        log(f"warm-up {i + 1}/{steps} | loss " + ", ".join(f"{k} {v:.3f}" for k, v in step_loss.items()))
+    return losses
+
+
+def supervised_update(model, adapter: str, batch: list[Call], optimizer, pad_id: int, micro_batch_tokens: int,
+                      grad_clip: float) -> float:
+    """One optimizer step on the mean negative log-likelihood of the batch's completion tokens;
+    returns that loss (under torchrun each process back-propagates its share, gradients summed)."""
+    params = adapter_parameters(model, adapter)
+    optimizer.zero_grad(set_to_none=False)
+    n_tokens, total = sum(len(c.completion_ids) for c in batch), 0.0
+    with use_adapter(model, adapter):
+        for micro in micro_batches(my_share(batch), micro_batch_tokens):
+            logp, mask, _ = sequence_logprobs(model, micro, pad_id)  # (b, T)
+            loss = -(logp * mask).sum() / n_tokens
+            loss.backward()
+            total += loss.item()
+    sum_gradients(params)
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    return sum(gather_lists([total]))
