@@ -76,7 +76,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def group_advantages(rewards: torch.Tensor, keys: list[Hashable], eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, keys: list[Hashable],
+                     eps: float = 1e-6) -> torch.Tensor:
     """(r - group mean) / (group std + eps) for each reward, grouped by key: (N,) -> (N,)."""
     groups = defaultdict(list)
     for i, key in enumerate(keys):
@@ -123,9 +124,10 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str,
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGG_MODES}")
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                eps_low: float = 0.2, eps_high: float = 0.28, ref_logp: torch.Tensor | None = None,
-                kl_coef: float = 0.0, is_weight: torch.Tensor | None = None,
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
+                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                is_weight: torch.Tensor | None = None,
                 ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate per completion token, plus kl_coef * k3 to the reference.
 
@@ -143,7 +145,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"unknown ratio level {ratio_level!r}; choose one of {RATIO_LEVELS}")
     ratio = token_ratio  # (B, T)
     if ratio_level == "sequence":  # GSPO: exp(token mean of log pi - log pi_old), one per sequence
-        ratio = torch.exp(masked_mean(log_ratio, mask, dim=-1)).unsqueeze(-1).expand_as(logp)  # (B, T)
+        # (B, T)
+        ratio = torch.exp(masked_mean(log_ratio, mask, dim=-1)).unsqueeze(-1).expand_as(logp)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
     pg_loss = -torch.min(surr1, surr2)  # (B, T)
@@ -154,7 +157,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         stats = {
             "pg_loss": masked_mean(pg_loss, mask).item(),
             "clip_frac": masked_mean((surr2 < surr1).float(), mask).item(),
-            "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask).item(),  # KL(old || new), 2nd order
+            # KL(old || new), 2nd order
+            "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
             "chi2": (masked_mean(token_ratio ** 2, mask) - 1).item(),  # E[rho^2] - 1 over tokens
             "ppl": torch.exp(-masked_mean(logp, mask, dim=-1)).mean().item(),  # mean over sequences
@@ -177,7 +181,8 @@ def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # (B, T)
 
 
-def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                   mask: torch.Tensor) -> dict[str, float]:
     """How far the sampler's policy is from the trainer's on the sampled tokens: the mean and
     max of |log pi_old - log pi_rollout|, and the k3 estimate of KL(pi_rollout || pi_old)."""
     gap = old_logp - rollout_logp  # (B, T)
@@ -211,7 +216,8 @@ def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
     return kappa, coherence
 
 
-def gradient_stats(slot_grads: dict[str, torch.Tensor], role_of: dict[str, str]) -> dict[str, float]:
+def gradient_stats(slot_grads: dict[str, torch.Tensor],
+                   role_of: dict[str, str]) -> dict[str, float]:
     """Per slot and per role gradient norms, kappa and coherence of same-role
     slots, and each role's share of the adapter's gradient mass."""
     stats, role_grads = {}, defaultdict(list)
@@ -234,8 +240,9 @@ def gradient_stats(slot_grads: dict[str, torch.Tensor], role_of: dict[str, str])
 def gradient_noise(g0: torch.Tensor, g1: torch.Tensor) -> float:
     """|g0 - g1|^2 / |g0 + g1|^2, g0 and g1 the gradients of two halves of a step's problems: the
     noise's share of the step's squared gradient. Independent halves of one mean give E|g0 - g1|^2 =
-    tr Cov(g) and E|g|^2 = |E g|^2 + tr Cov(g), g = g0 + g1: about 1 for noise alone, near 0 for signal
-    (the gradient noise scale of McCandlish et al. 2018, arXiv 1812.06162, read off two half batches)."""
+    tr Cov(g) and E|g|^2 = |E g|^2 + tr Cov(g), g = g0 + g1: about 1 for noise alone, near 0 for
+    signal (the gradient noise scale of McCandlish et al. 2018, arXiv 1812.06162, read off two half
+    batches)."""
     return ((g0 - g1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
 
 
@@ -301,15 +308,19 @@ class UpdateSettings:
     eps_low: float = 0.2             # the clip range of the ratio: [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
     agg: str = "seq-mean-token-mean"  # loss aggregation, one of AGG_MODES
-    ratio: str = "token"             # importance ratio per token or per sequence (GSPO), RATIO_LEVELS
-    kl_coef: dict[str, float] = field(default_factory=dict)  # KL anchor weight per role (0 if absent)
-    reference: dict[str, str] = field(default_factory=dict)  # adapter -> its frozen reference (absent: the base model)
+    # importance ratio per token or per sequence (GSPO), RATIO_LEVELS
+    ratio: str = "token"
+    # KL anchor weight per role (0 if absent)
+    kl_coef: dict[str, float] = field(default_factory=dict)
+    # adapter -> its frozen reference (absent: the base model)
+    reference: dict[str, str] = field(default_factory=dict)
     grad_clip: float = 1.0           # max gradient norm per optimizer step
     balance: str = "none"            # role weights, one of BALANCE (loss_weight)
     damping: float = 0.0             # coherence damping, 0 = off (damped_step)
     tis_cap: float = 0.0             # truncated importance sampling cap C, 0 = off (tis_weight)
     skip_empty: bool = True          # no optimizer step on a mini-batch without a live call
-    group_size: int = 1              # episodes per problem, consecutive: a problem stays in one half (grad_noise)
+    # episodes per problem, consecutive: a problem stays in one half (grad_noise)
+    group_size: int = 1
 
 
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
@@ -339,10 +350,12 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     size = max(1, len(calls)) if s.one_step else s.minibatch_size
     batches = [calls[i:i + size] for i in range(0, len(calls), size)]
     t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
-    old = old_logprobs(model, [c for mb in batches[1:] for _, mine in slot_groups(mb, s, by) for c in mine],
+    old = old_logprobs(model, [c for mb in batches[1:]
+                               for _, mine in slot_groups(mb, s, by) for c in mine],
                        adapter, pad_id, s.temperature, s.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
-    step_grads, role_of = {}, {}  # each slot's gradient, summed over the step's applied mini-batches
+    # each slot's gradient, summed over the step's applied mini-batches
+    step_grads, role_of = {}, {}
     halves = [0, 0]  # the gradient of each half of the step's problems, summed the same way
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
     for mb in batches:
@@ -351,7 +364,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
             empty += 1
             if s.skip_empty:  # AdamW would still move the adapter, on its momentum alone
                 continue
-        mb_grads = {}  # (slot, half) -> the gradient of that slot's calls of that half of the problems
+        # (slot, half) -> the gradient of that slot's calls of that half of the problems
+        mb_grads = {}
         for group, mine in slot_groups(mb, s, by):
             role = role_of[group] = next(c.role for c in mb if getattr(c, by) == group)
             weight = loss_weight(mb, role, s.balance)
@@ -359,7 +373,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
                 before = flat_grad(params) if per_slot else None
                 part = [c for c in mine if half is None or c.episode // s.group_size % 2 == half]
                 for micro in micro_batches(part, s.micro_batch_tokens):
-                    st = micro_loss_backward(model, adapter, micro, old, pad_id, s, weight, with_entropy=per_slot)
+                    st = micro_loss_backward(model, adapter, micro, old, pad_id, s, weight,
+                                             with_entropy=per_slot)
                     for k, v in st.items():
                         stats[f"role/{role}/{k}"].append(v)
                         if per_slot:
@@ -376,7 +391,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
             halves[half] = halves[half] + g
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
         if s.damping > 0:
-            stats[f"adapter/{adapter}/damping"].append(damped_step(optimizer, params, ema, s.damping))
+            stats[f"adapter/{adapter}/damping"].append(
+                damped_step(optimizer, params, ema, s.damping))
         else:
             optimizer.step()
     stats[f"adapter/{adapter}/empty_batches"].append(empty)
@@ -424,8 +440,9 @@ def sampler_gap(old_logp: torch.Tensor, micro: list[Call], mask: torch.Tensor,
     return is_weight, mismatch_stats(old_logp, rollout_logp, mask)
 
 
-def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, torch.Tensor], pad_id: int,
-                        s: UpdateSettings, weight: LossWeight, with_entropy: bool) -> dict[str, float]:
+def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, torch.Tensor],
+                        pad_id: int, s: UpdateSettings, weight: LossWeight,
+                        with_entropy: bool) -> dict[str, float]:
     """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its
     weighted loss, return its statistics. `old`: pi_old of the calls of the mini-batches
     after the first step (old_logprobs); the first mini-batch's calls are on-policy."""
@@ -440,7 +457,8 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     old_logp = logp.detach()  # (b, T) pi_old on-policy: the policy itself, so every ratio is 1
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
-    is_weight, gap = sampler_gap(old_logp, micro, mask, s.tis_cap)  # the sampler's rounding, skippable
+    # the sampler's rounding, skippable
+    is_weight, gap = sampler_gap(old_logp, micro, mask, s.tis_cap)
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,
                                 is_weight, s.ratio)

@@ -59,7 +59,8 @@ from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_min
 from lab.machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats,
                          join_processes, log, peak_memory_mb, pick_threads, pick_threads_again,
                          rank_and_world, release_free_memory, run_main, stop_requested)
-from lab.runs import NONFINITE_STOP, episode_samples, leave_processes, start_logs, stop_run, write_step
+from lab.runs import (NONFINITE_STOP, episode_samples, leave_processes, start_logs, stop_run,
+                      write_step)
 from lab.settings import Config, parse_config, warmup_roles
 from lora import adapter_for, freeze_copy
 from reward import credit_calls, cut_finals, score_batch, step_metrics
@@ -79,8 +80,9 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
     rollout = Rollout(model, tok, cfg.sharing, max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy,
                       progress=lambda message: log(f"{label} | {message}"))
-    outcomes = run_workflow(cfg.workflow, [p.question for p in problems], rollout, kind=problems[0].kind,
-                            n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)
+    outcomes = run_workflow(cfg.workflow, [p.question for p in problems], rollout,
+                            kind=problems[0].kind, n_agents=cfg.n_agents,
+                            max_rounds=cfg.max_rounds)
     rewards = score_batch(problems, [o.final for o in outcomes], strict=cfg.strict_answer,
                           workers=cfg.code_workers, timeout=cfg.code_timeout)
     if cfg.truncated != "keep":  # an unfinished final answer is no answer, here and in evaluation
@@ -90,7 +92,8 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
     return rollout, outcomes, rewards
 
 
-def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval", batch: int = 32) -> dict[str, float]:
+def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval",
+             batch: int = 32) -> dict[str, float]:
     """Accuracy of the whole workflow on held-out problems (eval/: the test split; val/: the
     validation split, where a peak or a checkpoint is chosen), and on the test split what changed
     besides the answers (docs/runs.md). Greedy, except where --eval_sampling samples (Voting: greedy
@@ -98,13 +101,15 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval", batch: int
     draws from a generator of its own, so an evaluation never moves the training's."""
     sample = evaluation_samples(cfg)
     repeats = cfg.eval_samples if sample else 1
-    mine = [p for i in block(len(problems)) for p in [problems[i]] * repeats]  # under torchrun, a block
+    # under torchrun, a block
+    mine = [p for i in block(len(problems)) for p in [problems[i]] * repeats]
     seen = defaultdict(list)
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + 7919)
         for i in range(0, len(mine), batch):
             label = f"{prefix} problems {i + 1}-{min(i + batch, len(mine))}/{len(mine)}"
-            rollout, outcomes, r = rollout_step(model, tok, cfg, mine[i:i + batch], greedy=not sample, label=label)
+            rollout, outcomes, r = rollout_step(model, tok, cfg, mine[i:i + batch],
+                                                greedy=not sample, label=label)
             seen["reward"] += r
             seen["boxed"] += [bool(boxed_contents(o.final)) for o in outcomes]
             first = {}  # episode -> its first solving call (calls are recorded stage by stage)
@@ -117,10 +122,12 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval", batch: int
                 seen[f"{c.role}/adherence"].append(adherence(c.role, c.text, cfg.n_agents))
             seen["first_answer"] += list(first.values())
     seen = {k: [x for part in gather_lists([seen]) for x in part.get(k, [])] for k in sorted(seen)}
-    per_problem = [sum(seen["reward"][i:i + repeats]) / repeats for i in range(0, len(seen["reward"]), repeats)]
+    per_problem = [sum(seen["reward"][i:i + repeats]) / repeats
+                   for i in range(0, len(seen["reward"]), repeats)]
     mean = sum(per_problem) / len(per_problem)
-    m = {f"{prefix}/accuracy": mean, f"{prefix}/accuracy_se": (sum((x - mean) ** 2 for x in per_problem)
-                                                           / max(1, len(per_problem) - 1) / len(per_problem)) ** 0.5}
+    m = {f"{prefix}/accuracy": mean,
+         f"{prefix}/accuracy_se": (sum((x - mean) ** 2 for x in per_problem)
+                                   / max(1, len(per_problem) - 1) / len(per_problem)) ** 0.5}
     if prefix == "eval":
         m.update({f"eval/{k}": sum(v) / len(v) for k, v in seen.items()
                   if k != "reward" and v and None not in v})
@@ -128,12 +135,14 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval", batch: int
 
 
 def evaluations(model, tok, cfg: Config, held_out: dict[str, list]) -> dict[str, float]:
-    """One evaluation point: the test split (eval/...) and, where --val_problems, the val split (val/...)."""
-    return {k: v for prefix, problems in held_out.items() for k, v in evaluate(model, tok, cfg, problems, prefix).items()}
+    """One evaluation point: the test split (eval/...) and, where --val_problems, the val split
+    (val/...)."""
+    return {k: v for prefix, problems in held_out.items()
+            for k, v in evaluate(model, tok, cfg, problems, prefix).items()}
 
 
-def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call], names: list[str],
-                    update: UpdateSettings, diag: bool) -> dict[str, list[float]]:
+def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call],
+                    names: list[str], update: UpdateSettings, diag: bool) -> dict[str, list[float]]:
     """Steps 5-6 of a training step for each adapter RL trains: its calls' old log-probs and its
     update (grpo.policy_update), then its learning-rate schedule; returns every mini-batch's
     statistics."""
@@ -143,7 +152,8 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
         mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
         live = [c for c in mine if c.advantage != 0 or update.kl_coef[c.role] > 0]
         for k, v in policy_update(state.model, name, mine, state.optimizers[name], state.rng,
-                                  tok.pad_token_id, update, per_slot=diag, ema=state.emas[name]).items():
+                                  tok.pad_token_id, update, per_slot=diag,
+                                  ema=state.emas[name]).items():
             stats[k] += v
         state.schedulers[name].step()
         skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
@@ -156,14 +166,15 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
 def train_critics(state: TrainState, tok, step: int, critic_batch,
                   critics: CriticSettings) -> dict[str, list[float]]:
     """Step 7 (maac): one pass of each critic over its inputs (critic.update_critics), then its
-    learning-rate schedule; the critics' adapters are separate from the actors', so the order is free."""
+    learning-rate schedule; the critics' adapters are separate from the actors', so the order is
+    free."""
     stats = update_critics(state.model, state.heads, critic_batch, state.optimizers, state.rng,
                            tok.pad_token_id, critics)
     for name in state.heads:
         state.schedulers[name].step()
     if stats["critic/skipped_nonfinite"][0]:
-        log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not applied: "
-            "loss or gradient not finite")
+        log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not "
+            "applied: loss or gradient not finite")
     return stats
 
 
@@ -171,10 +182,14 @@ def written(m: dict[str, float], cfg: Config) -> dict[str, float]:
     """The step's metrics less those that repeat another key or cannot move in this run: the slot/
     keys of a role with one slot (Eval-Opt's slots are its roles: its role/ keys hold the same
     numbers), and under --one_step, where every ratio is 1, the ratio's statistics."""
-    roles = [role_of(s) for s in slots(cfg.workflow, cfg.n_agents)]  # voting: generator x 3, aggregator
-    lone = tuple(f"slot/{s}/" for s, r in zip(slots(cfg.workflow, cfg.n_agents), roles) if roles.count(r) == 1)
-    fixed = ("clip_frac", "approx_kl", "ratio_mean", "chi2") if cfg.one_step else ()  # grpo.policy_loss
-    return {k: v for k, v in m.items() if not k.startswith(lone) and k.rsplit("/", 1)[-1] not in fixed}
+    # voting: generator x 3, aggregator
+    roles = [role_of(s) for s in slots(cfg.workflow, cfg.n_agents)]
+    lone = tuple(f"slot/{s}/" for s, r in zip(slots(cfg.workflow, cfg.n_agents), roles)
+                 if roles.count(r) == 1)
+    # grpo.policy_loss
+    fixed = ("clip_frac", "approx_kl", "ratio_mean", "chi2") if cfg.one_step else ()
+    return {k: v for k, v in m.items()
+            if not k.startswith(lone) and k.rsplit("/", 1)[-1] not in fixed}
 
 
 def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
@@ -200,24 +215,29 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     log-likelihood (warmup.supervised_steps, learning rate --sft_lr). Returns the step-0 metrics:
     the loss of the first and last step, and each role's adherence in the rollout (before)."""
     rng = random.Random(cfg.seed + 1)  # its own problems: RL draws the same ones as without warm-up
-    n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)  # at least a mini-batch's worth
+    # at least a mini-batch's worth
+    n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)
     picked = rng.sample(range(len(train_set)), min(len(train_set), n))
     mine = [picked[i] for i in block(len(picked))]
     rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in mine],
                                               greedy=False, label="warm-up rollout")
     calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, mine)
-    score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers, timeout=cfg.code_timeout)
+    score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers,
+                    timeout=cfg.code_timeout)
     pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
                              warmup_roles(cfg))
     before = step_metrics(calls, rewards, outcomes, cfg.n_agents, diag=False)
-    m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items() if k.endswith("/adherence")}
+    m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items()
+         if k.endswith("/adherence")}
     if not pairs:  # no solution the verifier accepts and no judging role: nothing to teach
-        log(f"warm-up | no reply of {', '.join(warmup_roles(cfg))} to learn from; RL starts from the base model")
+        log(f"warm-up | no reply of {', '.join(warmup_roles(cfg))} to learn from; RL starts from "
+            "the base model")
         return m
     for c in pairs:
         c.completion_ids = tok(c.text, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    losses = supervised_steps(model, pairs, names, cfg.sharing, cfg.sft_warmup, cfg.minibatch_size, cfg.sft_lr, rng,
-                              tok.pad_token_id, cfg.micro_batch_tokens, cfg.grad_clip, log)
+    losses = supervised_steps(model, pairs, names, cfg.sharing, cfg.sft_warmup, cfg.minibatch_size,
+                              cfg.sft_lr, rng, tok.pad_token_id, cfg.micro_batch_tokens,
+                              cfg.grad_clip, log)
     return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
 
 
@@ -229,7 +249,8 @@ def begin(state: TrainState, tok, cfg: Config, train_set, held_out: dict, names:
     The KL anchors (`references`) are frozen copies of the policy RL starts from. Returns the
     step to go on from and the metrics rows of the first and of the last evaluation."""
     if cfg.resume:  # the checkpoint fills the anchors in
-        start, first, last = resume_run(cfg.out, state, references, {k: getattr(cfg, k) for k in NEW_LR})
+        start, first, last = resume_run(cfg.out, state, references,
+                                        {k: getattr(cfg, k) for k in NEW_LR})
         log(f"resuming {cfg.out} at step {start}")
         return start, first, last
     if cfg.start_from:
@@ -239,14 +260,17 @@ def begin(state: TrainState, tok, cfg: Config, train_set, held_out: dict, names:
     for name, ref in references.items():
         freeze_copy(state.model, name, ref)
     if cfg.start_from:
-        log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of {cfg.start_from}")
+        log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of "
+            f"{cfg.start_from}")
     else:
-        log(f"evaluating on {' and '.join(f'{len(v)} {k}' for k, v in held_out.items())} held-out problems ...")
+        log(f"evaluating on {' and '.join(f'{len(v)} {k}' for k, v in held_out.items())} "
+            "held-out problems ...")
         t_eval = time.time()
         scores = evaluations(state.model, tok, cfg, held_out)
         eval_seconds = time.time() - t_eval
-        log(f"step 0/{cfg.steps} | eval/accuracy {scores['eval/accuracy']:.3f} | {eval_seconds:.0f}s | "
-            f"the whole run: about {estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
+        log(f"step 0/{cfg.steps} | eval/accuracy {scores['eval/accuracy']:.3f} | "
+            f"{eval_seconds:.0f}s | the whole run: about "
+            f"{estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
         first = {"step": 0, **scores, **first, "time/eval": eval_seconds}
     start_logs(cfg.out, first)
     # the best first: a run stopped between the two has no checkpoint to resume and starts over,
@@ -279,11 +303,13 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     if world > 1:
         torch.manual_seed(cfg.seed + 1000 * rank)  # each process samples its own episodes
     # ---- step 0: a resumed run's checkpoint, or a new run's start and its first evaluation
-    start, first, last = begin(state, tok, cfg, train_set, held_out, names, start_config, update.reference)
+    start, first, last = begin(state, tok, cfg, train_set, held_out, names, start_config,
+                               update.reference)
 
     step_seconds = []  # training time of each step, evaluation excluded: for the estimate
     cpu_before = time.process_time()
-    saved, nonfinite = start, 0  # the last checkpoint's step; steps in a row with a mini-batch not applied
+    # the last checkpoint's step; steps in a row with a mini-batch not applied
+    saved, nonfinite = start, 0
     if start < cfg.steps and (stop := stop_requested()):  # Ctrl-C or SIGTERM before the first step
         stop_run(cfg.out, start, saved, stop)
     for step in tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps,
@@ -293,16 +319,19 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         # then everyone's episodes)
         picked = rng.sample(range(len(train_set)), cfg.problems_per_step)
         problem_of = [picked[i] for i in block(len(picked)) for _ in range(cfg.group_size)]
-        rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in problem_of],
+        rollout, outcomes, rewards = rollout_step(model, tok, cfg,
+                                                  [train_set[i] for i in problem_of],
                                                   greedy=False, label=f"step {step} rollout")
-        calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, problem_of)
+        calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards,
+                                                               problem_of)
         t1 = time.time()
         # 4. advantages: group-relative (GRPO) or from the critics (GAE)
         if cfg.algo == "grpo":
             set_advantages(calls, problem_of, cfg.adv_group)
         else:
             critic_batch = critic_advantages(model, tok, heads, calls, critics)
-        if cfg.truncated == "mask":  # a cut call keeps its place in its group's baseline, not its gradient
+        # a cut call keeps its place in its group's baseline, not its gradient
+        if cfg.truncated == "mask":
             for c in calls:
                 c.advantage = 0.0 if c.truncated else c.advantage
         advs = torch.tensor([c.advantage for c in calls])  # (calls,)
@@ -312,10 +341,12 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         if cfg.algo == "maac":
             stats.update(train_critics(state, tok, step, critic_batch, critics))
         stats = gather_stats(stats)
-        release_free_memory()  # what the backward pass freed, before the evaluation and the next rollout
+        # what the backward pass freed, before the evaluation and the next rollout
+        release_free_memory()
         # 8. logs, evaluation, checkpoint
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
-             "adv/zero_frac": (advs == 0).sum().item() / len(advs), "adv/std": advs.std(correction=0).item(),
+             "adv/zero_frac": (advs == 0).sum().item() / len(advs),
+             "adv/std": advs.std(correction=0).item(),
              "lr": schedulers[names[0]].get_last_lr()[0],
              "contract/truncated_prompts": sum(gather_lists([rollout.prompts_cut])),
              "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
@@ -332,10 +363,13 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         m["mem/peak_mb"] = max(gather_lists([peak_memory_mb(device)]))  # the largest process's
         problems = [train_set[i] for i in problem_of]
         write_step(cfg.out, written(m, cfg),
-                   episode_samples(step, calls, outcomes, problems, rewards, cfg.group_size, cfg.log_samples))
+                   episode_samples(step, calls, outcomes, problems, rewards, cfg.group_size,
+                                   cfg.log_samples))
         log(step_line(cfg, m, last.get("time/eval", 0.0), step_seconds))
-        # a step with a mini-batch not applied writes no checkpoint: the last one is from before the trouble
-        nonfinite = nonfinite + 1 if any(v for k, v in m.items() if k.endswith("skipped_nonfinite")) else 0
+        # a step with a mini-batch not applied writes no checkpoint: the last one is from before
+        # the trouble
+        nonfinite = nonfinite + 1 if any(v for k, v in m.items()
+                                         if k.endswith("skipped_nonfinite")) else 0
         stop = stop_requested() if step < cfg.steps else 0  # Ctrl-C or SIGTERM, in any process
         if not nonfinite and (step % cfg.save_every == 0 or step == cfg.steps or stop):
             state.save(cfg.out, step)

@@ -25,18 +25,22 @@ from lora import adapter_for, adapter_parameters, use_adapter
 from rollout import Call, micro_batches, sequence_logprobs
 from workflows import SOLVERS
 
-ScoreFn = Callable[[list, list[str]], list[float]]  # (problems, texts) -> 1.0 where a text solves its problem
+# (problems, texts) -> 1.0 where a text solves its problem
+ScoreFn = Callable[[list, list[str]], list[float]]
 # The orchestrator's warm-up plans: each episode draws its own strategies from these, so that the
 # plan varies from episode to episode and a worker, shown one strategy, does not know the others'
 # (what a central critic reads and a decentral one cannot: Paper B in miniature, docs/learning.md).
-PLANS = {"math": ["Compute it directly, one operation at a time.", "Write an equation and solve it.",
-                  "Work backwards from what is asked.", "Split the numbers into tens and ones.",
-                  "Count on from the larger number.", "Estimate first, then compute exactly.",
-                  "Check the result with the opposite operation.", "Say what each number stands for first."],
+PLANS = {"math": ["Compute it directly, one operation at a time.",
+                  "Write an equation and solve it.", "Work backwards from what is asked.",
+                  "Split the numbers into tens and ones.", "Count on from the larger number.",
+                  "Estimate first, then compute exactly.",
+                  "Check the result with the opposite operation.",
+                  "Say what each number stands for first."],
          "code": ["Loop over the input and build the result.", "Use Python's built-in functions.",
                   "Split the task into small helper functions.", "Handle the edge cases first.",
-                  "Write the simplest version, then check it on the examples.", "Use a dictionary to count.",
-                  "Sort the input first.", "Build the answer with a list comprehension."]}
+                  "Write the simplest version, then check it on the examples.",
+                  "Use a dictionary to count.", "Sort the input first.",
+                  "Build the answer with a list comprehension."]}
 
 
 def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int, rng: random.Random,
@@ -64,13 +68,15 @@ def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int,
     for c in (c for c in calls if c.role == "orchestrator"):  # a plan of its own for each episode
         pool = PLANS[problems[0].kind]
         picked = rng.sample(pool, min(n_agents, len(pool)))
-        replies.append(dataclasses.replace(c, text="\n".join(f"{i}. {s}" for i, s in enumerate(picked, 1))))
+        replies.append(dataclasses.replace(c, text="\n".join(f"{i}. {s}"
+                                                             for i, s in enumerate(picked, 1))))
     # the solving roles keep their own sampled solutions that the verifier accepts (rejection
     # sampling, as in STaR, Zelikman et al. 2022), finished within the length limit: on a shared
     # adapter, without them the other roles' replies would teach the solvers to answer \boxed{k} too
     solvers = [c for c in calls if c.role in SOLVERS]
     accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
-    right = {(c.episode, c.slot, c.turn): c.text for c, ok in zip(solvers, accepted) if ok == 1.0 and not c.truncated}
+    right = {(c.episode, c.slot, c.turn): c.text for c, ok in zip(solvers, accepted)
+             if ok == 1.0 and not c.truncated}
     replies += [dataclasses.replace(c) for c in solvers if (c.episode, c.slot, c.turn) in right]
     # Eval-Opt's refine of a right answer keeps it (the generator's turn before sits two stages
     # back, the verdict between): without it, on a shared adapter the refine copies the format of
@@ -97,9 +103,9 @@ def balanced_verdicts(replies: list, rng: random.Random) -> list:
 # Supervised steps: the same adapters, before RL, on replies given as the calls' completions
 
 
-def supervised_steps(model, calls: list[Call], adapters: list[str], sharing: str, steps: int, batch_size: int,
-                     lr: float, rng: random.Random, pad_id: int, micro_batch_tokens: int, grad_clip: float,
-                     log=print) -> list[float]:
+def supervised_steps(model, calls: list[Call], adapters: list[str], sharing: str, steps: int,
+                     batch_size: int, lr: float, rng: random.Random, pad_id: int,
+                     micro_batch_tokens: int, grad_clip: float, log=print) -> list[float]:
     """`steps` steps, each on `batch_size` calls drawn from `calls` and one AdamW step (its own
     optimizer, learning rate `lr`) per adapter on the mean negative log-likelihood of its calls'
     completion tokens; returns each step's loss, the mean over the adapters."""
@@ -115,12 +121,13 @@ def supervised_steps(model, calls: list[Call], adapters: list[str], sharing: str
                 step_loss[name] = supervised_update(model, name, batch, optimizers[name], pad_id,
                                                     micro_batch_tokens, grad_clip)
         losses.append(sum(step_loss.values()) / len(step_loss))
-        log(f"warm-up {i + 1}/{steps} | loss " + ", ".join(f"{k} {v:.3f}" for k, v in step_loss.items()))
+        log(f"warm-up {i + 1}/{steps} | loss "
+            + ", ".join(f"{k} {v:.3f}" for k, v in step_loss.items()))
     return losses
 
 
-def supervised_update(model, adapter: str, batch: list[Call], optimizer, pad_id: int, micro_batch_tokens: int,
-                      grad_clip: float) -> float:
+def supervised_update(model, adapter: str, batch: list[Call], optimizer, pad_id: int,
+                      micro_batch_tokens: int, grad_clip: float) -> float:
     """One optimizer step on the mean negative log-likelihood of the batch's completion tokens;
     returns that loss (under torchrun each process back-propagates its share, gradients summed)."""
     params = adapter_parameters(model, adapter)

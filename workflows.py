@@ -51,13 +51,13 @@ DEFAULT_STRATEGY = "Solve it directly, step by step."
 # string.Template ($question) so the braces of \boxed{} need no escaping.
 PROMPTS: dict[tuple[str, str], dict[str, str]] = {
     ("math", "generator"): {
-        "system": "You are a careful math solver. Write the calculation in one line, then the final "
-                  "answer in \\boxed{}. Example: 4 + 5 = 9, so the answer is \\boxed{9}.",
+        "system": "You are a careful math solver. Write the calculation in one line, then the "
+                  "final answer in \\boxed{}. Example: 4 + 5 = 9, so the answer is \\boxed{9}.",
         "user": "Problem: $question",
         "refine": "Problem: $question\n\nYour previous solution:\n$solution\n\n"
                   "A reviewer said it is incorrect:\n$critique\n\n"
-                  "Check the calculation. Write the corrected solution in one line, or the same one if "
-                  "it was right. End with the final answer in \\boxed{}.",
+                  "Check the calculation. Write the corrected solution in one line, or the same "
+                  "one if it was right. End with the final answer in \\boxed{}.",
     },
     ("math", "evaluator"): {
         "system": "You are a strict math reviewer. Check whether a solution is correct. "
@@ -75,7 +75,8 @@ PROMPTS: dict[tuple[str, str], dict[str, str]] = {
     },
     ("math", "orchestrator"): {
         "system": "You are a planner. Do not solve the problem and do not compute the answer. "
-                  "List up to $n different strategies to solve it, one short sentence each, numbered 1., 2., 3.",
+                  "List up to $n different strategies to solve it, one short sentence each, "
+                  "numbered 1., 2., 3.",
         "user": "Problem: $question\n\nList up to $n numbered strategies.",
     },
     ("math", "worker"): {
@@ -87,46 +88,51 @@ PROMPTS: dict[tuple[str, str], dict[str, str]] = {
         "system": "You are a senior math solver. You see a problem and solutions from other "
                   "solvers. Check them, decide which answer is right, and explain briefly. "
                   "End with the final answer in \\boxed{}, for example \\boxed{42}.",
-        "user": "Problem: $question\n\n$solutions\n\nWhat is the correct final answer? End with \\boxed{}.",
+        "user": "Problem: $question\n\n$solutions\n\n"
+                "What is the correct final answer? End with \\boxed{}.",
     },
     # Code: the reward runs the last ```python block of the final text against hidden tests.
     ("code", "generator"): {
-        "system": "You are a careful Python programmer. Solve the task with complete, runnable Python "
-                  "code, imports included. Write all of it in one block that starts with ```python "
-                  "and ends with ```.",
+        "system": "You are a careful Python programmer. Solve the task with complete, runnable "
+                  "Python code, imports included. Write all of it in one block that starts with "
+                  "```python and ends with ```.",
         "user": "Task:\n$question",
         "refine": "Task:\n$question\n\nYour previous solution:\n$solution\n\n"
                   "A reviewer said it is incorrect:\n$critique\n\n"
                   "Write a corrected solution in one ```python block.",
     },
     ("code", "evaluator"): {
-        "system": "You are a strict code reviewer. Check whether a Python solution solves the task. "
-                  "Do not write any code and do not fix the solution. Write at most two short "
-                  "sentences, then \\boxed{Correct} or \\boxed{Incorrect}.",
+        "system": "You are a strict code reviewer. Check whether a Python solution solves the "
+                  "task. Do not write any code and do not fix the solution. Write at most two "
+                  "short sentences, then \\boxed{Correct} or \\boxed{Incorrect}.",
         "user": "Task:\n$question\n\nSolution to check:\n$solution\n\n"
                 "Is it correct? End with \\boxed{Correct} or \\boxed{Incorrect}.",
     },
     ("code", "aggregator"): {
-        "system": "You are a judge. You see a programming task and $n numbered candidate solutions. "
-                  "Pick the candidate most likely to pass all the tests. Reply only with its "
-                  "number in \\boxed{}, for example \\boxed{2}.",
-        "user": "Task:\n$question\n\n$candidates\n\nWhich candidate is correct? Reply with \\boxed{k}, k from 1 to $n.",
+        "system": "You are a judge. You see a programming task and $n numbered candidate "
+                  "solutions. Pick the candidate most likely to pass all the tests. Reply only "
+                  "with its number in \\boxed{}, for example \\boxed{2}.",
+        "user": "Task:\n$question\n\n$candidates\n\n"
+                "Which candidate is correct? Reply with \\boxed{k}, k from 1 to $n.",
     },
     ("code", "orchestrator"): {
         "system": "You are a planner. Do not write code and do not solve the task. "
-                  "List up to $n different approaches to solve it, one short sentence each, numbered 1., 2., 3.",
+                  "List up to $n different approaches to solve it, one short sentence each, "
+                  "numbered 1., 2., 3.",
         "user": "Task:\n$question\n\nList up to $n numbered approaches.",
     },
     ("code", "worker"): {
         "system": "You are a Python programmer. Solve the task using the given approach. Write "
-                  "complete, runnable Python code in one block that starts with ```python and ends with ```.",
+                  "complete, runnable Python code in one block that starts with ```python and "
+                  "ends with ```.",
         "user": "Task:\n$question\n\nApproach: $strategy",
     },
     ("code", "synthesizer"): {
         "system": "You are a senior Python programmer. You see a task and solutions from other "
                   "programmers. Check them, then write the final, correct solution: complete, "
                   "runnable Python code in one block that starts with ```python and ends with ```.",
-        "user": "Task:\n$question\n\n$solutions\n\nWrite the final solution in one ```python block.",
+        "user": "Task:\n$question\n\n$solutions\n\n"
+                "Write the final solution in one ```python block.",
     },
 }
 KINDS = sorted({kind for kind, _ in PROMPTS})
@@ -240,7 +246,8 @@ def reasons(verdict: str) -> str:
     r"""An evaluator's output without its boxed verdict: the critique a refine reads. The refine
     prompt already says the answer was judged incorrect; a bare \boxed{Incorrect} left in it is
     what a small model on a shared adapter copies instead of writing a solution."""
-    return re.sub(r"\\boxed\s*\{\s*(?:in)?correct\s*\}", "", verdict, flags=re.IGNORECASE).strip() or "(no reason given)"
+    return re.sub(r"\\boxed\s*\{\s*(?:in)?correct\s*\}", "", verdict,
+                  flags=re.IGNORECASE).strip() or "(no reason given)"
 
 
 def parse_choice(text: str, n: int) -> tuple[int, str]:
@@ -302,12 +309,15 @@ def similarity(texts_a: list[str], texts_b: list[str], n: int = 3) -> float:
 
 # ---------------------------------------------------------------- the workflows
 
-def single(questions: list[str], generate: GenerateFn, kind: str, n_agents: int, max_rounds: int) -> list[Outcome]:
+def single(questions: list[str], generate: GenerateFn, kind: str,
+           n_agents: int, max_rounds: int) -> list[Outcome]:
     calls = [("generator", e, chat(kind, "generator", question=q)) for e, q in enumerate(questions)]
-    return [Outcome(final=out, info={"fallback": False}) for out in stage(generate, "generator", calls)]
+    return [Outcome(final=out, info={"fallback": False})
+            for out in stage(generate, "generator", calls)]
 
 
-def eval_opt(questions: list[str], generate: GenerateFn, kind: str, n_agents: int, max_rounds: int) -> list[Outcome]:
+def eval_opt(questions: list[str], generate: GenerateFn, kind: str,
+             n_agents: int, max_rounds: int) -> list[Outcome]:
     """Generator and evaluator alternate; each episode stops on its own first Correct."""
     solution, critique = [""] * len(questions), [""] * len(questions)
     info = [{"rounds": 0, "stopped": False, "fallback": False, "rule": "none"} for _ in questions]
@@ -338,10 +348,12 @@ def eval_opt(questions: list[str], generate: GenerateFn, kind: str, n_agents: in
     return [Outcome(final=s, info=i) for s, i in zip(solution, info)]
 
 
-def voting(questions: list[str], generate: GenerateFn, kind: str, n_agents: int, max_rounds: int) -> list[Outcome]:
+def voting(questions: list[str], generate: GenerateFn, kind: str,
+           n_agents: int, max_rounds: int) -> list[Outcome]:
     """N generators answer the same prompt independently; an aggregator picks one."""
     gen_slots = [f"generator{i}" for i in range(n_agents)]
-    calls = [(s, e, chat(kind, "generator", question=q)) for e, q in enumerate(questions) for s in gen_slots]
+    calls = [(s, e, chat(kind, "generator", question=q)) for e, q in enumerate(questions)
+             for s in gen_slots]
     outs = stage(generate, "generator", calls)
     candidates = [outs[e * n_agents:(e + 1) * n_agents] for e in range(len(questions))]
     calls = [("aggregator", e, chat(kind, "aggregator", question=q, n=n_agents,
@@ -358,7 +370,8 @@ def voting(questions: list[str], generate: GenerateFn, kind: str, n_agents: int,
 def orch_workers(questions: list[str], generate: GenerateFn, kind: str,
                  n_agents: int, max_rounds: int) -> list[Outcome]:
     """Orchestrator plans strategies, worker i follows strategy i, a synthesizer answers."""
-    calls = [("orchestrator", e, chat(kind, "orchestrator", question=q, n=n_agents)) for e, q in enumerate(questions)]
+    calls = [("orchestrator", e, chat(kind, "orchestrator", question=q, n=n_agents))
+             for e, q in enumerate(questions)]
     plans = [parse_strategies(out, n_agents) for out in stage(generate, "orchestrator", calls)]
     strategies = [p + [DEFAULT_STRATEGY] * (n_agents - len(p)) for p in plans]
     calls = [(f"worker{i}", e, chat(kind, "worker", question=q, strategy=strategies[e][i]))
@@ -391,7 +404,8 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
     return WORKFLOWS[name](questions, generate, kind, n_agents, max_rounds)
 
 
-def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3, max_rounds: int = 2) -> list[Chat]:
+def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3,
+                 max_rounds: int = 2) -> list[Chat]:
     """Every prompt workflow `name` builds for `question` when the agents write nothing: what
     can be known of its prompts before a run (train.py checks them against the model's context)."""
     chats: list[Chat] = []
@@ -416,7 +430,8 @@ CANNED = {"generator": "2 + 3 = 5, so the answer is \\boxed{5}.",
           "synthesizer": "Both solutions agree. \\boxed{5}"}
 
 
-def echo_generate(role: str, slot_list: list[str], episodes: list[int], chats: list[Chat]) -> list[str]:
+def echo_generate(role: str, slot_list: list[str], episodes: list[int],
+                  chats: list[Chat]) -> list[str]:
     """A fake model that prints each stage's first prompt and answers from CANNED."""
     print(f"=== stage: {role} x{len(chats)}  slots {slot_list}  episodes {episodes}")
     for message in chats[0]:

@@ -34,10 +34,10 @@ def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
 
 
 # --help shows the flags a first week changes (all of the README's), --help-all every flag
-TUTORIAL = {"workflow", "sharing", "algo", "critic", "critic_per", "lam", "model", "task", "level", "steps",
-            "problems_per_step", "group_size", "max_new_tokens", "lr", "lora_r", "eval_problems", "eval_every",
-            "seed", "out", "resume", "overwrite", "threads", "one_step", "balance", "damping", "role_kl",
-            "micro_batch_tokens"}
+TUTORIAL = {"workflow", "sharing", "algo", "critic", "critic_per", "lam", "model", "task", "level",
+            "steps", "problems_per_step", "group_size", "max_new_tokens", "lr", "lora_r",
+            "eval_problems", "eval_every", "seed", "out", "resume", "overwrite", "threads",
+            "one_step", "balance", "damping", "role_kl", "micro_batch_tokens"}
 # both in these groups; each group starts at the field named here
 SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation",
             "balance": "mitigations of Paper A's failure modes (README, diagnose.py)",
@@ -49,36 +49,41 @@ SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation
 class Config:
     # what to train
     workflow: str = arg("eval_opt", "workflow topology", tuple(WORKFLOWS))
-    sharing: str = arg("shared", "one adapter for all roles, or one per role type", ("shared", "isolated"))
+    sharing: str = arg("shared", "one adapter for all roles, or one per role type",
+                       ("shared", "isolated"))
     algo: str = arg("grpo", "group-relative advantages, or actor-critic with GAE", ("grpo", "maac"))
     model: str = arg("smollm2", "smollm2 (embedded), tiny (random, for tests), or a HF id/path")
-    task: str = arg("arith", "problem set; dapo_math and deepcoder need the Hugging Face hub", tuple(TASKS))
+    task: str = arg("arith", "problem set; dapo_math and deepcoder need the Hugging Face hub",
+                    tuple(TASKS))
     level: int = arg(DEFAULT_LEVEL, "difficulty level of the arith task (1-5)")
     code_workers: int = arg(2, "code tasks: sandboxed programs run in parallel", bounds="[1, inf)")
-    code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program", bounds="(0, inf)")
+    code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program",
+                              bounds="(0, inf)")
     n_agents: int = arg(3, "generators in voting, workers in orch_workers", bounds="[1, inf)")
     max_rounds: int = arg(2, "eval_opt: most generator turns per episode", bounds="[1, inf)")
     # rollout
     steps: int = arg(10, "training steps", bounds="[0, inf)")
     problems_per_step: int = arg(8, "B: distinct problems per step", bounds="[1, inf)")
     group_size: int = arg(4, "G: episodes per problem (the GRPO group)", bounds="[1, inf)")
-    max_new_tokens: int = arg(0, "completion length limit of every call; 0 = the task's: 48 for math, 320 for "
-                              "code", bounds="[0, inf)")
+    max_new_tokens: int = arg(0, "completion length limit of every call; 0 = the task's: "
+                              "48 for math, 320 for code", bounds="[0, inf)")
     temperature: float = arg(0.7, "sampling temperature of training rollouts", bounds="(0, inf)")
     top_p: float = arg(1.0, "nucleus sampling of training rollouts", bounds="(0, 1]")
     strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
-    credit: str = arg("final", "each call's reward: final = the episode's answer, broadcast (the paper); own = "
-                      "a solver's own answer, an evaluator's verdict (math)", CREDITS)
-    truncated: str = arg("penalize", "a call cut by --max_new_tokens: penalize = reward 0, mask = no "
-                         "gradient; both score a cut final answer 0; keep = scored like any other",
-                         TRUNCATED)
+    credit: str = arg("final", "each call's reward: final = the episode's answer, broadcast (the "
+                      "paper); own = a solver's own answer, an evaluator's verdict (math)", CREDITS)
+    truncated: str = arg("penalize", "a call cut by --max_new_tokens: penalize = reward 0, mask = "
+                         "no gradient; both score a cut final answer 0; "
+                         "keep = scored like any other", TRUNCATED)
     # optimisation
-    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)", bounds="(0, inf)")
-    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to --lr_floor", bounds="[0, inf)")
-    lr_floor: float = arg(0.1, "where the cosine decay ends, as a share of --lr; 1 keeps it constant",
-                          bounds="[0, 1]")
-    sft_warmup: int = arg(6, "supervised steps before RL on replies that keep each role's contract (0 = none; "
-                          "README)", bounds="[0, inf)")
+    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)",
+                    bounds="(0, inf)")
+    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to --lr_floor",
+                            bounds="[0, inf)")
+    lr_floor: float = arg(0.1, "where the cosine decay ends, as a share of --lr; "
+                          "1 keeps it constant", bounds="[0, 1]")
+    sft_warmup: int = arg(6, "supervised steps before RL on replies that keep each role's contract "
+                          "(0 = none; README)", bounds="[0, inf)")
     sft_lr: float = arg(1e-3, "AdamW learning rate of the supervised warm-up", bounds="(0, inf)")
     sft_roles: str = arg("generator,evaluator,aggregator,orchestrator,worker,synthesizer",
                          "roles the warm-up teaches, of those the workflow has")
@@ -92,63 +97,74 @@ class Config:
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
     eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)", bounds="[0, inf)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
-    ratio: str = arg("token", "importance ratio: per token (PPO, GRPO) or per sequence (GSPO); both are 1 "
-                     "under --one_step", RATIO_LEVELS)
-    adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)", ("slot", "role"))
-    kl_coef: float = arg(0.0, "k3 KL to the base model, or to the warmed-up adapters after --sft_warmup; "
-                         "0 = off, as the paper", bounds="[0, inf)")
+    ratio: str = arg("token", "importance ratio: per token (PPO, GRPO) or per sequence (GSPO); "
+                     "both are 1 under --one_step", RATIO_LEVELS)
+    adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)",
+                         ("slot", "role"))
+    kl_coef: float = arg(0.0, "k3 KL to the base model, or to the warmed-up adapters after "
+                         "--sft_warmup; 0 = off, as the paper", bounds="[0, inf)")
     # mitigations of Paper A's failure modes (see diagnose.py)
-    balance: str = arg("none", "loss weight per role: role = equal roles (against capture), multiplicity = "
-                       "1/N for N same-role slots (against amplification)", BALANCE)
-    damping: float = arg(0.0, "coherence damping: scale a step by 1 - damping * max(0, cos(g, EMA(g)))",
-                         bounds="[0, 1]")
+    balance: str = arg("none", "loss weight per role: role = equal roles (against capture), "
+                       "multiplicity = 1/N for N same-role slots (against amplification)", BALANCE)
+    damping: float = arg(0.0, "coherence damping: scale a step by 1 - damping * "
+                         "max(0, cos(g, EMA(g)))", bounds="[0, 1]")
     role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
-    skip_empty: bool = arg(True, "no optimizer step on a mini-batch whose calls all have advantage 0 "
-                           "(AdamW would move on its momentum)")
-    tis_cap: float = arg(0.0, "truncated importance sampling: weight a token's loss by min(pi_old / "
-                         "pi_rollout, C); 0 = off", bounds="[0, inf)")
+    skip_empty: bool = arg(True, "no optimizer step on a mini-batch whose calls all have "
+                           "advantage 0 (AdamW would move on its momentum)")
+    tis_cap: float = arg(0.0, "truncated importance sampling: weight a token's loss by "
+                         "min(pi_old / pi_rollout, C); 0 = off", bounds="[0, inf)")
     # actor-critic (--algo maac, critic.py)
-    critic: str = arg("central", "one critic over the joint history (CoLLM-CC) or one per agent (CoLLM-DC)",
-                      CRITICS)
+    critic: str = arg("central", "one critic over the joint history (CoLLM-CC) "
+                      "or one per agent (CoLLM-DC)", CRITICS)
     critic_per: str = arg("slot", "decentral critics: one per agent slot or per role type", PER)
     gamma: float = arg(1.0, "discount per agent turn", bounds="[0, 1]")
-    lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo", bounds="[0, 1]")
-    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)", bounds="(0, inf)")
-    critic_steps: int = arg(1, "optimizer steps of every critic per training step, its rows split evenly "
-                            "(a central critic takes as many as a decentral one)", bounds="[1, inf)")
-    vf_coef: float = arg(1.0, "value-loss coefficient (matters only against grad_clip)", bounds="[0, inf)")
-    value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)", bounds="[0, inf)")
+    lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo",
+                     bounds="[0, 1]")
+    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)",
+                           bounds="(0, inf)")
+    critic_steps: int = arg(1, "optimizer steps of every critic per training step, its rows split "
+                            "evenly (a central critic takes as many as a decentral one)",
+                            bounds="[1, inf)")
+    vf_coef: float = arg(1.0, "value-loss coefficient (matters only against grad_clip)",
+                         bounds="[0, inf)")
+    value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)",
+                            bounds="[0, inf)")
     norm_adv: bool = arg(False, "normalise actor-critic advantages over the batch")
-    critic_max_tokens: int = arg(768, "a critic reads the last N tokens of its input", bounds="[1, inf)")
+    critic_max_tokens: int = arg(768, "a critic reads the last N tokens of its input",
+                                 bounds="[1, inf)")
     # LoRA
     lora_r: int = arg(16, "LoRA rank (paper: 64)", bounds="[1, inf)")
-    lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r", bounds="(0, 1e6]")
-    lora_targets: str = arg(",".join(DEFAULT_TARGETS), "comma-separated names of the linear layers to adapt")
+    lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r",
+                            bounds="(0, 1e6]")
+    lora_targets: str = arg(",".join(DEFAULT_TARGETS),
+                            "comma-separated names of the linear layers to adapt")
     # evaluation, logging, checkpoints
-    eval_every: int = arg(0, "evaluate every E steps, and before and after training (0: only before and "
-                          "after)", bounds="[0, inf)")
-    diag_every: int = arg(1, "per-slot gradients, entropy and output similarity every k steps (0: never)",
-                          bounds="[0, inf)")
-    eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)", bounds="[1, inf)")
-    val_problems: int = arg(0, "validation problems per evaluation, where a peak is chosen (0: none; lab/grid.py "
-                            "uses 48)", bounds="[0, inf)")
-    eval_sampling: str = arg("auto", "evaluation decoding: greedy, sample (at --temperature), or auto = sample "
-                             "for voting only", ("auto", "greedy", "sample"))
-    eval_samples: int = arg(1, "samples per held-out problem when evaluation samples", bounds="[1, inf)")
+    eval_every: int = arg(0, "evaluate every E steps, and before and after training "
+                          "(0: only before and after)", bounds="[0, inf)")
+    diag_every: int = arg(1, "per-slot gradients, entropy and output similarity every k "
+                          "steps (0: never)", bounds="[0, inf)")
+    eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)",
+                             bounds="[1, inf)")
+    val_problems: int = arg(0, "validation problems per evaluation, where a peak is chosen "
+                            "(0: none; lab/grid.py uses 48)", bounds="[0, inf)")
+    eval_sampling: str = arg("auto", "evaluation decoding: greedy, sample (at --temperature), or "
+                             "auto = sample for voting only", ("auto", "greedy", "sample"))
+    eval_samples: int = arg(1, "samples per held-out problem when evaluation samples",
+                            bounds="[1, inf)")
     train_problems: int = arg(256, "size of the training pool", bounds="[1, inf)")
     log_samples: int = arg(2, "episodes per step written to samples.jsonl", bounds="[0, inf)")
-    save_every: int = arg(1, "checkpoint every k steps and at the end: a killed run loses at most k steps",
-                          bounds="[1, inf)")
+    save_every: int = arg(1, "checkpoint every k steps and at the end: "
+                          "a killed run loses at most k steps", bounds="[1, inf)")
     out: str = arg("runs/default", "run directory")
     seed: int = arg(0, "seed of problems, sampling and adapters", bounds="[0, 4294967296)")
     resume: bool = arg(False, "continue the run in --out from its last checkpoint")
-    start_from: str = arg("", "begin RL at the step 0 (warm-up, first evaluation) of the run in this directory "
-                          "(docs/runs.md)")
+    start_from: str = arg("", "begin RL at the step 0 (warm-up, first evaluation) "
+                          "of the run in this directory (docs/runs.md)")
     overwrite: bool = arg(False, "start over in an --out that already holds a run (deletes it)")
     # machine
     device: str = arg("auto", "auto, cpu or cuda")
-    dtype: str = arg("auto", "the frozen base weights: auto = bf16 on CUDA and on CPUs with native bf16, "
-                     "else fp32; adapters are fp32", DTYPES)
+    dtype: str = arg("auto", "the frozen base weights: auto = bf16 on CUDA and on CPUs "
+                     "with native bf16, else fp32; adapters are fp32", DTYPES)
     threads: int = arg(0, "CPU threads of torch; 0 = the free cores, chosen again every step",
                        bounds="[0, inf)")
 
@@ -156,7 +172,8 @@ class Config:
 def parse_config(argv: list[str] | None = None) -> Config:
     # no abbreviations: --resume checks the flags typed, by their full names (launch.typed_flags);
     # --work voting, taken for --workflow, would escape that check
-    every = "--help-all" in (sys.argv[1:] if argv is None else argv)  # the other flags' help, or none
+    # the other flags' help, or none
+    every = "--help-all" in (sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description="Train an LLM workflow end to end with multi-agent GRPO or actor-critic.",
         allow_abbrev=False, usage="%(prog)s [--flag value ...]")
@@ -165,10 +182,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
     for f in dataclasses.fields(Config):
         if f.name in SECTIONS:
             group = parser.add_argument_group(SECTIONS[f.name])
-        shown = "none" if f.default == "" else str(f.default).replace(",", ", ")  # wrap between names
-        help = f"{f.metadata['help']} (default: {shown})" if every or f.name in TUTORIAL else argparse.SUPPRESS
-        kind = (dict(action=argparse.BooleanOptionalAction) if f.type is bool else  # N, X: fewer wrapped lines
-                dict(type=f.type, choices=f.metadata["choices"], metavar={int: "N", float: "X"}.get(f.type)))
+        # wrap between names
+        shown = "none" if f.default == "" else str(f.default).replace(",", ", ")
+        help = (f"{f.metadata['help']} (default: {shown})" if every or f.name in TUTORIAL
+                else argparse.SUPPRESS)
+        kind = (dict(action=argparse.BooleanOptionalAction) if f.type is bool else
+                dict(type=f.type, choices=f.metadata["choices"],
+                     metavar={int: "N", float: "X"}.get(f.type)))  # N, X: fewer wrapped lines
         group.add_argument(f"--{f.name}", default=f.default, help=help, **kind)
     return Config(**vars(parser.parse_args(argv)))
 
