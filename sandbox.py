@@ -1,9 +1,10 @@
-r"""Running untrusted generated code: the isolation layers, and the test harness that runs inside them.
+r"""Running untrusted generated code: the isolation layers, and the test harness that runs
+inside them.
 
-The code reward (reward.py) runs the last python block of a completion against every test of a problem;
-this file is how, without trusting the program. Three test formats: "assert" (a HumanEval `check`, run in
-the candidate's interpreter), "stdio" (stdin -> stdout, one fresh process per test) and "call"
-(fn(*input) == output). run_code() gives a verdict for one program; it never raises.
+The code reward (reward.py) runs the last python block of a completion against every test of a
+problem; this file is how, without trusting the program. Three test formats: "assert" (a HumanEval
+`check`, run in the candidate's interpreter), "stdio" (stdin -> stdout, one fresh process per test)
+and "call" (fn(*input) == output). run_code() gives a verdict for one program; it never raises.
 
 The layers, strongest first:
   - `unshare` (as root, or through a user namespace): its own network (a loopback that is down: no
@@ -12,26 +13,27 @@ The layers, strongest first:
     directory in that /tmp: it can write nowhere on the machine's filesystems, whatever directories
     they hold, and a test's answer leaves through a file the trainer opened for it; when its first
     process exits the kernel kills everything inside, and its scratch space is gone;
-  - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files, and
-    RLIMIT_NPROC counts that run alone;
-  - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory, none of
-    the trainer's environment, stdin closed, output to a file; limits on CPU seconds, address space, file
-    size (which caps the output), processes; a wall-clock timeout, after which the process group is
-    killed; then any process left with the run's uid or marker.
-sandbox() finds, once per process, the strongest combination in which a known-good program passes here.
+  - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files,
+    and RLIMIT_NPROC counts that run alone;
+  - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory,
+    none of the trainer's environment, stdin closed, output to a file; limits on CPU seconds,
+    address space, file size (which caps the output), processes; a wall-clock timeout, after which
+    the process group is killed; then any process left with the run's uid or marker.
+sandbox() finds, once per process, the strongest combination in which a known-good program
+passes here.
 
 The harness is the second half of this file. Each run gets a read-only copy of that half next to its
 working directory (so the sandboxed process needs no read access to the project) and runs it as
-`python -I -S harness.py <report fd>`, with the code, the tests and a random nonce on stdin; the harness
-writes "<nonce> <tests passed>" to an inherited file after the last test returns, and the verdict needs
-that line and exit status 0. Expected outputs of
-stdin/stdout and function-call tests never enter the sandbox: the trainer compares the outputs itself.
-So early exits, fake output, atexit or signal tricks earn nothing. Assert-style tests run in the
-candidate's interpreter: after each call of the candidate the harness puts back every module's
-attributes (builtins, math.isclose, its own helpers), the tests use the prompt's helpers rather than the
-candidate's versions, and a result that is not plain data (an object whose __eq__ always says yes) fails.
-Because the sandbox may run it with another interpreter (the system python3, when a fresh uid cannot
-read the trainer's), the harness keeps to the standard library and to Python 3.8 syntax.
+`python -I -S harness.py <report fd>`, with the code, the tests and a random nonce on stdin; the
+harness writes "<nonce> <tests passed>" to an inherited file after the last test returns, and the
+verdict needs that line and exit status 0. Expected outputs of stdin/stdout and function-call tests
+never enter the sandbox: the trainer compares the outputs itself. So early exits, fake output,
+atexit or signal tricks earn nothing. Assert-style tests run in the candidate's interpreter: after
+each call of the candidate the harness puts back every module's attributes (builtins, math.isclose,
+its own helpers), the tests use the prompt's helpers rather than the candidate's versions, and a
+result that is not plain data (an object whose __eq__ always says yes) fails. Because the sandbox
+may run it with another interpreter (the system python3, when a fresh uid cannot read the
+trainer's), the harness keeps to the standard library and to Python 3.8 syntax.
 
 What is left: without namespaces the network is open, a program can leave files in every
 world-writable directory of the machine (/tmp, /var/tmp, /dev/shm, /run/lock...; as root, under its
@@ -62,11 +64,14 @@ from typing import Protocol
 
 CODE_TIMEOUT = 6.0  # wall-clock seconds per program, all its tests together
 MEMORY_BYTES = 1 << 30  # address space of each process
-FILE_BYTES = 16 << 20  # largest file it may write; also caps its captured output and each stdio answer
-NPROC_MAX = 64  # processes and threads of one run (set where the run has its own uid or user namespace)
+# largest file it may write; also caps its captured output and each stdio answer
+FILE_BYTES = 16 << 20
+# processes and threads of one run (set where the run has its own uid or user namespace)
+NPROC_MAX = 64
 OUTPUT_CHARS = 2000  # head of stdout/stderr kept for logs
 TMP_BYTES = 64 << 20  # size of each private /tmp, /var/tmp and /dev/shm (inside namespaces)
-FRESH_UID_BASE = 1 << 30  # fresh uids are drawn from [2^30, 2^30 + 2^29): far above real and container users
+# fresh uids are drawn from [2^30, 2^30 + 2^29): far above real and container users
+FRESH_UID_BASE = 1 << 30
 
 
 class CodeTests(Protocol):
@@ -74,10 +79,11 @@ class CodeTests(Protocol):
     tests: str  # "assert": Python source; "stdio"/"call": JSON list of {"input", "output"}
     test_format: str  # "assert", "stdio" or "call"
     entry_point: str  # the function the tests call ("assert", "call")
-    setup: str  # run before the candidate's code ("assert"; HumanEval: the prompt, for its imports and helpers)
+    # run before the candidate's code ("assert"; HumanEval: the prompt, for its imports and helpers)
+    setup: str
 
 
-# ----------------------------------------------------------------------------- the trainer's side
+# ----------------------------------------------------------------- the trainer's side
 
 
 @dataclass
@@ -89,14 +95,16 @@ class CodeResult:
     marker: str = ""  # every process of the run has SANDBOX_RUN=<marker> in its environment
 
 
-def run_code(code: str, problem: CodeTests, timeout: float = CODE_TIMEOUT, isolate: bool = True) -> CodeResult:
+def run_code(code: str, problem: CodeTests, timeout: float = CODE_TIMEOUT,
+             isolate: bool = True) -> CodeResult:
     """Run code against all the tests of a code problem in the sandbox; never raises.
     isolate=False skips the namespaces (the rlimits, the fresh uid and the clean-up remain)."""
     sb, marker = sandbox(isolate), secrets.token_hex(8)
     start = time.monotonic()
     try:
         verdict, output = _run(code, problem, timeout, sb, marker)
-    except Exception as e:  # a broken problem or an exhausted machine: no reward, and training goes on
+    # a broken problem or an exhausted machine: no reward, and training goes on
+    except Exception as e:
         verdict, output = f"sandbox error: {type(e).__name__}: {e}"[:300], ""
     return CodeResult(verdict == "passed", verdict, time.monotonic() - start, output, marker)
 
@@ -109,44 +117,52 @@ class Sandbox:
 
 
 # A known-good program that imports modules the harness has not loaded: is the stdlib readable?
-PROBE = SimpleNamespace(tests='[{"input": "", "output": "1"}]', test_format="stdio", entry_point="", setup="")
+PROBE = SimpleNamespace(tests='[{"input": "", "output": "1"}]', test_format="stdio", entry_point="",
+                        setup="")
 PROBE_CODE = "import csv, decimal, heapq\nprint(1)"
 
 
 @functools.lru_cache(maxsize=None)
 def sandbox(isolate: bool = True) -> Sandbox:
-    """The strongest sandbox in which a known-good program passes here; found once per process. The system
-    python3 runs the code when a fresh uid cannot read the trainer's interpreter (pyenv under /root)."""
+    """The strongest sandbox in which a known-good program passes here; found once per process.
+    The system python3 runs the code when a fresh uid cannot read the trainer's interpreter
+    (pyenv under /root)."""
     root = os.geteuid() == 0
     ns = ("unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc")
-    ns += () if root else ("--map-root-user",)  # a user namespace lets an ordinary user create the others
+    # a user namespace lets an ordinary user create the others
+    ns += () if root else ("--map-root-user",)
     pythons = [sys.executable] + [p for p in ("/usr/bin/python3",) if os.path.exists(p)]
     # strongest first: namespaces and own uid, own uid alone, namespaces alone, neither
     prefixes = [ns] if isolate and shutil.which("unshare") else []
     tries = [(p, True) for p in prefixes + [()] if root] + [(p, False) for p in prefixes + [()]]
-    for candidate in (Sandbox(prefix, python, own_uid) for prefix, own_uid in tries for python in pythons):
+    for candidate in (Sandbox(prefix, python, own_uid)
+                      for prefix, own_uid in tries for python in pythons):
         with suppress(Exception):
             if _run(PROBE_CODE, PROBE, 10.0, candidate, "probe")[0] == "passed":
                 return candidate
     return Sandbox((), sys.executable, False)
 
 
-def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str) -> tuple[str, str]:
+def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
+         marker: str) -> tuple[str, str]:
     """One sandboxed run; returns (verdict, head of output)."""
     fmt = problem.test_format
     cases = [] if fmt == "assert" else json.loads(problem.tests)
     if not problem.tests.strip() or (fmt != "assert" and not cases):
         return "no tests", ""  # nothing to pass is not a pass
     uid, nonce = _fresh_uid() if sb.own_uid else None, secrets.token_hex(16)
-    limits = {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": MEMORY_BYTES, "RLIMIT_FSIZE": FILE_BYTES,
-              "RLIMIT_CORE": 0}
-    if uid is not None or sb.prefix:  # elsewhere the count would include every process of the trainer's user
+    limits = {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": MEMORY_BYTES,
+              "RLIMIT_FSIZE": FILE_BYTES, "RLIMIT_CORE": 0}
+    # elsewhere the count would include every process of the trainer's user
+    if uid is not None or sb.prefix:
         limits["RLIMIT_NPROC"] = NPROC_MAX
-    job = {"format": fmt, "code": code, "setup": problem.setup, "nonce": nonce, "entry_point": problem.entry_point,
-           "uid": uid, "limits": limits, "tests": problem.tests if fmt == "assert" else "",
+    job = {"format": fmt, "code": code, "setup": problem.setup, "nonce": nonce,
+           "entry_point": problem.entry_point, "uid": uid, "limits": limits,
+           "tests": problem.tests if fmt == "assert" else "",
            "cases": [c["input"] for c in cases] if fmt == "call" else len(cases),
            "private_tmp": TMP_BYTES if sb.prefix else 0}  # its own mount namespace: private_scratch
-    top = tempfile.mkdtemp(prefix="sandbox-")  # ours: the run cannot rename `work` away and plant a link
+    # ours: the run cannot rename `work` away and plant a link
+    top = tempfile.mkdtemp(prefix="sandbox-")
     work = os.path.join(top, "work")
     try:
         os.chmod(top, 0o711)
@@ -154,9 +170,11 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str
         if uid is not None:
             os.chown(work, uid, uid)
         for i, case in enumerate(cases if fmt == "stdio" else []):
-            with open(f"{work}/in{i}.txt", "w") as f:  # inputs only: expected outputs stay in this process
+            # inputs only: expected outputs stay in this process
+            with open(f"{work}/in{i}.txt", "w") as f:
                 f.write(case["input"])
-        harness = os.path.join(top, "harness.py")  # a copy the run can read, in a directory it cannot write
+        # a copy the run can read, in a directory it cannot write
+        harness = os.path.join(top, "harness.py")
         with open(harness, "w") as f:
             f.write(harness_source())
         os.chmod(harness, 0o444)
@@ -166,9 +184,11 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str
         job["answers"] = [f.fileno() for f in answers]
         with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report:
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "SANDBOX_RUN": marker}
-            proc = subprocess.Popen([*sb.prefix, sb.python, "-I", "-S", harness, str(report.fileno())],
-                                    cwd=work, env=env, stdin=subprocess.PIPE, stdout=log, stderr=log,
-                                    pass_fds=(report.fileno(), *job["answers"]), start_new_session=True)
+            proc = subprocess.Popen([*sb.prefix, sb.python, "-I", "-S", harness,
+                                     str(report.fileno())],
+                                    cwd=work, env=env, stdin=subprocess.PIPE, stdout=log,
+                                    stderr=log, pass_fds=(report.fileno(), *job["answers"]),
+                                    start_new_session=True)
             try:
                 proc.communicate(json.dumps(job).encode(), timeout=timeout)
                 verdict = None
@@ -181,7 +201,8 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str
                 _sweep(uid, marker)
             report.seek(0)
             log.seek(0)
-            verdict = verdict or _verdict(proc.returncode, report.read(), nonce, problem, cases, answers)
+            verdict = verdict or _verdict(proc.returncode, report.read(), nonce, problem,
+                                          cases, answers)
             return verdict, log.read(OUTPUT_CHARS).decode(errors="replace")
     finally:
         for f in locals().get("answers", []):
@@ -189,7 +210,8 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox, marker: str
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _verdict(status: int, report: bytes, nonce: str, problem: CodeTests, cases: list[dict], answers: list) -> str:
+def _verdict(status: int, report: bytes, nonce: str, problem: CodeTests, cases: list[dict],
+             answers: list) -> str:
     """Believe the run only if the harness vouched for every test; then check the answers here."""
     lines = report.split(b"\n")[:-1]  # the harness ends each line with a newline
     n = 1 if problem.test_format == "assert" else len(cases)
@@ -255,7 +277,8 @@ def _sweep(uid: int | None, marker: str) -> None:
     key = f"SANDBOX_RUN={marker}".encode()
     for _ in range(50):  # a fork bomb refills while we kill: repeat until a pass finds nothing
         left = [pid for pid, owner, state in _processes() if state != "Z" and pid != os.getpid() and
-                (owner == uid if uid is not None else owner == os.getuid() and key in _environ(pid))]
+                (owner == uid if uid is not None
+                 else owner == os.getuid() and key in _environ(pid))]
         if not left:
             return
         for pid in left:
@@ -265,14 +288,15 @@ def _sweep(uid: int | None, marker: str) -> None:
 
 
 def _fresh_uid() -> int:
-    """A uid that no process has: RLIMIT_NPROC counts this run alone, and what it leaves is found by uid."""
+    """A uid that no process has: RLIMIT_NPROC counts this run alone, and what it leaves is found
+    by uid."""
     taken = {owner for _, owner, _ in _processes()}
     while (uid := FRESH_UID_BASE + secrets.randbelow(1 << 29)) in taken:
         pass
     return uid
 
 
-HARNESS_START = "# " + "-" * 77 + " the harness (inside the sandbox)\n"
+HARNESS_START = "# " + "-" * 65 + " the harness (inside the sandbox)\n"
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,11 +307,12 @@ def harness_source() -> str:
     return source[source.index(HARNESS_START):]
 
 
-# ----------------------------------------------------------------------------- the harness (inside the sandbox)
-# Runs as `python -I -S harness.py <report fd>`, a copy of this part of the file alone, with these imports
-# and nothing of the trainer's side above. It reads its job (code, tests, nonce, limits, uid) from stdin,
-# applies the limits, drops to the uid, runs the tests, then writes "<nonce> <tests passed>" to the report
-# fd and exits 0. Any failure exits 1 with no such line. It may run on the system python3: Python 3.8 syntax.
+# ----------------------------------------------------------------- the harness (inside the sandbox)
+# Runs as `python -I -S harness.py <report fd>`, a copy of this part of the file alone, with these
+# imports and nothing of the trainer's side above. It reads its job (code, tests, nonce, limits,
+# uid) from stdin, applies the limits, drops to the uid, runs the tests, then writes
+# "<nonce> <tests passed>" to the report fd and exits 0. Any failure exits 1 with no such line. It
+# may run on the system python3: Python 3.8 syntax.
 import ast, builtins, functools, json, os, resource, sys, traceback, types  # noqa: E401, E402, F811
 
 # Captured when the harness starts, before any candidate code can patch the originals.
@@ -302,14 +327,16 @@ def plain(x, depth=0):
         return True
     if depth < 20 and any(t is c for c in (list, tuple, set, frozenset)):
         return all(plain(v, depth + 1) for v in x)
-    return depth < 20 and t is dict and all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in x.items())
+    return depth < 20 and t is dict and all(plain(k, depth + 1) and plain(v, depth + 1)
+                                            for k, v in x.items())
 
 
 def preload(source):
     """Import what the tests import, so that the snapshot covers those modules too."""
     for node in ast.walk(ast.parse(source)):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-        names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        names += ([node.module] if isinstance(node, ast.ImportFrom) and node.module and
+                  not node.level else [])
         for name in names:
             try:
                 __import__(name)
@@ -319,14 +346,16 @@ def preload(source):
 
 def snapshot(*extra):
     """Copies of the attributes of every loaded module: builtins, math, this file..."""
-    dicts = [vars(m) for m in list(sys.modules.values()) if isinstance(m, types.ModuleType) and m is not sys]
+    dicts = [vars(m) for m in list(sys.modules.values())
+             if isinstance(m, types.ModuleType) and m is not sys]
     return [(d, dict(d)) for d in dicts + list(extra)]
 
 
 def checked(fn, saved, *args, **kwargs):
     """What the tests call instead of the candidate's function."""
     result = fn(*args, **kwargs)
-    for d, copy in saved:  # undo what it patched (abs, math.isclose, plain...), reading no global name
+    # undo what it patched (abs, math.isclose, plain...), reading no global name
+    for d, copy in saved:
         d.clear()
         d.update(copy)
     settrace(None)  # a trace function could make the caller jump over its asserts
@@ -399,7 +428,8 @@ def run_call(job, report):
 
 # mount(2) flags: a remount keeps a mount's own flags (a user namespace may not drop them)
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
-KEPT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+KEPT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
+              "relatime": 1 << 21}
 
 
 def private_scratch(size, uid):
@@ -409,16 +439,19 @@ def private_scratch(size, uid):
     that scratch space, which vanishes with it (and into the answer files the trainer handed it)."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+    libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                           ctypes.c_char_p)
     with open("/proc/self/mountinfo") as f:
         mounts = [line.split() for line in f]
-    for fields in mounts:  # fields[4]: the mount point (octal escapes for spaces), fields[5]: its options
+    # fields[4]: the mount point (octal escapes for spaces), fields[5]: its options
+    for fields in mounts:
         point = fields[4].encode().decode("unicode_escape").encode("latin-1")
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for option in fields[5].split(","):
             flags |= KEPT_FLAGS.get(option, 0)
         if libc.mount(None, point, None, flags, None) != 0 and os.path.ismount(point):
-            raise OSError(ctypes.get_errno(), "cannot make %s read-only" % point.decode(errors="replace"))
+            raise OSError(ctypes.get_errno(),
+                          "cannot make %s read-only" % point.decode(errors="replace"))
     for path in ("/tmp", "/var/tmp", "/dev/shm"):
         if os.path.isdir(path) and libc.mount(b"tmpfs", path.encode(), b"tmpfs", 0,
                                                b"size=%d,mode=1777" % size) != 0:
@@ -445,7 +478,8 @@ def harness(report):
         os.setgroups([])
         os.setgid(job["uid"])
         os.setuid(job["uid"])
-    passed = {"assert": run_assert, "stdio": run_stdio, "call": run_call}[job["format"]](job, report)
+    passed = {"assert": run_assert, "stdio": run_stdio,
+              "call": run_call}[job["format"]](job, report)
     write(report, b"%s %d\n" % (nonce, passed))  # bytes formatting: nothing the candidate can patch
     try:
         sys.stdout.flush()
