@@ -4,19 +4,16 @@
     python -m lab.bench --model Qwen/Qwen3-1.7B --device cuda --json bench.json
     python -m lab.bench --model random:qwen3-0.6b --device cuda  # its shape, random weights: no hub
 
-Each timed figure is the median of --repeats runs after a warm-up, and runs that
-are compared alternate (A B C A B C ...), so a machine that slows down slows all
-of them. Sections:
+Each timed figure is the median of --repeats runs after a warm-up, and runs that are compared
+alternate (A B C A B C ...), so a machine that slows down slows all of them. Sections:
 
-  generate   one workflow stage: the default step's first, 16 generator calls.
-             transformers' own `generate` on the base model (the LoRA layers taken
-             out) against the rollout (Rollout.__call__, decode.py) with its
-             adapter merged into the weights, as training runs it, and with the
-             low-rank path on every token. A fresh adapter is an exact no-op, so
-             under greedy decoding all three write the same tokens (checked once);
-             the timed runs sample, each with its own sampler. rollout / raw is what
-             the rollout's decode gains over `generate`, net of its own costs
-             (merging, chat template, tokenizer, records).
+  generate   one workflow stage: the default step's first, 16 generator calls. transformers' own
+             `generate` on the base model (the LoRA layers taken out) against the rollout
+             (Rollout.__call__, decode.py) with its adapter merged into the weights, as training
+             runs it, and with the low-rank path on every token. A fresh adapter is an exact no-op,
+             so under greedy decoding all three write the same tokens (checked once); the timed runs
+             sample, each with its own sampler. rollout / raw is what the rollout's decode gains
+             over `generate`, net of its own costs (merging, chat template, tokenizer, records).
   old logp   the no-grad pass that gives pi_old for the stage's completions; the
              update skips it for its first mini-batch (grpo.py)
   update     forward + backward of the policy loss, per completion token
@@ -24,286 +21,39 @@ of them. Sections:
              its metrics.jsonl logs it: rollout, old log-probs, update, evaluation
   sharing    one Voting rollout (2 episodes of one problem), then its update under
              one shared adapter and under one adapter per role type, alternating
-  throughput what the machine allows and how near each part runs to it: the peak of a
-             large matrix product in fp32 and bf16, memory bandwidth from a large
-             copy; then tokens/s of one generator stage by batch size and dtype (the
-             rollout's decode, and transformers' generate beside it), and of the
-             update's forward + backward, each
-             with its arithmetic rate (2 x parameters FLOP per generated token, 4 x
-             per trained position: the frozen weights get no gradient of their own)
-             against the peak; on CUDA the CUDA graph's decode beside the CPU's loop
-             ("loop"), and milliseconds a decoding step against reading the weights once
+  throughput what the machine allows and how near each part runs to it: the peak of a large matrix
+             product in fp32 and bf16, memory bandwidth from a large copy; then tokens/s of one
+             generator stage by batch size and dtype (the rollout's decode, and transformers'
+             generate beside it), and of the update's forward + backward, each with its arithmetic
+             rate (2 x parameters FLOP per generated token, 4 x per trained position: the frozen
+             weights get no gradient of their own) against the peak; on CUDA the CUDA graph's decode
+             beside the CPU's loop ("loop"), and milliseconds a decoding step against reading the
+             weights once
 
 Memory is the peak over each part: the allocator's on CUDA, the process's resident
-set on CPU (reset between parts through /proc/self/clear_refs where Linux allows).
+set on CPU (reset between parts through /proc/self/clear_refs where Linux allows). The parts
+are lab/timings.py's; this file is the command, its checks and its table.
 """
 import argparse
 import json
 import os
-import random
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from contextlib import contextmanager
 
 import torch
 
-from decode import decode
-from grpo import UpdateSettings, policy_update
-from lab.machine import alternate, check_device, pick_threads, sync, timed
+from lab.machine import check_device, pick_threads
 from lab.settings import TASK_TOKENS, Config
-from lora import LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora, merged_adapter
-from model import cpu_has_bf16, load_policy, resolve_dtype
-from rollout import Rollout, chat_text, old_logprobs
+from lab.timings import (generation, machine_limits, ratio, sharing, step_parts, throughput,
+                         train_step, update_parts)
+from lora import add_adapter, inject_lora
+from model import load_policy, resolve_dtype
 from tasks import DEFAULT_LEVEL, load_task
-from workflows import chat, run_workflow
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
+from workflows import chat
 
 
 # ----------------------------------------------------------------------------
-# The parts
-
-
-@contextmanager
-def without_lora(model):
-    """The plain base model: every LoRALinear replaced by the nn.Linear it wraps, then put back."""
-    swapped = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, LoRALinear):
-                setattr(parent, name, child.base)
-                swapped.append((parent, name, child))
-    try:
-        yield
-    finally:
-        for parent, name, child in swapped:
-            setattr(parent, name, child)
-
-
-def raw_generate(model, tok, chats, max_new_tokens: int, temperature: float, seed: int, greedy: bool = False):
-    """transformers' generate on the base model, with the rollout's exact input and sampling settings."""
-    enc = tok([chat_text(tok, c) for c in chats], return_tensors="pt", padding=True,
-              add_special_tokens=False).to(model.device)
-    torch.manual_seed(seed)
-    with torch.no_grad(), without_lora(model):
-        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature,
-                                                             top_p=1.0, top_k=0)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, **sampling,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return out[:, enc.input_ids.shape[1]:]  # (B, T)
-
-
-def rollout_stage(model, tok, chats, max_new_tokens: int, temperature: float, seed: int, merge: bool,
-                  greedy: bool = False, decoder=None):
-    """The project's rollout of one generator stage under the (fresh) shared adapter."""
-    rollout = Rollout(model, tok, "shared", max_new_tokens=max_new_tokens, temperature=temperature,
-                      merge=merge, greedy=greedy, decoder=decoder)
-    torch.manual_seed(seed)
-    rollout("generator", ["generator"] * len(chats), list(range(len(chats))), chats)
-    return rollout.calls
-
-
-def same_tokens(raw: torch.Tensor, calls) -> bool:
-    """Whether the rollout's completions are the raw generate's, cut at their first eos."""
-    return all(raw[i, : len(c.completion_ids)].tolist() == c.completion_ids for i, c in enumerate(calls))
-
-
-def generation(model, tok, device: str, chats, cfg: Config, repeats: int) -> dict:
-    """One stage three ways (raw, merged, low-rank), alternating; their greedy tokens once; and
-    merging alone."""
-    T, temp = cfg.max_new_tokens, cfg.temperature
-    greedy = raw_generate(model, tok, chats, T, temp, cfg.seed, greedy=True)
-    same = all(same_tokens(greedy, rollout_stage(model, tok, chats, T, temp, cfg.seed, merge, greedy=True))
-               for merge in (True, False))
-    runs = {"raw": lambda: raw_generate(model, tok, chats, T, temp, cfg.seed),
-            "merged": lambda: rollout_stage(model, tok, chats, T, temp, cfg.seed, merge=True),
-            "low_rank": lambda: rollout_stage(model, tok, chats, T, temp, cfg.seed, merge=False)}
-    warmups = [lambda: raw_generate(model, tok, chats[:2], 4, temp, cfg.seed),
-               lambda: rollout_stage(model, tok, chats[:2], 4, temp, cfg.seed, merge=True),
-               lambda: rollout_stage(model, tok, chats[:2], 4, temp, cfg.seed, merge=False)]
-    r = alternate(device, runs, repeats, warmups)
-    results = {name: r[name].pop("result") for name in r}
-    calls = results["merged"]
-    merge_seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        with merged_adapter(model, "shared"):
-            sync(device)
-        sync(device)
-        merge_seconds.append(time.perf_counter() - start)
-    for name, result in results.items():  # every row runs every decode step, finished or not
-        steps = result.shape[1] if name == "raw" else max(len(c.completion_ids) for c in result)
-        r[name]["tokens_per_s"] = len(chats) * steps / r[name]["seconds"]
-    return {**r, "same_greedy_tokens": same, "calls": calls,
-            "rollout_over_raw": ratio(r["merged"], r["raw"]),
-            "low_rank_over_raw": ratio(r["low_rank"], r["raw"]),
-            "merge_extra_mb": r["merged"]["peak_mb"] - r["low_rank"]["peak_mb"],
-            "merge_seconds": statistics.median(merge_seconds),
-            "prompt_padding": prompt_padding(calls)}
-
-
-def ratio(a: dict, b: dict) -> float:
-    """Median over rounds of a's time over b's in the same round (neighbours in time share
-    the machine's state, so their ratio is steadier than a ratio of medians)."""
-    return statistics.median(x / y for x, y in zip(a["all"], b["all"]))
-
-
-def prompt_padding(calls) -> float:
-    """Share of the stage's prompt positions that are left padding."""
-    P = max(len(c.prompt_ids) for c in calls)
-    return 1 - sum(len(c.prompt_ids) for c in calls) / (P * len(calls))
-
-
-def update_parts(model, tok, device: str, calls, cfg: Config, repeats: int) -> dict:
-    """The old-log-prob pass and one update over `calls` (one mini-batch, on-policy)."""
-    for i, c in enumerate(calls):
-        c.advantage = 1.0 if i % 2 else -1.0
-    params = adapter_parameters(model, "shared")
-    for p in params:
-        p.requires_grad_(True)
-        p.grad = torch.zeros_like(p)
-    frozen = torch.optim.SGD(params, lr=0.0)  # measure the work, keep the adapter a no-op
-    settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=len(calls),
-                              micro_batch_tokens=cfg.micro_batch_tokens)
-    def old_logp(calls):
-        return lambda: old_logprobs(model, calls, "shared", tok.pad_token_id, cfg.temperature,
-                                    cfg.micro_batch_tokens)
-
-    def update(calls):
-        return lambda: policy_update(model, "shared", calls, frozen, random.Random(0), tok.pad_token_id,
-                                     settings, per_slot=False)
-    r = alternate(device, {"old_logp": old_logp(calls), "update": update(calls)}, repeats,
-                  [old_logp(calls[:2]), update(calls[:2])])
-    tokens = sum(len(c.completion_ids) for c in calls)
-    for name in r:
-        r[name].pop("result")
-        r[name]["tokens_per_s"] = tokens / r[name]["seconds"]
-    return r
-
-
-def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats: int) -> dict:
-    """Voting's rollout, then its update under one shared adapter and under one adapter per role
-    type, on the same calls. Fresh adapters are no-ops, so isolated adapters would have written
-    the same tokens; the update's work is the same calls with the same advantages."""
-    for name in ("generator", "aggregator"):
-        add_adapter(model, name)
-    rollout = Rollout(model, tok, "shared", max_new_tokens=cfg.max_new_tokens,
-                      temperature=cfg.temperature)
-    torch.manual_seed(cfg.seed)
-    seconds, rollout_mb, _ = timed(device, lambda: run_workflow("voting", questions, rollout, "math",
-                                                                n_agents=cfg.n_agents))
-    calls = rollout.calls
-    for i, c in enumerate(calls):
-        c.advantage = 1.0 if i % 2 else -1.0
-    optimizers = {}
-    for name in ("shared", "generator", "aggregator"):  # lr 0: the work of a step, no movement
-        params = adapter_parameters(model, name)
-        for p in params:
-            p.requires_grad_(True)
-            p.grad = torch.zeros_like(p)
-        optimizers[name] = torch.optim.AdamW(params, lr=0.0)
-    settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
-                              micro_batch_tokens=cfg.micro_batch_tokens)
-
-    def update(mode: str, calls: list):
-        def run():
-            for name in sorted({adapter_for(c.role, mode) for c in calls}):
-                mine = [c for c in calls if adapter_for(c.role, mode) == name]
-                policy_update(model, name, mine, optimizers[name], random.Random(0), tok.pad_token_id,
-                              settings, per_slot=True)  # per-slot gradients, as train.py's default
-        return run
-    few = [c for c in calls if c.episode == 0]
-    r = alternate(device, {"shared": update("shared", calls), "isolated": update("isolated", calls)},
-                  repeats, [update("shared", few), update("isolated", few)])
-    for name in r:
-        r[name].pop("result")
-    per_adapter = sum(p.numel() for p in adapter_parameters(model, "shared")) * 4 * 4 / 2**20
-    return {**r, "rollout_seconds": seconds, "rollout_peak_mb": rollout_mb, "calls": len(calls),
-            "update_ratio": ratio(r["isolated"], r["shared"]),
-            "adapter_state_mb": per_adapter,  # fp32 weights, gradient, AdamW's two moments
-            "adapters": {"shared": 1, "isolated": len({c.role for c in calls})}}
-
-
-def train_step(args, threads: int, out: str, flags: list[str]) -> dict:
-    """One training step of train.py in a fresh process; its metrics.jsonl row of step 1."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "1", "--model", args.model,
-           "--device", args.device, "--threads", str(threads), "--out", out, "--overwrite", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"bench: {' '.join(cmd[1:])} failed: {done.stderr.strip().splitlines()[-1:]}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f][-1]
-
-
-def step_parts(row: dict) -> dict:
-    update = row["time/update"] - row["time/old_logp"]
-    return {"rollout": row["time/rollout"], "old_logp": row["time/old_logp"], "update": update,
-            "eval": row.get("time/eval", 0.0), "peak_mb": row["mem/peak_mb"]}
-
-
-def machine_limits(device: str, repeats: int) -> dict:
-    """Peak GFLOP/s of a 2048 x 2048 matrix product in fp32 and bf16, and GB/s of copying
-    256 MiB (read once, written once)."""
-    out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = (torch.randn(2048, 2048, device=device).to(dtype) for _ in range(2))
-        r = alternate(device, {name: lambda: a @ b}, repeats, [lambda: a @ b])
-        out[f"matmul_{name}_gflops"] = 2 * 2048 ** 3 / r[name]["seconds"] / 1e9
-    src = torch.empty(2 ** 26, device=device)  # 256 MiB of fp32
-    dst = torch.empty_like(src)
-    r = alternate(device, {"copy": lambda: dst.copy_(src)}, repeats, [lambda: dst.copy_(src)])
-    out["copy_gbs"] = 2 * src.numel() * 4 / r["copy"]["seconds"] / 1e9
-    return out
-
-
-def throughput(args, device: str, questions: list[str], cfg: Config, batches: list[int]) -> dict:
-    """Tokens/s of one generator stage by batch size and dtype, and of the update's forward and
-    backward, alternating the dtypes; bf16 only where the device computes in it natively."""
-    dtypes = ["fp32", "bf16"] if device.startswith("cuda") or cpu_has_bf16() else ["fp32"]
-    models = {}
-    for d in dtypes:
-        model, tok = load_policy(args.model, device, d)
-        inject_lora(model, cfg.lora_r, cfg.lora_alpha)
-        add_adapter(model, "shared")
-        models[d] = model
-    n_params = sum(p.numel() for n, p in models["fp32"].named_parameters() if "lora_" not in n)
-    weight_bytes = {d: sum(p.numel() * p.element_size() for n, p in models[d].named_parameters()
-                           if "lora_" not in n) for d in dtypes}
-    T, fig = cfg.max_new_tokens, {"params": n_params, "dtypes": dtypes, "generate": {}, "weight_bytes": weight_bytes}
-    for B in batches:
-        chats = [chat("math", "generator", question=questions[i % len(questions)]) for i in range(B)]
-        runs, warmups = {}, []
-        for d in dtypes:  # the rollout's decode, and transformers' generate as it was before
-            runs[f"decode {d}"] = lambda m=models[d]: rollout_stage(m, tok, chats, T, cfg.temperature, cfg.seed, True)
-            if device.startswith("cuda"):  # the CUDA graph's, and the CPU's loop beside it
-                runs[f"loop {d}"] = lambda m=models[d]: rollout_stage(m, tok, chats, T, cfg.temperature,
-                                                                      cfg.seed, True, decoder=decode)
-            runs[f"generate {d}"] = lambda m=models[d]: raw_generate(m, tok, chats, T, cfg.temperature, cfg.seed)
-            warmups.append(lambda m=models[d]: rollout_stage(m, tok, chats[:2], 4, 1.0, 0, True))
-        r = alternate(device, runs, args.repeats, warmups)
-        fig["generate"][B] = {name: B * T / r[name]["seconds"] for name in runs}
-    calls = rollout_stage(models["fp32"], tok, chats[:16], T, cfg.temperature, cfg.seed, merge=True)
-    for i, c in enumerate(calls):
-        c.advantage = 1.0 if i % 2 else -1.0
-    trained = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)  # every position's forward
-    settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=len(calls),
-                              micro_batch_tokens=cfg.micro_batch_tokens)
-    runs = {}
-    for d in dtypes:
-        params = adapter_parameters(models[d], "shared")
-        for p in params:
-            p.requires_grad_(True)
-            p.grad = torch.zeros_like(p)
-        frozen = torch.optim.SGD(params, lr=0.0)
-        runs[d] = (lambda m=models[d], o=frozen: policy_update(m, "shared", calls, o, random.Random(0),
-                                                                tok.pad_token_id, settings, per_slot=False))
-    r = alternate(device, runs, args.repeats, [])
-    fig["update"] = {d: trained / r[d]["seconds"] for d in dtypes}
-    fig["update_positions"] = trained
-    return fig
+# The table
 
 
 def throughput_lines(fig: dict) -> list[str]:
@@ -312,64 +62,71 @@ def throughput_lines(fig: dict) -> list[str]:
     # per token: a forward pass is 2 FLOP a parameter; backward adds 2 for the gradient of the
     # input (the frozen weights need none of their own; LoRA's few parameters are left out)
     gflop = {"generate": 2 * t["params"] / 1e9, "update": 4 * t["params"] / 1e9}
-    lines = ["", f"throughput against the machine: a 2048^3 matmul peaks at {peak['fp32']:.0f} GFLOP/s fp32, "
-             f"{peak['bf16']:.0f} bf16; copying 256 MiB runs at {lim['copy_gbs']:.1f} GB/s",
+    lines = ["", "throughput against the machine: a 2048^3 matmul peaks at "
+             f"{peak['fp32']:.0f} GFLOP/s fp32, {peak['bf16']:.0f} bf16; copying 256 MiB runs at "
+             f"{lim['copy_gbs']:.1f} GB/s",
              f"  generate, one generator stage ({fig['new_tokens']} new tokens), tokens/s "
              f"(GFLOP/s at {gflop['generate']:.2f} GFLOP a token, % of the dtype's peak):"]
     # a step of B rows writes B tokens; its floor is reading every weight once at the copy's rate
     floor = {d: 1e3 * t["weight_bytes"][d] / (lim["copy_gbs"] * 1e9) for d in t["dtypes"]}
-    lines.append("    ms a decoding step = 1000 x rows / tokens/s (prefill included); reading the weights once "
-                 "takes " + ", ".join(f"{floor[d]:.3f} ms in {d}" for d in t["dtypes"]))
+    lines.append("    ms a decoding step = 1000 x rows / tokens/s (prefill included); "
+                 "reading the weights once takes "
+                 + ", ".join(f"{floor[d]:.3f} ms in {d}" for d in t["dtypes"]))
     for B, row in t["generate"].items():
         for sampler in ("decode", "loop", "generate"):
             if f"{sampler} fp32" not in row:
                 continue
-            cells = [f"{d} {row[f'{sampler} {d}']:8.1f} ({1e3 * int(B) / row[f'{sampler} {d}']:6.2f} ms, "
+            cells = [f"{d} {row[f'{sampler} {d}']:8.1f} "
+                     f"({1e3 * int(B) / row[f'{sampler} {d}']:6.2f} ms, "
                      f"{row[f'{sampler} {d}'] * gflop['generate']:6.1f}, "
-                     f"{100 * row[f'{sampler} {d}'] * gflop['generate'] / peak[d]:4.1f}%)" for d in t["dtypes"]]
+                     f"{100 * row[f'{sampler} {d}'] * gflop['generate'] / peak[d]:4.1f}%)"
+                     for d in t["dtypes"]]
             lines.append(f"    batch {int(B):4d}, {sampler:8s}: " + " | ".join(cells))
-    cells = [f"{d} {v:6.1f} ({v * gflop['update']:5.1f}, {100 * v * gflop['update'] / peak[d]:4.1f}%)"
-             for d, v in t["update"].items()]
-    lines.append(f"  update, forward + backward over {t['update_positions']} positions of 16 calls, "
-                 "positions/s: " + " | ".join(cells))
+    cells = [f"{d} {v:6.1f} ({v * gflop['update']:5.1f}, "
+             f"{100 * v * gflop['update'] / peak[d]:4.1f}%)" for d, v in t["update"].items()]
+    lines.append(f"  update, forward + backward over {t['update_positions']} positions "
+                 "of 16 calls, positions/s: " + " | ".join(cells))
     return lines
-
-
-# ----------------------------------------------------------------------------
-# The table
 
 
 def report(fig: dict, device_name: str) -> str:
     g, u = fig["generate"], fig["update"]
     lines = [f"bench on {device_name}, model {fig['model']}, {fig['threads']} thread(s); "
-             f"medians of {fig['repeats']} alternating runs",
-             "",
-             f"generate one stage: {fig['rows']} calls x {fig['new_tokens']} new tokens"
-             f" (prompts {fig['prompt_tokens']} tokens, {100 * g['prompt_padding']:.0f}% of them padding)",
-             f"  {'':28s}{'seconds':>9s}{'tokens/s':>10s}{'vs raw':>8s}{'peak MiB':>10s}   (vs raw: median of"
-             " the rounds' ratios)"]
-    for name, label in [("raw", "transformers generate (raw)"), ("merged", "rollout, adapter merged"),
+             f"medians of {fig['repeats']} alternating runs", "",
+             f"generate one stage: {fig['rows']} calls x {fig['new_tokens']} new tokens (prompts"
+             f" {fig['prompt_tokens']} tokens, {100 * g['prompt_padding']:.0f}% of them padding)",
+             f"  {'':28s}{'seconds':>9s}{'tokens/s':>10s}{'vs raw':>8s}{'peak MiB':>10s}"
+             "   (vs raw: median of the rounds' ratios)"]
+    for name, label in [("raw", "transformers generate (raw)"),
+                        ("merged", "rollout, adapter merged"),
                         ("low_rank", "rollout, low-rank path")]:
         r = g[name]
         lines.append(f"  {label:28s}{r['seconds']:9.2f}{r['tokens_per_s']:10.1f}"
                      f"{ratio(r, g['raw']):8.3f}{r['peak_mb']:10.0f}")
     lines.append(f"  merging and restoring the weights: {g['merge_seconds']:.2f} s per stage")
     lines.append(f"  same greedy tokens in all three: {g['same_greedy_tokens']}; runs (s): "
-                 + "; ".join(f"{n} {', '.join(f'{x:.2f}' for x in g[n]['all'])}" for n in ("raw", "merged", "low_rank")))
-    lines += ["", f"update over every second call of the stage ({fig['update_tokens']} completion tokens)",
-              f"  old log-prob pass   {u['old_logp']['seconds']:6.2f} s  {u['old_logp']['tokens_per_s']:7.1f} tokens/s",
-              f"  forward + backward  {u['update']['seconds']:6.2f} s  {u['update']['tokens_per_s']:7.1f} tokens/s"]
+                 + "; ".join(f"{n} {', '.join(f'{x:.2f}' for x in g[n]['all'])}"
+                             for n in ("raw", "merged", "low_rank")))
+    lines += ["", "update over every second call of the stage "
+              f"({fig['update_tokens']} completion tokens)",
+              f"  old log-prob pass   {u['old_logp']['seconds']:6.2f} s  "
+              f"{u['old_logp']['tokens_per_s']:7.1f} tokens/s",
+              f"  forward + backward  {u['update']['seconds']:6.2f} s  "
+              f"{u['update']['tokens_per_s']:7.1f} tokens/s"]
     s = fig.get("step")
-    lines += [] if s is None else ["", f"one default training step (train.py {' '.join(fig['step_flags'])}):",
-              f"  rollout {s['rollout']:.1f} s | old log-probs {s['old_logp']:.1f} s | update {s['update']:.1f} s"
-              f" | eval of {fig['step_eval_problems']} problems {s['eval']:.1f} s | peak {s['peak_mb']:.0f} MiB"]
+    lines += [] if s is None else ["",
+              f"one default training step (train.py {' '.join(fig['step_flags'])}):",
+              f"  rollout {s['rollout']:.1f} s | old log-probs {s['old_logp']:.1f} s | update "
+              f"{s['update']:.1f} s | eval of {fig['step_eval_problems']} problems "
+              f"{s['eval']:.1f} s | peak {s['peak_mb']:.0f} MiB"]
     v = fig.get("sharing")
     if v is not None:
-        lines += ["", f"Voting, {v['calls']} calls: rollout {v['rollout_seconds']:.1f} s (the same stages under "
-                  "either sharing), then the update:",
+        lines += ["", f"Voting, {v['calls']} calls: rollout {v['rollout_seconds']:.1f} s "
+                  "(the same stages under either sharing), then the update:",
                   f"  {'':10s}{'seconds':>9s}{'peak MiB':>10s}{'adapters':>10s}"]
         for name in ("shared", "isolated"):
-            lines.append(f"  {name:10s}{v[name]['seconds']:9.2f}{v[name]['peak_mb']:10.0f}{v['adapters'][name]:10d}")
+            lines.append(f"  {name:10s}{v[name]['seconds']:9.2f}{v[name]['peak_mb']:10.0f}"
+                         f"{v['adapters'][name]:10d}")
         lines.append(f"  isolated / shared update time {v['update_ratio']:.2f}; each adapter holds "
                      f"{v['adapter_state_mb']:.1f} MiB (weights, gradient, AdamW's two moments)")
     if "throughput" in fig:
@@ -384,10 +141,12 @@ def make_parser() -> argparse.ArgumentParser:
                    "(-1.7b, -4b: random weights), or a HF id/path")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--repeats", type=int, default=4, help="timed runs of each alternating part")
-    p.add_argument("--problems", type=int, default=4, help="problems of the stage (x 4 episodes each)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = chosen as train.py does")
-    p.add_argument("--dtype", default="auto", help="base weights of the first parts: auto, fp32 or bf16 "
-                   "(as train.py's --dtype; the throughput part measures both)")
+    p.add_argument("--problems", type=int, default=4,
+                   help="problems of the stage (x 4 episodes each)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads; 0 = chosen as train.py does")
+    p.add_argument("--dtype", default="auto", help="base weights of the first parts: "
+                   "auto, fp32 or bf16 (as train.py's --dtype; the throughput part measures both)")
     p.add_argument("--batches", default="16,32,64", help="batch sizes of the throughput part")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: step, sharing, "
                    "throughput")
@@ -398,26 +157,30 @@ def make_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list[int]]:
     """Every flag, before a model loads or a part runs: the parts to skip and the batch sizes."""
     if args.repeats < 1 or not 1 <= args.problems <= pool_size:
-        raise SystemExit(f"bench: --repeats must be at least 1 and --problems from 1 to {pool_size} "
-                         f"(the training pool), got {args.repeats} and {args.problems}")
+        raise SystemExit(f"bench: --repeats must be at least 1 and --problems from 1 to "
+                         f"{pool_size} (the training pool), got {args.repeats} and {args.problems}")
     cores = len(os.sched_getaffinity(0))
     if not 0 <= args.threads <= cores:
-        raise SystemExit(f"bench: --threads {args.threads}: from 0 (chosen as train.py does) to {cores}, "
-                         "the cores this process may use")
+        raise SystemExit(f"bench: --threads {args.threads}: from 0 (chosen as train.py does) to "
+                         f"{cores}, the cores this process may use")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     parts = {"step", "sharing", "throughput"}
     if skip - parts:
-        raise SystemExit(f"bench: --skip {','.join(sorted(skip - parts))}: choose from step, sharing, throughput")
+        raise SystemExit(f"bench: --skip {','.join(sorted(skip - parts))}: "
+                         "choose from step, sharing, throughput")
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
-        raise SystemExit(f"bench: --batches {args.batches!r}: give batch sizes as 16,32,64") from None
+        raise SystemExit(f"bench: --batches {args.batches!r}: "
+                         "give batch sizes as 16,32,64") from None
     if any(b < 1 for b in batches):
         raise SystemExit(f"bench: --batches {args.batches}: every batch size must be at least 1")
     check_device(args.device)
     folder = os.path.dirname(os.path.abspath(args.json))
-    if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
-        why = "is a directory" if os.path.isdir(args.json) else f"cannot be written: {folder} is missing or read-only"
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder)
+                      or not os.access(folder, os.W_OK)):
+        why = ("is a directory" if os.path.isdir(args.json)
+               else f"cannot be written: {folder} is missing or read-only")
         raise SystemExit(f"bench: --json {args.json} {why}; name a file in a writable directory")
     return skip, batches
 
@@ -425,11 +188,13 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
 def main(argv: list[str] | None = None) -> dict:
     args = make_parser().parse_args(argv)
     skip, batches = check_args(args, Config().train_problems)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = (("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
+              else args.device)
     args.device = device
     threads = pick_threads(args.threads, own_load=0.0)
     torch.set_num_threads(threads)
-    cfg = Config(model=args.model, max_new_tokens=TASK_TOKENS["math"])  # the stage it times is math's
+    # the stage it times is math's
+    cfg = Config(model=args.model, max_new_tokens=TASK_TOKENS["math"])
     resolve_dtype(args.dtype, device, args.model)  # a bad --dtype stops before any model loads
     model, tok = load_policy(args.model, device, args.dtype)
     inject_lora(model, cfg.lora_r, cfg.lora_alpha)
@@ -437,8 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     pool = load_task(cfg.task, "train", cfg.train_problems, DEFAULT_LEVEL, cfg.seed)
     chats = [chat("math", "generator", question=pool[i].question)
              for i in range(args.problems) for _ in range(cfg.group_size)]
-    fig = {"model": args.model, "device": device, "dtype": args.dtype, "threads": threads, "repeats": args.repeats,
-           "rows": len(chats), "new_tokens": cfg.max_new_tokens}
+    fig = {"model": args.model, "device": device, "dtype": args.dtype, "threads": threads,
+           "repeats": args.repeats, "rows": len(chats), "new_tokens": cfg.max_new_tokens}
     print(f"bench: generate ({3 * (args.repeats + 1)} stages) ...", file=sys.stderr)
     g = generation(model, tok, device, chats, cfg, args.repeats)
     calls = g.pop("calls")
@@ -460,8 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "throughput" not in skip:
         print("bench: throughput against the machine's limits ...", file=sys.stderr)
         fig["limits"] = machine_limits(device, args.repeats)
-        fig["throughput"] = throughput(args, device, [p.question for p in pool[:max(batches)]], cfg, batches)
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
+        fig["throughput"] = throughput(args, device, [p.question for p in pool[:max(batches)]],
+                                       cfg, batches)
+    name = (torch.cuda.get_device_name() if device.startswith("cuda")
+            else f"CPU ({os.cpu_count()} cores)")
     print(report(fig, name))
     if args.json:
         with open(args.json, "w") as f:

@@ -11,7 +11,7 @@ LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0,
           "rollout": 1, "reward": 1,
           "grpo": 2, "critic": 2, "lab.runs": 2, "warmup": 2,
           "lab.checkpoint": 3, "lab.settings": 3,
-          "lab.launch": 4,
+          "lab.launch": 4, "lab.timings": 4,
           "train": 5,
           "lab.bench": 6, "lab.probe": 6,
           "diagnose": 7, "lab.course": 7,
@@ -59,3 +59,17 @@ def test_a_file_in_lab_counts_however_it_is_imported():
     source = "from lab import runs, machine\nfrom lab.launch import check_settings\nimport lab.grid\n"
     assert project_imports(source) == {"lab.runs", "lab.machine", "lab.launch", "lab.grid"}
 
+
+
+def test_the_readme_draws_these_layers():
+    """The README's block of layers, top line first, is LAYERS from the highest down."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    block = readme[readme.index("holds these layers"):]
+    block = block[block.index("```\n") + 4:]
+    block = block[:block.index("\n```")]
+    drawn = [{name.strip()[:-3].replace("/", ".") for name in line.split(",")}
+             for line in block.splitlines()]
+    layers = [{n for n, k in LAYERS.items() if k == layer}
+              for layer in sorted(set(LAYERS.values()), reverse=True)]
+    assert drawn == layers
