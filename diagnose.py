@@ -11,7 +11,7 @@ two ways, one per way of sharing the LoRA policy:
 
 - gradient amplification (isolated adapters): N same-role slots see the same prompt and the same
   broadcast reward, so their gradients point the same way; kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2)
-  nears sqrt(N) (grpo.amplification), the role's adapter takes N times the optimizer steps; the
+  nears sqrt(N) (measure.amplification), the role's adapter takes N times the optimizer steps; the
   paper sees the role's gradient norm and perplexity spike, then validation accuracy fall;
 - role capture (one shared adapter): the role with the most tokens or calls owns most of the
   gradient, and the other roles drift towards its behaviour: their contract adherence falls while

@@ -34,11 +34,9 @@ pass over the calls in mini-batches, one optimizer step each (one PPO epoch, as 
 pi_old needs no pass of its own where the update is on-policy: the first mini-batch comes before
 the adapter's first step, so its old log-probs are its current ones, detached, and every ratio
 is 1; only the later mini-batches get a pass of their own, before the first step
-(rollout.old_logprobs).
-It measures each slot's gradient (gradient_stats: Paper A's amplification factor kappa and each
-role's gradient share) and the step's gradient noise (gradient_noise), and carries Paper A's
-mitigations: role-balanced or 1/multiplicity loss weights (loss_weight), coherence damping
-(damped_step) and a KL anchor per role.
+(rollout.old_logprobs). It carries Paper A's mitigations: role-balanced or 1/multiplicity loss
+weights (loss_weight), coherence damping (damped_step) and a KL anchor per role. What its
+gradients say of the roles (kappa, shares, noise) is measured apart: measure.py.
 
 The sampler and the trainer round differently (bf16, KV cache, merged weights), so the tokens come
 from pi_rollout, not exactly pi_old. A correction laid over the update (sampler_gap, which a first
@@ -60,7 +58,7 @@ from typing import Hashable, NamedTuple
 
 import torch
 
-from lab.machine import my_share, sum_across, sum_gradients
+from lab.machine import my_share, sum_gradients
 from lora import adapter_parameters, use_adapter
 from rollout import Call, micro_batches, old_logprobs, sequence_logprobs
 
@@ -193,57 +191,11 @@ def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------
-# The update: one pass of mini-batches, and what it measures of its gradients
+# The update: one pass of mini-batches, one optimizer step each
 
 
 def flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in params])  # (n_params,)
-
-
-def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
-    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine.
-
-    Paper A's gradient amplification: N same-role slots that see the same prompt and the same
-    broadcast reward push in one direction. kappa is 1 for orthogonal gradients and sqrt(N) for
-    identical ones (the role's step is then sqrt(N) times what N independent slots would give).
-    """
-    g = torch.stack(grads)  # (N, n_params)
-    kappa = (g.sum(0).norm() / g.norm(dim=1).square().sum().sqrt()).item()
-    unit = g / g.norm(dim=1, keepdim=True)  # (N, n_params)
-    cos = unit @ unit.t()  # (N, N)
-    N = len(grads)
-    coherence = ((cos.sum() - cos.diagonal().sum()) / (N * (N - 1))).item()
-    return kappa, coherence
-
-
-def gradient_stats(slot_grads: dict[str, torch.Tensor],
-                   role_of: dict[str, str]) -> dict[str, float]:
-    """Per slot and per role gradient norms, kappa and coherence of same-role
-    slots, and each role's share of the adapter's gradient mass."""
-    stats, role_grads = {}, defaultdict(list)
-    for slot, g in slot_grads.items():
-        stats[f"slot/{slot}/grad_norm"] = g.norm().item()
-        if g.norm() > 0:
-            role_grads[role_of[slot]].append(g)
-    role_norms = {role: torch.stack(gs).sum(0).norm().item() for role, gs in role_grads.items()}
-    for role, gs in role_grads.items():
-        stats[f"role/{role}/grad_norm"] = role_norms[role]
-        if len(gs) > 1:
-            stats[f"role/{role}/kappa"], stats[f"role/{role}/coherence"] = amplification(gs)
-    if len(role_norms) > 1:  # roles that share one adapter
-        total = sum(role_norms.values())
-        for role, norm in role_norms.items():
-            stats[f"role/{role}/grad_share"] = norm / total
-    return stats
-
-
-def gradient_noise(g0: torch.Tensor, g1: torch.Tensor) -> float:
-    """|g0 - g1|^2 / |g0 + g1|^2, g0 and g1 the gradients of two halves of a step's problems: the
-    noise's share of the step's squared gradient. Independent halves of one mean give E|g0 - g1|^2 =
-    tr Cov(g) and E|g|^2 = |E g|^2 + tr Cov(g), g = g0 + g1: about 1 for noise alone, near 0 for
-    signal (the gradient noise scale of McCandlish et al. 2018, arXiv 1812.06162, read off two half
-    batches)."""
-    return ((g0 - g1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
 
 
 class LossWeight(NamedTuple):
@@ -324,39 +276,35 @@ class UpdateSettings:
 
 
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
-                  pad_id: int, s: UpdateSettings, per_slot: bool = True,
+                  pad_id: int, s: UpdateSettings,
                   ema: dict | None = None) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
 
-    With `per_slot`, each agent slot's part of a mini-batch is back-propagated on its own, so the
-    gradient of every slot and role is measured even when they share the adapter (gradient_stats, on
-    each slot's gradient summed over the step); without it, calls are grouped by role only (cheaper,
-    same update). A call with advantage 0 and no KL term is skipped: its gradient is exactly 0, and
-    it still counts in the denominators. A mini-batch whose gradient norm is not finite takes no
-    step and leaves AdamW's state as it was (counted in adapter/<name>/skipped_nonfinite; its loss
-    statistics are still logged). `ema` holds the gradient EMA of --damping across steps.
+    Each role's part of a mini-batch is back-propagated with its own loss weight (loss_weight). A
+    call with advantage 0 and no KL term is skipped: its gradient is exactly 0, and it still
+    counts in the denominators. A mini-batch whose gradient norm is not finite takes no step and
+    leaves AdamW's state as it was (counted in adapter/<name>/skipped_nonfinite; its loss
+    statistics are still logged). `ema` holds the gradient EMA of --damping across steps. What
+    the step's gradients say of the roles (kappa, shares, noise) is measured apart, before the
+    update (measure.gradient_signals).
 
     Under torchrun every process passes the same calls and the same rng state; each back-propagates
-    its share of every slot's calls (machine.my_share) with the whole mini-batch's denominators, and
+    its share of every role's calls (machine.my_share) with the whole mini-batch's denominators, and
     the gradients are summed before the step, so all processes take the step one process would take
     on the same calls (or all skip it).
     """
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)
-    by = "slot" if per_slot else "role"
     calls = calls[:]
     rng.shuffle(calls)
     size = max(1, len(calls)) if s.one_step else s.minibatch_size
     batches = [calls[i:i + size] for i in range(0, len(calls), size)]
     t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
     old = old_logprobs(model, [c for mb in batches[1:]
-                               for _, mine in slot_groups(mb, s, by) for c in mine],
+                               for _, mine in live_groups(mb, s, "role") for c in mine],
                        adapter, pad_id, s.temperature, s.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
-    # each slot's gradient, summed over the step's applied mini-batches
-    step_grads, role_of = {}, {}
-    halves = [0, 0]  # the gradient of each half of the step's problems, summed the same way
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
     for mb in batches:
         optimizer.zero_grad(set_to_none=False)
@@ -364,31 +312,17 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
             empty += 1
             if s.skip_empty:  # AdamW would still move the adapter, on its momentum alone
                 continue
-        # (slot, half) -> the gradient of that slot's calls of that half of the problems
-        mb_grads = {}
-        for group, mine in slot_groups(mb, s, by):
-            role = role_of[group] = next(c.role for c in mb if getattr(c, by) == group)
+        for role, mine in live_groups(mb, s, "role"):
             weight = loss_weight(mb, role, s.balance)
-            for half in (0, 1) if per_slot else (None,):
-                before = flat_grad(params) if per_slot else None
-                part = [c for c in mine if half is None or c.episode // s.group_size % 2 == half]
-                for micro in micro_batches(part, s.micro_batch_tokens):
-                    st = micro_loss_backward(model, adapter, micro, old, pad_id, s, weight,
-                                             with_entropy=per_slot)
-                    for k, v in st.items():
-                        stats[f"role/{role}/{k}"].append(v)
-                        if per_slot:
-                            stats[f"slot/{group}/{k}"].append(v)
-                if per_slot:
-                    mb_grads[group, half] = sum_across(flat_grad(params) - before)  # (n_params,)
+            for micro in micro_batches(mine, s.micro_batch_tokens):
+                st = micro_loss_backward(model, adapter, micro, old, pad_id, s, weight)
+                for k, v in st.items():
+                    stats[f"role/{role}/{k}"].append(v)
         sum_gradients(params)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         if not torch.isfinite(total):  # a NaN or inf in the loss reaches the gradient, and its norm
             nonfinite += 1  # not applied: one step would make the adapter and AdamW's moments NaN
             continue
-        for (group, half), g in mb_grads.items():
-            step_grads[group] = step_grads.get(group, 0) + g
-            halves[half] = halves[half] + g
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
         if s.damping > 0:
             stats[f"adapter/{adapter}/damping"].append(
@@ -397,12 +331,6 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
             optimizer.step()
     stats[f"adapter/{adapter}/empty_batches"].append(empty)
     stats[f"adapter/{adapter}/skipped_nonfinite"].append(nonfinite)
-    # kappa and shares of the whole step: within one shuffled mini-batch the slots' calls
-    # come from different episodes, so a mini-batch's slot gradients are not comparable
-    for k, v in gradient_stats(step_grads, role_of).items():
-        stats[k].append(v)
-    if per_slot and torch.is_tensor(halves[0]) and (halves[0] + halves[1]).norm() > 0:
-        stats[f"adapter/{adapter}/grad_noise"].append(gradient_noise(*halves))
     theta_after = torch.cat([p.detach().reshape(-1) for p in params])
     stats[f"adapter/{adapter}/update_norm"].append((theta_after - theta_before).norm().item())
     return stats
@@ -413,9 +341,9 @@ def is_live(call: Call, s: UpdateSettings) -> bool:
     return call.advantage != 0 or s.kl_coef.get(call.role, 0) > 0
 
 
-def slot_groups(mb: list[Call], s: UpdateSettings, by: str) -> list[tuple[str, list[Call]]]:
-    """The mini-batch's calls with a gradient (an advantage, or a KL term), grouped by slot or
-    role: (group, this process's share of the group's calls), every group that has any."""
+def live_groups(mb: list[Call], s: UpdateSettings, by: str) -> list[tuple[str, list[Call]]]:
+    """The mini-batch's calls with a gradient (an advantage, or a KL term), grouped by role or
+    slot: (group, this process's share of the group's calls), every group that has any."""
     live = [c for c in mb if is_live(c, s)]
     return [(group, my_share([c for c in live if getattr(c, by) == group]))
             for group in sorted({getattr(c, by) for c in live})]
@@ -442,7 +370,7 @@ def sampler_gap(old_logp: torch.Tensor, micro: list[Call], mask: torch.Tensor,
 
 def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, torch.Tensor],
                         pad_id: int, s: UpdateSettings, weight: LossWeight,
-                        with_entropy: bool) -> dict[str, float]:
+                        with_entropy: bool = False) -> dict[str, float]:
     """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its
     weighted loss, return its statistics. `old`: pi_old of the calls of the mini-batches
     after the first step (old_logprobs); the first mini-batch's calls are on-policy."""

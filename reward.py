@@ -27,22 +27,19 @@ Code reward. The last fenced python block runs against every test of the problem
 pass. It runs in sandbox.py, never in the trainer's process.
 
 Each call's reward. `credit_calls` decides, in one place, what every call of a workflow is paid (the
-episode's outcome broadcast, as Paper A does, or each call's own part), and `role_jobs` measures
-whether the supervisory roles do their jobs: an evaluator's verdicts against a constant one, what a
-refine does, an aggregator's pick against a random one; `step_metrics` gathers them with the rest of
-a step's figures per role and per slot.
+episode's outcome broadcast, as Paper A does, or each call's own part). What the rewards say of
+the roles, step by step, is measure.py's.
 
     pytest tests/test_reward.py tests/test_datasets.py
 """
 import re
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from functools import partial
 
 from sandbox import CODE_TIMEOUT, run_code
 from tasks import Problem
-from workflows import SOLVERS, adherence, parse_choice, parse_verdict, similarity
+from workflows import SOLVERS, parse_verdict
 
 
 # ----------------------------------------------------------------------------- math verifier
@@ -410,76 +407,3 @@ def verdicts(calls: list) -> list[tuple]:
     verifier on that solution."""
     return [(c, parse_verdict(c.text)[0] == (read[0].solved == 1.0))
             for c, read in read_by(calls) if c.role == "evaluator"]
-
-
-def role_jobs(calls: list) -> dict[str, float]:
-    """Whether each supervisory role does its job, beyond its format (math: needs `solved`).
-
-    evaluator: verdict_acc, how often its verdict agrees with the verifier, against verdict_base,
-      the same for a constant evaluator that always says Incorrect (the share of wrong solutions);
-    refine/fixed and refine/broken: of the answers judged Incorrect and rewritten, the share the
-      rewrite turned right, and turned wrong;
-    aggregator and synthesizer: skill, the reward of the answer it chose or wrote minus the mean of
-      the candidates it read (0: no better than a random pick)."""
-    m, skill = {}, defaultdict(list)
-    judged = [(c, read[0].solved) for c, read in read_by(calls) if c.role == "evaluator"]
-    if judged:
-        m["role/evaluator/verdict_acc"] = sum(right for _, right in verdicts(calls)) / len(judged)
-        m["role/evaluator/verdict_base"] = sum(s != 1.0 for _, s in judged) / len(judged)
-    after = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
-    refined = [(s, after[c.episode, c.turn + 1]) for c, s in judged
-               if (c.episode, c.turn + 1) in after]
-    if refined:
-        m["refine/fixed"] = sum(a < b for a, b in refined) / len(refined)
-        m["refine/broken"] = sum(a > b for a, b in refined) / len(refined)
-    for c, read in read_by(calls):
-        mean = sum(r.solved for r in read) / len(read)
-        if c.role == "aggregator":
-            skill[c.role].append(read[parse_choice(c.text, len(read))[0] - 1].solved - mean)
-        elif c.role == "synthesizer":
-            skill[c.role].append(c.solved - mean)
-    m.update({f"role/{role}/skill": sum(v) / len(v) for role, v in skill.items()})
-    return m
-
-
-def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int,
-                 diag: bool) -> dict[str, float]:
-    """A step's figures, from its calls and the episodes' outcomes and rewards: per role and per
-    slot the reward, length, calls, token share and the solvers' own answers; the roles' jobs; which
-    rule decided each final answer, the truncated calls, each role's adherence to its contract and,
-    with `diag`, how alike the roles' outputs are (role capture shows in outputs)."""
-    m = {"reward/mean": sum(rewards) / len(rewards),
-         "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes)}
-    all_tokens = sum(len(c.completion_ids) for c in calls)
-    for key in ("role", "slot"):
-        groups = defaultdict(list)
-        for c in calls:
-            groups[getattr(c, key)].append(c)
-        for name, cs in groups.items():
-            tokens = sum(len(c.completion_ids) for c in cs)
-            m[f"{key}/{name}/reward"] = sum(c.reward for c in cs) / len(cs)
-            m[f"{key}/{name}/len"] = tokens / len(cs)
-            m[f"{key}/{name}/calls"] = len(cs)
-            m[f"{key}/{name}/token_share"] = tokens / all_tokens
-            solved = [c.solved for c in cs if c.solved is not None]
-            if solved:
-                m[f"{key}/{name}/solved"] = sum(solved) / len(solved)
-    m.update(role_jobs(calls))  # does each supervisory role do its job, beyond its format?
-    rules = [o.info["rule"] for o in outcomes if "rule" in o.info]
-    # which rule decided the final answer: the contract's, or a fallback
-    for rule in sorted(set(rules)):
-        m[f"contract/rule/{rule}"] = rules.count(rule) / len(rules)
-    m["contract/truncated"] = sum(c.truncated for c in calls) / len(calls)
-    # role capture shows in outputs: contract adherence, and likeness to the other roles
-    texts = defaultdict(list)
-    for c in calls:
-        texts[c.role].append(c.text)
-    for role, outs in texts.items():
-        kept = [adherence(role, t, n_agents) for t in outs]
-        if kept[0] is not None:
-            m[f"role/{role}/adherence"] = sum(kept) / len(kept)
-        for other in texts:
-            if diag and other != role:
-                # symmetric: logged under both roles so that each role's keys are complete
-                m[f"role/{role}/sim/{other}"] = similarity(outs, texts[other])
-    return m

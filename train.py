@@ -15,6 +15,8 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   4. group-relative advantages per (problem, slot, workflow step) (grpo.py),
      or with --algo maac the critics' values and GAE (critic.py);
   5. old log-probs: the first mini-batch's own, a separate pass for the later ones;
+     every --diag_every steps first the diagnostics' pass, which measures each slot's
+     gradient and moves nothing (measure.py);
   6. update, adapter by adapter (one shared adapter, or one per role type): one
      optimizer step over all of its calls with a gradient (--one_step, the default);
      with --no-one_step, as in the paper, one step per mini-batch of a fixed size,
@@ -63,7 +65,8 @@ from lab.runs import (NONFINITE_STOP, episode_samples, leave_processes, start_lo
                       write_step)
 from lab.settings import Config, parse_config, warmup_roles
 from lora import adapter_for, freeze_copy
-from reward import credit_calls, cut_finals, score_batch, step_metrics
+from measure import gradient_signals, step_metrics
+from reward import credit_calls, cut_finals, score_batch
 from rollout import Call, Rollout
 from warmup import contract_replies, supervised_steps
 from workflows import SOLVERS, adherence, boxed_contents, role_of, run_workflow, slots
@@ -143,17 +146,22 @@ def evaluations(model, tok, cfg: Config, held_out: dict[str, list]) -> dict[str,
 
 def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call],
                     names: list[str], update: UpdateSettings, diag: bool) -> dict[str, list[float]]:
-    """Steps 5-6 of a training step for each adapter RL trains: its calls' old log-probs and its
-    update (grpo.policy_update), then its learning-rate schedule; returns every mini-batch's
+    """Steps 5-6 of a training step for each adapter RL trains: with `diag`, the signals of its
+    gradient before it moves (measure.gradient_signals); its calls' old log-probs and its update
+    (grpo.policy_update), then its learning-rate schedule; returns every mini-batch's
     statistics."""
     stats = defaultdict(list)
     for name in names:
         t_name = time.time()
         mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
         live = [c for c in mine if c.advantage != 0 or update.kl_coef[c.role] > 0]
+        if diag:
+            for k, v in gradient_signals(state.model, name, mine, tok.pad_token_id,
+                                         update).items():
+                stats[k] += v
+            stats[f"time/diag/{name}"].append(time.time() - t_name)
         for k, v in policy_update(state.model, name, mine, state.optimizers[name], state.rng,
-                                  tok.pad_token_id, update, per_slot=diag,
-                                  ema=state.emas[name]).items():
+                                  tok.pad_token_id, update, ema=state.emas[name]).items():
             stats[k] += v
         state.schedulers[name].step()
         skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
@@ -193,10 +201,12 @@ def written(m: dict[str, float], cfg: Config) -> dict[str, float]:
 
 
 def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
-    """The update's statistics, each its mean over the mini-batches; time/old_logp, a part of
-    time/update, sums the adapters' passes."""
+    """The update's statistics, each its mean over the mini-batches; time/old_logp and, on a step
+    with diagnostics, time/diag, parts of time/update, sum the adapters' passes."""
     m = {k: sum(v) / len(v) for k, v in stats.items()}
-    m["time/old_logp"] = sum(v for k, v in m.items() if k.startswith("time/old_logp/"))
+    for part in ("old_logp", "diag"):
+        if any(k.startswith(f"time/{part}/") for k in m):
+            m[f"time/{part}"] = sum(v for k, v in m.items() if k.startswith(f"time/{part}/"))
     return m
 
 
@@ -226,7 +236,7 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
                     timeout=cfg.code_timeout)
     pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
                              warmup_roles(cfg))
-    before = step_metrics(calls, rewards, outcomes, cfg.n_agents, diag=False)
+    before = step_metrics(calls, rewards, outcomes, cfg.n_agents, diag=True)
     m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items()
          if k.endswith("/adherence")}
     if not pairs:  # no solution the verifier accepts and no judging role: nothing to teach

@@ -16,7 +16,8 @@ alternate (A B C A B C ...), so a machine that slows down slows all of them. Sec
              over `generate`, net of its own costs (merging, chat template, tokenizer, records).
   old logp   the no-grad pass that gives pi_old for the stage's completions; the
              update skips it for its first mini-batch (grpo.py)
-  update     forward + backward of the policy loss, per completion token
+  update     forward + backward of the policy loss, per completion token; beside it the
+             diagnostics' pass over the same calls (measure.gradient_signals)
   step       one step of the default run (train.py in a fresh process), split as
              its metrics.jsonl logs it: rollout, old log-probs, update, evaluation
   sharing    one Voting rollout (2 episodes of one problem), then its update under
@@ -112,7 +113,10 @@ def report(fig: dict, device_name: str) -> str:
               f"  old log-prob pass   {u['old_logp']['seconds']:6.2f} s  "
               f"{u['old_logp']['tokens_per_s']:7.1f} tokens/s",
               f"  forward + backward  {u['update']['seconds']:6.2f} s  "
-              f"{u['update']['tokens_per_s']:7.1f} tokens/s"]
+              f"{u['update']['tokens_per_s']:7.1f} tokens/s",
+              f"  diagnostics' pass   {u['diagnostics']['seconds']:6.2f} s  "
+              f"{u['diagnostics']['tokens_per_s']:7.1f} tokens/s  (measure.py, every "
+              "--diag_every steps)"]
     s = fig.get("step")
     lines += [] if s is None else ["",
               f"one default training step (train.py {' '.join(fig['step_flags'])}):",

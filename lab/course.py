@@ -77,7 +77,7 @@ ASSIGNMENTS = {
             "tests/test_grpo.py::test_k3_kl_by_hand",
             "tests/test_grpo.py::test_chi2_and_perplexity_by_hand",
             "tests/test_grpo.py::test_the_clip_acts_only_after_the_first_mini_batch_step[False]"],
-    }, needs=(1, 2, 5)),  # the update runs a LoRA model and its log-probs, measures kappa
+    }, needs=(1, 2, 5)),  # the update runs a LoRA model, its log-probs and the loss weights
     4: Assignment("The actor-critic: GAE, the value loss, central vs decentral critic inputs", {
         "critic.gae": [
             "tests/test_critic.py::test_gae_lambda_zero_is_one_step_td",
@@ -93,8 +93,8 @@ ASSIGNMENTS = {
     }),
     5: Assignment("Diagnostics: kappa and coherence, gradient shares, role balance, "
                   "contract adherence", {
-        "grpo.amplification": ["tests/test_grpo.py::test_amplification_identical_and_orthogonal"],
-        "grpo.gradient_stats": ["tests/test_grpo.py::test_gradient_stats_shares_and_roles"],
+        "measure.amplification": ["tests/test_grpo.py::test_amplification_identical_and_orthogonal"],
+        "measure.gradient_stats": ["tests/test_grpo.py::test_gradient_stats_shares_and_roles"],
         "grpo.loss_weight": ["tests/test_diagnose.py::test_loss_weight_by_hand"],
         "workflows.adherence": ["tests/test_diagnose.py::test_adherence_table"],
         "workflows.similarity": ["tests/test_diagnose.py::test_similarity"],

@@ -13,11 +13,12 @@ import random
 
 import torch
 
-from grpo import policy_update, set_advantages
+from grpo import set_advantages
 from lab.checkpoint import read_best
 from lab.runs import load_run, writable
 from lab.settings import Config, check_numbers, update_settings
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
+from measure import gradient_signals
 from model import load_policy
 from rollout import Rollout
 from tasks import KINDS, load_task
@@ -66,9 +67,8 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
     if not all(1 <= n <= len(pool) for n in sizes):
         raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] "
                          "(the run's training pool)")
-    # one step over every call, no clip, no mitigation: the raw gradients of the run's loss
-    settings = dataclasses.replace(update_settings(cfg), one_step=True,
-                                   grad_clip=float("inf"), balance="none", damping=0.0)
+    # every call in one batch, no mitigation: the raw gradients of the run's loss
+    settings = dataclasses.replace(update_settings(cfg), balance="none")
     for problems in sizes:
         # seed 0: the pool's first problems; another seed, a sample of the pool
         picked = random.Random(seed).sample(range(len(pool)), problems) if seed else range(problems)
@@ -82,13 +82,10 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
         result = {"episodes": len(problem_of), "reward/mean": sum(rewards) / len(rewards)}
         for name in names:
             mine = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
-            # measure, do not move
-            frozen = torch.optim.SGD(adapter_parameters(model, name), lr=0.0)
             for p in adapter_parameters(model, name):
                 p.requires_grad_(True)
-                p.grad = torch.zeros_like(p)
-            stats = policy_update(model, name, mine, frozen, random.Random(0), tok.pad_token_id,
-                                  settings)
+            # measured, not moved
+            stats = gradient_signals(model, name, mine, tok.pad_token_id, settings)
             result.update({k: v[0] for k, v in stats.items()
                            if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
         results.append(result)

@@ -141,8 +141,8 @@ class Config:
     # evaluation, logging, checkpoints
     eval_every: int = arg(0, "evaluate every E steps, and before and after training "
                           "(0: only before and after)", bounds="[0, inf)")
-    diag_every: int = arg(1, "per-slot gradients, entropy and output similarity every k "
-                          "steps (0: never)", bounds="[0, inf)")
+    diag_every: int = arg(1, "diagnostics every k steps (measure.py: the slots' gradients, "
+                          "per-role figures, adherence; 0: never)", bounds="[0, inf)")
     eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)",
                              bounds="[1, inf)")
     val_problems: int = arg(0, "validation problems per evaluation, where a peak is chosen "

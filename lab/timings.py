@@ -23,6 +23,7 @@ from lab.machine import alternate, sync, timed
 from lab.settings import Config
 from lora import (LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora,
                   merged_adapter)
+from measure import gradient_signals
 from model import cpu_has_bf16, load_policy
 from rollout import Rollout, chat_text, old_logprobs
 from workflows import chat, run_workflow
@@ -125,7 +126,8 @@ def prompt_padding(calls) -> float:
 
 
 def update_parts(model, tok, device: str, calls, cfg: Config, repeats: int) -> dict:
-    """The old-log-prob pass and one update over `calls` (one mini-batch, on-policy)."""
+    """The old-log-prob pass, one update over `calls` (one mini-batch, on-policy) and the
+    diagnostics' pass over the same calls (measure.gradient_signals)."""
     for i, c in enumerate(calls):
         c.advantage = 1.0 if i % 2 else -1.0
     params = adapter_parameters(model, "shared")
@@ -141,9 +143,12 @@ def update_parts(model, tok, device: str, calls, cfg: Config, repeats: int) -> d
 
     def update(calls):
         return lambda: policy_update(model, "shared", calls, frozen, random.Random(0),
-                                     tok.pad_token_id, settings, per_slot=False)
-    r = alternate(device, {"old_logp": old_logp(calls), "update": update(calls)}, repeats,
-                  [old_logp(calls[:2]), update(calls[:2])])
+                                     tok.pad_token_id, settings)
+    def diagnostics(calls):
+        return lambda: gradient_signals(model, "shared", calls, tok.pad_token_id, settings)
+    r = alternate(device, {"old_logp": old_logp(calls), "update": update(calls),
+                           "diagnostics": diagnostics(calls)}, repeats,
+                  [old_logp(calls[:2]), update(calls[:2]), diagnostics(calls[:2])])
     tokens = sum(len(c.completion_ids) for c in calls)
     for name in r:
         r[name].pop("result")
@@ -179,9 +184,10 @@ def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats:
         def run():
             for name in sorted({adapter_for(c.role, mode) for c in calls}):
                 mine = [c for c in calls if adapter_for(c.role, mode) == name]
-                # per-slot gradients, as train.py's default
+                # the gradient signals, then the update, as train.py's default
+                gradient_signals(model, name, mine, tok.pad_token_id, settings)
                 policy_update(model, name, mine, optimizers[name], random.Random(0),
-                              tok.pad_token_id, settings, per_slot=True)
+                              tok.pad_token_id, settings)
         return run
     few = [c for c in calls if c.episode == 0]
     r = alternate(device,
@@ -276,7 +282,7 @@ def throughput(args, device: str, questions: list[str], cfg: Config, batches: li
         frozen = torch.optim.SGD(params, lr=0.0)
         runs[d] = (lambda m=models[d], o=frozen:
                    policy_update(m, "shared", calls, o, random.Random(0), tok.pad_token_id,
-                                 settings, per_slot=False))
+                                 settings))
     r = alternate(device, runs, args.repeats, [])
     fig["update"] = {d: trained / r[d]["seconds"] for d in dtypes}
     fig["update_positions"] = trained

@@ -11,9 +11,10 @@ import torch
 
 from conftest import make_read_only
 import diagnose
-from grpo import UpdateSettings, damped_step, loss_weight, policy_update, set_advantages
+from grpo import UpdateSettings, damped_step, loss_weight, set_advantages
 from lab import launch, probe, runs, settings
 from lora import add_adapter, adapter_parameters, inject_lora
+from measure import gradient_signals
 from rollout import Call, Rollout
 from tasks import Problem
 import train
@@ -350,12 +351,10 @@ def voting_calls(tiny, episodes: int, reward_of, seed: int = 0) -> list[Call]:
 
 
 def measure(tiny, calls: list[Call], adapter: str, balance: str = "none") -> dict[str, float]:
-    """Per-slot gradient statistics of one mini-batch of all `calls`, without moving the adapter."""
+    """Per-slot gradient statistics of all `calls` in one batch, without moving the adapter."""
     model, tok = tiny
-    frozen = torch.optim.SGD(adapter_parameters(model, adapter), lr=0.0)
-    settings = UpdateSettings(temperature=1.0, one_step=True, micro_batch_tokens=4096,
-                              grad_clip=float("inf"), balance=balance)
-    stats = policy_update(model, adapter, calls, frozen, random.Random(0), tok.pad_token_id, settings)
+    settings = UpdateSettings(temperature=1.0, one_step=True, micro_batch_tokens=4096, balance=balance)
+    stats = gradient_signals(model, adapter, calls, tok.pad_token_id, settings)
     return {k: v[0] for k, v in stats.items() if len(v) == 1}
 
 

@@ -17,6 +17,7 @@ from grpo import UpdateSettings, policy_update
 from lab import launch, machine, runs
 from lab.machine import rank_and_world
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
+from measure import gradient_signals
 from model import tiny_model
 from rollout import Rollout
 from tasks import Problem
@@ -79,6 +80,7 @@ def updated_adapters(workflow: str, sharing: str, minibatch_size: int, out: str)
     for name in names:
         mine = [c for c in calls if adapter_for(c.role, sharing) == name]
         sgd = torch.optim.SGD(adapter_parameters(model, name), lr=0.5)
+        stats.update(gradient_signals(model, name, mine, tok.pad_token_id, settings))
         stats.update(policy_update(model, name, mine, sgd, random.Random(0), tok.pad_token_id, settings))
     if rank_and_world()[0] == 0:
         torch.save({"start": start, "weights": {n: [p.detach().clone() for p in adapter_parameters(model, n)] for n in names},

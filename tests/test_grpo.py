@@ -6,9 +6,10 @@ import random
 import pytest
 import torch
 
-from grpo import (UpdateSettings, aggregate, amplification, gradient_noise, gradient_stats, group_advantages,
-                  masked_mean, mismatch_stats, policy_loss, policy_update, tis_weight)
+from grpo import (UpdateSettings, aggregate, group_advantages, masked_mean, mismatch_stats, policy_loss,
+                  policy_update, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
+from measure import amplification, gradient_noise, gradient_signals, gradient_stats
 from rollout import Call, Rollout, old_logprobs, sequence_logprobs
 from workflows import ROLES, run_workflow
 
@@ -235,7 +236,7 @@ def test_gradient_noise_by_hand():
     assert gradient_noise(torch.tensor([3.0, 0.0]), torch.tensor([1.0, 0.0])) == pytest.approx(4 / 16)
 
 
-def test_the_update_measures_its_gradient_noise_on_two_halves_of_the_problems(tiny):
+def test_the_gradient_noise_is_read_off_two_halves_of_the_problems(tiny):
     """grad_noise is |g0 - g1|^2 / |g0 + g1|^2, g_h the gradient of the calls of half h of the
     problems (group_size consecutive episodes each, alternating halves). Reference from three
     separate updates' gradient norms: |g0 - g1|^2 = 2 |g0|^2 + 2 |g1|^2 - |g0 + g1|^2."""
@@ -247,12 +248,44 @@ def test_the_update_measures_its_gradient_noise_on_two_halves_of_the_problems(ti
         opt = torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0)
         stats = policy_update(model, "generator", part, opt, random.Random(0), tok.pad_token_id, settings)
         return stats["adapter/generator/grad_norm"][0], stats
-    both, stats = norm(calls)
+    stats = gradient_signals(model, "generator", calls, tok.pad_token_id, settings)
+    both, _ = norm(calls)
     half = [[c for c in calls if c.episode // 2 % 2 == h] for h in (0, 1)]
     n0, n1 = (norm(part)[0] * len(part) / len(calls) for part in half)  # each call's term is 1 / len(batch)
     assert len(half[0]) == 12 and len(half[1]) == 6
     assert stats["adapter/generator/grad_noise"][0] == pytest.approx((2 * n0 ** 2 + 2 * n1 ** 2 - both ** 2)
                                                                       / both ** 2, rel=1e-3)
+
+
+def test_the_gradient_signals_move_nothing_and_add_up_to_the_updates_gradient(tiny):
+    """measure.gradient_signals before an update leaves that update as it was, to the bit (no step,
+    no random state touched, the gradients zeroed after), and under --one_step the slots' gradients
+    it measures sum to the gradient the update steps on."""
+    calls = sampled_calls(tiny)
+    model, tok = tiny
+    params = adapter_parameters(model, "generator")
+    start = [p.detach().clone() for p in params]
+    settings = UpdateSettings(temperature=1.0, one_step=True, group_size=2, grad_clip=1e9)
+
+    def update(measured_first: bool) -> tuple[list[torch.Tensor], dict, dict]:
+        with torch.no_grad():
+            for p, p0 in zip(params, start):
+                p.copy_(p0)
+        signals = (gradient_signals(model, "generator", calls, tok.pad_token_id, settings)
+                   if measured_first else {})
+        assert all(p.grad is not None and not p.grad.any() for p in params)
+        assert all(torch.equal(p, p0) for p, p0 in zip(params, start))
+        stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5),
+                              random.Random(0), tok.pad_token_id, settings)
+        return [p.detach().clone() for p in params], stats, signals
+
+    plain, stats, _ = update(False)
+    after, _, signals = update(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, after))
+    assert not all(torch.equal(a, p0) for a, p0 in zip(plain, start))  # the update moved
+    total = stats["adapter/generator/grad_norm"][0]  # before the clip, which does not act here
+    assert signals["role/generator/grad_norm"][0] == pytest.approx(total, rel=1e-4)
+    assert signals["role/generator/kappa"][0] > 0 and "adapter/generator/grad_noise" in signals
 
 
 def test_truncated_importance_weight_by_hand():

@@ -7,7 +7,8 @@ from functools import lru_cache
 import pytest
 import sympy  # noqa: F401  imported here once, so the time bounds below time the verifier, not the import
 
-from reward import credit_calls, cut_finals, extract_answer, math_equal, math_reward, role_jobs
+from measure import role_jobs
+from reward import credit_calls, cut_finals, extract_answer, math_equal, math_reward
 from tasks import LEVELS, NAMES, OBJECTS, SPLITS, Problem, arith_problems, load_task
 
 HUGE = "blah 7 " * 30_000 + "\\boxed{42}"  # about 210k chars, answer at the very end

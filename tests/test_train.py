@@ -24,7 +24,8 @@ from lab import checkpoint, launch, machine, probe, runs, settings
 from lab.checkpoint import TrainState
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
 from model import load_policy, tiny_model
-from reward import credit_calls, score_batch, step_metrics
+from measure import step_metrics
+from reward import credit_calls, score_batch
 from rollout import Call
 from tasks import Problem, load_task
 import train
@@ -529,7 +530,7 @@ def test_sft_warmup_lowers_its_loss_and_teaches_the_aggregator_its_contract(shar
     metrics = train.warm_up(model, tok, cfg, pool, names)
     assert metrics["sft/loss/last"] < 0.2 * metrics["sft/loss/first"], metrics
     rollout, outcomes, rewards = train.rollout_step(model, tok, cfg, pool, greedy=False)
-    after = step_metrics(rollout.calls, rewards, outcomes, cfg.n_agents, diag=False)
+    after = step_metrics(rollout.calls, rewards, outcomes, cfg.n_agents, diag=True)
     assert metrics["sft/adherence/aggregator"] <= 0.25 and after["role/aggregator/adherence"] >= 0.75, (
         metrics, [c.text for c in rollout.calls if c.role == "aggregator"])
 

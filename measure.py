@@ -1,0 +1,215 @@
+"""What a step measures besides its loss: the papers' signals, in one room.
+
+Every --diag_every steps (default 1: every step) train.py calls, per adapter and before its
+update, `gradient_signals`, and over the step's calls `step_metrics` with `diag` on; the other
+steps log the reward, the update's own figures and the clock only.
+
+Gradients (Paper A, Zeng et al. 2026, arXiv 2605.24202). N same-role slots that read the same
+prompt and the same broadcast reward push one adapter in one direction: kappa = |sum_i g_i| /
+sqrt(sum_i |g_i|^2), 1 for orthogonal slot gradients and sqrt(N) for identical ones
+(`amplification`). On a shared adapter a role may take most of the gradient (`gradient_stats`:
+each role's share) and the other roles drift towards its behaviour. The gradient noise is the
+noise's share of the step's squared gradient, read off two halves of the step's problems
+(`gradient_noise`, McCandlish et al. 2018, arXiv 1812.06162). `gradient_signals` back-propagates
+each slot's part of the step's loss on its own, at the adapter as it stands before its step,
+and takes no step: one more forward and backward pass over the step's live calls.
+
+Outputs. Per role and per slot the reward, length, calls, token share and the solvers' own
+answers; whether each supervisory role does its job beyond its format (`role_jobs`); which rule
+decided each final answer; each role's contract adherence and how alike the roles' outputs are
+(role capture shows in outputs before it shows in losses: workflows.adherence, similarity).
+diagnose.py reads all of these from a run's logs.
+
+Exercised by: pytest tests/test_grpo.py (the gradient signals, by hand), tests/test_reward.py
+(role_jobs), tests/test_train.py, tests/test_diagnose.py
+"""
+from collections import defaultdict
+
+import torch
+
+from grpo import UpdateSettings, flat_grad, live_groups, loss_weight, micro_loss_backward
+from lab.machine import sum_across
+from lora import adapter_parameters
+from reward import read_by, verdicts
+from rollout import Call, micro_batches
+from workflows import adherence, parse_choice, similarity
+
+
+# ----------------------------------------------------------------------------
+# The gradients of the slots, at the adapter before its step
+
+
+def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
+    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine.
+
+    Paper A's gradient amplification: N same-role slots that see the same prompt and the same
+    broadcast reward push in one direction. kappa is 1 for orthogonal gradients and sqrt(N) for
+    identical ones (the role's step is then sqrt(N) times what N independent slots would give).
+    """
+    g = torch.stack(grads)  # (N, n_params)
+    kappa = (g.sum(0).norm() / g.norm(dim=1).square().sum().sqrt()).item()
+    unit = g / g.norm(dim=1, keepdim=True)  # (N, n_params)
+    cos = unit @ unit.t()  # (N, N)
+    N = len(grads)
+    coherence = ((cos.sum() - cos.diagonal().sum()) / (N * (N - 1))).item()
+    return kappa, coherence
+
+
+def gradient_stats(slot_grads: dict[str, torch.Tensor],
+                   role_of: dict[str, str]) -> dict[str, float]:
+    """Per slot and per role gradient norms, kappa and coherence of same-role
+    slots, and each role's share of the adapter's gradient mass."""
+    stats, role_grads = {}, defaultdict(list)
+    for slot, g in slot_grads.items():
+        stats[f"slot/{slot}/grad_norm"] = g.norm().item()
+        if g.norm() > 0:
+            role_grads[role_of[slot]].append(g)
+    role_norms = {role: torch.stack(gs).sum(0).norm().item() for role, gs in role_grads.items()}
+    for role, gs in role_grads.items():
+        stats[f"role/{role}/grad_norm"] = role_norms[role]
+        if len(gs) > 1:
+            stats[f"role/{role}/kappa"], stats[f"role/{role}/coherence"] = amplification(gs)
+    if len(role_norms) > 1:  # roles that share one adapter
+        total = sum(role_norms.values())
+        for role, norm in role_norms.items():
+            stats[f"role/{role}/grad_share"] = norm / total
+    return stats
+
+
+def gradient_noise(g0: torch.Tensor, g1: torch.Tensor) -> float:
+    """|g0 - g1|^2 / |g0 + g1|^2, g0 and g1 the gradients of two halves of a step's problems: the
+    noise's share of the step's squared gradient. Independent halves of one mean give E|g0 - g1|^2 =
+    tr Cov(g) and E|g|^2 = |E g|^2 + tr Cov(g), g = g0 + g1: about 1 for noise alone, near 0 for
+    signal (the gradient noise scale of McCandlish et al. 2018, arXiv 1812.06162, read off two half
+    batches)."""
+    return ((g0 - g1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
+
+
+def zero_gradients(params: list[torch.Tensor]) -> None:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
+
+
+def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int,
+                     s: UpdateSettings) -> dict[str, list[float]]:
+    """Paper A's signals of the adapter's gradient at the start of the step, before its update.
+
+    Each slot's part of the step's on-policy loss (every call of the adapter, weighed as the
+    update's one mini-batch under --one_step weighs them) is back-propagated on its own, in two
+    halves of the step's problems (all of a problem's episodes in one half). From those
+    gradients: each slot's and role's gradient norm, kappa and coherence of same-role slots and
+    each role's share (gradient_stats), and the noise's share (gradient_noise); from the same
+    passes each slot's loss statistics and each role's entropy. The gradients are zeroed after
+    and no step is taken: the adapter, its optimizer and every random state are left as they
+    were. Under --one_step these are the gradients the update then steps on; with
+    --no-one_step, the step's gradient at the adapter its first mini-batch starts from.
+
+    Under torchrun each process back-propagates its share of every slot's calls and the
+    gradients are summed across processes, as in the update."""
+    params = adapter_parameters(model, adapter)
+    stats, slot_grads, halves, role_of = defaultdict(list), {}, [0, 0], {}
+    for slot, mine in live_groups(calls, s, "slot"):
+        role = role_of[slot] = next(c.role for c in calls if c.slot == slot)
+        weight = loss_weight(calls, role, s.balance)
+        for half in (0, 1):
+            zero_gradients(params)
+            part = [c for c in mine if c.episode // s.group_size % 2 == half]
+            for micro in micro_batches(part, s.micro_batch_tokens):
+                st = micro_loss_backward(model, adapter, micro, {}, pad_id, s, weight,
+                                         with_entropy=True)
+                for k, v in st.items():
+                    stats[f"slot/{slot}/{k}"].append(v)
+                stats[f"role/{role}/entropy"].append(st["entropy"])
+            g = sum_across(flat_grad(params))  # (n_params,)
+            slot_grads[slot] = slot_grads.get(slot, 0) + g
+            halves[half] = halves[half] + g
+    zero_gradients(params)
+    for k, v in gradient_stats(slot_grads, role_of).items():
+        stats[k].append(v)
+    if torch.is_tensor(halves[0]) and (halves[0] + halves[1]).norm() > 0:
+        stats[f"adapter/{adapter}/grad_noise"].append(gradient_noise(*halves))
+    return stats
+
+
+# ----------------------------------------------------------------------------
+# The outputs: per role and slot, the roles' jobs and contracts
+
+
+def role_jobs(calls: list) -> dict[str, float]:
+    """Whether each supervisory role does its job, beyond its format (math: needs `solved`).
+
+    evaluator: verdict_acc, how often its verdict agrees with the verifier, against verdict_base,
+      the same for a constant evaluator that always says Incorrect (the share of wrong solutions);
+    refine/fixed and refine/broken: of the answers judged Incorrect and rewritten, the share the
+      rewrite turned right, and turned wrong;
+    aggregator and synthesizer: skill, the reward of the answer it chose or wrote minus the mean of
+      the candidates it read (0: no better than a random pick)."""
+    m, skill = {}, defaultdict(list)
+    judged = [(c, read[0].solved) for c, read in read_by(calls) if c.role == "evaluator"]
+    if judged:
+        m["role/evaluator/verdict_acc"] = sum(right for _, right in verdicts(calls)) / len(judged)
+        m["role/evaluator/verdict_base"] = sum(s != 1.0 for _, s in judged) / len(judged)
+    after = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
+    refined = [(s, after[c.episode, c.turn + 1]) for c, s in judged
+               if (c.episode, c.turn + 1) in after]
+    if refined:
+        m["refine/fixed"] = sum(a < b for a, b in refined) / len(refined)
+        m["refine/broken"] = sum(a > b for a, b in refined) / len(refined)
+    for c, read in read_by(calls):
+        mean = sum(r.solved for r in read) / len(read)
+        if c.role == "aggregator":
+            skill[c.role].append(read[parse_choice(c.text, len(read))[0] - 1].solved - mean)
+        elif c.role == "synthesizer":
+            skill[c.role].append(c.solved - mean)
+    m.update({f"role/{role}/skill": sum(v) / len(v) for role, v in skill.items()})
+    return m
+
+
+def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int,
+                 diag: bool) -> dict[str, float]:
+    """A step's figures, from its calls and the episodes' outcomes and rewards: the mean reward,
+    the share of episodes where a role broke its answer format and the share of calls the length
+    limit cut; with `diag`, per role and per slot the reward, length, calls, token share and the
+    solvers' own answers, the roles' jobs, which rule decided each final answer, each role's
+    adherence to its contract and how alike the roles' outputs are (role capture shows in
+    outputs)."""
+    m = {"reward/mean": sum(rewards) / len(rewards),
+         "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes),
+         "contract/truncated": sum(c.truncated for c in calls) / len(calls)}
+    if not diag:
+        return m
+    all_tokens = sum(len(c.completion_ids) for c in calls)
+    for key in ("role", "slot"):
+        groups = defaultdict(list)
+        for c in calls:
+            groups[getattr(c, key)].append(c)
+        for name, cs in groups.items():
+            tokens = sum(len(c.completion_ids) for c in cs)
+            m[f"{key}/{name}/reward"] = sum(c.reward for c in cs) / len(cs)
+            m[f"{key}/{name}/len"] = tokens / len(cs)
+            m[f"{key}/{name}/calls"] = len(cs)
+            m[f"{key}/{name}/token_share"] = tokens / all_tokens
+            solved = [c.solved for c in cs if c.solved is not None]
+            if solved:
+                m[f"{key}/{name}/solved"] = sum(solved) / len(solved)
+    m.update(role_jobs(calls))  # does each supervisory role do its job, beyond its format?
+    rules = [o.info["rule"] for o in outcomes if "rule" in o.info]
+    # which rule decided the final answer: the contract's, or a fallback
+    for rule in sorted(set(rules)):
+        m[f"contract/rule/{rule}"] = rules.count(rule) / len(rules)
+    # role capture shows in outputs: contract adherence, and likeness to the other roles
+    texts = defaultdict(list)
+    for c in calls:
+        texts[c.role].append(c.text)
+    for role, outs in texts.items():
+        kept = [adherence(role, t, n_agents) for t in outs]
+        if kept[0] is not None:
+            m[f"role/{role}/adherence"] = sum(kept) / len(kept)
+        for other in texts:
+            if other != role:
+                # symmetric: logged under both roles so that each role's keys are complete
+                m[f"role/{role}/sim/{other}"] = similarity(outs, texts[other])
+    return m
