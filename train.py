@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 from critic import CriticSettings, critic_advantages, critic_metrics, update_critics
-from grpo import UpdateSettings, policy_update, set_advantages
+from grpo import UpdateSettings, is_live, policy_update, set_advantages
 from lab.checkpoint import TrainState
 from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes, eval_steps,
                         evaluation_samples, launch, load_problems, make_optimizers, resume_run,
@@ -154,7 +154,7 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
     for name in names:
         t_name = time.time()
         mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
-        live = [c for c in mine if c.advantage != 0 or update.kl_coef[c.role] > 0]
+        live = [c for c in mine if is_live(c, update)]
         if diag:
             for k, v in gradient_signals(state.model, name, mine, tok.pad_token_id,
                                          update).items():

@@ -93,7 +93,8 @@ ASSIGNMENTS = {
     }),
     5: Assignment("Diagnostics: kappa and coherence, gradient shares, role balance, "
                   "contract adherence", {
-        "measure.amplification": ["tests/test_grpo.py::test_amplification_identical_and_orthogonal"],
+        "measure.amplification": [
+            "tests/test_grpo.py::test_amplification_identical_and_orthogonal"],
         "measure.gradient_stats": ["tests/test_grpo.py::test_gradient_stats_shares_and_roles"],
         "grpo.loss_weight": ["tests/test_diagnose.py::test_loss_weight_by_hand"],
         "workflows.adherence": ["tests/test_diagnose.py::test_adherence_table"],
