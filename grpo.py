@@ -40,8 +40,9 @@ gradients say of the roles (kappa, shares, noise) is measured apart: measure.py.
 
 The sampler and the trainer round differently (bf16, KV cache, merged weights), so the tokens come
 from pi_rollout, not exactly pi_old. A correction laid over the update (sampler_gap, which a first
-reading can skip) logs the gap (mismatch_stats) and, with tis_cap > 0, weights each token's term
-by min(pi_old / pi_rollout, C), truncated importance sampling (Yao et al. 2025; tis_weight). With
+reading can skip), with tis_cap > 0, weights each token's term by min(pi_old / pi_rollout, C),
+truncated importance sampling (Yao et al. 2025; tis_weight); the gap itself (mismatch_stats) is
+measured by the diagnostics' pass (measure.py), through micro_loss_backward's `measure`. With
 skip_empty a mini-batch without a live call takes no optimizer step: AdamW would still move the
 adapter on its moments.
 
@@ -370,14 +371,15 @@ def sampler_gap(old_logp: torch.Tensor, micro: list[Call], mask: torch.Tensor,
 
 def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, torch.Tensor],
                         pad_id: int, s: UpdateSettings, weight: LossWeight,
-                        with_entropy: bool = False) -> dict[str, float]:
+                        measure: bool = False) -> dict[str, float]:
     """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its
     weighted loss, return its statistics. `old`: pi_old of the calls of the mini-batches
-    after the first step (old_logprobs); the first mini-batch's calls are on-policy."""
+    after the first step (old_logprobs); the first mini-batch's calls are on-policy. With
+    `measure` (the diagnostics' pass) also the tokens' entropy and the sampler's gap."""
     kl_coef = s.kl_coef.get(micro[0].role, 0.0)
     with use_adapter(model, adapter):
         logp, mask, entropy = sequence_logprobs(model, micro, pad_id, s.temperature,
-                                                with_entropy=with_entropy)  # (b, T) each
+                                                with_entropy=measure)  # (b, T) each
     ref_logp = None
     if kl_coef > 0:
         with torch.no_grad(), use_adapter(model, s.reference.get(adapter)):  # None: the base model
@@ -392,7 +394,6 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
                                 is_weight, s.ratio)
     loss = aggregate(per_token, mask, s.agg, weight.num_seqs, weight.num_tokens)
     (weight.scale * loss).backward()
-    st.update(gap)
-    if with_entropy:
-        st["entropy"] = masked_mean(entropy, mask).item()
+    if measure:
+        st.update(gap, entropy=masked_mean(entropy, mask).item())
     return st

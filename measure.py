@@ -12,7 +12,8 @@ each role's share) and the other roles drift towards its behaviour. The gradient
 noise's share of the step's squared gradient, read off two halves of the step's problems
 (`gradient_noise`, McCandlish et al. 2018, arXiv 1812.06162). `gradient_signals` back-propagates
 each slot's part of the step's loss on its own, at the adapter as it stands before its step,
-and takes no step: one more forward and backward pass over the step's live calls.
+and takes no step: one more forward and backward pass over the step's live calls, which also
+reads the sampler's precision gap on them (grpo.mismatch_stats).
 
 Outputs. Per role and per slot the reward, length, calls, token share and the solvers' own
 answers; whether each supervisory role does its job beyond its format (`role_jobs`); which rule
@@ -102,7 +103,8 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int,
     halves of the step's problems (all of a problem's episodes in one half). From those
     gradients: each slot's and role's gradient norm, kappa and coherence of same-role slots and
     each role's share (gradient_stats), and the noise's share (gradient_noise); from the same
-    passes each slot's loss statistics and each role's entropy. The gradients are zeroed after
+    passes each slot's loss statistics, and each role's entropy and sampler gap (grpo.sampler_gap:
+    the trainer's log-probs against those the sampler recorded). The gradients are zeroed after
     and no step is taken: the adapter, its optimizer and every random state are left as they
     were. Under --one_step these are the gradients the update then steps on; with
     --no-one_step, the step's gradient at the adapter its first mini-batch starts from.
@@ -119,10 +121,11 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int,
             part = [c for c in mine if c.episode // s.group_size % 2 == half]
             for micro in micro_batches(part, s.micro_batch_tokens):
                 st = micro_loss_backward(model, adapter, micro, {}, pad_id, s, weight,
-                                         with_entropy=True)
+                                         measure=True)
                 for k, v in st.items():
                     stats[f"slot/{slot}/{k}"].append(v)
-                stats[f"role/{role}/entropy"].append(st["entropy"])
+                for k in ("entropy", "mismatch_mean", "mismatch_max", "mismatch_kl"):
+                    stats[f"role/{role}/{k}"].append(st[k])  # a role's own, however many slots
             g = sum_across(flat_grad(params))  # (n_params,)
             slot_grads[slot] = slot_grads.get(slot, 0) + g
             halves[half] = halves[half] + g
