@@ -170,7 +170,8 @@ def claims(by_cell: Runs) -> list[str]:
 def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """The signals the demos follow, step by step, in one run: the crowded role's kappa, its
     adapter's update norm, the first supervisory role's adherence, each role's gradient share,
-    reward and accuracy."""
+    reward and accuracy; the critics' explained variance, and what a central critic reads that
+    each role's decentral one does not (critic.unseen)."""
     n = multiplicity(config)
     crowded = max(n, key=n.get)  # the role with the most slots
     judge = next((r for r in ROLES[config["workflow"]] if r != crowded), crowded)
@@ -181,13 +182,16 @@ def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, flo
             "explained variance": "critic/explained_variance", "advantage std": "adv/std",
             "gradient noise": f"adapter/{adapter}/grad_noise"}
     keys |= {f"{r} share": f"role/{r}/grad_share" for r in ROLES[config["workflow"]]}
+    keys |= {f"{r} unseen": f"role/{r}/unseen" for r in ROLES[config["workflow"]]}  # maac only
     return {name: series(rows, key) for name, key in keys.items()}
 
 
 def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
     """What the demos compare, from one run: the crowded role's kappa (mean, and the share of
     steps at >= 0.8 sqrt(N)), its adapter's update norm, the first supervisory role's
-    adherence (first and last step), the largest gradient share, reward and accuracy."""
+    adherence (first and last step), the largest gradient share, reward and accuracy; the
+    critics' explained variance, the advantages' spread, the gradient noise and each role's
+    unseen share (means over the steps)."""
     n = max(multiplicity(config).values())
     got = {name: [v for _, v in points] for name, points in cell_series(config, rows).items()}
     kappa, adh, reward, acc = got["kappa"], got["adherence"], got["reward"], got["accuracy"]
@@ -204,7 +208,8 @@ def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
             "reward last": reward[-1] if reward else math.nan,
             "accuracy start": acc[0], "accuracy peak": max(acc), "accuracy end": acc[-1],
             **{k: mean(got[k] or [math.nan])
-               for k in ("explained variance", "advantage std", "gradient noise")}}
+               for k in ("explained variance", "advantage std", "gradient noise")},
+            **{k: mean(vs) if vs else math.nan for k, vs in got.items() if k.endswith(" unseen")}}
 
 
 def demo_table(by_cell: Runs) -> list[str]:

@@ -252,3 +252,21 @@ def test_where_the_signal_went_by_hand():
     assert got["reward"] == 0.25 and got["crowded solved"] == 0.5  # only step 1 logged them
     assert math.isclose(got["final - first answer"], -0.125)  # the last evaluation's, not the first's
     assert math.isnan(got["crowded share"]) and math.isnan(got["verdict agrees"]) and math.isnan(got["fallback"])  # not logged here
+
+
+def test_a_demo_tables_what_each_role_does_not_see_where_a_critic_logged_it():
+    """Paper B's information gap (critic.unseen) reaches the critics demo's table: a role's mean
+    over the steps that logged it; a GRPO cell, which logs none, shows '-'."""
+    config = {"workflow": "orch_workers", "sharing": "shared", "n_agents": 3}
+    rows = [{"step": 0, "eval/accuracy": 0.25},
+            {"step": 1, "role/worker/unseen": 0.5, "role/synthesizer/unseen": 0.0},
+            {"step": 2, "role/worker/unseen": 0.7, "eval/accuracy": 0.5}]
+    numbers = tables.cell_numbers(config, rows)
+    assert numbers["worker unseen"] == pytest.approx(0.6)
+    assert numbers["synthesizer unseen"] == 0.0
+    assert math.isnan(numbers["orchestrator unseen"])
+    grpo = tables.cell_numbers(config, rows[:1] + [{"step": 2, "eval/accuracy": 0.5}])
+    header, _, central, plain = tables.mean_table({"central": [numbers], "grpo": [grpo]})
+    column = header.split(" | ").index("worker unseen")
+    assert central.split(" | ")[column] == "0.60" and plain.split(" | ")[column] == "-"
+    assert "orchestrator unseen" not in header
