@@ -34,8 +34,10 @@ CASES: dict[str, list[str]] = {
     "credit-own": ["--workflow", "voting", "--credit", "own"],
     "truncated-mask": ["--truncated", "mask"],
     "truncated-penalize": ["--truncated", "penalize", "--max_new_tokens", "24"],
-    "gspo": ["--workflow", "voting", "--ratio", "sequence", "--no-one_step", "--minibatch_size", "4"],
-    "minibatches": ["--workflow", "voting", "--sharing", "isolated", "--no-one_step", "--minibatch_size", "4"],
+    "gspo": ["--workflow", "voting", "--ratio", "sequence", "--no-one_step",
+             "--minibatch_size", "4"],
+    "minibatches": ["--workflow", "voting", "--sharing", "isolated", "--no-one_step",
+                    "--minibatch_size", "4"],
     "kl-anchor": ["--workflow", "voting", "--kl_coef", "0.1", "--role_kl", "aggregator=0.5"],
     "mitigations": ["--workflow", "voting", "--sharing", "isolated", "--balance", "multiplicity",
                     "--damping", "0.5", "--no-one_step", "--minibatch_size", "4"],
@@ -54,7 +56,8 @@ def train(out: str, flags: list[str], stop_in: str = "") -> None:
     stops after that step, as Ctrl-C would stop it)."""
     cmd = [sys.executable, __file__, "--child", *TOY, *flags, "--out", out]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     lines, stopped = [], False
     for line in proc.stdout:
         lines.append(line)
@@ -73,7 +76,8 @@ def sha256(path: str) -> str:
 def recording(run_dir: str) -> dict:
     """A run's metrics less the volatile keys, and the hashes of its samples and saved weights."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)} for line in f]
+        rows = [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)}
+                for line in f]
     files = sorted(glob.glob(os.path.join(run_dir, "ckpt", "**", "*.safetensors"), recursive=True))
     return {"metrics": rows, "samples": sha256(os.path.join(run_dir, "samples.jsonl")),
             "weights": {os.path.relpath(p, run_dir): sha256(p) for p in files}}
@@ -130,7 +134,8 @@ def child(argv: list[str]) -> None:
     from lab import launch, machine
     import train
     from tasks import Problem
-    problems = [Problem(f"seven-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
+    problems = [Problem(f"seven-{i}", f"Question {i}: reply with the number 7.", "7")
+                for i in range(16)]
     launch.load_task = lambda *args: problems
     machine.catch_stop_signals()
     machine.run_main(lambda: train.main(train.parse_config(argv), typed=launch.typed_flags(argv)))

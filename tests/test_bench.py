@@ -16,19 +16,24 @@ def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, cap
     bench.main(["--model", "tiny", "--repeats", "1", "--json", str(out)])
     fig = json.loads(out.read_text())
     g = fig["generate"]
-    assert g["same_greedy_tokens"]  # raw generate, merged and low-rank rollouts: the same completions
-    assert all(g[name]["seconds"] > 0 and g[name]["tokens_per_s"] > 0 for name in ("raw", "merged", "low_rank"))
+    # raw generate, merged and low-rank rollouts: the same completions
+    assert g["same_greedy_tokens"]
+    assert all(g[name]["seconds"] > 0 and g[name]["tokens_per_s"] > 0
+               for name in ("raw", "merged", "low_rank"))
     assert g["rollout_over_raw"] > 0 and 0 <= g["prompt_padding"] < 1
     assert fig["update"]["update"]["tokens_per_s"] > 0
     assert set(fig["step"]) == {"rollout", "old_logp", "update", "eval", "peak_mb"}
     assert fig["sharing"]["adapters"] == {"shared": 1, "isolated": 2}
     assert fig["limits"]["matmul_fp32_gflops"] > 0 and fig["limits"]["copy_gbs"] > 0
     t = fig["throughput"]
-    assert set(t["generate"]) == {"16", "32", "64"} and all(v > 0 for row in t["generate"].values() for v in row.values())
-    assert set(t["generate"]["32"]) == {f"{s} {d}" for s in ("decode", "generate") for d in t["dtypes"]}
+    assert set(t["generate"]) == {"16", "32", "64"} and all(v > 0 for row in t["generate"].values()
+                                                            for v in row.values())
+    assert set(t["generate"]["32"]) == {f"{s} {d}" for s in ("decode", "generate")
+                                        for d in t["dtypes"]}
     assert set(t["update"]) == set(t["dtypes"]) and "fp32" in t["dtypes"]
     table = capsys.readouterr().out
-    assert "rollout, adapter merged" in table and "isolated / shared" in table and "peaks at" in table
+    assert ("rollout, adapter merged" in table and "isolated / shared" in table
+            and "peaks at" in table)
 
 
 def test_bench_refuses_an_unknown_part_before_loading_a_model():
@@ -41,7 +46,8 @@ def test_a_process_started_from_a_big_one_reports_its_own_peak():
     must not (lab/bench.py and lab/grid.py --reproduce start train.py)."""
     ballast = bytearray(1 << 30)
     ballast[:: 1 << 12] = b"x" * len(ballast[:: 1 << 12])  # touch every page: 1 GiB resident
-    child = subprocess.run([sys.executable, "-c", "from lab import machine; print(machine.peak_memory_mb('cpu'))"],
+    child = subprocess.run([sys.executable, "-c",
+                            "from lab import machine; print(machine.peak_memory_mb('cpu'))"],
                            cwd=ROOT, capture_output=True, text=True, check=True)
     assert float(child.stdout.split()[-1]) < 1000, child.stdout
     del ballast

@@ -14,7 +14,8 @@ from lab import course
 
 
 def pytest_in(root: str, ids: list[str], *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *flags, *ids],
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *flags, *ids],
                           cwd=root, capture_output=True, text=True)
 
 
@@ -26,7 +27,8 @@ def parse(path: str) -> ast.Module:
 def test_every_assignment_names_functions_and_tests_that_exist():
     owner = {}
     for number, a in course.ASSIGNMENTS.items():
-        assert set(a.needs) <= set(course.ASSIGNMENTS) and number not in course.prerequisites(number)
+        assert set(a.needs) <= set(course.ASSIGNMENTS) \
+            and number not in course.prerequisites(number)
         for name, tests in a.tests.items():
             module, function = name.split(".", 1)
             course.find_function(parse(f"{ROOT}/{module}.py"), function)  # LookupError if renamed
@@ -34,7 +36,8 @@ def test_every_assignment_names_functions_and_tests_that_exist():
             assert tests, f"{name} has no test"
             for test in tests:
                 path, test_name = test.split("::")
-                defined = {f.name for f in parse(f"{ROOT}/{path}").body if isinstance(f, ast.FunctionDef)}
+                defined = {f.name for f in parse(f"{ROOT}/{path}").body
+                           if isinstance(f, ast.FunctionDef)}
                 assert test_name.split("[")[0] in defined, test
 
 
@@ -96,19 +99,23 @@ def test_stub_replaces_each_body_and_keeps_every_other_byte():
 
 def test_a_copy_leaves_out_history_environments_runs_caches_and_other_copies(tmp_path):
     root = tmp_path / "project"
-    for path in ["lora.py", "docs/course.md", "tests/test_lora.py", "tests/test_course.py", ".git/HEAD",
-                 ".venv/bin/python", "runs/a/metrics.jsonl", "__pycache__/lora.cpython-311.pyc",
-                 "tests/x.pyc", ".pytest_cache/v", "hw1/.assignment", "hw1/lora.py"]:
+    for path in ["lora.py", "docs/course.md", "tests/test_lora.py", "tests/test_course.py",
+                 ".git/HEAD", ".venv/bin/python", "runs/a/metrics.jsonl",
+                 "__pycache__/lora.cpython-311.pyc", "tests/x.pyc", ".pytest_cache/v",
+                 "hw1/.assignment", "hw1/lora.py"]:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text("x")
-    course.copy_project(str(root), str(root / "hw2"))  # a copy inside the project, as a student makes it
-    copied = sorted(str(p.relative_to(root / "hw2")) for p in (root / "hw2").rglob("*") if p.is_file())
+    # a copy inside the project, as a student makes it
+    course.copy_project(str(root), str(root / "hw2"))
+    copied = sorted(str(p.relative_to(root / "hw2")) for p in (root / "hw2").rglob("*")
+                    if p.is_file())
     assert copied == ["docs/course.md", "lora.py", "tests/test_lora.py"]
     (root / "hw3").mkdir()
     (root / "hw3" / "notes").write_text("x")
     with pytest.raises(SystemExit, match="not empty"):
         course.make(1, str(root / "hw3"), str(root))
-    with pytest.raises(SystemExit, match="hw3/notes is a file, not a directory; choose another --out"):
+    with pytest.raises(SystemExit,
+                       match="hw3/notes is a file, not a directory; choose another --out"):
         course.main(["make", "1", "--out", str(root / "hw3" / "notes")])
 
 
@@ -126,7 +133,8 @@ def removed(number: int) -> tuple[dict[str, set[str]], dict[str, list[str]]]:
         module, function = name.split(".", 1)
         with open(f"{ROOT}/{module}.py", encoding="utf-8") as f:
             lines = kept.setdefault(module, f.read().splitlines())
-        start, end, _ = course.body_range(lines, course.find_function(ast.parse("\n".join(lines)), function))
+        start, end, _ = course.body_range(
+            lines, course.find_function(ast.parse("\n".join(lines)), function))
         bodies[name] = (module, start, end)
     staying = {m: [l for i, l in enumerate(lines)
                    if not any(m == mod and s <= i < e for mod, s, e in bodies.values())]
@@ -160,16 +168,20 @@ def test_a_stubbed_copy_fails_its_own_tests_and_passes_the_others(number, tmp_pa
             with open(os.path.join(directory, f), encoding="utf-8", errors="ignore") as text:
                 leaked = {l.strip() for l in text} & every_secret
             assert not leaked, (f, leaked)
-    for module, lines in staying.items():  # the rest of a stubbed file is the reference's, line for line
+    # the rest of a stubbed file is the reference's, line for line
+    for module, lines in staying.items():
         with open(f"{out}/{module}.py", encoding="utf-8") as f:
             stubbed = f.read().splitlines()
         assert [l for l in stubbed if 'raise NotImplementedError("assignment' not in l] == lines
     for name in course.ASSIGNMENTS[number].tests:  # each body is one raise after the docstring
         module, function = name.split(".", 1)
         fn = course.find_function(parse(f"{out}/{module}.py"), function)
-        assert isinstance(fn.body[-1], ast.Raise) and len(fn.body) == 1 + (ast.get_docstring(fn) is not None)
-    graded = subprocess.run([sys.executable, "-m", "lab.course", "grade"], cwd=out, capture_output=True, text=True)
-    assert graded.returncode == 1 and f"total 0/{len(course.node_ids(number))} points" in graded.stdout, \
+        assert isinstance(fn.body[-1], ast.Raise) \
+            and len(fn.body) == 1 + (ast.get_docstring(fn) is not None)
+    graded = subprocess.run([sys.executable, "-m", "lab.course", "grade"], cwd=out,
+                            capture_output=True, text=True)
+    assert graded.returncode == 1 \
+        and f"total 0/{len(course.node_ids(number))} points" in graded.stdout, \
         graded.stdout[-3000:]
     others = [t for j in course.ASSIGNMENTS if j != number and number not in course.prerequisites(j)
               for t in course.node_ids(j)]
@@ -178,9 +190,9 @@ def test_a_stubbed_copy_fails_its_own_tests_and_passes_the_others(number, tmp_pa
 
 
 def test_every_command_of_the_syllabus_parses():
-    """docs/course.md's commands take the flags train.py, diagnose.py, lab/grid.py, lab/bench.py and lab/course.py take
-    today, and a report reads runs that the page trains (YOURS, the student's workflow, is read as
-    single)."""
+    """docs/course.md's commands take the flags train.py, diagnose.py, lab/grid.py, lab/bench.py and
+    lab/course.py take today, and a report reads runs that the page trains (YOURS, the student's
+    workflow, is read as single)."""
     from lab import bench
     import diagnose
     from lab import grid
@@ -204,5 +216,7 @@ def test_every_command_of_the_syllabus_parses():
         elif script == "diagnose.py":
             assert set(diagnose.make_parser().parse_args(args).runs) <= trained, line
         else:
-            {"lab/bench.py": bench.make_parser, "lab/course.py": course.make_parser}[script]().parse_args(args)
-    assert scripts == {"train.py", "diagnose.py", "lab/grid.py", "lab/bench.py", "lab/course.py"}, scripts
+            {"lab/bench.py": bench.make_parser,
+             "lab/course.py": course.make_parser}[script]().parse_args(args)
+    assert scripts == {"train.py", "diagnose.py", "lab/grid.py", "lab/bench.py",
+                       "lab/course.py"}, scripts

@@ -5,9 +5,10 @@ import random
 import pytest
 import torch
 
-from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_inputs, critic_key,
-                    critic_values, encode, explained_variance, gae, joint_history, local_observation, normalize,
-                    outcome_rewards, predict_values, setup_critics, unseen, update_critics, value_loss)
+from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_inputs,
+                    critic_key, critic_values, encode, explained_variance, gae, joint_history,
+                    local_observation, normalize, outcome_rewards, predict_values, setup_critics,
+                    unseen, update_critics, value_loss)
 import lora
 from rollout import Call
 
@@ -96,7 +97,8 @@ def test_a_cut_call_returns_zero_under_penalize():
     adv, ret = call_advantages(calls, values, gamma=1.0, lam=0.0, cut_returns_zero=True)
     assert adv.tolist() == pytest.approx([1 - 0.6, 0 - 0.3, 0 - 0.2, 1 - 0.5, 0 - 0.4])
     assert ret.tolist() == pytest.approx([1.0, 0.0, 0.0, 1.0, 0.0])
-    assert call_advantages(calls, values, gamma=1.0, lam=0.0)[0][2].item() == pytest.approx(0.6 - 0.2)
+    assert (call_advantages(calls, values, gamma=1.0, lam=0.0)[0][2].item()
+            == pytest.approx(0.6 - 0.2))
 
 
 def test_normalize():
@@ -172,10 +174,13 @@ def test_central_critic_reads_every_agents_history():
 def test_unseen_is_what_a_central_critic_reads_and_a_decentral_one_does_not():
     """An aggregator quoting every candidate lacks nothing; a worker shown one line of an
     orchestrator's three-line plan lacks the other two: 'A1' and 'C3' of 'A1', 'B22', 'C3'."""
-    calls = [call(0, "orchestrator", 0, "plan q", "1. A1\n2) B22\n\n- C3"),  # list markers are not content
-             call(0, "worker0", 1, "q, follow B22", "x = 2"), call(0, "worker1", 1, "q, A1 B22 C3", "y"),
+    # list markers are not content
+    calls = [call(0, "orchestrator", 0, "plan q", "1. A1\n2) B22\n\n- C3"),
+             call(0, "worker0", 1, "q, follow B22", "x = 2"),
+             call(0, "worker1", 1, "q, A1 B22 C3", "y"),
              call(0, "synthesizer", 2, "q, A1 B22 C3, x = 2", "2")]
-    assert unseen(calls) == [None, 4 / 7, 0.0, pytest.approx(1 / 13)]  # 13 characters said; "y" unquoted
+    # 13 characters said; "y" unquoted
+    assert unseen(calls) == [None, 4 / 7, 0.0, pytest.approx(1 / 13)]
     agg = voting_calls()
     assert [unseen(agg)[i] for i in range(4)] == [None, None, None, 0.0]
 
@@ -303,26 +308,28 @@ def test_a_critic_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
     hook = heads["critic-a"].out.weight.register_hook(lambda g: g * float("nan"))
     stats = update_critics(model, heads, batch, optimizers, random.Random(0), tok.pad_token_id, s)
     hook.remove()
-    assert stats["critic/skipped_nonfinite"] == [2] and len(stats["critic/grad_norm"]) == 2  # 2 steps each
+    # 2 steps each
+    assert stats["critic/skipped_nonfinite"] == [2] and len(stats["critic/grad_norm"]) == 2
     assert all(torch.equal(p, b) for p, b in zip(params["critic-a"], before["critic-a"]))
     assert not optimizers["critic-a"].state and optimizers["critic-b"].state
     assert not torch.equal(heads["critic-b"].out.bias, before["critic-b"][-1])
 
 
 def test_every_critic_takes_the_same_steps_whatever_its_rows(tiny):
-    """A central critic reads every agent's rows, a decentral one its own: with steps=2 both take two
-    AdamW steps a training step, the central one over mini-batches four times as large."""
+    """A central critic reads every agent's rows, a decentral one its own: with steps=2 both take
+    two AdamW steps a training step, the central one over mini-batches four times as large."""
     model, tok = tiny
     lora.inject_lora(model, r=4, alpha=8)
     heads = setup_critics(model, ["central", "critic-generator0"])
-    optimizers = {k: torch.optim.AdamW(lora.adapter_parameters(model, k) + list(heads[k].parameters()),
-                                       lr=1e-2) for k in heads}
+    optimizers = {k: torch.optim.AdamW(lora.adapter_parameters(model, k)
+                                       + list(heads[k].parameters()), lr=1e-2) for k in heads}
     for opt in optimizers.values():
         for p in opt.param_groups[0]["params"]:
             p.grad = torch.zeros_like(p)
     ids, returns = toy_batch(tok, random.Random(0), 10)
     keys = ["central"] * 8 + ["critic-generator0"] * 2
-    stats = update_critics(model, heads, CriticBatch(keys, ids, torch.zeros(10), returns), optimizers,
-                           random.Random(0), tok.pad_token_id, CriticSettings(steps=2))
+    stats = update_critics(model, heads, CriticBatch(keys, ids, torch.zeros(10), returns),
+                           optimizers, random.Random(0), tok.pad_token_id, CriticSettings(steps=2))
     assert len(stats["critic/grad_norm"]) == 4
-    assert [o.state[o.param_groups[0]["params"][0]]["step"].item() for o in optimizers.values()] == [2, 2]
+    assert [o.state[o.param_groups[0]["params"][0]]["step"].item()
+            for o in optimizers.values()] == [2, 2]

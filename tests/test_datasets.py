@@ -6,7 +6,8 @@ import subprocess
 import sys
 import time
 
-import datasets  # noqa: F401  imported here once, so the time bounds below time the hub probe, not the import
+# imported here once, so the time bounds below time the hub probe, not the import
+import datasets  # noqa: F401
 import pytest
 
 from reward import math_reward, run_code, score
@@ -25,9 +26,12 @@ def rows(name: str) -> list[dict]:
 
 def test_humaneval_loads_offline_with_a_disjoint_split():
     train, val, test = (humaneval_problems(split, 1000) for split in ("train", "val", "test"))
-    assert (len(train), len(val), len(test)) == (103, 21, 40)  # every problem; a quarter and an eighth held out
-    assert not {p.id for p in train} & {p.id for p in test} and not {p.id for p in val} & {p.id for p in train + test}
-    assert all(p.kind == "code" and p.test_format == "assert" and p.entry_point for p in train + val + test)
+    # every problem; a quarter and an eighth held out
+    assert (len(train), len(val), len(test)) == (103, 21, 40)
+    assert (not {p.id for p in train} & {p.id for p in test}
+            and not {p.id for p in val} & {p.id for p in train + test})
+    assert all(p.kind == "code" and p.test_format == "assert" and p.entry_point
+               for p in train + val + test)
     assert load_task("humaneval", "test", 1000, 3, 0) == test  # the level is ignored
 
 
@@ -36,7 +40,8 @@ def test_humaneval_is_seeded_and_deterministic():
     assert a == b and len(a) == 20
     assert [p.id for p in a] != [p.id for p in load_task("humaneval", "train", 20, 1, 1)]
     # asking for more than a split holds returns all of it
-    assert {p.id for p in load_task("humaneval", "test", 48, 1, 0)} == {p.id for p in humaneval_problems("test", 99)}
+    assert ({p.id for p in load_task("humaneval", "test", 48, 1, 0)}
+            == {p.id for p in humaneval_problems("test", 99)})
 
 
 def test_copies_of_a_hub_problem_share_a_split():
@@ -53,8 +58,10 @@ def test_copies_of_a_hub_problem_share_a_split():
 def test_humaneval_problem_fields():
     p = next(p for p in humaneval_problems("train", 1000) + humaneval_problems("test", 1000)
              if p.id == "HumanEval/0")
-    assert p.question.startswith("from typing import List") and "def has_close_elements" in p.question
-    assert p.entry_point == "has_close_elements" and p.tests.rstrip().endswith("check(has_close_elements)")
+    assert (p.question.startswith("from typing import List")
+            and "def has_close_elements" in p.question)
+    assert (p.entry_point == "has_close_elements"
+            and p.tests.rstrip().endswith("check(has_close_elements)"))
     assert p.setup == p.question and p.answer.startswith(p.question)
 
 
@@ -74,7 +81,8 @@ def test_dapo_rows_convert():
     assert [p.answer for p in problems] == ["54", "15", "400"]
     first = problems[0]
     assert first.id == "dapo-7c0f2a4e-1b6d-4f3e-9a51-3d2c8e6b1f01" and first.kind == "math"
-    assert first.question == "A rectangle has a perimeter of $30$ and a length of $9$. What is its area?"
+    assert (first.question
+            == "A rectangle has a perimeter of $30$ and a length of $9$. What is its area?")
     assert all("Answer:" not in p.question and "Remember" not in p.question for p in problems)
     assert math_reward("So the area is \\boxed{54}.", first.answer) == 1.0
 
@@ -97,7 +105,8 @@ def test_deepcoder_rows_convert():
     assert stdio.kind == call.kind == "code" and stdio.id.startswith("deepcoder-")
     assert stdio.test_format == "stdio" and stdio.entry_point == ""
     assert json.loads(stdio.tests)[0] == {"input": "4\n1 2 3 4\n", "output": "6\n2\n"}
-    assert "standard input" in stdio.question and stdio.question.startswith("Solve the following coding problem")
+    assert ("standard input" in stdio.question
+            and stdio.question.startswith("Solve the following coding problem"))
     assert call.test_format == "call" and call.entry_point == "run_lengths"
     assert json.loads(call.tests)[1] == {"input": [""], "output": [[]]}
     assert "`run_lengths`" in call.question
@@ -115,7 +124,8 @@ def test_deepcoder_reference_solutions_score_one(index):
 
 def test_deepcoder_mixed_and_odd_tests():
     row = rows("deepcoder_rows.json")[0]
-    tests = json.loads(row["tests"]) + [{"type": "function_call", "fn_name": "f", "input": [1], "output": [1]}]
+    tests = json.loads(row["tests"]) + [{"type": "function_call", "fn_name": "f", "input": [1],
+                                         "output": [1]}]
     p = deepcoder_problem(dict(row, tests=tests))  # already decoded; the other format is dropped
     assert p.test_format == "stdio" and len(json.loads(p.tests)) == 3
     assert deepcoder_problem(dict(row, tests=json.dumps([{"type": "unknown"}]))) is None
@@ -141,11 +151,14 @@ def test_hub_tasks_fail_fast_offline(task, monkeypatch):
 def test_unreachable_hub_fails_fast_without_the_offline_flag():
     """In a fresh process with no network route to the hub, the probe gives up within seconds."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from tasks import load_task\n"
-            "try:\n    load_task('dapo_math', 'train', 8, 1, 0)\nexcept ValueError as e:\n    print(e)\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+            "try:\n    load_task('dapo_math', 'train', 8, 1, 0)\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     env["HF_ENDPOINT"] = "https://hub.invalid"  # a reserved name that never resolves
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", code, ROOT], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code, ROOT], env=env, capture_output=True,
+                         text=True, timeout=60)
     assert time.monotonic() - start < 15
     assert out.stdout.count("\n") == 1 and "humaneval" in out.stdout, out
 
@@ -155,7 +168,8 @@ def test_task_names():
 
 
 def test_hub_rows_flow_into_problems(monkeypatch):
-    """The loading path with the hub replaced by the fixture rows: conversion, filtering and splits."""
+    """The loading path with the hub replaced by the fixture rows: conversion, filtering and
+    splits."""
     import datasets
 
     import tasks
@@ -167,9 +181,11 @@ def test_hub_rows_flow_into_problems(monkeypatch):
     tasks._hub_pool.cache_clear()
     try:
         for task, size in (("dapo_math", 3), ("deepcoder", 2)):
-            train, val, test = (load_task(task, split, 100, 1, 0) for split in ("train", "val", "test"))
+            train, val, test = (load_task(task, split, 100, 1, 0)
+                                for split in ("train", "val", "test"))
             assert len(train) + len(val) + len(test) == size
-            assert not {p.id for p in train} & {p.id for p in test} and not {p.id for p in val} & {p.id for p in train}
+            assert (not {p.id for p in train} & {p.id for p in test}
+                    and not {p.id for p in val} & {p.id for p in train})
     finally:
         tasks._hub_pool.cache_clear()
 

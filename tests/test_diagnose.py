@@ -1,4 +1,5 @@
-"""Diagnostics and mitigations: the detectors on synthetic runs, kappa and the fixes on the tiny model."""
+"""Diagnostics and mitigations: the detectors on synthetic runs, kappa and the fixes on the tiny
+model."""
 import json
 import math
 import os
@@ -73,8 +74,9 @@ def healthy_rows(roles: list[str], steps: int = 9, calls: int = 16) -> list[dict
         row = {"step": s, "reward/mean": 0.3 + 0.03 * s}
         for role in roles:
             row.update({f"role/{role}/grad_norm": 0.5, f"role/{role}/grad_share": 1 / len(roles),
-                        f"role/{role}/adherence": 0.8, f"role/{role}/ppl": 2.0, f"role/{role}/calls": calls,
-                        f"role/{role}/len": 20.0, f"adapter/{role}/update_norm": 0.1})
+                        f"role/{role}/adherence": 0.8, f"role/{role}/ppl": 2.0,
+                        f"role/{role}/calls": calls, f"role/{role}/len": 20.0,
+                        f"adapter/{role}/update_norm": 0.1})
             row.update({f"role/{role}/sim/{o}": 0.1 for o in roles if o != role})
         if s % 3 == 0:
             row["eval/accuracy"] = 0.30 + 0.05 * s / 3
@@ -90,7 +92,8 @@ def captured_rows(calls: int = 16) -> list[dict]:
     for r in rows[1:]:
         s = r["step"]
         r.update({"role/generator/grad_share": 0.9, "role/evaluator/grad_share": 0.1,
-                  "role/evaluator/adherence": max(0.0, 0.9 - 0.12 * s), "role/evaluator/len": 10.0 + 5 * s,
+                  "role/evaluator/adherence": max(0.0, 0.9 - 0.12 * s),
+                  "role/evaluator/len": 10.0 + 5 * s,
                   "role/evaluator/sim/generator": 0.05 + 0.05 * s})
     accuracy = {3: 0.55, 6: 0.40, 9: 0.25}
     for r in rows:
@@ -118,7 +121,8 @@ VOTING = {"workflow": "voting", "sharing": "isolated"}
 
 
 def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
-    bad = write_run(tmp_path / "captured", {"workflow": "eval_opt", "sharing": "shared", "eval_problems": 200},
+    bad = write_run(tmp_path / "captured",
+                    {"workflow": "eval_opt", "sharing": "shared", "eval_problems": 200},
                     captured_rows())
     good = write_run(tmp_path / "healthy", {"workflow": "eval_opt", "sharing": "shared"},
                      healthy_rows(["generator", "evaluator"]))
@@ -126,9 +130,11 @@ def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
     text = open(path).read()
     captured_line = next(l for l in text.splitlines() if l.startswith("- **captured**"))
     # 0.55 -> 0.25 at 200 problems: 2 SE = 2 sqrt((0.55*0.45 + 0.25*0.75) / 200) = 0.093
-    assert ("accuracy cliff: test accuracy fell from 0.550 at step 3 (the peak, chosen on test) to 0.250 at "
-            "step 9 (-0.300), beyond 2 standard errors of the difference (0.093)") in captured_line
-    assert "role capture: generator holds 90%" in captured_line and "evaluator drifts to it" in captured_line
+    assert ("accuracy cliff: test accuracy fell from 0.550 at step 3 (the peak, chosen on test) "
+            "to 0.250 at step 9 (-0.300), beyond 2 standard errors of the difference "
+            "(0.093)") in captured_line
+    assert "role capture: generator holds 90%" in captured_line \
+        and "evaluator drifts to it" in captured_line
     assert "- **healthy**: nothing detected" in text
     for name in ("accuracy", "grad_share", "adherence", "similarity", "ppl"):
         png = tmp_path / "out" / f"{name}.png"
@@ -138,19 +144,22 @@ def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
 
 def test_amplification_fires_on_a_coherent_spike_then_a_validation_fall():
     found = diagnose.findings(VOTING, amplified_rows())
-    assert found == ["gradient amplification: generator (N=3), its gradient norm spikes to 1.5 (3.0x its "
-                     "running median) at step 6, kappa 1.60 (sqrt(N) = 1.73); then val accuracy falls from "
-                     "0.500 at step 4 to 0.300 at step 8, beyond 2 standard errors of the difference (0.141)"]
+    assert found == ["gradient amplification: generator (N=3), its gradient norm spikes to 1.5 "
+                     "(3.0x its running median) at step 6, kappa 1.60 (sqrt(N) = 1.73); then val "
+                     "accuracy falls from 0.500 at step 4 to 0.300 at step 8, beyond 2 standard "
+                     "errors of the difference (0.141)"]
     no_kappa = [{k: v for k, v in r.items() if not k.endswith("kappa")} for r in amplified_rows()]
-    assert "kappa not logged" in diagnose.find_amplification(VOTING, no_kappa)[0]  # kappa only where measured
+    # kappa only where measured
+    assert "kappa not logged" in diagnose.find_amplification(VOTING, no_kappa)[0]
     ppl = amplified_rows()
-    ppl[6]["role/generator/grad_norm"], ppl[6]["role/generator/ppl"] = 0.5, 3.0  # 1.5x the median of 2.0
+    # 1.5x the median of 2.0
+    ppl[6]["role/generator/grad_norm"], ppl[6]["role/generator/ppl"] = 0.5, 3.0
     assert "its perplexity spikes to 3 (1.5x" in diagnose.find_amplification(VOTING, ppl)[0]
 
 
-@pytest.mark.parametrize("change", ["no val fall", "fall within noise", "fall too late", "fall on test only",
-                                    "incoherent", "one slot", "shared adapter", "update norm only",
-                                    "early steps"])
+@pytest.mark.parametrize("change", ["no val fall", "fall within noise", "fall too late",
+                                    "fall on test only", "incoherent", "one slot", "shared adapter",
+                                    "update norm only", "early steps"])
 def test_amplification_does_not_fire(change):
     rows, config = amplified_rows(), VOTING
     val = [r for r in rows if "val/accuracy" in r]
@@ -169,11 +178,14 @@ def test_amplification_does_not_fire(change):
         rows[8]["eval/accuracy"] = 0.0
     elif change == "incoherent":  # kappa measured at the spike, well below 0.8 sqrt(3) = 1.39
         rows[6]["role/generator/kappa"] = 1.1
-    elif change == "one slot":  # the same spike on a role with one slot: no same-role gradients to align
+    elif change == "one slot":
+        # the same spike on a role with one slot: no same-role gradients to align
         rows[6]["role/generator/grad_norm"], rows[6]["role/aggregator/grad_norm"] = 0.5, 1.5
-    elif change == "shared adapter":  # the same history under one adapter for every role: not a same-role adapter
+    elif change == "shared adapter":
+        # the same history under one adapter for every role: not a same-role adapter
         config = {**VOTING, "sharing": "shared"}
-    elif change == "update norm only":  # the old signal: an update-norm jump is not the paper's signature
+    elif change == "update norm only":
+        # the old signal: an update-norm jump is not the paper's signature
         rows[6]["role/generator/grad_norm"], rows[6]["adapter/generator/update_norm"] = 0.5, 1.0
     elif change == "early steps":  # under 3 steps of history: no running median yet
         rows[6]["role/generator/grad_norm"], rows[3]["role/generator/grad_norm"] = 0.5, 1.5
@@ -187,38 +199,42 @@ def test_spikes_are_measured_against_the_running_median():
     # step 3: 1.0 < 2 x median(9, 1, 1); step 5: 2.5 >= 2 x median(9, 1, 1, 1, 1) = 2; step 11: the
     # window of 5 holds 1.0 only, so 2.0 is a spike too, however large step 0 was
     assert diagnose.spikes(values, 2.0) == [(5, 2.5, 1.0), (11, 2.0, 1.0)]
-    assert diagnose.spikes([(0, 0.0), (1, 0.0), (2, 0.0), (3, 1.0)], 2.0) == []  # a median of 0: no signal yet
+    # a median of 0: no signal yet
+    assert diagnose.spikes([(0, 0.0), (1, 0.0), (2, 0.0), (3, 1.0)], 2.0) == []
 
 
 def test_a_fall_and_partial_recovery_is_a_dip():
     rows = [{"step": s, "eval/accuracy": a} for s, a in [(0, 0.47), (4, 0.22), (8, 0.41)]]
     # 2 SE = 2 sqrt((0.47*0.53 + 0.22*0.78) / 32) = 2 sqrt(0.4207 / 32) = 0.229
     assert diagnose.find_cliff({"eval_problems": 32}, rows, 0.1) == [
-        "accuracy dip: test accuracy fell from 0.470 at step 0 (the peak, chosen on test) to 0.220 at step 4 "
-        "(-0.250) and ended at 0.410, beyond 2 standard errors of the difference (0.229)"]
+        "accuracy dip: test accuracy fell from 0.470 at step 0 (the peak, chosen on test) to 0.220 "
+        "at step 4 (-0.250) and ended at 0.410, beyond 2 standard errors of the difference (0.229)"]
     assert diagnose.find_cliff({"eval_problems": 32}, rows, 0.3) == []
     assert diagnose.find_cliff({"eval_problems": 16}, rows, 0.1) == []  # 2 SE = 0.324: within noise
-    assert "noise unknown" in diagnose.find_cliff({}, rows, 0.1)[0]  # no size, no logged error: the floor decides
+    # no size, no logged error: the floor decides
+    assert "noise unknown" in diagnose.find_cliff({}, rows, 0.1)[0]
 
 
 def test_the_cliff_peak_is_chosen_on_val_and_the_logged_error_is_used():
     """Test accuracy 0.60 at step 2 is a lucky evaluation: val does not peak there. Chosen on test,
-    the peak is biased up and a fall of 0.25 appears; chosen on val (step 4), the test fall is 0.05."""
+    the peak is biased up and a fall of 0.25 appears; chosen on val (step 4), the test fall is
+    0.05."""
     test = {0: 0.30, 2: 0.60, 4: 0.40, 6: 0.35}
     rows = [{"step": s, "eval/accuracy": a, "eval/accuracy_se": 0.05} for s, a in test.items()]
     # 2 sqrt(0.05^2 + 0.05^2) = 0.141
     assert diagnose.find_cliff({}, rows) == [
-        "accuracy cliff: test accuracy fell from 0.600 at step 2 (the peak, chosen on test) to 0.350 at "
-        "step 6 (-0.250), beyond 2 standard errors of the difference (0.141)"]
+        "accuracy cliff: test accuracy fell from 0.600 at step 2 (the peak, chosen on test) to "
+        "0.350 at step 6 (-0.250), beyond 2 standard errors of the difference (0.141)"]
     for r, v in zip(rows, (0.30, 0.40, 0.50, 0.45)):
         r["val/accuracy"] = v
     assert diagnose.find_cliff({}, rows) == []
-    assert diagnose.summary({"workflow": "single", "sharing": "shared", "algo": "grpo"}, rows)["accuracy"] == \
-        "0.300 / 0.400 / 0.350"
+    assert diagnose.summary({"workflow": "single", "sharing": "shared", "algo": "grpo"},
+                            rows)["accuracy"] == "0.300 / 0.400 / 0.350"
 
 
 def test_capture_is_only_looked_for_on_a_shared_adapter():
-    assert diagnose.find_capture({"workflow": "eval_opt", "sharing": "isolated"}, captured_rows()) == []
+    assert diagnose.find_capture({"workflow": "eval_opt", "sharing": "isolated"},
+                                 captured_rows()) == []
     assert diagnose.find_capture({"workflow": "eval_opt", "sharing": "shared"}, captured_rows())
 
 
@@ -227,9 +243,10 @@ def test_capture_compares_windows_that_hold_enough_calls():
     2 SE = 2 sqrt(0.34 * 0.66 * 2 / 48) = 0.19; length 20 -> 50 tokens; similarity 0.15 -> 0.45."""
     shared = {"workflow": "eval_opt", "sharing": "shared"}
     assert diagnose.find_capture(shared, captured_rows()) == [
-        "role capture: generator holds 90% of the shared gradient on average, and evaluator drifts to it over "
-        "steps 1-3 (48 calls) against 7-9 (48): its adherence falls from 0.66 to 0.02 (2 standard errors: "
-        "0.19), its length grows from 20 to 50 tokens, its similarity to generator rises from 0.15 to 0.45"]
+        "role capture: generator holds 90% of the shared gradient on average, and evaluator drifts "
+        "to it over steps 1-3 (48 calls) against 7-9 (48): its adherence falls from 0.66 to 0.02 "
+        "(2 standard errors: 0.19), its length grows from 20 to 50 tokens, its similarity to "
+        "generator rises from 0.15 to 0.45"]
     # 8 calls a step over 5 steps: each window needs 4 steps to hold 32 calls, so they overlap
     assert diagnose.find_capture(shared, captured_rows(calls=8)[:6]) == []
     # 6 calls a step: the first third is widened to steps 1-6 (36 calls), the last to steps 4-9
@@ -243,12 +260,14 @@ def test_capture_needs_a_fall_beyond_noise_and_the_role_turning_into_the_dominan
         for r, a in zip(rows[1:], adherence):
             r["role/evaluator/adherence"] = a
         return rows
-    adherence = [0.6] * 3 + [0.45] * 3 + [0.38] * 3  # a fall of 0.22, at 33 or at 120 calls a window
+    # a fall of 0.22, at 33 or at 120 calls a window
+    adherence = [0.6] * 3 + [0.45] * 3 + [0.38] * 3
     # 33 calls: pooled 0.49, 2 SE = 2 sqrt(0.49 * 0.51 * 2 / 33) = 0.246 > 0.22
     assert diagnose.find_capture(shared, rows_with(11, adherence)) == []
     assert "(2 standard errors: 0.13)" in diagnose.find_capture(shared, rows_with(40, adherence))[0]
     same_length = captured_rows()
-    for r in same_length[1:]:  # it breaks its format but writes no more: not the generator's behaviour
+    # it breaks its format but writes no more: not the generator's behaviour
+    for r in same_length[1:]:
         r["role/evaluator/len"] = 20.0
     assert diagnose.find_capture(shared, same_length) == []
     unlike = captured_rows()
@@ -265,18 +284,24 @@ def test_diagnose_rejects_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         diagnose.main([str(tmp_path)])
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit, match="notes.txt: no metrics.jsonl"):  # a file: not made the report's directory
+    # a file: not made the report's directory
+    with pytest.raises(SystemExit, match="notes.txt: no metrics.jsonl"):
         diagnose.main([str(tmp_path / "notes.txt")])
-    run = write_run(tmp_path / "run", {"workflow": "single", "sharing": "shared"}, healthy_rows(["generator"]))
-    with pytest.raises(SystemExit, match=re.escape("notes.txt: cannot write report.md there (a file, not a dir")):
+    run = write_run(tmp_path / "run", {"workflow": "single", "sharing": "shared"},
+                    healthy_rows(["generator"]))
+    with pytest.raises(SystemExit, match=re.escape("notes.txt: cannot write report.md there "
+                                                   "(a file, not a dir")):
         diagnose.main([run, "--out", str(tmp_path / "notes.txt")])
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-def test_a_read_only_run_is_diagnosed_and_probed_only_where_it_can_be_written(tmp_path, monkeypatch):
-    run = write_run(tmp_path / "run", {"workflow": "single", "sharing": "shared"}, healthy_rows(["generator"]))
+def test_a_read_only_run_is_diagnosed_and_probed_only_where_it_can_be_written(tmp_path,
+                                                                              monkeypatch):
+    run = write_run(tmp_path / "run", {"workflow": "single", "sharing": "shared"},
+                    healthy_rows(["generator"]))
     make_read_only(run, monkeypatch)
-    with pytest.raises(SystemExit, match=re.escape(f"{run}: cannot write report.md there (read-only)")):
+    with pytest.raises(SystemExit,
+                       match=re.escape(f"{run}: cannot write report.md there (read-only)")):
         diagnose.main([run])
     assert os.path.exists(diagnose.report([run], str(tmp_path / "elsewhere")))
 
@@ -291,7 +316,8 @@ def call(role: str, slot: str, tokens: int) -> Call:
 
 
 def test_loss_weight_by_hand():
-    mb = [call("generator", f"generator{i}", 4) for i in range(3)] + [call("aggregator", "aggregator", 2)]
+    mb = ([call("generator", f"generator{i}", 4) for i in range(3)]
+          + [call("aggregator", "aggregator", 2)])
     assert loss_weight(mb, "generator", "none") == (1.0, 4, 14)
     assert loss_weight(mb, "generator", "role") == (0.5, 3, 12)  # two roles, each averaged alone
     assert loss_weight(mb, "aggregator", "role") == (0.5, 1, 2)
@@ -353,7 +379,8 @@ def voting_calls(tiny, episodes: int, reward_of, seed: int = 0) -> list[Call]:
 def measure(tiny, calls: list[Call], adapter: str, balance: str = "none") -> dict[str, float]:
     """Per-slot gradient statistics of all `calls` in one batch, without moving the adapter."""
     model, tok = tiny
-    settings = UpdateSettings(temperature=1.0, one_step=True, micro_batch_tokens=4096, balance=balance)
+    settings = UpdateSettings(temperature=1.0, one_step=True, micro_batch_tokens=4096,
+                              balance=balance)
     stats = gradient_signals(model, adapter, calls, tok.pad_token_id, settings)
     return {k: v[0] for k, v in stats.items() if len(v) == 1}
 
@@ -365,11 +392,13 @@ def test_same_prompt_and_broadcast_reward_amplify_same_role_gradients(tiny):
     outputs. The slots' gradients are then uncorrelated in expectation; one-token outputs give
     them few directions, so one batch is noisy and the control averages four."""
     def share_of_even_tokens(gens):
-        return sum(c.completion_ids[:1] != [] and c.completion_ids[0] % 2 == 0 for c in gens) / len(gens)
+        return sum(c.completion_ids[:1] != [] and c.completion_ids[0] % 2 == 0
+                   for c in gens) / len(gens)
     tiny = with_adapters(tiny)
     gens = [c for c in voting_calls(tiny, 96, share_of_even_tokens) if c.role == "generator"]
     coherent = measure(tiny, gens, "generator")
-    assert coherent["role/generator/kappa"] > 1.4 and coherent["role/generator/coherence"] > 0.5, coherent
+    assert coherent["role/generator/kappa"] > 1.4 \
+        and coherent["role/generator/coherence"] > 0.5, coherent
     control = []
     for seed in range(4):
         coin = random.Random(seed + 1)
@@ -395,7 +424,8 @@ def test_role_balance_reweights_the_gradient_shares_by_hand(tiny):
     expected = {r: plain[f"role/{r}/grad_norm"] * n / (2 * n_role[r]) for r in n_role}
     for r in n_role:
         assert balanced[f"role/{r}/grad_norm"] == pytest.approx(expected[r], rel=1e-4)
-        assert balanced[f"role/{r}/grad_share"] == pytest.approx(expected[r] / sum(expected.values()), rel=1e-4)
+        assert balanced[f"role/{r}/grad_share"] == pytest.approx(
+            expected[r] / sum(expected.values()), rel=1e-4)
     assert balanced["role/aggregator/grad_share"] > plain["role/aggregator/grad_share"]
 
 
@@ -406,7 +436,8 @@ def odd_length_wins(problems, texts, **settings) -> list[float]:
 TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
 
 
-def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens_it(tmp_path, monkeypatch):
+def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens_it(tmp_path,
+                                                                                    monkeypatch):
     """Same data and learning rate: Voting's generator adapter gets three slots' calls, so three
     times the optimizer steps and a larger update than the single agent's; --one_step removes it."""
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
@@ -416,9 +447,10 @@ def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens
                      ("voting", dict(workflow="voting", one_step=False)),
                      ("one_step", dict(workflow="voting", one_step=True))]:
         out = str(tmp_path / name)
-        cfg = train.Config(model="tiny", sharing="isolated", steps=1, problems_per_step=4, group_size=8,
-                           max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=4,
-                           minibatch_size=16, eval_problems=1, out=out, **kw)
+        cfg = train.Config(model="tiny", sharing="isolated", steps=1, problems_per_step=4,
+                           group_size=8, max_new_tokens=16, truncated="keep", temperature=1.0,
+                           lr=1e-2, warmup_steps=0, lora_r=4, minibatch_size=16, eval_problems=1,
+                           out=out, **kw)
         train.main(cfg)
         last = [json.loads(l) for l in open(f"{out}/metrics.jsonl")][-1]
         norms[name] = last["adapter/generator/update_norm"]
@@ -428,60 +460,73 @@ def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens
 
 def test_episodes_to_align_extrapolates_the_cosine_to_the_detectors_line():
     """cos = 1 / (1 + b / n) with b = 48: 0.25 at 16 episodes, 0.4 at 32. For N = 3 the line is
-    kappa >= 0.8 sqrt(3), that is cos >= (0.64 * 3 - 1) / 2 = 0.46, reached at n = 48 * 0.46 / 0.54."""
+    kappa >= 0.8 sqrt(3), that is cos >= (0.64 * 3 - 1) / 2 = 0.46, reached at
+    n = 48 * 0.46 / 0.54."""
+    # 8: no reward contrast, nothing measured
     probes = [{"episodes": 8}, {"episodes": 16, "role/generator/coherence": 0.25},
-              {"episodes": 32, "role/generator/coherence": 0.4}]  # 8: no reward contrast, nothing measured
+              {"episodes": 32, "role/generator/coherence": 0.4}]
     assert diagnose.episodes_to_align(probes, "generator", 3) == pytest.approx(48 * 0.46 / 0.54)
     probes[1]["role/generator/coherence"] = -0.02  # no shared direction measured at one size
     assert diagnose.episodes_to_align(probes, "generator", 3) == math.inf
-    assert diagnose.episodes_to_align(probes[:1], "generator", 3) == math.inf  # nothing measured at all
+    # nothing measured at all
+    assert diagnose.episodes_to_align(probes[:1], "generator", 3) == math.inf
 
 
 def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     monkeypatch.setattr(train, "score_batch", odd_length_wins)
     out = str(tmp_path / "run")
-    train.main(train.Config(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2,
-                            group_size=8, max_new_tokens=16, truncated="keep", temperature=1.0, lora_r=4,
-                            eval_problems=1, out=out))
+    train.main(train.Config(model="tiny", workflow="voting", sharing="shared", steps=1,
+                            problems_per_step=2, group_size=8, max_new_tokens=16, truncated="keep",
+                            temperature=1.0, lora_r=4, eval_problems=1, out=out))
     diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "2,4", "--probe_credit", "final"])
     small, result = json.load(open(f"{out}/probe.json"))["probes"]
     assert {"reward/mean", "slot/generator0/grad_norm", "role/aggregator/grad_norm"} <= set(result)
-    assert 0 < result["role/generator/kappa"] <= 3 ** 0.5 + 1e-6 and (small["episodes"], result["episodes"]) == (16, 32)
+    assert 0 < result["role/generator/kappa"] <= 3 ** 0.5 + 1e-6 \
+        and (small["episodes"], result["episodes"]) == (16, 32)
     assert "role/generator" in capsys.readouterr().out
     diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4", "--probe_credit", "own"])
-    own = json.load(open(f"{out}/probe.json"))["probes"][0]  # the same batch, each generator paid for its own
-    assert own["reward/mean"] == result["reward/mean"] and own["role/generator/grad_norm"] != result["role/generator/grad_norm"]
+    # the same batch, each generator paid for its own
+    own = json.load(open(f"{out}/probe.json"))["probes"][0]
+    assert own["reward/mean"] == result["reward/mean"] \
+        and own["role/generator/grad_norm"] != result["role/generator/grad_norm"]
     diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4", "--seed", "1"])
     other = json.load(open(f"{out}/probe.json"))["probes"][0]  # another batch
     assert other["role/generator/grad_norm"] != result["role/generator/grad_norm"]
-    with pytest.raises(SystemExit, match=re.escape("--probe_problems [0]: each must be in [1, 256] (the run's training pool)")):
+    with pytest.raises(SystemExit, match=re.escape("--probe_problems [0]: each must be in "
+                                                   "[1, 256] (the run's training pool)")):
         diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "0"])
     with pytest.raises(SystemExit):
         diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4;8"])
     make_read_only(out, monkeypatch)  # said before the probe runs, whose result would be lost
-    with pytest.raises(SystemExit, match=re.escape(f"{out}: cannot write probe.json there (read-only)")):
+    with pytest.raises(SystemExit,
+                       match=re.escape(f"{out}: cannot write probe.json there (read-only)")):
         diagnose.main(["--probe", f"{out}/ckpt"])
 
 
 def test_role_kl_names_must_be_roles_of_the_workflow():
-    assert settings.kl_coefs(train.Config(workflow="voting", kl_coef=0.01, role_kl="aggregator=0.1")) == \
+    assert settings.kl_coefs(train.Config(workflow="voting", kl_coef=0.01,
+                                          role_kl="aggregator=0.1")) == \
         {"generator": 0.01, "aggregator": 0.1}
     with pytest.raises(SystemExit, match="'evaluator' is not a role of voting"):
         settings.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
     with pytest.raises(SystemExit, match="not role=number"):
         settings.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
-    for value in ("-1", "nan", "inf"):  # checked as --kl_coef is, not taken for off or trained into NaN
-        with pytest.raises(SystemExit, match=re.escape(f"--role_kl aggregator={value}: must be in [0, inf)")):
-            settings.kl_coefs(train.Config(workflow="voting", role_kl=f"generator=0.1, aggregator={value}"))
+    # checked as --kl_coef is, not taken for off or trained into NaN
+    for value in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit,
+                           match=re.escape(f"--role_kl aggregator={value}: must be in [0, inf)")):
+            settings.kl_coefs(train.Config(workflow="voting",
+                                           role_kl=f"generator=0.1, aggregator={value}"))
 
 
 @pytest.mark.parametrize("workflow,sharing", [("single", "shared"), ("eval_opt", "isolated"),
                                               ("voting", "isolated"), ("orch_workers", "shared")])
 def test_watch_prints_every_call_of_a_trained_workflow(workflow, sharing, tmp_path, capsys):
     out = str(tmp_path / "run")
-    train.main(train.Config(model="tiny", workflow=workflow, sharing=sharing, steps=1, problems_per_step=1,
-                            group_size=2, max_new_tokens=6, lora_r=4, eval_problems=1, out=out))
+    train.main(train.Config(model="tiny", workflow=workflow, sharing=sharing, steps=1,
+                            problems_per_step=1, group_size=2, max_new_tokens=6, lora_r=4,
+                            eval_problems=1, out=out))
     capsys.readouterr()
     final = probe.watch(out, "What is 2 + 3?")
     printed = capsys.readouterr().out
@@ -495,7 +540,8 @@ def test_watch_prints_every_call_of_a_trained_workflow(workflow, sharing, tmp_pa
 
 def test_watch_needs_a_checkpoint(tmp_path):
     out = str(tmp_path / "run")
-    train.main(train.Config(model="tiny", workflow="single", steps=0, eval_problems=1, lora_r=4, out=out))
+    train.main(train.Config(model="tiny", workflow="single", steps=0, eval_problems=1,
+                            lora_r=4, out=out))
     shutil.rmtree(f"{out}/ckpt")  # as a run killed before its step-0 checkpoint leaves it
     with pytest.raises(SystemExit, match="no state.pt"):
         diagnose.main(["--watch", out, "What is 2 + 3?"])
@@ -503,8 +549,8 @@ def test_watch_needs_a_checkpoint(tmp_path):
 
 def test_damaged_runs_are_one_line_errors_and_a_torn_last_line_is_dropped(tmp_path, capsys):
     out = str(tmp_path / "run")
-    train.main(train.Config(model="tiny", workflow="single", steps=2, eval_every=1, eval_problems=1, lora_r=4,
-                            out=out))
+    train.main(train.Config(model="tiny", workflow="single", steps=2, eval_every=1, eval_problems=1,
+                            lora_r=4, out=out))
     with open(f"{out}/metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rew')  # killed while writing
     config, rows = runs.load_run(out)

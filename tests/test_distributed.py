@@ -39,7 +39,8 @@ def worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
     try:
         fn(*args)
         if dist.is_initialized():  # (train.main tears its group down itself)
-            dist.barrier()  # as train.py does: every process done with the group before any tears it down
+            # as train.py does: every process done with the group before any tears it down
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -72,7 +73,8 @@ def updated_adapters(workflow: str, sharing: str, minibatch_size: int, out: str)
     torch.manual_seed(1)
     run_workflow(workflow, ["What is 1 + 2?", "What is 3 + 4?"] * 2, rollout, n_agents=3)
     calls = rollout.calls
-    for i, c in enumerate(calls):  # some calls without signal, so slots hold 0, 1 or more live calls
+    # some calls without signal, so slots hold 0, 1 or more live calls
+    for i, c in enumerate(calls):
         c.advantage = [1.0, -0.5, 0.0, 2.0, 0.0][i % 5]
     settings = UpdateSettings(temperature=1.0, minibatch_size=minibatch_size, grad_clip=0.5)
     start = {n: [p.detach().clone() for p in adapter_parameters(model, n)] for n in names}
@@ -81,9 +83,12 @@ def updated_adapters(workflow: str, sharing: str, minibatch_size: int, out: str)
         mine = [c for c in calls if adapter_for(c.role, sharing) == name]
         sgd = torch.optim.SGD(adapter_parameters(model, name), lr=0.5)
         stats.update(gradient_signals(model, name, mine, tok.pad_token_id, settings))
-        stats.update(policy_update(model, name, mine, sgd, random.Random(0), tok.pad_token_id, settings))
+        stats.update(policy_update(model, name, mine, sgd, random.Random(0),
+                                   tok.pad_token_id, settings))
     if rank_and_world()[0] == 0:
-        torch.save({"start": start, "weights": {n: [p.detach().clone() for p in adapter_parameters(model, n)] for n in names},
+        torch.save({"start": start,
+                    "weights": {n: [p.detach().clone() for p in adapter_parameters(model, n)]
+                                for n in names},
                     "stats": {k: v for k, v in stats.items() if "grad_norm" in k or "kappa" in k
                               or "update_norm" in k}}, out)
 
@@ -93,7 +98,8 @@ def updated_adapters(workflow: str, sharing: str, minibatch_size: int, out: str)
     ("voting", "shared", 32),    # one mini-batch, roles sharing the adapter
     ("eval_opt", "shared", 3),   # early stopping: slots and stages of unequal size
 ])
-def test_two_process_update_equals_the_one_process_update(tmp_path, workflow, sharing, minibatch_size):
+def test_two_process_update_equals_the_one_process_update(tmp_path, workflow, sharing,
+                                                          minibatch_size):
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     updated_adapters(workflow, sharing, minibatch_size, one)
     in_processes(2, updated_adapters, workflow, sharing, minibatch_size, two)
@@ -104,7 +110,8 @@ def test_two_process_update_equals_the_one_process_update(tmp_path, workflow, sh
             assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), name
             moved = max(moved, (x - x0).abs().max().item())
     assert moved > 1e-3
-    assert a["stats"].keys() == b["stats"].keys() and any("kappa" in k for k in a["stats"]) == (workflow == "voting")
+    assert (a["stats"].keys() == b["stats"].keys()
+            and any("kappa" in k for k in a["stats"]) == (workflow == "voting"))
     for k, v in a["stats"].items():
         assert v == pytest.approx(b["stats"][k], rel=1e-4), k
 
@@ -134,7 +141,8 @@ def run(out: str, resume: bool = False, dies_at_call: int = 0, **kw) -> None:
         train.rollout_step = dies
     cfg = dict(model="tiny", workflow="voting", sharing="isolated", steps=4, problems_per_step=3,
                group_size=2, eval_problems=3, max_new_tokens=6, temperature=1.0, lr=1e-2, lora_r=4,
-               minibatch_size=4, eval_every=2, save_every=2, sft_warmup=0, truncated="keep", out=out)
+               minibatch_size=4, eval_every=2, save_every=2, sft_warmup=0, truncated="keep",
+               out=out)
     train.main(train.Config(**cfg, **kw) if not resume else train.Config(out=out, resume=True))
 
 
@@ -157,7 +165,8 @@ def test_two_process_run_logs_like_one_and_resumes_exactly(tmp_path):
     keys = [set().union(*rows(out)) for out in (straight, single)]
     assert keys[0] == keys[1]  # the same metrics as one process logs
     last = rows(straight)[-1]
-    assert last["role/generator/calls"] == 3 * 3 * 2  # everyone's episodes: 3 problems x 2 x 3 slots
+    # everyone's episodes: 3 problems x 2 x 3 slots
+    assert last["role/generator/calls"] == 3 * 3 * 2
     assert any(r.get("adapter/generator/grad_norm", 0) > 0 for r in rows(straight))
     with open(f"{straight}/config.json") as f:
         assert json.load(f)["problems_per_step"] == 3
@@ -189,8 +198,8 @@ def test_processes_agree_to_stop_and_that_a_held_run_directory_is_held(tmp_path)
         runs.unlock_run()
     for rank in (0, 1):
         with open(f"{out}.{rank}") as f:
-            assert json.load(f) == [15, f"--out {out} is in use by another run (pid {os.getpid()}); wait for it to "
-                                        "end or stop it"]
+            assert json.load(f) == [15, f"--out {out} is in use by another run "
+                                        f"(pid {os.getpid()}); wait for it to end or stop it"]
 
 
 # ----------------------------------------------------------------------------
@@ -239,7 +248,8 @@ def test_two_process_critics_equal_one_process_critics(tmp_path):
 
 
 def test_torchrun_runs_train_py_with_two_processes(tmp_path):
-    """docs/torchrun.md's command, on the tiny model: GRPO on Voting, and the central critic on Eval-Opt."""
+    """docs/torchrun.md's command, on the tiny model: GRPO on Voting, and the central critic on
+    Eval-Opt."""
     import subprocess
     import sys
     from conftest import ROOT
@@ -248,9 +258,11 @@ def test_torchrun_runs_train_py_with_two_processes(tmp_path):
         out = str(tmp_path / flags[1])
         done = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             "train.py", "--model", "tiny", "--steps", "2", "--problems_per_step", "3", "--group_size", "2",
-             "--eval_problems", "3", "--max_new_tokens", "6", "--lora_r", "4", "--out", out, *flags],
-            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             "train.py", "--model", "tiny", "--steps", "2", "--problems_per_step", "3",
+             "--group_size", "2", "--eval_problems", "3", "--max_new_tokens", "6", "--lora_r", "4",
+             "--out", out, *flags],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.count("held-out accuracy of") == 1  # rank 0 alone logs
         metrics = runs.read_jsonl(f"{out}/metrics.jsonl")
@@ -259,6 +271,7 @@ def test_torchrun_runs_train_py_with_two_processes(tmp_path):
     done = subprocess.run(  # a process without a problem is refused, in one line per process
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "train.py", "--model", "tiny", "--problems_per_step", "1", "--out", str(tmp_path / "one")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode != 0
     assert "--problems_per_step 1: fewer problems than the 2 processes" in done.stderr

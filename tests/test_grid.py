@@ -13,8 +13,10 @@ TINY = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems
 
 def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr(grid, "reproduce", lambda out, flags, seeds: seen.append((out, flags, seeds)) or "report.md")
-    grid.main(["--reproduce", "--model", "Qwen/Qwen3-1.7B", "--out", str(tmp_path), "--steps", "200"])
+    monkeypatch.setattr(grid, "reproduce",
+                        lambda out, flags, seeds: seen.append((out, flags, seeds)) or "report.md")
+    grid.main(["--reproduce", "--model", "Qwen/Qwen3-1.7B", "--out", str(tmp_path),
+               "--steps", "200"])
     assert seen == [(str(tmp_path), ["--model", "Qwen/Qwen3-1.7B", "--steps", "200"], [0, 1, 2])]
     with pytest.raises(SystemExit):  # a flag train.py does not know stops before the first cell
         grid.main(["--reproduce", "--stepz", "3"])
@@ -23,7 +25,8 @@ def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_pat
 
 def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys):
     """The plumbing of --demo on the tiny model: every cell and seed trained with the demo's flags,
-    the flags after --demo passed on (and overriding), one table row per cell, a verdict per cell."""
+    the flags after --demo passed on (and overriding), one table row per cell, a verdict per
+    cell."""
     out = str(tmp_path / "demo")
     tiny = [*TINY, "--sft_warmup", "2"]
     grid.main(["--demo", "capture", "--seeds", "0,1", "--out", out, *tiny])
@@ -35,7 +38,8 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
             assert (config["seed"], config["steps"], config["sft_warmup"]) == (seed, 2, 2)
             assert config["sharing"] == flags[flags.index("--sharing") + 1]
             assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
-            # every cell of a seed goes on from one warm-up and step-0 evaluation under a shared adapter
+            # every cell of a seed goes on from one warm-up and step-0 evaluation under a
+            # shared adapter
             assert config["start_from"] == f"{out}/capture/seed{seed}/start"
             assert rows[0] == runs.load_run(config["start_from"])[1][0]
         start, rows = runs.load_run(f"{out}/capture/seed{seed}/start")
@@ -49,13 +53,16 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
     assert os.path.exists(f"{out}/capture/adherence.png")
     assert "![demo.png](demo.png)" in report and os.path.exists(f"{out}/capture/demo.png")
     for seed in (0, 1):  # the seed table: the aggregator's adherence at every RL step of each cell
-        cells = [[r["role/aggregator/adherence"] for r in runs.load_run(f"{out}/capture/seed{seed}/{cell}")[1]
+        cells = [[r["role/aggregator/adherence"]
+                  for r in runs.load_run(f"{out}/capture/seed{seed}/{cell}")[1]
                   if "role/aggregator/adherence" in r] for cell in spec.cells]
         assert all(len(adh) == 2 for adh in cells)
-        assert f"| {seed} | " + " | ".join(", ".join(f"{v:.2f}" for v in adh) for adh in cells) + " |" in report
+        assert f"| {seed} | " + " | ".join(", ".join(f"{v:.2f}" for v in adh)
+                                           for adh in cells) + " |" in report
     grid.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny])  # done: nothing trains
     assert "train.py" not in capsys.readouterr().out
-    with pytest.raises(SystemExit, match=r"seed0/\S+ was trained with other settings \(--lr 0.01 differs"):
+    with pytest.raises(SystemExit,
+                       match=r"seed0/\S+ was trained with other settings \(--lr 0.01 differs"):
         grid.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny, "--lr", "0.01"])
 
 
@@ -63,21 +70,25 @@ def test_the_optimizer_demos_single_agent_warms_up_itself():
     """A cell of another workflow than the demo's cannot go on from the seed's start (only RL
     settings may differ): it trains its own warm-up; the others go on from the start."""
     cells = dict(grid.demo_cells("optimizer", "home", ["--lr", "1e-3"], [4]))
-    assert set(cells) == {"seed4/start", "seed4/isolated", "seed4/isolated-one_step", "seed4/single"}
+    assert set(cells) == {"seed4/start", "seed4/isolated", "seed4/isolated-one_step",
+                          "seed4/single"}
     for name, flags in cells.items():
         c = train.parse_config(flags)
         assert (c.seed, c.lr, c.lr_floor) == (4, 1e-3, 1.0)  # the demo's flags, then the caller's
         assert c.steps == (0 if name == "seed4/start" else 12)
-        assert c.start_from == ("" if name in ("seed4/start", "seed4/single") else "home/seed4/start")
+        assert c.start_from == ("" if name in ("seed4/start", "seed4/single")
+                                else "home/seed4/start")
     single = train.parse_config(cells["seed4/single"])
-    assert (single.workflow, single.problems_per_step, single.one_step, single.minibatch_size) == ("single", 6, False, 4)
+    assert (single.workflow, single.problems_per_step, single.one_step, single.minibatch_size) == \
+        ("single", 6, False, 4)
 
 
 def test_the_capture_dose_cells_differ_in_rl_settings_only():
     """Every cell of the dose goes on from the seed's one shared warm-up, so only the loss's
     aggregation, the optimizer steps and the anchor tell them apart."""
     cells = dict(grid.demo_cells("capture_dose", "home", [], [0]))
-    got = {name: train.parse_config(flags) for name, flags in cells.items() if name != "seed0/start"}
+    got = {name: train.parse_config(flags) for name, flags in cells.items()
+           if name != "seed0/start"}
     assert all(c.start_from == "home/seed0/start" and c.sharing == "shared" for c in got.values())
     assert [(c.loss_agg, c.one_step, c.role_kl) for c in got.values()] == [
         ("seq-mean-token-mean", True, ""), ("token-mean", True, ""), ("token-mean", False, ""),
@@ -85,14 +96,15 @@ def test_the_capture_dose_cells_differ_in_rl_settings_only():
 
 
 def test_the_critics_demo_sets_grpo_against_both_critics_on_orch_workers():
-    """Paper B in miniature: every cell is Orch-Workers and goes on from the seed's one GRPO warm-up,
-    so the cells differ in the algorithm and the critic only; a flag after the demo's name (the
-    sparse reward's --level 4) reaches the start and every cell."""
+    """Paper B in miniature: every cell is Orch-Workers and goes on from the seed's one GRPO
+    warm-up, so the cells differ in the algorithm and the critic only; a flag after the demo's name
+    (the sparse reward's --level 4) reaches the start and every cell."""
     cells = dict(grid.demo_cells("critics", "home", ["--level", "4"], [0]))
     got = {name: train.parse_config(flags) for name, flags in cells.items()}
     assert all(c.workflow == "orch_workers" and c.level == 4 for c in got.values())
     assert {name: (c.algo, c.critic, c.steps, c.start_from) for name, c in got.items()} == {
-        "seed0/start": ("grpo", "central", 0, ""), "seed0/grpo": ("grpo", "central", 8, "home/seed0/start"),
+        "seed0/start": ("grpo", "central", 0, ""),
+        "seed0/grpo": ("grpo", "central", 8, "home/seed0/start"),
         "seed0/central": ("maac", "central", 8, "home/seed0/start"),
         "seed0/decentral": ("maac", "decentral", 8, "home/seed0/start")}
     assert not grid.DEMOS["critics"].finding  # no mechanism: the detector is not asked
@@ -101,14 +113,16 @@ def test_the_critics_demo_sets_grpo_against_both_critics_on_orch_workers():
 def test_a_demo_tables_the_critics_numbers_and_drops_what_no_cell_logged():
     config = {"workflow": "orch_workers", "sharing": "shared", "n_agents": 3}
     rows = [{"step": 0, "eval/accuracy": 0.25},
-            {"step": 1, "critic/explained_variance": 0.1, "adv/std": 0.5, "adapter/shared/grad_noise": 0.9},
-            {"step": 2, "critic/explained_variance": 0.3, "adv/std": 0.3, "adapter/shared/grad_noise": 0.7,
-             "eval/accuracy": 0.5}]
+            {"step": 1, "critic/explained_variance": 0.1, "adv/std": 0.5,
+             "adapter/shared/grad_noise": 0.9},
+            {"step": 2, "critic/explained_variance": 0.3, "adv/std": 0.3,
+             "adapter/shared/grad_noise": 0.7, "eval/accuracy": 0.5}]
     numbers = tables.cell_numbers(config, rows)
     assert (numbers["explained variance"], numbers["advantage std"]) == pytest.approx((0.2, 0.4))
     assert numbers["gradient noise"] == pytest.approx(0.8)
     assert (numbers["accuracy start"], numbers["accuracy end"]) == (0.25, 0.5)
-    grpo = tables.cell_numbers(config, [{k: v for k, v in r.items() if k != "critic/explained_variance"} for r in rows])
+    grpo = tables.cell_numbers(config, [{k: v for k, v in r.items()
+                                         if k != "critic/explained_variance"} for r in rows])
     header = tables.mean_table({"central": [numbers], "grpo": [grpo]})[0]
     assert "explained variance" in header and "kappa" not in header  # no cell logged a kappa
     assert tables.mean_table({"central": [numbers], "grpo": [grpo]})[3].split(" | ")[-3] == "-"
@@ -128,16 +142,20 @@ def test_reproduce_trains_every_cell_for_every_seed_and_tables_them(tmp_path, ca
     for seed in (0, 1):
         for workflow, sharing in grid.GRID:
             config, rows = runs.load_run(f"{out}/seed{seed}/{workflow}-{sharing}")
-            assert (config["workflow"], config["sharing"], config["seed"]) == (workflow, sharing, seed)
-            assert (config["eval_every"], config["eval_problems"]) == (1, 2)  # TINY overrides GRID_FLAGS
+            assert (config["workflow"], config["sharing"], config["seed"]) == \
+                (workflow, sharing, seed)
+            # TINY overrides GRID_FLAGS
+            assert (config["eval_every"], config["eval_problems"]) == (1, 2)
             assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1, 2]
     report = open(f"{out}/report.md").read()
     assert report.startswith("# Paper A's main table in miniature")
     assert "| cell | start | peak | end | peak - end | end - start | end - middle |" in report
     for workflow, sharing in grid.GRID:
         assert f"| {workflow}-{sharing} | " in report
-    assert "- isolated peaks higher, voting: peak" in report and "- shared plateaus, eval_opt:" in report
-    assert "| cell | reward | crowded solved | fallback | no contrast | empty mini-batches | update norm |" in report
+    assert "- isolated peaks higher, voting: peak" in report \
+        and "- shared plateaus, eval_opt:" in report
+    assert ("| cell | reward | crowded solved | fallback | no contrast | empty mini-batches "
+            "| update norm |") in report
     assert "![curves.png](curves.png)" in report and os.path.exists(f"{out}/curves.png")
     assert "| seed1/voting-isolated |" in report  # diagnose.py's report on every run follows
     capsys.readouterr()
@@ -147,8 +165,10 @@ def test_reproduce_trains_every_cell_for_every_seed_and_tables_them(tmp_path, ca
 
 def fake_run(workflow: str, sharing: str, accuracy: list[float], val: list[float] = (),
              problems: int = 50) -> tuple[dict, list[dict]]:
-    """A run's (config, rows) with test (and val) accuracy at steps 0, 2, 4 (`problems` problems)."""
-    config = {"workflow": workflow, "sharing": sharing, "steps": 4, "eval_every": 2, "eval_problems": problems}
+    """A run's (config, rows) with test (and val) accuracy at steps 0, 2, 4 (`problems`
+    problems)."""
+    config = {"workflow": workflow, "sharing": sharing, "steps": 4, "eval_every": 2,
+              "eval_problems": problems}
     rows = [{"step": 2 * i, "eval/accuracy": a} for i, a in enumerate(accuracy)]
     for row, v in zip(rows, val):
         row["val/accuracy"] = v
@@ -156,16 +176,20 @@ def fake_run(workflow: str, sharing: str, accuracy: list[float], val: list[float
 
 
 def test_the_peak_is_chosen_on_val_and_read_on_test():
-    numbers = tables.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8], val=[0.5, 0.9, 0.6]))
-    assert numbers["peak"] == 0.5 and math.isclose(numbers["peak - end"], -0.3)  # not test's own best, 0.8
-    assert tables.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8]))["peak"] == 0.8  # no val split
+    numbers = tables.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8],
+                                                val=[0.5, 0.9, 0.6]))
+    # not test's own best, 0.8
+    assert numbers["peak"] == 0.5 and math.isclose(numbers["peak - end"], -0.3)
+    # no val split
+    assert tables.accuracy_numbers(*fake_run("voting", "isolated", [0.4, 0.5, 0.8]))["peak"] == 0.8
 
 
 def test_a_paired_interval_by_hand():
     """Differences 0.10, 0.12, 0.14: mean 0.12, standard deviation 0.02, standard error
     0.02 / sqrt 3 = 0.01155; t at 97.5 % with 2 degrees of freedom is 4.303: half-width 0.0497."""
     mean, se, half = tables.interval([0.10, 0.12, 0.14])
-    assert math.isclose(mean, 0.12) and math.isclose(se, 0.02 / math.sqrt(3)) and math.isclose(half, 0.04969, rel_tol=1e-3)
+    assert math.isclose(mean, 0.12) and math.isclose(se, 0.02 / math.sqrt(3)) \
+        and math.isclose(half, 0.04969, rel_tol=1e-3)
     assert tables.paired_verdict([0.10, 0.12, 0.14]) == \
         "+0.120 (SE 0.012; 95 % CI +0.07 to +0.17, t with 2 df) over 3 seeds: holds"
     # twice the standard error is not enough on 2 degrees of freedom: 0.1 +- 0.0577 covers 0
@@ -173,8 +197,10 @@ def test_a_paired_interval_by_hand():
     # the evaluation's own noise: 64 problems at p = 0.5 over 3 seeds, sqrt(0.25 / 64 / 3) = 0.0361
     assert math.isclose(tables.noise_floor([0.4, 0.6], 64, 3), 0.0361, rel_tol=1e-3)
     assert tables.paired_verdict([0.10, 0.12, 0.14], floor=0.05) == \
-        "+0.120 (SE 0.050; 95 % CI -0.10 to +0.34, t with 2 df) over 3 seeds: not distinguishable at 3 seeds"
-    assert tables.interval([0.1] * 40, floor=0.01)[2] == pytest.approx(0.02042)  # beyond 30 df: 30's value
+        "+0.120 (SE 0.050; 95 % CI -0.10 to +0.34, t with 2 df) over 3 seeds: " \
+        "not distinguishable at 3 seeds"
+    # beyond 30 df: 30's value
+    assert tables.interval([0.1] * 40, floor=0.01)[2] == pytest.approx(0.02042)
     assert tables.paired_verdict([0.1]) == "+0.100 on one seed: no verdict"
 
 
@@ -189,53 +215,62 @@ def test_the_findings_by_hand():
                                  for s, e in zip(seeds, (0.6, 0.6, 0.9))},
                "voting-isolated": {s: fake_run("voting", "isolated", [0.4, 0.8, e], problems=n)
                                    for s, e in zip(seeds, (0.5, 0.3, 0.4))},
-               "eval_opt-shared": {s: fake_run("eval_opt", "shared", [0.5, 0.4, 0.2], problems=n) for s in seeds}}
+               "eval_opt-shared": {s: fake_run("eval_opt", "shared", [0.5, 0.4, 0.2], problems=n)
+                                   for s in seeds}}
     numbers = tables.accuracy_numbers(*by_cell["voting-isolated"]["1"])
     assert numbers["peak"] == 0.8 and math.isclose(numbers["peak - end"], 0.5)
-    assert math.isclose(numbers["end - middle"], -0.5) and math.isclose(numbers["end - start"], -0.1)
+    assert math.isclose(numbers["end - middle"], -0.5) \
+        and math.isclose(numbers["end - start"], -0.1)
     lines = tables.claims(by_cell)
     for expected in [
             # ends - 0.4 = 0.2, 0.2, 0.5: mean 0.3, sd sqrt(0.03), se 0.1, half-width 0.43
-            "- multi-agent RL above its base, voting-shared: end - start +0.300 (SE 0.100; 95 % CI -0.13 to "
-            "+0.73, t with 2 df) over 3 seeds: not distinguishable at 3 seeds",
-            "- multi-agent RL above single-agent RL, voting-shared: end - single's end +0.100 (SE 0.058; 95 % CI "
-            "-0.15 to +0.35, t with 2 df) over 3 seeds: not distinguishable at 3 seeds",
+            "- multi-agent RL above its base, voting-shared: end - start +0.300 (SE 0.100; 95 % CI "
+            "-0.13 to +0.73, t with 2 df) over 3 seeds: not distinguishable at 3 seeds",
+            "- multi-agent RL above single-agent RL, voting-shared: end - single's end +0.100 "
+            "(SE 0.058; 95 % CI -0.15 to +0.35, t with 2 df) over 3 seeds: "
+            "not distinguishable at 3 seeds",
             # -0.3 on every seed: no spread but the evaluation's noise, the opposite holds
-            "- multi-agent RL above its base, eval_opt-shared: end - start -0.300 (SE 0.000; 95 % CI -0.30 to "
-            "-0.30, t with 2 df) over 3 seeds: the opposite holds",
+            "- multi-agent RL above its base, eval_opt-shared: end - start -0.300 (SE 0.000; 95 % "
+            "CI -0.30 to -0.30, t with 2 df) over 3 seeds: the opposite holds",
             # peaks 0.8 against 0.6, 0.6, 0.9: 0.2, 0.2, -0.1
-            "- isolated peaks higher, voting: peak - shared's peak +0.100 (SE 0.100; 95 % CI -0.33 to +0.53, "
-            "t with 2 df) over 3 seeds: not distinguishable at 3 seeds",
-            "- shared plateaus, eval_opt: end - middle -0.200 (SE 0.000; 95 % CI -0.20 to -0.20, t with 2 df) "
-            "over 3 seeds: the opposite holds (a plateau: not distinguishable from 0)"]:
+            "- isolated peaks higher, voting: peak - shared's peak +0.100 (SE 0.100; 95 % CI -0.33 "
+            "to +0.53, t with 2 df) over 3 seeds: not distinguishable at 3 seeds",
+            "- shared plateaus, eval_opt: end - middle -0.200 (SE 0.000; 95 % CI -0.20 to -0.20, t "
+            "with 2 df) over 3 seeds: the opposite holds (a plateau: not distinguishable from 0)"]:
         assert expected in lines, (expected, lines)
-    assert not any("isolated peaks higher, eval_opt" in line for line in lines)  # no isolated cell to compare
+    # no isolated cell to compare
+    assert not any("isolated peaks higher, eval_opt" in line for line in lines)
     table = tables.main_table(by_cell)
-    assert "| voting-isolated | 0.40 (0.40 to 0.40) | 0.80 (0.80 to 0.80) | 0.40 (0.30 to 0.50) | 0.40 (0.30 to 0.50) |" in \
-        "\n".join(table)
-    # on 50 problems the floor decides where the seeds agree: -0.3 on every seed, SE sqrt(p (1 - p) / 150)
+    assert ("| voting-isolated | 0.40 (0.40 to 0.40) | 0.80 (0.80 to 0.80) | 0.40 (0.30 to 0.50) "
+            "| 0.40 (0.30 to 0.50) |") in "\n".join(table)
+    # on 50 problems the floor decides where the seeds agree: -0.3 on every seed,
+    # SE sqrt(p (1 - p) / 150)
     small = {cell: {s: fake_run(c["workflow"], c["sharing"], [r["eval/accuracy"] for r in rows])
                     for s, (c, rows) in runs.items()} for cell, runs in by_cell.items()}
-    assert any("eval_opt-shared: end - start -0.300 (SE 0.04" in line for line in tables.claims(small))
+    assert any("eval_opt-shared: end - start -0.300 (SE 0.04" in line
+               for line in tables.claims(small))
 
 
 def test_the_default_runs_gain_and_its_parts_by_hand():
-    """Two seeds: the workflow 0.5 -> 0.7 and 0.6 -> 0.7, its first answers 0.5 -> 0.5 and 0.4 -> 0.6:
-    gains 0.2 and 0.1, of which the first answers' 0 and 0.2, the rest's 0.2 and -0.1."""
+    """Two seeds: the workflow 0.5 -> 0.7 and 0.6 -> 0.7, its first answers 0.5 -> 0.5 and
+    0.4 -> 0.6: gains 0.2 and 0.1, of which the first answers' 0 and 0.2, the rest's 0.2 and
+    -0.1."""
     def run(acc, first):
-        return ({"eval_problems": 96}, [{"step": 0, "eval/accuracy": acc[0], "eval/first_answer": first[0]},
-                                        {"step": 10, "eval/accuracy": acc[1], "eval/first_answer": first[1]}])
+        return ({"eval_problems": 96},
+                [{"step": 0, "eval/accuracy": acc[0], "eval/first_answer": first[0]},
+                 {"step": 10, "eval/accuracy": acc[1], "eval/first_answer": first[1]}])
     lines = tables.gain_table({"1": run((0.6, 0.7), (0.4, 0.6)), "0": run((0.5, 0.7), (0.5, 0.5))})
     assert lines[2:4] == ["| 0 | 0.500 -> 0.700 | 0.500 -> 0.500 | +0.000 -> +0.200 |",
                           "| 1 | 0.600 -> 0.700 | 0.400 -> 0.600 | +0.200 -> +0.100 |"]
     # gains 0.2, 0.1: mean 0.15, se 0.05, t with 1 df 12.706
-    assert "- gain of workflow: +0.150 (SE 0.050; 95 % CI -0.49 to +0.79, t with 1 df) over 2 seeds: " \
-           "not distinguishable at 2 seeds" in lines
+    assert "- gain of workflow: +0.150 (SE 0.050; 95 % CI -0.49 to +0.79, t with 1 df) " \
+           "over 2 seeds: not distinguishable at 2 seeds" in lines
 
 
 def test_where_the_signal_went_by_hand():
     """signal_numbers on two constructed steps of Voting under one shared adapter: means over the
-    training steps (step 0 is the evaluation before training), empty mini-batches summed over adapters."""
+    training steps (step 0 is the evaluation before training), empty mini-batches summed over
+    adapters."""
     config = {"workflow": "voting", "sharing": "isolated", "n_agents": 3}
     rows = [{"step": 0, "eval/accuracy": 0.5, "eval/first_answer": 0.25},
             {"step": 1, "adv/zero_frac": 0.25, "adapter/generator/empty_batches": 1,
@@ -248,10 +283,13 @@ def test_where_the_signal_went_by_hand():
              "eval/accuracy": 0.5, "eval/first_answer": 0.625}]
     got = tables.signal_numbers(config, rows)
     assert math.isclose(got["no contrast"], 0.5) and math.isclose(got["empty mini-batches"], 1.0)
-    assert math.isclose(got["update norm"], (0.3 + 0.7) / 2) and math.isclose(got["judge adherence"], 0.2)
+    assert math.isclose(got["update norm"], (0.3 + 0.7) / 2) \
+        and math.isclose(got["judge adherence"], 0.2)
     assert got["reward"] == 0.25 and got["crowded solved"] == 0.5  # only step 1 logged them
-    assert math.isclose(got["final - first answer"], -0.125)  # the last evaluation's, not the first's
-    assert math.isnan(got["crowded share"]) and math.isnan(got["verdict agrees"]) and math.isnan(got["fallback"])  # not logged here
+    # the last evaluation's, not the first's
+    assert math.isclose(got["final - first answer"], -0.125)
+    assert math.isnan(got["crowded share"]) and math.isnan(got["verdict agrees"]) \
+        and math.isnan(got["fallback"])  # not logged here
 
 
 def test_a_demo_tables_what_each_role_does_not_see_where_a_critic_logged_it():

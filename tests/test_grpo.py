@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from grpo import (UpdateSettings, aggregate, group_advantages, masked_mean, mismatch_stats, policy_loss,
-                  policy_update, tis_weight)
+from grpo import (UpdateSettings, aggregate, group_advantages, masked_mean, mismatch_stats,
+                  policy_loss, policy_update, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
 from measure import amplification, gradient_noise, gradient_signals, gradient_stats
 from rollout import Call, Rollout, old_logprobs, sequence_logprobs
@@ -101,12 +101,14 @@ def test_sequence_ratio_gspo_by_hand():
     # d(-s1)/dlogp_t = -s1 / 3 for each of sequence 1's tokens, halved by the mean over sequences;
     # the clipped sequence passes no gradient
     assert torch.allclose(logp.grad, torch.tensor([[-s1 / 6] * 3, [0.0, 0.0, 0.0]]))
-    token, _ = policy_loss(logp, old, adv, mask)  # per token, sequence 2's second token is not clipped
+    # per token, sequence 2's second token is not clipped
+    token, _ = policy_loss(logp, old, adv, mask)
     assert aggregate(token, mask, "seq-mean-token-mean").item() != pytest.approx(loss.item())
 
 
 def test_sequence_and_token_ratio_are_one_and_agree_on_policy():
-    """Under --one_step pi_old is the policy itself: both ratios are 1, and loss and gradient agree."""
+    """Under --one_step pi_old is the policy itself: both ratios are 1, and loss and gradient
+    agree."""
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.0]], requires_grad=True)
     adv, grads = torch.tensor([0.7, -1.3]), []
     for level in ("token", "sequence"):
@@ -123,12 +125,14 @@ def test_sequence_and_token_ratio_are_one_and_agree_on_policy():
 def test_k3_kl_by_hand():
     logp = torch.tensor([[-1.0]])
     ref = torch.tensor([[-2.0]])
-    per_token, stats = policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1), ref_logp=ref, kl_coef=0.5)
+    per_token, stats = policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1),
+                                   ref_logp=ref, kl_coef=0.5)
     loss = aggregate(per_token, torch.ones(1, 1), "token-mean")
     k3 = math.exp(-1.0) - (-1.0) - 1  # exp(ref - logp) - (ref - logp) - 1
     assert stats["kl_ref"] == pytest.approx(k3)
     assert loss.item() == pytest.approx(0.5 * k3)
-    assert "kl_ref" not in policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1), ref_logp=ref)[1]  # no KL term
+    assert "kl_ref" not in policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1),
+                                       ref_logp=ref)[1]  # no KL term
 
 
 def test_chi2_and_perplexity_by_hand():
@@ -156,7 +160,8 @@ def test_gradient_stats_shares_and_roles():
              "aggregator": torch.tensor([0.0, 3.0])}
     roles = {"generator0": "generator", "generator1": "generator", "aggregator": "aggregator"}
     stats = gradient_stats(grads, roles)
-    assert stats["role/generator/grad_norm"] == pytest.approx(2.0)  # the sum of its slots' gradients
+    # the sum of its slots' gradients
+    assert stats["role/generator/grad_norm"] == pytest.approx(2.0)
     assert stats["role/generator/kappa"] == pytest.approx(math.sqrt(2))
     assert stats["role/generator/grad_share"] == pytest.approx(2 / 5)
     assert stats["role/aggregator/grad_share"] == pytest.approx(3 / 5)
@@ -231,30 +236,37 @@ def test_old_logprob_pass_only_for_the_mini_batches_after_the_first_step(tiny):
 
 
 def test_gradient_noise_by_hand():
-    assert gradient_noise(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == pytest.approx(1.0)  # 2 / 2
-    assert gradient_noise(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0.0  # one direction
-    assert gradient_noise(torch.tensor([3.0, 0.0]), torch.tensor([1.0, 0.0])) == pytest.approx(4 / 16)
+    # 2 / 2
+    assert gradient_noise(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == pytest.approx(1.0)
+    # one direction
+    assert gradient_noise(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0.0
+    assert (gradient_noise(torch.tensor([3.0, 0.0]), torch.tensor([1.0, 0.0]))
+            == pytest.approx(4 / 16))
 
 
 def test_the_gradient_noise_is_read_off_two_halves_of_the_problems(tiny):
     """grad_noise is |g0 - g1|^2 / |g0 + g1|^2, g_h the gradient of the calls of half h of the
     problems (group_size consecutive episodes each, alternating halves). Reference from three
     separate updates' gradient norms: |g0 - g1|^2 = 2 |g0|^2 + 2 |g1|^2 - |g0 + g1|^2."""
-    calls = sampled_calls(tiny)  # 6 episodes x 3 generators; with group_size 2, episodes 0, 1, 4, 5 in half 0
+    # 6 episodes x 3 generators; with group_size 2, episodes 0, 1, 4, 5 in half 0
+    calls = sampled_calls(tiny)
     model, tok = tiny
     settings = UpdateSettings(temperature=1.0, one_step=True, group_size=2, grad_clip=1e9)
 
-    def norm(part: list[Call]) -> tuple[float, dict]:  # the gradient norm of an update on part alone
+    # the gradient norm of an update on part alone
+    def norm(part: list[Call]) -> tuple[float, dict]:
         opt = torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0)
-        stats = policy_update(model, "generator", part, opt, random.Random(0), tok.pad_token_id, settings)
+        stats = policy_update(model, "generator", part, opt, random.Random(0),
+                              tok.pad_token_id, settings)
         return stats["adapter/generator/grad_norm"][0], stats
     stats = gradient_signals(model, "generator", calls, tok.pad_token_id, settings)
     both, _ = norm(calls)
     half = [[c for c in calls if c.episode // 2 % 2 == h] for h in (0, 1)]
-    n0, n1 = (norm(part)[0] * len(part) / len(calls) for part in half)  # each call's term is 1 / len(batch)
+    # each call's term is 1 / len(batch)
+    n0, n1 = (norm(part)[0] * len(part) / len(calls) for part in half)
     assert len(half[0]) == 12 and len(half[1]) == 6
-    assert stats["adapter/generator/grad_noise"][0] == pytest.approx((2 * n0 ** 2 + 2 * n1 ** 2 - both ** 2)
-                                                                      / both ** 2, rel=1e-3)
+    assert stats["adapter/generator/grad_noise"][0] == pytest.approx(
+        (2 * n0 ** 2 + 2 * n1 ** 2 - both ** 2) / both ** 2, rel=1e-3)
 
 
 def test_the_gradient_signals_move_nothing_and_add_up_to_the_updates_gradient(tiny):
@@ -297,9 +309,11 @@ def test_truncated_importance_weight_by_hand():
     adv, mask = torch.tensor([2.0]), torch.ones(1, 3)
     weighted, _ = policy_loss(logp, old, adv, mask, is_weight=w)
     plain, _ = policy_loss(logp, old, adv, mask)
-    assert weighted[0].tolist() == pytest.approx((w * plain)[0].tolist())  # each token's term times its weight
+    # each token's term times its weight
+    assert weighted[0].tolist() == pytest.approx((w * plain)[0].tolist())
     weighted.sum().backward()
-    assert logp.grad[0].tolist() == pytest.approx((-2.0 * w)[0].tolist())  # d/dlogp of -w * ratio * A at ratio 1
+    # d/dlogp of -w * ratio * A at ratio 1
+    assert logp.grad[0].tolist() == pytest.approx((-2.0 * w)[0].tolist())
 
 
 def test_mismatch_stats_by_hand_and_zero_for_equal_policies():
@@ -328,7 +342,8 @@ def test_no_optimizer_step_on_a_mini_batch_without_a_live_call(tiny):
         policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
         after_live = [p.detach().clone() for p in params]
         dead = [dataclasses.replace(c, advantage=0.0) for c in calls]
-        stats = policy_update(model, "generator", dead, opt, random.Random(0), tok.pad_token_id, settings)
+        stats = policy_update(model, "generator", dead, opt, random.Random(0),
+                              tok.pad_token_id, settings)
         assert stats["adapter/generator/empty_batches"] == [1]
         moved[skip] = max((p - a).abs().max().item() for p, a in zip(params, after_live))
         with torch.no_grad():
@@ -342,10 +357,12 @@ def test_the_diagnostics_measure_no_precision_gap_where_sampler_and_trainer_agre
     """fp32 tiny model: the sampler's recorded log-probs are the trainer's up to float rounding;
     the plain update does not log the gap, the diagnostics' pass does."""
     calls = sampled_calls(tiny)
-    assert all(c.rollout_logp is not None and len(c.rollout_logp) == len(c.completion_ids) for c in calls)
+    assert all(c.rollout_logp is not None and len(c.rollout_logp) == len(c.completion_ids)
+               for c in calls)
     model, tok = tiny
     settings = UpdateSettings(temperature=1.0, minibatch_size=len(calls))
-    stats = policy_update(model, "generator", calls, torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0),
+    stats = policy_update(model, "generator", calls,
+                          torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0),
                           random.Random(0), tok.pad_token_id, settings)
     assert not [k for k in stats if "mismatch" in k]
     signals = gradient_signals(model, "generator", calls, tok.pad_token_id, settings)
@@ -361,16 +378,21 @@ def test_a_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
     params = adapter_parameters(model, "generator")
     opt = torch.optim.AdamW(params, lr=0.01)
     settings = UpdateSettings(temperature=1.0, minibatch_size=len(calls))
-    policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)  # momentum
+    # momentum
+    policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
     weights = [p.detach().clone() for p in params]
     state = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
     hook = params[0].register_hook(lambda g: g * float("nan"))
-    stats = policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
+    stats = policy_update(model, "generator", calls, opt, random.Random(0),
+                          tok.pad_token_id, settings)
     hook.remove()
-    assert stats["adapter/generator/skipped_nonfinite"] == [1] and "adapter/generator/grad_norm" not in stats
+    assert (stats["adapter/generator/skipped_nonfinite"] == [1]
+            and "adapter/generator/grad_norm" not in stats)
     assert all(torch.equal(p, w) for p, w in zip(params, weights))
-    assert all(torch.equal(v, old[k]) for s, old in zip(opt.state.values(), state) for k, v in s.items())
-    stats = policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
+    assert all(torch.equal(v, old[k]) for s, old in zip(opt.state.values(), state)
+               for k, v in s.items())
+    stats = policy_update(model, "generator", calls, opt, random.Random(0),
+                          tok.pad_token_id, settings)
     assert stats["adapter/generator/skipped_nonfinite"] == [0]
     assert max((p - w).abs().max().item() for p, w in zip(params, weights)) > 1e-4
 
@@ -384,8 +406,8 @@ def test_the_clip_acts_only_after_the_first_mini_batch_step(tiny, one_step):
     model, tok = tiny
     params = adapter_parameters(model, "generator")
     settings = UpdateSettings(temperature=1.0, minibatch_size=4, one_step=one_step)
-    stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5), random.Random(0),
-                          tok.pad_token_id, settings)
+    stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5),
+                          random.Random(0), tok.pad_token_id, settings)
     clipped = stats["role/generator/clip_frac"]
     assert (max(clipped) > 0) == (not one_step), clipped
     assert one_step == all(r == pytest.approx(1.0) for r in stats["role/generator/ratio_mean"])

@@ -51,12 +51,14 @@ def test_imports_point_down():
 
 
 def test_a_lazy_import_inside_a_function_counts():
-    source = "import os\nfrom grpo import policy_loss\n\ndef f():\n    import train\n    from . import x\n"
+    source = ("import os\nfrom grpo import policy_loss\n\n"
+              "def f():\n    import train\n    from . import x\n")
     assert project_imports(source) == {"grpo", "train"}
 
 
 def test_a_file_in_lab_counts_however_it_is_imported():
-    source = "from lab import runs, machine\nfrom lab.launch import check_settings\nimport lab.grid\n"
+    source = ("from lab import runs, machine\nfrom lab.launch import check_settings\n"
+              "import lab.grid\n")
     assert project_imports(source) == {"lab.runs", "lab.machine", "lab.launch", "lab.grid"}
 
 

@@ -120,7 +120,8 @@ def test_save_load_round_trip(tiny, tmp_path):
     randomize(model, "evaluator", 2)
     save_adapters(model, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["evaluator", "generator"]
-    assert sorted(os.listdir(tmp_path / "generator")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "generator")) == ["adapter_config.json",
+                                                          "adapter_model.safetensors"]
     fresh, _ = tiny_model()
     inject_lora(fresh, r=4, alpha=8)
     load_adapters(fresh, str(tmp_path), ["generator", "evaluator"])

@@ -44,7 +44,8 @@ def readme_commands(pages: list[str] = PAGES[:1]) -> list[list[str]]:
                 words = words[1:]  # an environment assignment or a timer before the command
             if words[1:3] in (["-m", "lab.grid"], ["-m", "lab.bench"], ["-m", "lab.course"]):
                 words[1:3] = [words[2].replace(".", "/") + ".py"]  # a tool in lab/, by its file
-            if words[:1] == [".venv/bin/python"] and words[1:2] != ["-m"] and words[1:] not in commands:
+            if (words[:1] == [".venv/bin/python"] and words[1:2] != ["-m"]
+                    and words[1:] not in commands):
                 commands.append(words[1:])  # a second mention of a command means the same run
     return commands
 
@@ -77,17 +78,20 @@ def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypa
             if any(h in " ".join(args) for h in HUB):
                 continue
             steps = "0" if cfg.steps == 0 else "1"
-            train.main(train.parse_config(args + TINY + ["--steps", steps] if not cfg.resume else args))
+            train.main(train.parse_config(args + TINY + ["--steps", steps] if not cfg.resume
+                                          else args))
         elif script == "lab/bench.py":  # runs for minutes: parsed here, run in test_bench.py
             bench.make_parser().parse_args(args)
-        elif script == "lab/course.py":  # make copies the project here; grade is tested in test_course.py
+        elif script == "lab/course.py":
+            # make copies the project here; grade is tested in test_course.py
             parsed = course.make_parser().parse_args(args)
             if parsed.command == "make":
                 course.main(args)
         elif script == "workflows.py":  # a workflow's prompts on a canned model
             subprocess.run([sys.executable, f"{ROOT}/workflows.py", *args], check=True,
                            capture_output=True, timeout=120)
-        elif script == "lab/grid.py":  # trains many runs: parsed only, what it hands to train.py too
+        elif script == "lab/grid.py":
+            # trains many runs: parsed only, what it hands to train.py too
             train.parse_config(grid.parse_args(args)[1])
         else:
             assert script == "diagnose.py", script
@@ -117,17 +121,20 @@ def test_the_readme_names_every_metric_a_run_logs(tmp_path):
     assert "`config.json`" in text and "`metrics.jsonl`" in text and "`ckpt/`" in text
     listed = set(re.findall(r"`([^`]+)`", text))
     keys = set()
-    for kw in [dict(workflow="voting", sharing="shared", damping=0.5, role_kl="aggregator=0.1", sft_warmup=1),
+    for kw in [dict(workflow="voting", sharing="shared", damping=0.5, role_kl="aggregator=0.1",
+                    sft_warmup=1),
                dict(workflow="eval_opt", sharing="isolated", algo="maac", critic="central")]:
         out = str(tmp_path / kw["workflow"])
-        train.main(train.Config(model="tiny", steps=1, problems_per_step=2, group_size=2, eval_problems=1,
-                                max_new_tokens=6, lora_r=4, out=out, **kw))
+        train.main(train.Config(model="tiny", steps=1, problems_per_step=2, group_size=2,
+                                eval_problems=1, max_new_tokens=6, lora_r=4, out=out, **kw))
         with open(f"{out}/metrics.jsonl") as f:
             keys |= {k for line in f for k in json.loads(line)}
     names = {k: {k, k.split("/")[-1], k.split("/")[0] + "/*"} for k in keys}
     for k in keys:
         parts = k.split("/")
-        for placeholder in ("<role>", "<slot>", "<name>"):  # role/<role>/adherence, adapter/<name>/...
-            names[k].add("/".join(parts[:1] + [placeholder] + parts[2:]).replace("sim/" + parts[-1], "sim/<other>"))
+        # role/<role>/adherence, adapter/<name>/...
+        for placeholder in ("<role>", "<slot>", "<name>"):
+            names[k].add("/".join(parts[:1] + [placeholder] + parts[2:])
+                         .replace("sim/" + parts[-1], "sim/<other>"))
     missing = [k for k in sorted(keys) if not names[k] & listed]
     assert not missing, missing

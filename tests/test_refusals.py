@@ -17,8 +17,8 @@ from model import tiny_model
 import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-TINY = dict(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2, group_size=2,
-            eval_problems=2, max_new_tokens=6, lora_r=4, sft_warmup=0)
+TINY = dict(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2,
+            group_size=2, eval_problems=2, max_new_tokens=6, lora_r=4, sft_warmup=0)
 
 
 def run(out, **kw) -> dict:
@@ -42,7 +42,8 @@ def test_a_run_inside_another_runs_directory_is_refused(inside, tmp_path):
     with pytest.raises(SystemExit, match="is inside the run in"):
         run(tmp_path / "a" / inside)
     assert directory_state(tmp_path / "a") == before
-    with pytest.raises(SystemExit, match="is inside the run in"):  # --start_from a/best --out a/best
+    # --start_from a/best --out a/best
+    with pytest.raises(SystemExit, match="is inside the run in"):
         run(tmp_path / "a" / "best", start_from=str(tmp_path / "a" / "best"))
     assert directory_state(tmp_path / "a") == before
 
@@ -99,7 +100,8 @@ def test_a_misspelt_lora_target_is_refused():
     (dict(seed=-1), "--seed -1: must be in"),
     (dict(lora_alpha=1e300), "--lora_alpha 1e+300: must be in"),
 ])
-def test_contradictions_and_impossible_numbers_are_refused_before_any_file(kw, words, tmp_path, monkeypatch):
+def test_contradictions_and_impossible_numbers_are_refused_before_any_file(kw, words, tmp_path,
+                                                                           monkeypatch):
     monkeypatch.setattr(launch, "load_policy", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match=re.escape(words)):
         run(tmp_path / "a", **kw)
@@ -151,7 +153,8 @@ def damaged(finished: str, tmp_path, path: str, content) -> str:
     ("best/shared/adapter_model.safetensors", "torn", "its run cannot be read"),
     ("best/shared", None, "its checkpoint lacks the adapter(s) shared"),
 ])
-def test_a_damaged_start_is_refused_before_a_file_is_written(path, content, words, finished, tmp_path):
+def test_a_damaged_start_is_refused_before_a_file_is_written(path, content, words, finished,
+                                                             tmp_path):
     start = damaged(finished, tmp_path, path, content)
     with pytest.raises(SystemExit, match=re.escape(words)):
         run(tmp_path / "b", start_from=os.path.join(start, "best"))
@@ -190,7 +193,8 @@ def test_a_resume_with_an_unknown_workflow_in_its_config_names_it(finished, tmp_
 
 @pytest.mark.parametrize("content", [{}, [], {"step": 0, "metric": "eval/accuracy", "score": "high",
                                                 "evaluation": {"eval/accuracy": 0.5}}, "file"])
-def test_a_resume_drops_a_wrong_shaped_best_and_keeps_a_new_one(content, finished, tmp_path, capsys):
+def test_a_resume_drops_a_wrong_shaped_best_and_keeps_a_new_one(content, finished, tmp_path,
+                                                                capsys):
     if content == "file":
         out = damaged(finished, tmp_path, "best", "not a checkpoint")
     else:
@@ -203,7 +207,8 @@ def test_a_resume_drops_a_wrong_shaped_best_and_keeps_a_new_one(content, finishe
 
 
 def test_the_command_line_refuses_in_one_line(tmp_path):
-    refused(["--model", "tiny", "--threads", "1000", "--out", str(tmp_path / "a")], "--threads 1000")
+    refused(["--model", "tiny", "--threads", "1000", "--out", str(tmp_path / "a")],
+            "--threads 1000")
     refused(["--model", "tiny", "--seed", str(2 ** 64), "--out", str(tmp_path / "a")], "--seed")
     assert not os.path.exists(tmp_path / "a")
 
@@ -222,7 +227,8 @@ def test_diagnose_names_a_foreign_config_and_refuses_a_bad_seed(finished, tmp_pa
             diagnose.main(argv)
     with pytest.raises(SystemExit) as stop:
         diagnose.main(["--watch", finished, "2 + 3?", "--sample", "--seed", str(2 ** 64)])
-    assert stop.value.code == 2 and "--seed 18446744073709551616: must be in" in capsys.readouterr().err
+    assert (stop.value.code == 2
+            and "--seed 18446744073709551616: must be in" in capsys.readouterr().err)
 
 
 def test_every_tool_refuses_an_abbreviated_flag():

@@ -1,11 +1,13 @@
-"""Tests for reward.py and tasks.py: the math verifier on a table of hand-written cases, and the arith task generator."""
+"""Tests for reward.py and tasks.py: the math verifier on a table of hand-written cases, and the
+arith task generator."""
 import random
 import re
 import time
 from functools import lru_cache
 
 import pytest
-import sympy  # noqa: F401  imported here once, so the time bounds below time the verifier, not the import
+# imported here once, so the time bounds below time the verifier, not the import
+import sympy  # noqa: F401
 
 from measure import role_jobs
 from reward import credit_calls, cut_finals, extract_answer, math_equal, math_reward
@@ -94,7 +96,8 @@ def test_math_equal(pred, gold, expected):
     assert math_equal(pred, gold) is expected
 
 
-# The stronger verifier: values, LaTeX wrappers, units, and symbolic equality (pred, gold, expected).
+# The stronger verifier: values, LaTeX wrappers, units, and symbolic equality
+# (pred, gold, expected).
 VALUE_CASES = [
     ("12,345", "12345", True),
     ("1\\,000", "1000", True),  # LaTeX thin space as a thousands separator
@@ -121,7 +124,8 @@ VALUE_CASES = [
     ("7 apples", "7", True),
     ("12 \\text{ cm}", "12", True),
     ("7 apples", "8", False),
-    # units and words after a value (MATH, DAPO), dropped on either side; each form with a wrong-value twin
+    # units and words after a value (MATH, DAPO), dropped on either side; each form with a
+    # wrong-value twin
     ("12 \\text{ cm}", "1", False),  # a unit never splits the number
     ("12 \\text{ cm}", "2", False),
     ("12 cm", "12", True),
@@ -208,10 +212,12 @@ VALUE_CASES = [
     ("(1,2)", "(2,1)", False),
     ("\\frac{1}{0}", "0", False),
     ("0/0", "0", False),
-    ("9^{9^{9}}", "9^{9^9}", False),  # a power tower is never evaluated: only identical strings match
+    # a power tower is never evaluated: only identical strings match
+    ("9^{9^{9}}", "9^{9^9}", False),
     ("9^{9^{9}}", "9^{9^{9}}", True),
     ("10^{100}", "1" + "0" * 100, False),  # too long for the symbolic step
-    ("__import__('os').system('true')", "0", False),  # only numbers, letters and operators reach sympy
+    # only numbers, letters and operators reach sympy
+    ("__import__('os').system('true')", "0", False),
     ("\\frac{\\frac{\\frac{1}{2}}{2}}{2}", "0.125", True),
     ("\\frac{{{{1}}}}{8}", "0.125", True),
     ("\\frac{1}{", "1", False),
@@ -311,7 +317,8 @@ def test_adversarial_inputs_are_fast(text):
 
 def test_random_garbage_never_raises():
     rng = random.Random(0)
-    alphabet = list("0123456789.,/-+ ${}\\boxedfrac") + ["\\boxed{", "\\frac{", "\\dfrac", "\u2212", "é", "😀"]
+    alphabet = (list("0123456789.,/-+ ${}\\boxedfrac")
+                + ["\\boxed{", "\\frac{", "\\dfrac", "\u2212", "é", "😀"])
     for _ in range(2000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(30)))
         gold = "".join(rng.choice(alphabet) for _ in range(rng.randrange(6)))
@@ -324,22 +331,27 @@ def test_random_garbage_never_raises():
 
 
 def test_same_arguments_same_problems():
-    assert arith_problems("train", 50, level=3, seed=1) == arith_problems("train", 50, level=3, seed=1)
+    assert (arith_problems("train", 50, level=3, seed=1)
+            == arith_problems("train", 50, level=3, seed=1))
 
 
 def test_seeds_change_the_problems():
-    a, b = arith_problems("train", 50, level=2, seed=0), arith_problems("train", 50, level=2, seed=1)
+    a, b = (arith_problems("train", 50, level=2, seed=0),
+            arith_problems("train", 50, level=2, seed=1))
     assert [p.question for p in a] != [p.question for p in b]
 
 
 @pytest.mark.parametrize("level", sorted(LEVELS))
 def test_splits_are_disjoint(level):
-    train = {p.question for seed in (0, 1) for p in arith_problems("train", 300, level=level, seed=seed)}
-    test = {p.question for seed in (0, 1) for p in arith_problems("test", 100, level=level, seed=seed)}
+    train = {p.question for seed in (0, 1)
+             for p in arith_problems("train", 300, level=level, seed=seed)}
+    test = {p.question for seed in (0, 1)
+            for p in arith_problems("test", 100, level=level, seed=seed)}
     assert train and test and not train & test
     # and not just these samples: every question the level holds
     every = {split: _every_question(level, split).keys() for split in SPLITS}
-    assert not every["train"] & every["test"] and not every["val"] & (every["train"] | every["test"])
+    assert (not every["train"] & every["test"]
+            and not every["val"] & (every["train"] | every["test"]))
 
 
 SUBTRACTION = re.compile(r" - | minus |Subtract|less than|away|gives|takes|lost")
@@ -350,7 +362,8 @@ def level2_fact(question: str) -> tuple:
     operands unordered for an addition."""
     a, b = map(int, re.findall(r"\d+", question))
     if SUBTRACTION.search(question):
-        named_last = question.startswith(("Subtract", "Take")) or "less than" in question  # b before a
+        # b before a
+        named_last = question.startswith(("Subtract", "Take")) or "less than" in question
         return ("-", (b, a) if named_last else (a, b))
     return ("+", tuple(sorted((a, b))))
 
@@ -359,10 +372,13 @@ def test_no_test_fact_is_trained_on():
     """"What is 3 + 5?" held out means "Add 5 and 3." and "Sam has 3 apples and gets 5 more" are
     too: the splits are disjoint by fact, not only by wording."""
     facts = {split: {level2_fact(q) for q in _every_question(2, split)} for split in SPLITS}
-    assert not facts["test"] & facts["train"] and not facts["val"] & (facts["train"] | facts["test"])
-    assert len(facts["test"]) >= 25 and len(facts["val"]) >= 12  # a quarter and an eighth of 110 facts
+    assert (not facts["test"] & facts["train"]
+            and not facts["val"] & (facts["train"] | facts["test"]))
+    # a quarter and an eighth of 110 facts
+    assert len(facts["test"]) >= 25 and len(facts["val"]) >= 12
     # a held-out sample covers as many facts as it can
-    assert len({level2_fact(p.question) for p in arith_problems("test", 96, level=2)}) == len(facts["test"])
+    assert (len({level2_fact(p.question) for p in arith_problems("test", 96, level=2)})
+            == len(facts["test"]))
 
 
 def signed_terms(op: str, nums: tuple[int, ...]) -> tuple:
@@ -425,7 +441,8 @@ def test_level_size_is_enforced():
 
 
 # plain-expression questions, e.g. "What is 37 - 16?", "Compute 4 * 6.", "8 + 9 = ?"
-EXPRESSION = re.compile(r"(?:What is|Compute|Calculate) (\d+(?: [-+*×] \d+)+)[?.]|(\d+ \+ \d+) = \?")
+EXPRESSION = re.compile(
+    r"(?:What is|Compute|Calculate) (\d+(?: [-+*×] \d+)+)[?.]|(\d+ \+ \d+) = \?")
 
 
 @pytest.mark.parametrize("level", sorted(LEVELS))
@@ -442,7 +459,8 @@ def test_answers_of_plain_expressions(level):
 
 
 @pytest.mark.parametrize("level, question, answer", [
-    (2, "There are 6 marbles in a box. Sam takes 3 out. How many marbles are left in the box?", "3"),
+    (2, "There are 6 marbles in a box. Sam takes 3 out. How many marbles are left in the box?",
+     "3"),
     (2, "Subtract 5 from 9.", "4"),
     (3, "Ben had 72 books. Then Ben found 1 more. How many books does Ben have now?", "73"),
     (4, "What is the product of 7 and 8?", "56"),
@@ -471,7 +489,7 @@ def test_load_task_matches_generator():
     assert load_task("arith", "test", 20, 4, 3) == arith_problems("test", 20, level=4, seed=3)
 
 
-# ----------------------------------------------------------------------------- each call's reward, each role's job
+# -------------------------------------------------------------- each call's reward, each role's job
 
 def _call(episode, role, slot, turn, text, truncated=False):
     from rollout import Call
@@ -482,9 +500,12 @@ def _voting_episodes():
     """Two voting episodes on "2 + 3": candidates 5, 6, 5 then 6, 6, 5; the aggregator picks
     candidate 2 (wrong) in the first and candidate 3 (right) in the second."""
     problems = [Problem("p", "What is 2 + 3?", "5")] * 2
-    calls = [_call(0, "generator", f"generator{i}", 0, f"\\boxed{{{a}}}") for i, a in enumerate((5, 6, 5))]
-    calls += [_call(1, "generator", f"generator{i}", 0, f"\\boxed{{{a}}}") for i, a in enumerate((6, 6, 5))]
-    calls += [_call(0, "aggregator", "aggregator", 1, "\\boxed{2}"), _call(1, "aggregator", "aggregator", 1, "\\boxed{3}")]
+    calls = [_call(0, "generator", f"generator{i}", 0, f"\\boxed{{{a}}}")
+             for i, a in enumerate((5, 6, 5))]
+    calls += [_call(1, "generator", f"generator{i}", 0, f"\\boxed{{{a}}}")
+              for i, a in enumerate((6, 6, 5))]
+    calls += [_call(0, "aggregator", "aggregator", 1, "\\boxed{2}"),
+              _call(1, "aggregator", "aggregator", 1, "\\boxed{3}")]
     return problems, calls
 
 
@@ -494,7 +515,8 @@ def test_credit_broadcasts_the_outcome_or_pays_each_call_its_own():
     assert [c.reward for c in calls] == [0.0] * 3 + [1.0] * 3 + [0.0, 1.0]
     assert [c.solved for c in calls] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, None, None]
     credit_calls(calls, problems, [0.0, 1.0], "own", "keep")
-    assert [c.reward for c in calls] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0]  # the aggregator keeps the outcome
+    # the aggregator keeps the outcome
+    assert [c.reward for c in calls] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
 
 
 def test_a_truncated_call_earns_nothing_under_penalize_only():
@@ -521,11 +543,13 @@ def test_role_jobs_by_hand():
     problems, calls = _voting_episodes()
     credit_calls(calls, problems, [0.0, 1.0], "final", "keep")
     # episode 0: picked 0 against a mean of 2/3; episode 1: picked 1 against 1/3
-    assert role_jobs(calls) == pytest.approx({"role/aggregator/skill": ((0 - 2 / 3) + (1 - 1 / 3)) / 2})
+    assert role_jobs(calls) == pytest.approx(
+        {"role/aggregator/skill": ((0 - 2 / 3) + (1 - 1 / 3)) / 2})
     # Eval-Opt: three episodes on "2 + 3", answers 5 (right), 4 and 6 (wrong); verdicts Correct,
     # Correct, Incorrect; the third is refined to 5
     problems = [Problem("p", "What is 2 + 3?", "5")] * 3
-    calls = [_call(e, "generator", "generator", 0, f"\\boxed{{{a}}}") for e, a in enumerate((5, 4, 6))]
+    calls = [_call(e, "generator", "generator", 0, f"\\boxed{{{a}}}")
+             for e, a in enumerate((5, 4, 6))]
     calls += [_call(e, "evaluator", "evaluator", 1, f"\\boxed{{{v}}}")
               for e, v in enumerate(("Correct", "Correct", "Incorrect"))]
     calls += [_call(2, "generator", "generator", 2, "\\boxed{5}")]

@@ -14,8 +14,8 @@ from decode import decode
 from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters, use_adapter
 from model import load_policy, resolve_dtype
 import rollout as rollout_module
-from rollout import (Call, Rollout, chat_text, cut_at_eos, fit_prompt, left_pad, pack, sequence_logprobs,
-                     token_batches)
+from rollout import (Call, Rollout, chat_text, cut_at_eos, fit_prompt, left_pad, pack,
+                     sequence_logprobs, token_batches)
 from workflows import run_workflow
 
 
@@ -159,7 +159,8 @@ def test_missing_model_offline_is_one_line_error_within_seconds(offline):
                          env={"HF_HUB_OFFLINE": offline, "PATH": "/usr/bin:/bin"}, timeout=120)
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no-such-org/no-such-model" in lines[0] and "smollm2" in lines[0], lines
+    assert (len(lines) == 1 and "no-such-org/no-such-model" in lines[0]
+            and "smollm2" in lines[0]), lines
     assert time.monotonic() - start < 20  # imports included; the retries alone took 48 s
 
 
@@ -175,12 +176,14 @@ def test_embedded_model_loads_and_answers():
     rollout = Rollout(model, tok, "shared", max_new_tokens=24, greedy=True)
     inject_lora(model, r=4, alpha=8)
     setup_adapters(model, ["generator"], "shared")
-    (out,) = rollout("generator", ["generator"], [0], [[{"role": "user", "content": "What is 2 + 3?"}]])
+    (out,) = rollout("generator", ["generator"], [0],
+                     [[{"role": "user", "content": "What is 2 + 3?"}]])
     assert "5" in out
 
 
 def test_the_tiny_model_is_the_same_every_time_and_leaves_the_random_numbers_alone():
-    """Its weights come from their own seed; --seed must still decide a tiny run's adapters and samples."""
+    """Its weights come from their own seed; --seed must still decide a tiny run's adapters and
+    samples."""
     torch.manual_seed(5)
     expected = torch.rand(4)
     torch.manual_seed(5)
@@ -257,7 +260,8 @@ def test_bf16_weights_keep_fp32_adapters_and_score_close_to_fp32():
         inject_lora(model, r=4, alpha=8)
         setup_adapters(model, ["generator"], "shared")
         assert {p.dtype for p in adapter_parameters(model, "shared")} == {torch.float32}
-        assert lora_layers(model)[0].base.weight.dtype == (torch.bfloat16 if dtype == "bf16" else torch.float32)
+        assert lora_layers(model)[0].base.weight.dtype == (torch.bfloat16 if dtype == "bf16"
+                                                           else torch.float32)
         if dtype == "fp32":
             rollout = Rollout(model, tok, "shared", max_new_tokens=12, greedy=True)
             run_workflow("single", ["What is 1 + 2?", "What is 12 + 7?"], rollout)
@@ -271,8 +275,8 @@ def test_bf16_weights_keep_fp32_adapters_and_score_close_to_fp32():
 
 
 def test_the_sampler_records_the_log_probs_it_sampled_from(tiny):
-    """The sampler's log-probs against a separate scoring pass of the same model (fp32, adapter off the
-    weights): equal up to float rounding, one per completion token, eos included."""
+    """The sampler's log-probs against a separate scoring pass of the same model (fp32, adapter off
+    the weights): equal up to float rounding, one per completion token, eos included."""
     rollout = make_rollout(tiny, sharing="shared", temperature=0.7, merge=False)
     torch.manual_seed(0)
     run_workflow("voting", ["What is 1 + 2?", "What is 3 + 4?"], rollout, n_agents=3)
@@ -291,7 +295,8 @@ def test_a_prompt_too_long_for_the_context_keeps_its_head_and_tail_and_is_counte
     model, tok = tiny
     model.config.max_position_embeddings = 60  # room for 48 prompt tokens before the 12 new ones
     rollout = make_rollout(tiny)
-    long_chat = [{"role": "user", "content": "What is 1 + 2? " + "Candidate 1 says 3. " * 20 + "Pick one."}]
+    long_chat = [{"role": "user",
+                  "content": "What is 1 + 2? " + "Candidate 1 says 3. " * 20 + "Pick one."}]
     short_chat = [{"role": "user", "content": "What is 1 + 2?"}]
     full = tok(chat_text(tok, long_chat), add_special_tokens=False).input_ids
     rollout("generator", ["generator0", "generator1"], [0, 1], [long_chat, short_chat])
@@ -316,7 +321,8 @@ def test_random_shapes_have_their_model_cards_parameter_counts():
             model = Qwen3ForCausalLM(random_config(shape, tok))
         n = sum(p.numel() for p in model.parameters()) / 1e9
         embedding = model.model.embed_tokens.weight.numel() / 1e9
-        assert round(n, 1) == total and round(n - embedding, 2 if total < 1 else 1) == body, (shape, n)
+        assert (round(n, 1) == total
+                and round(n - embedding, 2 if total < 1 else 1) == body), (shape, n)
 
 
 def test_an_unknown_random_shape_is_one_line():

@@ -32,22 +32,27 @@ ADD = Problem("add", "", "", kind="code", entry_point="add", test_format="assert
     "check(add)\n"))
 STDIO = Problem("sum", "", "", kind="code", test_format="stdio", tests=json.dumps(
     [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6"}]))
-HALF = Problem("half", "", "", kind="code", entry_point="half", test_format="assert",  # with a prompt helper
-               setup='import math\n\ndef twice(x):\n    return 2 * x\n\ndef half(x):\n    """twice(half(x)) == x"""\n',
-               tests=("import math\n\ndef check(candidate):\n    assert math.isclose(twice(candidate(3.0)), 3.0)\n"
+# with a prompt helper
+HALF = Problem("half", "", "", kind="code", entry_point="half", test_format="assert",
+               setup=('import math\n\ndef twice(x):\n    return 2 * x\n\n'
+                      'def half(x):\n    """twice(half(x)) == x"""\n'),
+               tests=("import math\n\ndef check(candidate):\n"
+                      "    assert math.isclose(twice(candidate(3.0)), 3.0)\n"
                       "    assert math.fabs(twice(candidate(5.0)) - 5.0) < 1e-9\n\ncheck(half)\n"))
 CALL = Problem("call", "", "", kind="code", test_format="call", entry_point="add", tests=json.dumps(
     [{"input": [2, 3], "output": [5]}, {"input": [[1], [2]], "output": [[1, 2]]}]))
 
 
 def call_problem(name: str, output: object) -> Problem:
-    """A problem whose only test expects `name()` to return `output` (which never enters the sandbox)."""
+    """A problem whose only test expects `name()` to return `output` (which never enters the
+    sandbox)."""
     return Problem(name, "", "", kind="code", test_format="call", entry_point=name,
                    tests=json.dumps([{"input": [], "output": [output]}]))
 
 
 def survivors(marker: str) -> list[str]:
-    """Live processes of one run: its marker in their environment, or the tagged `sleep` in their command line."""
+    """Live processes of one run: its marker in their environment, or the tagged `sleep` in their
+    command line."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -65,7 +70,8 @@ def survivors(marker: str) -> list[str]:
     return found
 
 
-def check_hostile(code: str, problem: Problem = ADD, isolate: bool = True, bound: float = 1.0) -> float:
+def check_hostile(code: str, problem: Problem = ADD, isolate: bool = True,
+                  bound: float = 1.0) -> float:
     start = time.monotonic()
     result = run_code(code, problem, timeout=TIMEOUT, isolate=isolate)
     elapsed = time.monotonic() - start
@@ -79,51 +85,64 @@ def check_hostile(code: str, problem: Problem = ADD, isolate: bool = True, bound
 HOSTILE = [
     ("infinite loop", "while True:\n    pass\n", ADD, TIMEOUT),
     ("sleep forever", "import time\ntime.sleep(1000)\n", ADD, TIMEOUT),
-    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-     ADD, TIMEOUT),
+    ("fork bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+     "        pass\n", ADD, TIMEOUT),
     ("memory bomb", "x = []\nwhile True:\n    x.append(bytearray(1 << 26))\n", ADD, TIMEOUT),
     ("huge output", "while True:\n    print('x' * 100000)\n", ADD, 1),
-    ("recursion bomb", "import sys\nsys.setrecursionlimit(10**8)\ndef add(a, b):\n    return add(a, b)\n",
-     ADD, TIMEOUT),
+    ("recursion bomb", "import sys\nsys.setrecursionlimit(10**8)\n"
+     "def add(a, b):\n    return add(a, b)\n", ADD, TIMEOUT),
     ("sys.exit(0) before the tests", "import sys\nsys.exit(0)\n", ADD, 1),
     ("os._exit(0) before the tests", "import os\nos._exit(0)\n", ADD, 1),
     ("os._exit(0) inside the function", "import os\ndef add(a, b):\n    os._exit(0)\n", ADD, 1),
-    ("SystemExit in finally", "def add(a, b):\n    try:\n        return 0\n    finally:\n        raise SystemExit(0)\n",
-     ADD, 1),
+    ("SystemExit in finally", "def add(a, b):\n    try:\n        return 0\n    finally:\n"
+     "        raise SystemExit(0)\n", ADD, 1),
     ("atexit tricks", "import atexit, os\natexit.register(print, 'all tests passed')\n"
      "atexit.register(os._exit, 0)\ndef add(a, b):\n    return 0\n", ADD, 1),
     ("exec another program that exits 0",
      "import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'print(1)'])\n", ADD, 1),
     ("fake success output", "import os\nfor fd in range(1, 64):\n    try:\n"
-     "        os.write(fd, b'0123456789abcdef0123456789abcdef 1\\nPASSED 1/1\\n')\n    except OSError:\n        pass\n"
-     "def add(a, b):\n    return 0\n", ADD, 1),
-    ("patched builtins", "import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.all = lambda *a: True\n"
-     "builtins.print = lambda *a, **k: None\ndef add(a, b):\n    return a + b if type(a) is int else 0.0\n", ADD, 1),
+     "        os.write(fd, b'0123456789abcdef0123456789abcdef 1\\nPASSED 1/1\\n')\n"
+     "    except OSError:\n        pass\ndef add(a, b):\n    return 0\n", ADD, 1),
+    ("patched builtins", "import builtins\nbuiltins.abs = lambda x: 0\n"
+     "builtins.all = lambda *a: True\nbuiltins.print = lambda *a, **k: None\n"
+     "def add(a, b):\n    return a + b if type(a) is int else 0.0\n", ADD, 1),
     ("object equal to everything", "class Yes:\n    __eq__ = __lt__ = lambda self, other: True\n"
      "    __sub__ = __abs__ = lambda self, *other: self\n    __hash__ = object.__hash__\n"
      "def add(a, b):\n    return Yes()\n", ADD, 1),
     ("int subclass equal to everything", "class Int(int):\n    __eq__ = lambda self, other: True\n"
-     "    __hash__ = int.__hash__\ndef add(a, b):\n    return Int(0) if type(a) is int else a + b\n", ADD, 1),
-    ("patched assert helpers", "import math\nmath.isclose = lambda *a, **k: True\nmath.fabs = lambda x: 0.0\n"
-     "def half(x):\n    return 0.0\n", HALF, 1),
-    ("assert helpers patched during a call", "def half(x):\n    import math\n    math.fabs = lambda v: 0.0\n"
-     "    return 1.5 if x == 3.0 else 0.0\n", HALF, 1),  # right once, then math.fabs would hide the error
-    ("redefined prompt helper", "def twice(x):\n    return x\ndef half(x):\n    return x\n", HALF, 1),
+     "    __hash__ = int.__hash__\ndef add(a, b):\n"
+     "    return Int(0) if type(a) is int else a + b\n", ADD, 1),
+    ("patched assert helpers", "import math\nmath.isclose = lambda *a, **k: True\n"
+     "math.fabs = lambda x: 0.0\ndef half(x):\n    return 0.0\n", HALF, 1),
+    # right once, then math.fabs would hide the error
+    ("assert helpers patched during a call", "def half(x):\n    import math\n"
+     "    math.fabs = lambda v: 0.0\n    return 1.5 if x == 3.0 else 0.0\n", HALF, 1),
+    ("redefined prompt helper", "def twice(x):\n    return x\ndef half(x):\n    return x\n",
+     HALF, 1),
     ("patched harness", "import __main__\n__main__.plain = lambda *a: True\nclass Yes:\n"
      "    __eq__ = lambda self, other: True\n    __hash__ = object.__hash__\n"
-     "def add(a, b):\n    __main__.plain = lambda *a: True\n    return Yes() if type(a) is int else a + b\n", ADD, 1),
-    ("replaced AssertionError", "import builtins\nbuiltins.AssertionError = type('No', (Exception,), {})\n"
+     "def add(a, b):\n    __main__.plain = lambda *a: True\n"
+     "    return Yes() if type(a) is int else a + b\n", ADD, 1),
+    ("replaced AssertionError",
+     "import builtins\nbuiltins.AssertionError = type('No', (Exception,), {})\n"
      "def add(a, b):\n    return 0\n", ADD, 1),
-    ("closed descriptors", "import os\nos.closerange(3, 4096)\ndef add(a, b):\n    return 0\n", ADD, 1),
-    ("signal tampering", "import signal\nfor s in (signal.SIGTERM, signal.SIGALRM, signal.SIGXCPU, signal.SIGINT,"
-     " signal.SIGHUP, signal.SIGUSR1):\n    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass\n", ADD, TIMEOUT),
-    ("stopping its own group", "import os, signal\nos.kill(0, signal.SIGSTOP)\ndef add(a, b):\n    return 0\n",
-     ADD, TIMEOUT),
-    ("killing its parent", "import os, signal\nfor sig in (signal.SIGKILL, signal.SIGTERM):\n    try:\n"
-     "        os.kill(os.getppid(), sig)\n    except OSError:\n        pass\ndef add(a, b):\n    return 0\n", ADD, 1),
-    ("killing every process it may", "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n"
+    ("closed descriptors", "import os\nos.closerange(3, 4096)\ndef add(a, b):\n    return 0\n",
+     ADD, 1),
+    ("signal tampering",
+     "import signal\nfor s in (signal.SIGTERM, signal.SIGALRM, signal.SIGXCPU, signal.SIGINT,"
+     " signal.SIGHUP, signal.SIGUSR1):\n    signal.signal(s, signal.SIG_IGN)\n"
+     "while True:\n    pass\n", ADD, TIMEOUT),
+    ("stopping its own group", "import os, signal\nos.kill(0, signal.SIGSTOP)\n"
+     "def add(a, b):\n    return 0\n", ADD, TIMEOUT),
+    ("killing its parent",
+     "import os, signal\nfor sig in (signal.SIGKILL, signal.SIGTERM):\n    try:\n"
+     "        os.kill(os.getppid(), sig)\n    except OSError:\n        pass\n"
+     "def add(a, b):\n    return 0\n", ADD, 1),
+    ("killing every process it may",
+     "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n"
      "    pass\ndef add(a, b):\n    return 0\n", ADD, 1),
-    ("daemon that outlives the run", "import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+    ("daemon that outlives the run",
+     "import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
      f"        os.execv('/bin/sleep', ['sleep', '{TAG}'])\n    os._exit(0)\n"
      "if os.fork() == 0:\n    os.setsid()\n    import time\n    time.sleep(60)\n    os._exit(0)\n"
      "def add(a, b):\n    return 0\n", ADD, 1),
@@ -142,14 +161,17 @@ HOSTILE = [
 @pytest.mark.parametrize("name, code, problem, seconds", HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_program_scores_zero(name, code, problem, seconds):
     if name.startswith("killing") and not (ROOT or ISOLATED):
-        pytest.skip("here the run could kill the test process itself: it shares its user and pid space")
+        pytest.skip(
+            "here the run could kill the test process itself: it shares its user and pid space")
     if problem is None:  # the expected answer is random, so only a leak could print it
         problem = Problem("secret", "", "", kind="code", test_format="stdio",
-                          tests=json.dumps([{"input": "what is the secret?\n", "output": secrets.token_hex(8)}]))
+                          tests=json.dumps([{"input": "what is the secret?\n",
+                                             "output": secrets.token_hex(8)}]))
     check_hostile(code, problem, bound=seconds)
 
 
-@pytest.mark.parametrize("name", ["fork bomb", "daemon that outlives the run", "killing its parent"])
+@pytest.mark.parametrize("name", ["fork bomb", "daemon that outlives the run",
+                                  "killing its parent"])
 def test_hostile_without_namespaces(name):
     """Without namespaces the fresh uid, the rlimits and the clean-up still hold."""
     if not ROOT:
@@ -166,22 +188,28 @@ def test_files_outside_its_directory_are_safe():
         os.chmod(target, 0o755)
         with open(f"{target}/keep.txt", "w") as f:
             f.write("original")
-        code = (f"import os, shutil\nfor act in (lambda: open('{target}/keep.txt', 'w').write('gone'),\n"
-                f"            lambda: os.remove('{target}/keep.txt'), lambda: open('{target}/new.txt', 'w'),\n"
-                f"            lambda: shutil.rmtree('{target}')):\n    try:\n        act()\n    except OSError:\n"
+        code = ("import os, shutil\n"
+                f"for act in (lambda: open('{target}/keep.txt', 'w').write('gone'),\n"
+                f"            lambda: os.remove('{target}/keep.txt'), "
+                f"lambda: open('{target}/new.txt', 'w'),\n"
+                f"            lambda: shutil.rmtree('{target}')):\n"
+                "    try:\n        act()\n    except OSError:\n"
                 "        pass\ndef add(a, b):\n    return 0\n")
         for isolate in (True, False):
             check_hostile(code, isolate=isolate)
-        assert os.listdir(target) == ["keep.txt"] and open(f"{target}/keep.txt").read() == "original"
+        assert (os.listdir(target) == ["keep.txt"]
+                and open(f"{target}/keep.txt").read() == "original")
     finally:
         shutil.rmtree(target)
 
 
 LEAK = ("import glob, os\ndef leak():\n    if 'TRAINER_SECRET' in os.environ:\n"
         "        return os.environ['TRAINER_SECRET']\n"
-        "    for path in glob.glob('/proc/*/environ'):\n        try:\n            data = open(path, 'rb').read()\n"
+        "    for path in glob.glob('/proc/*/environ'):\n"
+        "        try:\n            data = open(path, 'rb').read()\n"
         "        except OSError:\n            continue\n        for item in data.split(b'\\0'):\n"
-        "            if item.startswith(b'TRAINER_SECRET='):\n                return item.split(b'=', 1)[1].decode()\n"
+        "            if item.startswith(b'TRAINER_SECRET='):\n"
+        "                return item.split(b'=', 1)[1].decode()\n"
         "    return 'not found'\n")
 
 
@@ -190,10 +218,12 @@ def test_trainer_environment_is_invisible(monkeypatch):
     monkeypatch.setenv("TRAINER_SECRET", secret)
     problem = call_problem("leak", secret)
     # the probe works: it does find a variable that the sandbox has
-    assert run_code(LEAK.replace("TRAINER_SECRET", "PATH"), call_problem("leak", "/usr/bin:/bin"), TIMEOUT).passed
+    assert run_code(LEAK.replace("TRAINER_SECRET", "PATH"), call_problem("leak", "/usr/bin:/bin"),
+                    TIMEOUT).passed
     for isolate in (True, False) if ROOT else (True,):
         if not ISOLATED and not ROOT:
-            pytest.skip("neither namespaces nor a separate uid here: /proc shows the trainer's environment")
+            pytest.skip("neither namespaces nor a separate uid here: "
+                        "/proc shows the trainer's environment")
         check_hostile(LEAK, problem, isolate=isolate)
 
 
@@ -222,12 +252,13 @@ def test_network_is_blocked():
     (ADD, "def add(a, b):\n    return a + b\n"),
     (HALF, "def half(x):\n    return x / 2\n"),
     (STDIO, "a, b = map(int, input().split())\nprint(a + b)\n"),
-    (STDIO, "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nsys.stdout.write(f'{a + b}\\n')\nexit(0)\n"),
+    (STDIO, "import sys\na, b = map(int, sys.stdin.buffer.read().split())\n"
+     "sys.stdout.write(f'{a + b}\\n')\nexit(0)\n"),
     (STDIO, "print(sum(map(int, open(0).read().split())))\n"),
     (CALL, "def add(a, b):\n    return a + b\n"),
     (CALL, "class Solution:\n    def add(self, a, b):\n        return a + b\n"),
-], ids=["assert", "assert-with-prompt-helpers", "stdio-input", "stdio-buffer-exit", "stdio-open0", "call",
-        "call-Solution"])
+], ids=["assert", "assert-with-prompt-helpers", "stdio-input", "stdio-buffer-exit", "stdio-open0",
+        "call", "call-Solution"])
 def test_correct_programs_score_one(problem, code):
     for isolate in (True, False):
         result = run_code(code, problem, timeout=5, isolate=isolate)
@@ -242,15 +273,18 @@ def test_correct_programs_score_one(problem, code):
     (STDIO, "print(1 / 0)\n", "failed test 0"),
     (CALL, "def add(a, b):\n    return 5\n", "wrong result on test 1"),
     (CALL, "def plus(a, b):\n    return a + b\n", "no proof of success"),
-    (Problem("empty", "", "", kind="code", test_format="stdio", tests="[]"), "print(1)\n", "no tests"),
-    (Problem("empty", "", "", kind="code", test_format="assert", entry_point="f"), "def f():\n    pass\n", "no tests"),
+    (Problem("empty", "", "", kind="code", test_format="stdio", tests="[]"), "print(1)\n",
+     "no tests"),
+    (Problem("empty", "", "", kind="code", test_format="assert", entry_point="f"),
+     "def f():\n    pass\n", "no tests"),
 ])
 def test_wrong_programs_score_zero(problem, code, reason):
     assert run_code(code, problem, timeout=5).reason == reason
 
 
 def test_extract_code():
-    assert extract_code("x\n```python\na = 1\n```\ntext\n```py\nb = 2\n```\n```text\nno\n```") == "b = 2\n"
+    assert (extract_code("x\n```python\na = 1\n```\ntext\n```py\nb = 2\n```\n```text\nno\n```")
+            == "b = 2\n")
     assert extract_code("```\nc = 3\n```") == "c = 3\n"
     assert extract_code("```cpp\nint x;\n```") is None
     assert extract_code("no code at all") is None
@@ -262,12 +296,14 @@ def test_extract_code():
 
 def test_score_dispatches_and_never_raises():
     good = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
-    assert score(ADD, good) == 1.0 and score(ADD, "def add(a, b): return a + b") == 0.0  # no fence, no reward
+    # no fence, no reward
+    assert score(ADD, good) == 1.0 and score(ADD, "def add(a, b): return a + b") == 0.0
     assert score(Problem("m", "2+2?", "4"), "so \\boxed{4}") == 1.0
     broken = Problem("b", "", "", kind="code", test_format="stdio", tests="not json")
     weird = Problem("w", "", "", kind="code", test_format="unknown", tests="[]")
     for problem in (broken, weird, ADD):
-        for text in (good, "", "```python\n\0\x00\n```", "```python\n" + "(" * 10_000 + "\n```", None):
+        for text in (good, "", "```python\n\0\x00\n```",
+                     "```python\n" + "(" * 10_000 + "\n```", None):
             assert score(problem, text, timeout=TIMEOUT) in (0.0, 1.0)
     assert code_reward("```python\nimport os\nos._exit(0)\n```", ADD) == 0.0
 
@@ -297,8 +333,8 @@ def test_training_goes_on_when_generated_code_misbehaves(tmp_path, monkeypatch):
     fence = "```python\n{}\n```"
     programs = [fence.format(code) for code in (
         "def add(a, b):\n    return a + b", "while True:\n    pass",
-        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "import os\nwhile True:\n    os.fork()",
-        "import sys\nsys.exit(0)", "print('x' * 10**9)")]
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+        "import os\nwhile True:\n    os.fork()", "import sys\nsys.exit(0)", "print('x' * 10**9)")]
     real_workflow = train.run_workflow
 
     def hostile_finals(*args, **kw):
@@ -307,12 +343,14 @@ def test_training_goes_on_when_generated_code_misbehaves(tmp_path, monkeypatch):
             outcome.final = programs[e % len(programs)]
         return outcomes
     monkeypatch.setattr(train, "run_workflow", hostile_finals)
-    problems = [dataclasses.replace(ADD, id=f"add{i}", question="Write add(a, b).") for i in range(8)]
+    problems = [dataclasses.replace(ADD, id=f"add{i}", question="Write add(a, b).")
+                for i in range(8)]
     monkeypatch.setattr(launch, "load_task", lambda name, split, n, *args: problems[:n])
     out = str(tmp_path / "run")
     train.main(train.Config(model="tiny", workflow="single", steps=2, problems_per_step=2,
-                            group_size=len(programs), max_new_tokens=8, lora_r=4, code_timeout=TIMEOUT,
-                            eval_problems=2, truncated="keep", out=out))  # the tiny model's calls are all cut
+                            group_size=len(programs), max_new_tokens=8, lora_r=4,
+                            code_timeout=TIMEOUT, eval_problems=2,
+                            truncated="keep", out=out))  # the tiny model's calls are all cut
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["eval/accuracy"] == 0.5  # two greedy episodes: the correct program, the loop
@@ -374,8 +412,8 @@ main()
 def test_checked_undoes_what_the_candidate_patched():
     """After each call of the candidate, every module's attributes come back. In a fresh
     interpreter, as in the sandbox: the restore touches every loaded module."""
-    res = subprocess.run([sys.executable, "-I", "-S", "-c", CHEAT, ROOT_DIR], capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run([sys.executable, "-I", "-S", "-c", CHEAT, ROOT_DIR], capture_output=True,
+                         text=True, timeout=60)
     assert res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
@@ -386,7 +424,8 @@ def test_a_program_gets_its_own_empty_tmp_that_dies_with_it():
     """It may write to /tmp, /var/tmp and /dev/shm; nothing it writes there outlives it, and it
     does not see what others left there."""
     if not ISOLATED:
-        pytest.skip("no namespaces here: the shared directories stay shared (sandbox.py's docstring)")
+        pytest.skip(
+            "no namespaces here: the shared directories stay shared (sandbox.py's docstring)")
     tag = secrets.token_hex(6)
     with open(f"/tmp/others-{tag}", "w") as f:
         f.write("not yours")
@@ -395,9 +434,11 @@ def test_a_program_gets_its_own_empty_tmp_that_dies_with_it():
                 f"for d in {SHARED_TMP!r}:\n    if os.path.isdir(d):\n"
                 f"        open(os.path.join(d, 'leak-{tag}'), 'w').write('x')\n"
                 "print('ok' if not seen else 'seen')\n")
-        problem = Problem("tmp", "", "", kind="code", tests='[{"input": "", "output": "ok"}]', test_format="stdio")
+        problem = Problem("tmp", "", "", kind="code", tests='[{"input": "", "output": "ok"}]',
+                          test_format="stdio")
         result = run_code(code, problem, timeout=TIMEOUT)
-        assert result.passed, result  # the writes worked inside, and the trainer's file was not visible
+        # the writes worked inside, and the trainer's file was not visible
+        assert result.passed, result
         assert not [d for d in SHARED_TMP if os.path.exists(f"{d}/leak-{tag}")]
     finally:
         os.remove(f"/tmp/others-{tag}")
@@ -426,7 +467,8 @@ def test_a_program_can_write_nowhere_on_the_machine_but_its_scratch():
     working directory and its HOME: what it writes there outlives none of it. Its scratch space, a
     private /tmp, takes writes."""
     if not ISOLATED:
-        pytest.skip("no namespaces here: the machine's writable directories stay writable (sandbox.py)")
+        pytest.skip(
+            "no namespaces here: the machine's writable directories stay writable (sandbox.py)")
     tag = secrets.token_hex(6)
     targets = writable_directories()
     assert "/tmp" in targets
@@ -434,7 +476,8 @@ def test_a_program_can_write_nowhere_on_the_machine_but_its_scratch():
             f"    try:\n        open(os.path.join(d, 'leak-{tag}'), 'w').write('x')\n"
             "        wrote.append(d)\n    except OSError:\n        pass\n"
             "print('scratch' if os.getcwd() in wrote and '/tmp' in wrote else 'no scratch')\n")
-    problem = Problem("w", "", "", kind="code", tests='[{"input": "", "output": "scratch"}]', test_format="stdio")
+    problem = Problem("w", "", "", kind="code", tests='[{"input": "", "output": "scratch"}]',
+                      test_format="stdio")
     try:
         result = run_code(code, problem, timeout=TIMEOUT)
         assert result.passed, result

@@ -61,13 +61,16 @@ def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp
     assert "before" in res.stdout and "after" in res.stdout
     assert json.load(open(f"{out}/config.json"))["workflow"] == workflow
     first, last = read_jsonl(f"{out}/metrics.jsonl")
-    step0 = without_machine_stats([first])[0]  # the evaluation before training, and the warm-up's own numbers
-    assert {"step", *(f"eval/{k}" for k in ("accuracy", "accuracy_se", "first_answer", "boxed", "len", "truncated"))} \
+    # the evaluation before training, and the warm-up's own numbers
+    step0 = without_machine_stats([first])[0]
+    assert {"step", *(f"eval/{k}" for k in ("accuracy", "accuracy_se", "first_answer", "boxed",
+                                            "len", "truncated"))} \
         <= set(step0) and all(k == "step" or k.startswith(("eval/", "sft/")) for k in step0)
     assert last["step"] == 1 and 0 <= last["reward/mean"] <= 1 and "eval/accuracy" in last
     for role in ROLES[workflow]:
         assert f"role/{role}/reward" in last and f"role/{role}/len" in last
-    several = [s for s in slots(workflow) if s[-1].isdigit()]  # generator0..2, worker0..2: one role's slots
+    # generator0..2, worker0..2: one role's slots
+    several = [s for s in slots(workflow) if s[-1].isdigit()]
     assert {k.split("/")[1] for k in last if k.startswith("slot/")} == set(several)
     assert all(f"slot/{slot}/len" in last for slot in several)
     episode = read_jsonl(f"{out}/samples.jsonl")[0]
@@ -83,7 +86,8 @@ def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp
     assert sorted(os.listdir(f"{out}/ckpt")) == sorted(adapters + ["state.pt"])
     for a in adapters:  # a PEFT LoRA directory each; a critic's also holds its value head
         files = ["adapter_config.json", "adapter_model.safetensors"]
-        assert sorted(os.listdir(f"{out}/ckpt/{a}")) == files + (["value_head.safetensors"] if "critic" in a else [])
+        assert sorted(os.listdir(f"{out}/ckpt/{a}")) == files + (["value_head.safetensors"]
+                                                                 if "critic" in a else [])
 
 
 def test_bad_input_is_a_one_line_error(tmp_path):
@@ -95,9 +99,10 @@ def test_bad_input_is_a_one_line_error(tmp_path):
 
 
 def small_config(out: str, **kw) -> train.Config:
+    # the paper's mini-batch steps
     base = dict(model="tiny", workflow="voting", sharing="isolated", steps=4, problems_per_step=2,
                 group_size=3, eval_problems=3, max_new_tokens=6, lora_r=4, minibatch_size=4,
-                one_step=False, eval_every=2, save_every=2, sft_warmup=0, out=out)  # the paper's mini-batch steps
+                one_step=False, eval_every=2, save_every=2, sft_warmup=0, out=out)
     return train.Config(**{**base, **kw})
 
 
@@ -143,7 +148,8 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monk
     if algo["algo"] == "maac":  # the critic moved too, and its head came back from the checkpoint
         assert any(abs(r.get("role/generator/value", 0)) > 0 for r in straight)
     assert resumed == straight
-    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
+    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == \
+        read_jsonl(out + "/samples.jsonl")
 
 
 def test_resume_rejects_a_contradicting_flag(tmp_path):
@@ -158,16 +164,20 @@ def test_resume_rejects_a_contradicting_flag(tmp_path):
         train.main(train.parse_config(argv), typed=launch.typed_flags(argv))
     argv = ["--out", out, "--resume", "--workflow", "voting", "--no-one_step", "--threads", "1"]
     assert launch.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
-    train.main(train.parse_config(argv), typed=launch.typed_flags(argv))  # agrees with the run: resumes
+    # agrees with the run: resumes
+    train.main(train.parse_config(argv), typed=launch.typed_flags(argv))
 
 
 def test_an_abbreviated_flag_is_refused_so_that_resume_sees_every_flag(tmp_path, capsys):
-    """--work would be --workflow to argparse but "work" to the --resume check, which let it pass."""
+    """--work would be --workflow to argparse but "work" to the --resume check, which let it
+    pass."""
     for flag in (["--work", "voting"], ["--ste", "3"], ["--ste=3"]):
         with pytest.raises(SystemExit) as stop:
             train.parse_config(["--model", "tiny", "--out", str(tmp_path), "--resume", *flag])
-        assert stop.value.code == 2 and f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
-    assert train.parse_config(["--steps=3", "--no-one_step"]).steps == 3  # full names, in either form
+        assert stop.value.code == 2 \
+            and f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
+    # full names, in either form
+    assert train.parse_config(["--steps=3", "--no-one_step"]).steps == 3
 
 
 def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
@@ -178,8 +188,9 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
     """
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     cfg = train.Config(model="tiny", workflow="single", steps=25, problems_per_step=4, group_size=8,
-                       max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, warmup_steps=0, lora_r=8,
-                       minibatch_size=64, eval_problems=4, save_every=100, out=str(tmp_path))
+                       max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2,
+                       warmup_steps=0, lora_r=8, minibatch_size=64, eval_problems=4, save_every=100,
+                       out=str(tmp_path))
     train.main(cfg)
     rewards = [m["reward/mean"] for m in read_jsonl(f"{tmp_path}/metrics.jsonl")[1:]]
     assert sum(rewards[:3]) / 3 < 0.2, rewards
@@ -189,13 +200,15 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
 def test_a_step_writes_no_twin_and_nothing_constant():
     """Eval-Opt's slots are its roles, and Voting's aggregator has one slot: their slot/ keys would
     repeat role/ keys. Under --one_step every ratio is 1: its statistics cannot move."""
-    role = {"role/generator/len": 5.0, "role/generator/ratio_mean": 1.0, "role/generator/pg_loss": 0.5}
+    role = {"role/generator/len": 5.0, "role/generator/ratio_mean": 1.0,
+            "role/generator/pg_loss": 0.5}
     eval_opt = {**role, "slot/generator/len": 5.0}
-    assert train.written(eval_opt, train.Config(workflow="eval_opt")) == {"role/generator/len": 5.0,
-                                                                           "role/generator/pg_loss": 0.5}
+    assert train.written(eval_opt, train.Config(workflow="eval_opt")) == \
+        {"role/generator/len": 5.0, "role/generator/pg_loss": 0.5}
     generators = {f"slot/generator{i}/len": 5.0 for i in range(2)}
     voting = {**role, **generators, "slot/aggregator/len": 5.0}
-    assert train.written(voting, train.Config(workflow="voting", n_agents=2, one_step=False)) == {**role, **generators}
+    assert train.written(voting, train.Config(workflow="voting", n_agents=2, one_step=False)) == \
+        {**role, **generators}
     alone = {**role, "slot/generator0/len": 5.0}  # one generator: its slot is the role
     assert train.written(alone, train.Config(workflow="voting", n_agents=1, one_step=False)) == role
 
@@ -207,7 +220,8 @@ def test_learning_rate_schedule_by_hand():
     assert launch.lr_factor(0, warmup=0, total=4) == pytest.approx(1.0)
     assert launch.lr_factor(2, warmup=0, total=4) == pytest.approx(0.1 + 0.9 * 0.5)
     assert launch.lr_factor(2, warmup=0, total=4, floor=0.0) == pytest.approx(0.5)
-    assert [launch.lr_factor(s, warmup=0, total=4, floor=1.0) for s in range(6)] == [1.0] * 6  # --lr_floor 1
+    # --lr_floor 1
+    assert [launch.lr_factor(s, warmup=0, total=4, floor=1.0) for s in range(6)] == [1.0] * 6
 
 
 def test_isolated_roles_take_optimizer_steps_in_proportion_to_their_calls(tmp_path):
@@ -224,7 +238,8 @@ def test_isolated_roles_take_optimizer_steps_in_proportion_to_their_calls(tmp_pa
 def readme_python_block(containing: str) -> str:
     """The python block of the README or of a page in docs/ that contains `containing`."""
     text = ""
-    for page in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+    for page in [os.path.join(ROOT, "README.md"),
+                 *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
         with open(page) as f:
             text += f.read()
     blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
@@ -233,18 +248,23 @@ def readme_python_block(containing: str) -> str:
 
 @pytest.mark.parametrize("sharing", ["shared", "isolated"])
 def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, monkeypatch):
-    """The PEFT snippet of docs/runs.md, run as written on a trained run's adapters, gives our logits."""
-    import peft  # noqa: F401  a test dependency: fail here, not inside the snippet, if it is missing
-    base_dir = str(tmp_path / "base")  # a base model that transformers can load by path, as PEFT needs
+    """The PEFT snippet of docs/runs.md, run as written on a trained run's adapters, gives our
+    logits."""
+    # a test dependency: fail here, not inside the snippet, if it is missing
+    import peft  # noqa: F401
+    # a base model that transformers can load by path, as PEFT needs
+    base_dir = str(tmp_path / "base")
     model, tok = tiny_model()
     model.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)
     # rewards that vary inside every group, so that every adapter moves
-    monkeypatch.setattr(train, "score_batch", lambda problems, texts, **kw: [len(t) % 2 for t in texts])
+    monkeypatch.setattr(train, "score_batch",
+                        lambda problems, texts, **kw: [len(t) % 2 for t in texts])
     out = str(tmp_path / "run")
-    train.main(small_config(out, model=base_dir, workflow="voting", sharing=sharing, steps=1, seed=1,
-                            max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2,
-                            dtype="fp32"))  # fp32: as the snippet loads it; seed 1: every adapter moves
+    # fp32: as the snippet loads it; seed 1: every adapter moves
+    train.main(small_config(out, model=base_dir, workflow="voting", sharing=sharing, steps=1,
+                            seed=1, max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2,
+                            dtype="fp32"))
     cfg, ours, _, names = probe.trained_model(f"{out}/ckpt")
     ours.to("cpu")  # where the snippet's PEFT model is, on a machine with a GPU too
     ids = torch.randint(0, len(tok), (2, 12), generator=torch.Generator().manual_seed(1))
@@ -263,7 +283,8 @@ def test_readme_snippet_loads_every_trained_adapter_in_peft(sharing, tmp_path, m
 # A new user's first hour: help, progress, bad numbers, run directories, checkpoints
 
 
-def test_help_shows_a_first_weeks_flags_and_every_readme_flag_and_help_all_every_flag(capsys, monkeypatch):
+def test_help_shows_a_first_weeks_flags_and_every_readme_flag_and_help_all_every_flag(
+        capsys, monkeypatch):
     """--help fits about one screen of an 80-column terminal: the flags a student changes first,
     among them every flag of the README's train.py commands; --help-all shows all of them."""
     from test_readme import readme_commands
@@ -274,11 +295,13 @@ def test_help_shows_a_first_weeks_flags_and_every_readme_flag_and_help_all_every
             train.parse_config(["--model", "tiny", word])
         assert stop.value.code == 0
         texts[word] = capsys.readouterr().out
-    shown = {word: set(re.findall(r"^  --(\w+)", text, re.MULTILINE)) - {"help"} for word, text in texts.items()}
+    shown = {word: set(re.findall(r"^  --(\w+)", text, re.MULTILINE)) - {"help"}
+             for word, text in texts.items()}
     assert shown["--help"] == settings.TUTORIAL and len(shown["--help"]) <= 27, shown["--help"]
     assert texts["--help"].count("\n") <= 80, texts["--help"]
     assert shown["--help-all"] == {f.name for f in dataclasses.fields(train.Config)}
-    readme = {w[2:].split("=")[0].removeprefix("no-") for script, *args in readme_commands() if script == "train.py"
+    readme = {w[2:].split("=")[0].removeprefix("no-") for script, *args in readme_commands()
+              if script == "train.py"
               for w in args if w.startswith("--") and w != "--help"}
     assert readme and readme <= shown["--help"], readme - shown["--help"]
 
@@ -298,8 +321,9 @@ def test_help_is_grouped_and_shows_defaults_whole(capsys):
 
 
 def test_own_credit_pays_each_call_for_its_own_part():
-    """--credit own: a solver is paid for its own answer, an evaluator for a verdict that agrees with the
-    verifier, an aggregator keeps its episode's reward; by default every call keeps the broadcast reward."""
+    """--credit own: a solver is paid for its own answer, an evaluator for a verdict that agrees
+    with the verifier, an aggregator keeps its episode's reward; by default every call keeps the
+    broadcast reward."""
     def call(episode, role, slot, turn, text):
         return Call(episode, role, slot, turn, [], [], "", text)
     problem = Problem("p", "What is 2 + 3?", "5")
@@ -308,26 +332,34 @@ def test_own_credit_pays_each_call_for_its_own_part():
                 call(0, "generator", "generator", 2, "\\boxed{5}"),  # ... and refined: final right
                 call(1, "generator", "generator", 0, "\\boxed{4}"),
                 call(1, "evaluator", "evaluator", 1, "\\boxed{Correct}")]  # a wrong answer passed
-    voting = [call(0, "generator", f"generator{i}", 0, f"\\boxed{{{a}}}") for i, a in enumerate((5, 4, 5))]
+    voting = [call(0, "generator", f"generator{i}", 0, f"\\boxed{{{a}}}")
+              for i, a in enumerate((5, 4, 5))]
     voting.append(call(0, "aggregator", "aggregator", 1, "\\boxed{2}"))  # picked the wrong one
-    for calls, outcomes, own in ((eval_opt, [1.0, 0.0], [0.0, 1.0, 1.0, 0.0, 0.0]), (voting, [0.0], [1.0, 0.0, 1.0, 0.0])):
+    for calls, outcomes, own in ((eval_opt, [1.0, 0.0], [0.0, 1.0, 1.0, 0.0, 0.0]),
+                                 (voting, [0.0], [1.0, 0.0, 1.0, 0.0])):
         credit_calls(calls, [problem] * 2, outcomes, "final", "keep")
-        assert [c.reward for c in calls] == [outcomes[c.episode] for c in calls] != own  # the broadcast
+        # the broadcast
+        assert [c.reward for c in calls] == [outcomes[c.episode] for c in calls] != own
         credit_calls(calls, [problem] * 2, outcomes, "own", "keep")
         assert [c.reward for c in calls] == own
 
 
 @pytest.mark.parametrize("flags,words", [(["--steps", "-1"], "--steps -1: must be in [0, inf)"),
-                                         (["--group_size", "1"], "--group_size 1: must be >= 2 with --algo grpo"),
-                                         (["--group_size", "0", "--algo", "maac"], "--group_size 0: must be in [1, inf)"),
+                                         (["--group_size", "1"],
+                                          "--group_size 1: must be >= 2 with --algo grpo"),
+                                         (["--group_size", "0", "--algo", "maac"],
+                                          "--group_size 0: must be in [1, inf)"),
                                          (["--save_every", "0"], "--save_every 0"),
                                          (["--lr", "-1"], "--lr -1.0: must be in (0, inf)"),
                                          (["--lr", "0"], "--lr 0.0: must be in (0, inf)"),
                                          (["--top_p", "1.5"], "--top_p 1.5: must be in (0, 1]"),
-                                         (["--eval_problems", "0"], "--eval_problems 0: must be in [1, inf)"),
-                                         (["--problems_per_step", "300"], "training pool holds 256"),
+                                         (["--eval_problems", "0"],
+                                          "--eval_problems 0: must be in [1, inf)"),
+                                         (["--problems_per_step", "300"],
+                                          "training pool holds 256"),
                                          (["--damping", "2"], "--damping 2.0"),
-                                         (["--credit", "own", "--task", "humaneval"], "--credit own: task humaneval")])
+                                         (["--credit", "own", "--task", "humaneval"],
+                                          "--credit own: task humaneval")])
 def test_bad_numbers_stop_before_any_model_work(flags, words, tmp_path, monkeypatch):
     def no_model(*args):
         raise AssertionError("the model was loaded")
@@ -350,7 +382,8 @@ def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
     before = read_jsonl(f"{out}/metrics.jsonl")
     with pytest.raises(SystemExit, match="already holds a run: add --resume"):
         train.main(small_config(out, steps=1))
-    with pytest.raises(SystemExit, match="could not be loaded"):  # a failed launch leaves the run alone
+    # a failed launch leaves the run alone
+    with pytest.raises(SystemExit, match="could not be loaded"):
         train.main(small_config(out, steps=1, model="no-such-dir/no-model", overwrite=True))
     assert read_jsonl(f"{out}/metrics.jsonl") == before
     assert json.load(open(f"{out}/config.json"))["model"] == "tiny"
@@ -376,7 +409,8 @@ def test_a_read_only_run_is_a_one_line_error_that_touches_nothing(tmp_path, monk
     os.chmod(out, 0o755)  # the directory writable, the run's files not
     launches = (train.Config(out=out, resume=True), small_config(out, steps=1, overwrite=True))
     for cfg in launches:
-        with pytest.raises(SystemExit, match=re.escape(f"--out {out}: {out}/.lock is read-only; make the run")):
+        with pytest.raises(SystemExit,
+                           match=re.escape(f"--out {out}: {out}/.lock is read-only; make the run")):
             train.main(cfg)
     os.chmod(out, 0o555)
     for cfg in launches:
@@ -406,25 +440,28 @@ def test_default_checkpoint_every_step_and_resume_from_anywhere(tmp_path, monkey
 def test_a_redirected_log_shows_progress(tmp_path):
     """No terminal (nohup, CI, a batch system): plain lines for every stage, update and estimate."""
     out = str(tmp_path / "run")
-    res = subprocess.run([sys.executable, "train.py", *SMALL, "--workflow", "eval_opt", "--eval_problems", "3",
-                          "--device", "cpu", "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env=ENV)
+    res = subprocess.run([sys.executable, "train.py", *SMALL, "--workflow", "eval_opt",
+                          "--eval_problems", "3", "--device", "cpu", "--out", out], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
-    assert lines[0].startswith("eval_opt with one shared adapter, grpo, model tiny on cpu (1 thread)")
+    assert lines[0].startswith(
+        "eval_opt with one shared adapter, grpo, model tiny on cpu (1 thread)")
     assert "1 steps of 2 problems x 2 episodes" in lines[0] and "at steps 0, 1;" in lines[0]
     assert any(re.fullmatch(r"eval problems 1-3/3 \| stage 1 generator x3: \d+s", l) for l in lines)
     assert any(re.fullmatch(r"step 1 rollout \| stage 1 generator x4: \d+s", l) for l in lines)
-    assert any(re.fullmatch(r"step 1 update \| shared: \d+ of \d+ calls with signal, \d+s", l) for l in lines)
-    assert any(re.match(r"step 0/1 \| eval/accuracy [\d.]+ \| \d+s \| the whole run: about \d+ min", l)
+    assert any(re.fullmatch(r"step 1 update \| shared: \d+ of \d+ calls with signal, \d+s", l)
                for l in lines)
+    assert any(re.match(r"step 0/1 \| eval/accuracy [\d.]+ \| \d+s \| "
+                        r"the whole run: about \d+ min", l) for l in lines)
 
 
 def test_threads_are_the_free_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    for load, own, running, threads in [(0.1, 0.0, 1, 2), (1.2, 0.0, 2, 1), (3.0, 2.0, 2, 1), (2.1, 2.0, 3, 2),
-                                        (5.0, 0.5, 9, 1), (1.9, 0.0, 1, 2)]:  # the last: a program just ended
+    for load, own, running, threads in [(0.1, 0.0, 1, 2), (1.2, 0.0, 2, 1), (3.0, 2.0, 2, 1),
+                                        (2.1, 2.0, 3, 2), (5.0, 0.5, 9, 1),
+                                        (1.9, 0.0, 1, 2)]:  # the last: a program just ended
         monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
         monkeypatch.setattr(machine, "running_threads", lambda: running)
         assert machine.pick_threads(0, own_load=own) == threads, (load, own, running)
@@ -436,7 +473,8 @@ def test_threads_are_the_free_cores(monkeypatch):
 
 
 
-def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tmp_path, monkeypatch, capsys):
+def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tmp_path, monkeypatch,
+                                                                              capsys):
     """Killed between the two renames of a save: ckpt.old (step 1) and ckpt.tmp (step 2, whole)
     are on disk, ckpt is not; and the log's last line was cut in half."""
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
@@ -454,14 +492,16 @@ def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tm
     assert f"resuming {out} at step 2" in capsys.readouterr().out  # the newest whole checkpoint
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
     assert without_machine_stats(read_jsonl(f"{out}/metrics.jsonl")) == straight
-    assert sorted(os.listdir(out)) == [".lock", "best", "ckpt", "config.json", "metrics.jsonl", "samples.jsonl", "tb"]
+    assert sorted(os.listdir(out)) == [".lock", "best", "ckpt", "config.json", "metrics.jsonl",
+                                       "samples.jsonl", "tb"]
 
 
-def test_a_torn_save_never_replaces_a_good_checkpoint_and_a_save_is_on_disk_before_its_renames(tmp_path, monkeypatch,
-                                                                                               capsys):
+def test_a_torn_save_never_replaces_a_good_checkpoint_and_a_save_is_on_disk_before_its_renames(
+        tmp_path, monkeypatch, capsys):
     """A power loss after the rename that makes ckpt.tmp whole (state.pt), before an adapter's data
-    reached the disk: ckpt.tmp holds a torn file beside a good ckpt, and --resume takes the good one.
-    Every file of a save is fsynced before state.pt names it whole, and the swap before ckpt.old goes."""
+    reached the disk: ckpt.tmp holds a torn file beside a good ckpt, and --resume takes the good
+    one. Every file of a save is fsynced before state.pt names it whole, and the swap before
+    ckpt.old goes."""
     out = str(tmp_path / "run")
     killed_in_step_3(small_config(out), monkeypatch)  # its ckpt: step 2
     shutil.copytree(f"{out}/ckpt", f"{out}/ckpt.tmp")
@@ -483,8 +523,10 @@ def test_a_torn_save_never_replaces_a_good_checkpoint_and_a_save_is_on_disk_befo
     assert f"resuming {out} at step 2" in capsys.readouterr().out
     assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2, 3, 4]
     tmp = f"{out}/ckpt.tmp"
-    whole = events.index((f"{tmp}/state.part", f"{tmp}/state.pt"))  # the first save after the resume
-    saved = [os.path.join(root, n) for root, _, files in os.walk(f"{out}/ckpt") for n in files + ["."]]
+    # the first save after the resume
+    whole = events.index((f"{tmp}/state.part", f"{tmp}/state.pt"))
+    saved = [os.path.join(root, n) for root, _, files in os.walk(f"{out}/ckpt")
+             for n in files + ["."]]
     synced = {os.path.normpath(p.replace(tmp, f"{out}/ckpt").replace("state.part", "state.pt"))
               for p in events[:whole] if isinstance(p, str)}
     assert {os.path.normpath(p) for p in saved} <= synced
@@ -492,13 +534,16 @@ def test_a_torn_save_never_replaces_a_good_checkpoint_and_a_save_is_on_disk_befo
     assert tmp in events[whole:swap] and out in events[swap:]
 
 
-def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_one(tmp_path, monkeypatch):
+def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_one(tmp_path,
+                                                                                   monkeypatch):
     out = str(tmp_path / "run")
     killed_in_step_3(small_config(out), monkeypatch, dies_at_call=1)  # in the step-0 evaluation
-    with pytest.raises(SystemExit, match="stopped before its first one.*without --resume, with --overwrite"):
+    with pytest.raises(SystemExit,
+                       match="stopped before its first one.*without --resume, with --overwrite"):
         train.main(train.Config(out=out, resume=True))
     killed_in_step_3(small_config(out, overwrite=True), monkeypatch, dies_at_call=2)  # in step 1
-    train.main(train.Config(out=out, resume=True))  # from the checkpoint after the step-0 evaluation
+    # from the checkpoint after the step-0 evaluation
+    train.main(train.Config(out=out, resume=True))
     assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2, 3, 4]
     train.main(small_config(out, steps=1, overwrite=True))
     os.rename(f"{out}/metrics.jsonl", f"{out}/metrics.moved")
@@ -520,8 +565,8 @@ def test_sft_warmup_lowers_its_loss_and_teaches_the_aggregator_its_contract(shar
     """The random tiny model never writes \\boxed{k}; after 30 warm-up steps it does, sampled at
     temperature 0.7 on new candidates. (The tiny model cannot learn to stop: its end-of-text
     token is also padding, whose embedding row is zero, so the loss keeps that token's ~6 nats.)"""
-    cfg = train.Config(model="tiny", workflow="voting", sharing=sharing, problems_per_step=2, group_size=2,
-                       max_new_tokens=8, lora_r=4, sft_warmup=30, sft_lr=1e-2)
+    cfg = train.Config(model="tiny", workflow="voting", sharing=sharing, problems_per_step=2,
+                       group_size=2, max_new_tokens=8, lora_r=4, sft_warmup=30, sft_lr=1e-2)
     model, tok = load_policy("tiny")
     inject_lora(model, cfg.lora_r, cfg.lora_alpha)
     names = setup_adapters(model, ROLES["voting"], sharing)
@@ -531,7 +576,8 @@ def test_sft_warmup_lowers_its_loss_and_teaches_the_aggregator_its_contract(shar
     assert metrics["sft/loss/last"] < 0.2 * metrics["sft/loss/first"], metrics
     rollout, outcomes, rewards = train.rollout_step(model, tok, cfg, pool, greedy=False)
     after = step_metrics(rollout.calls, rewards, outcomes, cfg.n_agents, diag=True)
-    assert metrics["sft/adherence/aggregator"] <= 0.25 and after["role/aggregator/adherence"] >= 0.75, (
+    assert (metrics["sft/adherence/aggregator"] <= 0.25
+            and after["role/aggregator/adherence"] >= 0.75), (
         metrics, [c.text for c in rollout.calls if c.role == "aggregator"])
 
 
@@ -546,8 +592,8 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
               Call(1, "generator", "generator", 0, [1], [1], "", "\\boxed{5}"),
               Call(1, "evaluator", "evaluator", 1, [1], [1], "", "looks fine")]
     cfg = train.Config(workflow="voting")
-    replies = contract_replies(calls, [problem, problem], score_batch, cfg.n_agents, random.Random(0),
-                               ["aggregator", "evaluator", "generator"])
+    replies = contract_replies(calls, [problem, problem], score_batch, cfg.n_agents,
+                               random.Random(0), ["aggregator", "evaluator", "generator"])
     texts = {(c.episode, c.slot): c.text for c in replies}
     assert texts[0, "aggregator"] == "\\boxed{2}"  # candidate 2 says 5, by the last number
     assert texts[1, "evaluator"] == "\\boxed{Correct}"
@@ -555,9 +601,10 @@ def test_contract_replies_are_verifier_labelled_and_keep_the_contracts():
     assert (0, "generator0") not in texts and (0, "generator2") not in texts
     for c in replies:
         assert adherence(c.role, c.text) in (True, None)
-    wrong = [dataclasses.replace(c, text="\\boxed{7}") if c.role == "generator" else c for c in calls]
-    replies = contract_replies(wrong, [problem, problem], score_batch, cfg.n_agents, random.Random(0),
-                               ["evaluator"])
+    wrong = [dataclasses.replace(c, text="\\boxed{7}") if c.role == "generator" else c
+             for c in calls]
+    replies = contract_replies(wrong, [problem, problem], score_batch, cfg.n_agents,
+                               random.Random(0), ["evaluator"])
     assert [c.text for c in replies] == ["\\boxed{Incorrect}"]
 
 
@@ -567,16 +614,20 @@ def test_warm_up_verdicts_are_balanced_and_unfinished_solutions_are_not_taught()
     length limit is no example of a finished one."""
     problem = Problem("p", "What is 2 + 3?", "5")
     calls = [Call(e, "generator", "generator", 0, [1], [1], "", text, truncated=cut)
-             for e, (text, cut) in enumerate([("\\boxed{5}", False), ("\\boxed{4}", False), ("so 5 and", True)])]
+             for e, (text, cut) in enumerate([("\\boxed{5}", False), ("\\boxed{4}", False),
+                                              ("so 5 and", True)])]
     calls += [Call(e, "evaluator", "evaluator", 1, [1], [1], "", "hm") for e in range(3)]
-    replies = contract_replies(calls, [problem] * 3, score_batch, 3, random.Random(0), ["evaluator", "generator"])
+    replies = contract_replies(calls, [problem] * 3, score_batch, 3, random.Random(0),
+                               ["evaluator", "generator"])
     verdicts = sorted(c.text for c in replies if c.role == "evaluator")
-    assert verdicts == ["\\boxed{Correct}"] * 2 + ["\\boxed{Incorrect}"] * 2  # 2 Correct, one of them a copy
+    # 2 Correct, one of them a copy
+    assert verdicts == ["\\boxed{Correct}"] * 2 + ["\\boxed{Incorrect}"] * 2
     assert [(c.episode, c.text) for c in replies if c.role == "generator"] == [(0, "\\boxed{5}")]
     # a refine (stage 2) of a right answer is taught to keep it; a refine that made it right, itself
     calls += [Call(0, "generator", "generator", 2, [1], [1], "", "\\boxed{Incorrect}"),
               Call(1, "generator", "generator", 2, [1], [1], "", "\\boxed{5}")]
-    replies = contract_replies(calls, [problem] * 3, score_batch, 3, random.Random(0), ["generator"])
+    replies = contract_replies(calls, [problem] * 3, score_batch, 3, random.Random(0),
+                               ["generator"])
     assert sorted((c.episode, c.turn, c.text) for c in replies) == [
         (0, 0, "\\boxed{5}"), (0, 2, "\\boxed{5}"), (1, 2, "\\boxed{5}")]
 
@@ -586,8 +637,9 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     mini-batch; the base model, the reference without a warm-up, is far from it), the
     reference does not move with the adapter nor change the sampling, and it travels in
     the checkpoint."""
-    cfg = train.Config(model="tiny", workflow="voting", sharing="shared", problems_per_step=2, group_size=2,
-                       max_new_tokens=6, lora_r=4, sft_warmup=5, sft_lr=1e-2, role_kl="aggregator=1.0")
+    cfg = train.Config(model="tiny", workflow="voting", sharing="shared", problems_per_step=2,
+                       group_size=2, max_new_tokens=6, lora_r=4, sft_warmup=5, sft_lr=1e-2,
+                       role_kl="aggregator=1.0")
     model, tok = load_policy("tiny")
     inject_lora(model, cfg.lora_r, cfg.lora_alpha)
     names = setup_adapters(model, ROLES["voting"], "shared")
@@ -608,49 +660,56 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     for label, s in [("base", dataclasses.replace(update, reference={})), ("warmed-up", update)]:
         optimizer = torch.optim.AdamW(adapter_parameters(model, "shared"), lr=1e-2)
         state = [p.detach().clone() for p in adapter_parameters(model, "shared")]
-        stats = policy_update(model, "shared", agg, optimizer, random.Random(0), tok.pad_token_id, s)
+        stats = policy_update(model, "shared", agg, optimizer, random.Random(0),
+                              tok.pad_token_id, s)
         kl[label] = stats["role/aggregator/kl_ref"][0]
         with torch.no_grad():  # back to the warmed-up adapter for the other reference
             for p, p0 in zip(adapter_parameters(model, "shared"), state):
                 p.copy_(p0)
     assert kl["warmed-up"] == pytest.approx(0.0, abs=1e-6) and kl["base"] > 1e-3, kl
-    assert all(torch.equal(p, p0) for p, p0 in zip(adapter_parameters(model, "shared-ref"), reference))
+    assert all(torch.equal(p, p0)
+               for p, p0 in zip(adapter_parameters(model, "shared-ref"), reference))
 
     out = str(tmp_path / "run")  # a run saves the reference and resumes with it
-    train.main(dataclasses.replace(small_config(out, sharing="shared", steps=1), sft_warmup=2, sft_lr=1e-2,
-                                   role_kl="aggregator=1.0"))
+    train.main(dataclasses.replace(small_config(out, sharing="shared", steps=1), sft_warmup=2,
+                                   sft_lr=1e-2, role_kl="aggregator=1.0"))
     assert sorted(os.listdir(f"{out}/ckpt")) == ["shared", "shared-ref", "state.pt"]
 
 
 def test_a_resumed_run_keeps_its_warmed_up_kl_anchor(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
-    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
-               role_kl="aggregator=0.5", seed=3)  # a seed whose first steps see rewards
+    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared",
+               sft_warmup=2, sft_lr=1e-2, role_kl="aggregator=0.5",
+               seed=3)  # a seed whose first steps see rewards
     train.main(small_config(str(tmp_path / "straight"), **toy))
     out = str(tmp_path / "resumed")
-    killed_in_step_3(small_config(out, **toy), monkeypatch, dies_at_call=6)  # the warm-up rolls out first
+    # the warm-up rolls out first
+    killed_in_step_3(small_config(out, **toy), monkeypatch, dies_at_call=6)
     train.main(train.Config(out=out, resume=True))
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
     resumed = without_machine_stats(read_jsonl(out + "/metrics.jsonl"))
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    assert any(r.get("role/aggregator/kl_ref", 0) > 0 for r in straight[3:])  # the anchor is at work
+    # the anchor is at work
+    assert any(r.get("role/aggregator/kl_ref", 0) > 0 for r in straight[3:])
     assert resumed == straight
 
 
 def test_sft_roles_must_be_roles(tmp_path):
-    res = subprocess.run([sys.executable, "train.py", *SMALL, "--sft_warmup", "1", "--sft_roles", "judge",
-                          "--out", str(tmp_path / "run")],
+    res = subprocess.run([sys.executable, "train.py", *SMALL, "--sft_warmup", "1", "--sft_roles",
+                          "judge", "--out", str(tmp_path / "run")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV)
     assert res.returncode != 0 and "--sft_roles: 'judge' is not a role" in res.stderr
     assert "Traceback" not in res.stderr
 
 
-def test_a_run_started_from_another_runs_step_0_matches_one_that_warmed_up_itself(tmp_path, monkeypatch):
+def test_a_run_started_from_another_runs_step_0_matches_one_that_warmed_up_itself(tmp_path,
+                                                                                  monkeypatch):
     """--start_from: a run that takes its warm-up and step-0 evaluation from a --steps 0 run, and
     differs from it in an RL setting (--balance), logs what the same run does on its own."""
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
-    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared", sft_warmup=2, sft_lr=1e-2,
-               role_kl="aggregator=0.5", seed=3)  # a seed whose first steps see rewards
+    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared",
+               sft_warmup=2, sft_lr=1e-2, role_kl="aggregator=0.5",
+               seed=3)  # a seed whose first steps see rewards
     train.main(small_config(str(tmp_path / "straight"), balance="role", **toy))
     start = str(tmp_path / "start")
     train.main(small_config(start, steps=0, **toy))
@@ -660,9 +719,11 @@ def test_a_run_started_from_another_runs_step_0_matches_one_that_warmed_up_itsel
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
     branch = without_machine_stats(read_jsonl(out + "/metrics.jsonl"))
     assert [r["step"] for r in branch] == [0, 1, 2, 3, 4]
-    assert any(r.get("role/aggregator/kl_ref", 0) > 0 for r in straight[1:])  # the anchor is at work
+    # the anchor is at work
+    assert any(r.get("role/aggregator/kl_ref", 0) > 0 for r in straight[1:])
     assert branch == straight
-    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
+    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == \
+        read_jsonl(out + "/samples.jsonl")
 
 
 def test_an_isolated_run_started_from_a_shared_start_gives_every_role_the_shared_adapter(tmp_path):
@@ -671,14 +732,16 @@ def test_an_isolated_run_started_from_a_shared_start_gives_every_role_the_shared
     train.main(small_config(start, **warm))
     train.main(small_config(out, **{**warm, "sharing": "isolated"}, start_from=start))
     shared = load_file(f"{start}/ckpt/shared/adapter_model.safetensors")
-    assert sorted(os.listdir(f"{out}/ckpt")) == ["aggregator", "aggregator-ref", "generator", "generator-ref",
-                                                 "state.pt"]
+    assert sorted(os.listdir(f"{out}/ckpt")) == ["aggregator", "aggregator-ref", "generator",
+                                                 "generator-ref", "state.pt"]
     for name in ("aggregator", "aggregator-ref", "generator", "generator-ref"):
         mine = load_file(f"{out}/ckpt/{name}/adapter_model.safetensors")
         assert mine.keys() == shared.keys() and all(torch.equal(mine[k], shared[k]) for k in shared)
-    assert any(t.abs().sum() > 0 for k, t in shared.items() if "lora_B" in k)  # the warm-up moved it
+    # the warm-up moved it
+    assert any(t.abs().sum() > 0 for k, t in shared.items() if "lora_B" in k)
     saved = [torch.load(f"{d}/ckpt/state.pt", weights_only=False) for d in (start, out)]
-    assert torch.equal(saved[0]["torch_rngs"][0], saved[1]["torch_rngs"][0])  # the same episodes next
+    # the same episodes next
+    assert torch.equal(saved[0]["torch_rngs"][0], saved[1]["torch_rngs"][0])
     assert read_jsonl(f"{out}/metrics.jsonl") == read_jsonl(f"{start}/metrics.jsonl")
 
 
@@ -692,7 +755,8 @@ def test_an_actor_critic_run_goes_on_from_a_grpo_start_with_fresh_critics(tmp_pa
     train.main(small_config(out, steps=1, algo="maac", critic="central", start_from=start, **warm))
     rows = read_jsonl(f"{out}/metrics.jsonl")
     assert rows[0] == read_jsonl(f"{start}/metrics.jsonl")[0] and rows[-1]["step"] == 1
-    assert {"critic/value_loss", "role/aggregator/value", "role/generator/value"} <= rows[-1].keys()  # critics trained
+    # critics trained
+    assert {"critic/value_loss", "role/aggregator/value", "role/generator/value"} <= rows[-1].keys()
     critics = [d for d in os.listdir(f"{out}/ckpt") if d.startswith("critic")]
     assert critics and not any(d.startswith("critic") for d in os.listdir(f"{start}/ckpt"))
 
@@ -702,7 +766,8 @@ def test_start_from_reads_max_new_tokens_0_as_the_task_s_own_limit(tmp_path):
     start = str(tmp_path / "start")
     train.main(small_config(start, steps=0, max_new_tokens=0, eval_problems=1))
     assert json.load(open(f"{start}/config.json"))["max_new_tokens"] == 48
-    train.main(small_config(str(tmp_path / "b"), steps=1, max_new_tokens=0, eval_problems=1, start_from=start))
+    train.main(small_config(str(tmp_path / "b"), steps=1, max_new_tokens=0, eval_problems=1,
+                            start_from=start))
     with pytest.raises(SystemExit, match="--max_new_tokens 32 differs from the start's"):
         train.main(small_config(str(tmp_path / "c"), max_new_tokens=32, start_from=start))
 
@@ -713,7 +778,8 @@ def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path
     for kw, words in [(dict(seed=1), "--seed 1 differs from the start's"),
                       (dict(sft_warmup=1), "--sft_warmup 1 differs"),
                       (dict(sharing="shared"), "cannot become one shared adapter"),
-                      (dict(start_from=str(tmp_path / "nothing")), "no run with a checkpoint there")]:
+                      (dict(start_from=str(tmp_path / "nothing")),
+                       "no run with a checkpoint there")]:
         with pytest.raises(SystemExit, match=words):
             train.main(small_config(str(tmp_path / "run"), **{"start_from": start, **kw}))
     assert not os.path.exists(tmp_path / "run")  # stopped before anything was made
@@ -741,12 +807,14 @@ def scripted_evaluations(monkeypatch, test: list[float], val: list[float] | None
         acc, val_acc = next(scores)
         if acc is None:
             raise KeyboardInterrupt
-        return {"eval/accuracy": acc, "eval/accuracy_se": 0.0} | ({"val/accuracy": val_acc} if val else {})
+        return ({"eval/accuracy": acc, "eval/accuracy_se": 0.0}
+                | ({"val/accuracy": val_acc} if val else {}))
     monkeypatch.setattr(train, "evaluations", evaluations)
 
 
 def adapters_saved_each_step(out: str, monkeypatch) -> dict[int, dict[str, bytes]]:
-    """step -> the adapter files of the newest checkpoint as saved at that step (filled in as the run saves)."""
+    """step -> the adapter files of the newest checkpoint as saved at that step (filled in as the
+    run saves)."""
     saved, real = {}, TrainState.save
 
     def save(state, out, step, best=None):
@@ -762,16 +830,18 @@ def adapter_files(ckpt: str) -> dict[str, bytes]:
 
 
 def with_dir(files: dict[str, bytes], ckpt: str) -> dict[str, bytes]:
-    return {os.path.join(ckpt, os.path.relpath(p, os.path.dirname(os.path.dirname(p)))): b for p, b in files.items()}
+    return {os.path.join(ckpt, os.path.relpath(p, os.path.dirname(os.path.dirname(p)))): b
+            for p, b in files.items()}
 
 
-TOY_RUN = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, eval_every=1, sft_warmup=0)
+TOY_RUN = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, eval_every=1,
+               sft_warmup=0)
 
 
 @pytest.mark.parametrize("val", [False, True])
 def test_a_run_through_a_cliff_keeps_its_peaks_adapters(val, tmp_path, monkeypatch):
-    """Accuracy rises then falls: out/best holds the adapters of the peak's step, byte for byte, beside
-    the newest checkpoint, chosen on val where the run has a val split (else on test)."""
+    """Accuracy rises then falls: out/best holds the adapters of the peak's step, byte for byte,
+    beside the newest checkpoint, chosen on val where the run has a val split (else on test)."""
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     test, peak = [0.2, 0.5, 0.9, 0.4, 0.1], 2
     if val:  # test peaks at step 2, val at step 3: val decides
@@ -793,9 +863,9 @@ def test_a_run_through_a_cliff_keeps_its_peaks_adapters(val, tmp_path, monkeypat
 
 
 def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeypatch, capsys):
-    """Killed in step 3 (checkpoint of step 2, best of step 1): --resume keeps the same best, and the
-    uninterrupted run's; a torn best.tmp beside it changes nothing; a damaged best is dropped with a
-    line, never stopping the resume, and the next evaluation keeps a new one."""
+    """Killed in step 3 (checkpoint of step 2, best of step 1): --resume keeps the same best, and
+    the uninterrupted run's; a torn best.tmp beside it changes nothing; a damaged best is dropped
+    with a line, never stopping the resume, and the next evaluation keeps a new one."""
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     config = dict(save_every=2, **TOY_RUN)
     scripted_evaluations(monkeypatch, [0.2, 0.9, 0.5, 0.4, 0.3])
@@ -807,7 +877,8 @@ def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeyp
         with pytest.raises(KeyboardInterrupt):
             train.main(small_config(out, **config))
         assert directory_state(f"{out}/best") == straight
-    shutil.copytree(f"{runs_['torn']}/best", f"{runs_['torn']}/best.tmp")  # a save cut before its data reached the disk
+    # a save cut before its data reached the disk
+    shutil.copytree(f"{runs_['torn']}/best", f"{runs_['torn']}/best.tmp")
     with open(glob.glob(f"{runs_['torn']}/best.tmp/*/adapter_model.safetensors")[0], "r+b") as f:
         f.truncate(100)
     with open(glob.glob(f"{runs_['damaged']}/best/*/adapter_model.safetensors")[0], "r+b") as f:
@@ -821,7 +892,8 @@ def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeyp
             assert "the best checkpoint in" in capsys.readouterr().out
             assert json.load(open(f"{out}/best/best.json"))["step"] == 3
         else:
-            assert directory_state(f"{out}/best") == straight and not os.path.exists(f"{out}/best.tmp")
+            assert directory_state(f"{out}/best") == straight \
+                and not os.path.exists(f"{out}/best.tmp")
 
 
 def test_start_from_and_watch_take_a_runs_best_checkpoint(tmp_path, monkeypatch, capsys):
@@ -857,7 +929,8 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error_before_anything_loads(tmp
 
 @pytest.mark.parametrize("device,words", [("tpu", "--device tpu: not a device of this project"),
                                           ("cuda:2", "--device cuda:2: this machine has 1 GPU(s)")])
-def test_a_device_that_is_not_here_is_a_one_line_error_before_anything_loads(device, words, tmp_path, monkeypatch):
+def test_a_device_that_is_not_here_is_a_one_line_error_before_anything_loads(device, words,
+                                                                             tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a machine with one GPU
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     out = str(tmp_path / "run")
@@ -880,7 +953,8 @@ def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
         before = directory_state(out)
         for cfg in (small_config(out, steps=1), small_config(out, steps=2, overwrite=True),
                     train.Config(out=out, resume=True)):
-            with pytest.raises(SystemExit, match=re.escape(f"--out {out} is in use by another run (pid {holder.pid});")):
+            with pytest.raises(SystemExit, match=re.escape(f"--out {out} is in use by another "
+                                                           f"run (pid {holder.pid});")):
                 train.main(cfg)
         assert directory_state(out) == before
     finally:
@@ -890,23 +964,28 @@ def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
     assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2]
 
 
-def test_non_finite_steps_are_not_applied_and_three_in_a_row_stop_the_run(tmp_path, monkeypatch, capsys):
+def test_non_finite_steps_are_not_applied_and_three_in_a_row_stop_the_run(tmp_path, monkeypatch,
+                                                                          capsys):
     """Every mini-batch's loss is NaN: nothing is applied, each step says so, the third stops the
     run with the checkpoint from before the trouble, and --resume --lr goes on from there."""
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     real = grpo.aggregate
     monkeypatch.setattr(grpo, "aggregate", lambda *args, **kw: real(*args, **kw) * float("nan"))
     out = str(tmp_path / "run")
-    stop = re.escape(f"step 3: 3 steps in a row with a non-finite loss or gradient (those mini-batches were not "
-                     f"applied); the last good checkpoint is step 0 in {out}/ckpt; to go on from it with a lower "
-                     f"learning rate: python train.py --resume --out {out} --lr <lower>")
+    stop = re.escape(f"step 3: 3 steps in a row with a non-finite loss or gradient (those "
+                     f"mini-batches were not applied); the last good checkpoint is step 0 in "
+                     f"{out}/ckpt; to go on from it with a lower learning rate: "
+                     f"python train.py --resume --out {out} --lr <lower>")
     with pytest.raises(SystemExit, match=stop):
-        train.main(small_config(out, kl_coef=0.1, save_every=1))  # the KL term: every call has a loss
-    assert re.search(r"step 1 update \| generator: 18 of 18 calls with signal, \d+s, 5 mini-batch\(es\) not applied: "
-                     "loss or gradient not finite", capsys.readouterr().out)
+        # the KL term: every call has a loss
+        train.main(small_config(out, kl_coef=0.1, save_every=1))
+    assert re.search(r"step 1 update \| generator: 18 of 18 calls with signal, \d+s, "
+                     r"5 mini-batch\(es\) not applied: loss or gradient not finite",
+                     capsys.readouterr().out)
     rows = read_jsonl(f"{out}/metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert all(r["adapter/generator/skipped_nonfinite"] == 5 and r["adapter/aggregator/skipped_nonfinite"] == 2
+    assert all(r["adapter/generator/skipped_nonfinite"] == 5
+               and r["adapter/aggregator/skipped_nonfinite"] == 2
                for r in rows[1:])
     assert torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"] == 0
     monkeypatch.setattr(grpo, "aggregate", real)
@@ -922,23 +1001,27 @@ def test_lengths_that_do_not_fit_the_model_stop_before_it_generates(tmp_path, mo
         raise AssertionError("the model generated")
     monkeypatch.setattr(train, "Rollout", no_generation)
     out = str(tmp_path / "run")
-    with pytest.raises(SystemExit, match=r"^--critic_max_tokens 4096: more than the 2048 positions of model tiny; "
-                                         r"lower it to at most 2048$"):
+    with pytest.raises(SystemExit, match=r"^--critic_max_tokens 4096: more than the 2048 "
+                                         r"positions of model tiny; lower it to at most 2048$"):
         train.main(small_config(out, algo="maac", critic_max_tokens=4096))
-    too_long = (r"^--max_new_tokens 2000: the longest prompt of voting on arith takes \d+ tokens, and model tiny "
-                r"reads 2048; lower --max_new_tokens to at most \d+$")
+    too_long = (r"^--max_new_tokens 2000: the longest prompt of voting on arith takes \d+ tokens, "
+                r"and model tiny reads 2048; lower --max_new_tokens to at most \d+$")
     with pytest.raises(SystemExit, match=too_long) as stop:
         train.main(small_config(out, max_new_tokens=2000))
     assert not os.path.exists(f"{out}/config.json")
-    prompt, most = (int(x) for x in re.search(r"takes (\d+) .* at most (\d+)", str(stop.value)).groups())
+    prompt, most = (int(x) for x in re.search(r"takes (\d+) .* at most (\d+)",
+                                              str(stop.value)).groups())
     assert prompt + most == 2048
     model, tok = load_policy("tiny")  # the largest length it names fits
-    launch.check_context(model, tok, small_config(out, max_new_tokens=most), load_task("arith", "test", 3, 2, 0))
+    launch.check_context(model, tok, small_config(out, max_new_tokens=most),
+                         load_task("arith", "test", 3, 2, 0))
 
 
-def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(tmp_path, monkeypatch, capsys):
+def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(tmp_path,
+                                                                               monkeypatch, capsys):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
-    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, save_every=2)  # step 3 is saved all the same
+    # step 3 is saved all the same
+    toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, save_every=2)
     train.main(small_config(str(tmp_path / "straight"), **toy))
     monkeypatch.setattr(machine, "requested", [])
     real_rollout, calls = train.rollout_step, []
@@ -953,21 +1036,23 @@ def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(t
     with pytest.raises(SystemExit) as stop:
         train.main(small_config(out, **toy))
     assert stop.value.code == 143 == 128 + signal.SIGTERM
-    assert (f"stopped by SIGTERM after step 3, the checkpoint of step 3 kept; to go on: python train.py --resume "
-            f"--out {out}") in capsys.readouterr().err
+    assert (f"stopped by SIGTERM after step 3, the checkpoint of step 3 kept; to go on: "
+            f"python train.py --resume --out {out}") in capsys.readouterr().err
     assert torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"] == 3
     monkeypatch.setattr(train, "rollout_step", real_rollout)
     monkeypatch.setattr(machine, "requested", [])
     train.main(train.Config(out=out, resume=True))
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
     assert without_machine_stats(read_jsonl(out + "/metrics.jsonl")) == straight
-    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == read_jsonl(out + "/samples.jsonl")
+    assert read_jsonl(str(tmp_path / "straight/samples.jsonl")) == \
+        read_jsonl(out + "/samples.jsonl")
 
 
 def test_a_sigterm_stops_a_training_process_with_its_checkpoint_and_the_resume_command(tmp_path):
     out = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "train.py", *SMALL, "--steps", "500", "--out", out], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen([sys.executable, "train.py", *SMALL, "--steps", "500", "--out", out],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
     while not os.path.exists(f"{out}/ckpt/state.pt"):  # after the step-0 evaluation
         assert proc.poll() is None
         time.sleep(0.05)
@@ -976,7 +1061,8 @@ def test_a_sigterm_stops_a_training_process_with_its_checkpoint_and_the_resume_c
     assert proc.returncode == 143, err[-2000:]
     assert f"; to go on: python train.py --resume --out {out}\n" in err and "Traceback" not in err
     saved = torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"]
-    assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == list(range(saved + 1)) and saved < 500
+    assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == list(range(saved + 1)) \
+        and saved < 500
 
 
 def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -984,17 +1070,20 @@ def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(os.path.join(run_dir, "tb"), size_guidance={"scalars": 0}).Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
 
 
 def tensorboard_texts(run_dir: str) -> dict[str, list[tuple[int, str]]]:
-    """Every text (the TEXT tab) TensorBoard's server reads back from a run, (step, text) in its order."""
+    """Every text (the TEXT tab) TensorBoard's server reads back from a run, (step, text) in its
+    order."""
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 
     events = EventAccumulator(os.path.join(run_dir, "tb"), size_guidance={"tensors": 0}).Reload()
     return {tag.removesuffix("/text_summary"): [(e.step, e.tensor_proto.string_val[0].decode())
                                                for e in events.Tensors(tag)]
-            for tag in events.Tags()["tensors"] if events.SummaryMetadata(tag).plugin_data.plugin_name == "text"}
+            for tag in events.Tags()["tensors"]
+            if events.SummaryMetadata(tag).plugin_data.plugin_name == "text"}
 
 
 def test_tensorboard_holds_every_number_of_metrics_jsonl_and_every_logged_episode(tmp_path):
@@ -1004,9 +1093,11 @@ def test_tensorboard_holds_every_number_of_metrics_jsonl_and_every_logged_episod
     for row in read_jsonl(f"{out}/metrics.jsonl"):
         for key, value in row.items():
             if key != "step":
-                assert dict(scalars[key])[row["step"]] == pytest.approx(value, rel=1e-6), (key, row["step"])
+                assert dict(scalars[key])[row["step"]] == pytest.approx(value, rel=1e-6), \
+                    (key, row["step"])
     assert "role/generator/len" in scalars and "role/evaluator/len" in scalars
-    texts = tensorboard_texts(out)  # one block per samples.jsonl episode, under episodes/<its place in the step>
+    # one block per samples.jsonl episode, under episodes/<its place in the step>
+    texts = tensorboard_texts(out)
     episodes = read_jsonl(f"{out}/samples.jsonl")
     assert sorted(texts) == ["episodes/0", "episodes/1"] and len(episodes) == 6
     for k, episode in enumerate(episodes):
@@ -1015,23 +1106,29 @@ def test_tensorboard_holds_every_number_of_metrics_jsonl_and_every_logged_episod
         assert f"**{episode['problem']}**" in text and f"    {episode['question']}" in text
         for i, call in enumerate(episode["calls"], 1):
             assert f"**{i}. {call['slot']}** ({call['role']}, turn {call['turn']})" in text
-            assert f"advantage **{call['advantage']:+.3f}**" in text and runs.code_block(call["output"], 600) in text
-    long = {**episodes[0], "calls": [{**episodes[0]["calls"][0], "output": "```x\n" + "7" * 895}]}  # 900 characters
-    assert "\n    ```x\n    " + "7" * 595 + " [... 300 more characters]\n" in runs.transcript(long)  # a fence, indented
+            assert f"advantage **{call['advantage']:+.3f}**" in text \
+                and runs.code_block(call["output"], 600) in text
+    # 900 characters
+    long = {**episodes[0], "calls": [{**episodes[0]["calls"][0], "output": "```x\n" + "7" * 895}]}
+    # a fence, indented
+    assert "\n    ```x\n    " + "7" * 595 + " [... 300 more characters]\n" in runs.transcript(long)
 
 
 def test_tensorboard_after_a_resume_keeps_one_value_per_step(tmp_path):
     """A resumed run writes again the steps after its checkpoint; purge_step drops the old ones."""
     out = str(tmp_path)
-    episode = {"problem": "p", "episode": 0, "question": "q", "answer": "7", "final": "7", "calls": []}
+    episode = {"problem": "p", "episode": 0, "question": "q", "answer": "7", "final": "7",
+               "calls": []}
     for step in range(4):
-        runs.tensorboard_row(out, {"step": step, "reward/mean": float(step)}, [{**episode, "reward": step}])
+        runs.tensorboard_row(out, {"step": step, "reward/mean": float(step)},
+                             [{**episode, "reward": step}])
     runs.close_tensorboard()
     # TensorBoard reads a run's event files in name order, and a name starts with the second it
     # was opened in (then a counter, which sorts "10" before "9"): a resume opens a later second.
     time.sleep(1.1)
     for step in (2, 3):  # resumed from the checkpoint of step 1
-        runs.tensorboard_row(out, {"step": step, "reward/mean": 10.0 + step}, [{**episode, "reward": 10 + step}])
+        runs.tensorboard_row(out, {"step": step, "reward/mean": 10.0 + step},
+                             [{**episode, "reward": 10 + step}])
     runs.close_tensorboard()
     assert tensorboard_scalars(out)["reward/mean"] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
     texts = tensorboard_texts(out)["episodes/0"]
@@ -1040,15 +1137,17 @@ def test_tensorboard_after_a_resume_keeps_one_value_per_step(tmp_path):
 
 @pytest.mark.parametrize("truncated, zero_frac", [("keep", 0.0), ("mask", 1.0), ("penalize", 1.0)])
 def test_truncated_calls_are_treated_as_the_flag_says(tmp_path, monkeypatch, truncated, zero_frac):
-    """The tiny model never ends a 4-token completion, so every call is cut; the verifier scores each
-    group's episodes 0 and 1. keep: they earn that, and every call has an advantage; mask and
+    """The tiny model never ends a 4-token completion, so every call is cut; the verifier scores
+    each group's episodes 0 and 1. keep: they earn that, and every call has an advantage; mask and
     penalize: a cut final answer is no answer, so every episode earns 0 and no group has a
     contrast (mask would also drop every cut call's gradient). Either way no update moves."""
-    monkeypatch.setattr(train, "score_batch", lambda problems, texts, **kw: [float(i % 2) for i in range(len(texts))])
-    train.main(small_config(str(tmp_path), workflow="single", steps=1, group_size=2, max_new_tokens=4,
-                            eval_problems=1, val_problems=0, truncated=truncated))
+    monkeypatch.setattr(train, "score_batch",
+                        lambda problems, texts, **kw: [float(i % 2) for i in range(len(texts))])
+    train.main(small_config(str(tmp_path), workflow="single", steps=1, group_size=2,
+                            max_new_tokens=4, eval_problems=1, val_problems=0, truncated=truncated))
     row = read_jsonl(f"{tmp_path}/metrics.jsonl")[1]
-    assert row["contract/truncated"] == 1.0 and row["reward/mean"] == (0.5 if truncated == "keep" else 0.0)
+    assert row["contract/truncated"] == 1.0 \
+        and row["reward/mean"] == (0.5 if truncated == "keep" else 0.0)
     assert row["adv/zero_frac"] == zero_frac
     assert (row["adapter/generator/update_norm"] == 0) == (zero_frac == 1.0)
 
@@ -1068,7 +1167,8 @@ def test_voting_is_evaluated_on_candidates_that_can_differ(tmp_path, monkeypatch
     monkeypatch.setattr(train, "rollout_step", recording)
     problems = load_task("arith", "test", 4, 2, 0)
     for sampling, greedy in (("auto", False), ("greedy", True)):
-        cfg = train.Config(model="tiny", workflow="voting", max_new_tokens=6, eval_sampling=sampling, eval_samples=2)
+        cfg = train.Config(model="tiny", workflow="voting", max_new_tokens=6,
+                           eval_sampling=sampling, eval_samples=2)
         m = train.evaluate(model, tok, cfg, problems)
         assert seen[-1][0] == greedy and 0 <= m["eval/accuracy_se"] <= 0.5
         answers = defaultdict(set)
@@ -1091,7 +1191,8 @@ def test_the_orchestrators_warm_up_plans_vary_from_episode_to_episode():
     the others' (the central critic's extra information in Paper B in miniature)."""
     problem = Problem("p", "What is 2 + 3?", "5")
     calls = [Call(e, "orchestrator", "orchestrator", 0, [1], [1], "", "") for e in range(8)]
-    replies = contract_replies(calls, [problem] * 8, score_batch, 3, random.Random(0), ["orchestrator"])
+    replies = contract_replies(calls, [problem] * 8, score_batch, 3, random.Random(0),
+                               ["orchestrator"])
     plans = [c.text for c in replies]
     assert len(plans) == 8 and len(set(plans)) > 4
     for plan in plans:

@@ -194,7 +194,8 @@ def test_eval_opt_prompts_carry_solution_and_critique() -> None:
     # the critique without its verdict: a bare \boxed{Incorrect} in the refine prompt is what a
     # small model copies instead of writing a solution
     assert "Step 2 is wrong." in refine and r"\boxed{Incorrect}" not in refine
-    model = FakeModel(lambda role, slot, e, call: r"\boxed{Incorrect}" if role == "evaluator" else "s")
+    model = FakeModel(
+        lambda role, slot, e, call: r"\boxed{Incorrect}" if role == "evaluator" else "s")
     run_workflow("eval_opt", ["Q"], model, max_rounds=2)
     assert "(no reason given)" in user(model.calls[2].chats[0])
 
