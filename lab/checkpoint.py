@@ -126,7 +126,6 @@ class TrainState:
                 scheduler.base_lrs = lrs
                 for group, lr, factor in zip(optimizer.param_groups, lrs, scheduler.lr_lambdas):
                     group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
-                scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
         set_rngs(state, self.rng, f"--resume: {out}")
         self.emas.update(state["emas"])
         return state["step"]
