@@ -35,10 +35,11 @@ pi_old needs no pass of its own where the update is on-policy: the first mini-ba
 the adapter's first step, so its old log-probs are its current ones, detached, and every ratio
 is 1; only the later mini-batches get a pass of their own, before the first step
 (rollout.old_logprobs). It carries Paper A's mitigations: role-balanced or 1/multiplicity loss
-weights (loss_weight), coherence damping (damped_step) and a KL anchor per role. By default it
-reads two log-probs of each token, the current policy's and pi_old; the reference's only with a
-KL term, the sampler's only with tis_cap > 0 or in the diagnostics' pass. What its gradients say
-of the roles (kappa, shares, noise) is measured apart: measure.py.
+weights (loss_weight), coherence damping (damped_step) and a KL anchor per role. By default its
+loss reads two log-probs of each token, the current policy's and pi_old's (on-policy, the same
+forward pass detached); the reference's only with a KL term, the sampler's only with tis_cap > 0
+or in the diagnostics' pass. What its gradients say of the roles (kappa, shares, noise) is
+measured apart: measure.py.
 
 The sampler and the trainer round differently (bf16, KV cache, merged weights), so the tokens come
 from pi_rollout, not exactly pi_old. A correction laid over the update (sampler_gap, which a first
@@ -361,14 +362,15 @@ def overlay(base: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor
     return out
 
 
-def sampler_gap(old_logp: torch.Tensor, micro: list[Call], mask: torch.Tensor,
-                tis_cap: float) -> tuple[torch.Tensor | None, dict[str, float]]:
+def sampler_gap(old_logp: torch.Tensor, micro: list[Call], mask: torch.Tensor, tis_cap: float,
+                measure: bool) -> tuple[torch.Tensor | None, dict[str, float]]:
     """The precision correction laid over the update: the tokens came from pi_rollout, as the
     sampler recorded it (greedy or hand-made calls have no record: no gap). Returns the truncated
-    importance weight (tis_weight; None where tis_cap is 0) and the gap's statistics."""
+    importance weight (tis_weight; None where tis_cap is 0) and, with `measure`, the gap's
+    statistics."""
     rollout_logp = overlay(old_logp, [c.rollout_logp for c in micro])  # (b, T)
     is_weight = tis_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else None
-    return is_weight, mismatch_stats(old_logp, rollout_logp, mask)
+    return is_weight, mismatch_stats(old_logp, rollout_logp, mask) if measure else {}
 
 
 def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, torch.Tensor],
@@ -389,9 +391,9 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     old_logp = logp.detach()  # (b, T) pi_old on-policy: the policy itself, so every ratio is 1
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
-    is_weight = gap = None  # the sampler's own log-probs: read for a correction or a measurement
+    is_weight, gap = None, {}  # the sampler's own log-probs: read for a correction or a measurement
     if s.tis_cap > 0 or measure:
-        is_weight, gap = sampler_gap(old_logp, micro, mask, s.tis_cap)
+        is_weight, gap = sampler_gap(old_logp, micro, mask, s.tis_cap, measure)
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,
                                 is_weight, s.ratio)

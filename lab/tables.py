@@ -243,14 +243,17 @@ def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
 
 def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
     """A markdown table, a row per cell: each number's mean over the seeds, and its range when
-    there are several; NaN (not logged) is left out."""
-    keys = [k for k in next(iter(rows.values()))[0]  # a number no cell logged gets no column
-            if any(not math.isnan(x[k]) for numbers in rows.values() for x in numbers)]
+    there are several; NaN or absent (not logged, or a role the cell's workflow lacks) is left
+    out."""
+    every = dict.fromkeys(k for numbers in rows.values() for x in numbers for k in x)  # in order
+    keys = [k for k in every  # a number no cell logged gets no column (a role of one cell's only)
+            if any(not math.isnan(x.get(k, math.nan)) for numbers in rows.values()
+                   for x in numbers)]
     lines = ["| cell | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for cell, numbers in rows.items():
         parts = []
         for k in keys:
-            vs = [x[k] for x in numbers if not math.isnan(x[k])]
+            vs = [x[k] for x in numbers if not math.isnan(x.get(k, math.nan))]
             if not vs:
                 parts.append("-")
             elif len(vs) == 1:

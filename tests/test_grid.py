@@ -308,3 +308,21 @@ def test_a_demo_tables_what_each_role_does_not_see_where_a_critic_logged_it():
     column = header.split(" | ").index("worker unseen")
     assert central.split(" | ")[column] == "0.60" and plain.split(" | ")[column] == "-"
     assert "orchestrator unseen" not in header
+
+
+def test_a_demo_of_two_workflows_tables_each_roles_numbers_where_its_cells_have_them():
+    """The optimizer demo sets Voting against a single agent: a number only Voting's roles have
+    (the aggregator's) is '-' in the single agent's row, and a column only where a cell logged it."""
+    voting = {"workflow": "voting", "sharing": "isolated", "n_agents": 3}
+    single = {"workflow": "single", "sharing": "isolated", "n_agents": 3}
+    rows = [{"step": 0, "eval/accuracy": 0.25},
+            {"step": 1, "role/generator/kappa": 1.2, "role/aggregator/adherence": 0.5,
+             "eval/accuracy": 0.5}]
+    table = tables.demo_table({"isolated": {"0": (voting, rows)},
+                               "single": {"0": (single, rows[:1] + [{"step": 1,
+                                                                      "eval/accuracy": 0.75}])}})
+    header, _, iso, one = ([cell.strip() for cell in line.strip("|").split("|")]
+                           for line in table)
+    assert "aggregator unseen" not in header and "kappa" in header
+    assert iso[header.index("kappa")] == "1.20" and one[header.index("kappa")] == "-"
+    assert one[header.index("accuracy end")] == "0.75"

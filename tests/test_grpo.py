@@ -2,6 +2,7 @@
 import dataclasses
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -353,21 +354,34 @@ def test_no_optimizer_step_on_a_mini_batch_without_a_live_call(tiny):
     assert moved[False] > 1e-4
 
 
-def test_the_diagnostics_measure_no_precision_gap_where_sampler_and_trainer_agree(tiny):
-    """fp32 tiny model: the sampler's recorded log-probs are the trainer's up to float rounding;
-    the plain update does not log the gap, the diagnostics' pass does."""
+def test_the_diagnostics_measure_the_sampler_gap_and_the_plain_update_never_reads_it(tiny):
+    """fp32 tiny model: the sampler's recorded log-probs are the trainer's up to float rounding,
+    so a record shifted down by 0.5 nats is a known gap of 0.5 a token. The diagnostics' pass
+    measures it; the plain update's gradient is the same to the bit with or without the shift;
+    truncated importance sampling (tis_cap > 0) reads it and weighs every token by e^0.5."""
     calls = sampled_calls(tiny)
     assert all(c.rollout_logp is not None and len(c.rollout_logp) == len(c.completion_ids)
                for c in calls)
     model, tok = tiny
-    settings = UpdateSettings(temperature=1.0, minibatch_size=len(calls))
-    stats = policy_update(model, "generator", calls,
-                          torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0),
-                          random.Random(0), tok.pad_token_id, settings)
-    assert not [k for k in stats if "mismatch" in k]
-    signals = gradient_signals(model, "generator", calls, tok.pad_token_id, settings)
+    shifted = [dataclasses.replace(c, rollout_logp=c.rollout_logp - 0.5) for c in calls]
+    params = adapter_parameters(model, "generator")
+
+    def gradient(calls: list[Call], settings: UpdateSettings) -> torch.Tensor:
+        stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.0),
+                              random.Random(0), tok.pad_token_id, settings)
+        assert not [k for k in stats if "mismatch" in k]  # the update logs no gap
+        return torch.cat([p.grad.reshape(-1) for p in params]).clone()
+
+    plain = UpdateSettings(temperature=1.0, minibatch_size=len(calls))
+    assert torch.equal(gradient(calls, plain), gradient(shifted, plain))
+    tis = dataclasses.replace(plain, tis_cap=2.0)
+    assert not torch.allclose(gradient(calls, tis), gradient(shifted, tis))
+    signals = gradient_signals(model, "generator", calls, tok.pad_token_id, plain)
     assert 0 <= max(signals["role/generator/mismatch_max"]) < 1e-4
-    assert len(signals["role/generator/mismatch_kl"]) > 0
+    signals = gradient_signals(model, "generator", shifted, tok.pad_token_id, plain)
+    assert statistics.mean(signals["role/generator/mismatch_mean"]) == pytest.approx(0.5, abs=1e-4)
+    assert statistics.mean(signals["role/generator/mismatch_kl"]) == pytest.approx(
+        math.exp(0.5) - 1.5, abs=1e-4)  # k3 of a gap of 0.5
 
 
 def test_a_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
