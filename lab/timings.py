@@ -137,18 +137,15 @@ def update_parts(model, tok, device: str, calls, cfg: Config, repeats: int) -> d
     frozen = torch.optim.SGD(params, lr=0.0)  # measure the work, keep the adapter a no-op
     settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=len(calls),
                               micro_batch_tokens=cfg.micro_batch_tokens)
-    def old_logp(calls):
-        return lambda: old_logprobs(model, calls, "shared", tok.pad_token_id, cfg.temperature,
-                                    cfg.micro_batch_tokens)
 
-    def update(calls):
-        return lambda: policy_update(model, "shared", calls, frozen, random.Random(0),
-                                     tok.pad_token_id, settings)
-    def diagnostics(calls):
-        return lambda: gradient_signals(model, "shared", calls, tok.pad_token_id, settings)
-    r = alternate(device, {"old_logp": old_logp(calls), "update": update(calls),
-                           "diagnostics": diagnostics(calls)}, repeats,
-                  [old_logp(calls[:2]), update(calls[:2]), diagnostics(calls[:2])])
+    def parts(calls):  # each part over `calls`, a thunk for alternate
+        return {"old_logp": lambda: old_logprobs(model, calls, "shared", tok.pad_token_id,
+                                                 cfg.temperature, cfg.micro_batch_tokens),
+                "update": lambda: policy_update(model, "shared", calls, frozen, random.Random(0),
+                                                tok.pad_token_id, settings),
+                "diagnostics": lambda: gradient_signals(model, "shared", calls, tok.pad_token_id,
+                                                        settings)}
+    r = alternate(device, parts(calls), repeats, list(parts(calls[:2]).values()))
     tokens = sum(len(c.completion_ids) for c in calls)
     for name in r:
         r[name].pop("result")
