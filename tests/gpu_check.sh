@@ -4,7 +4,8 @@
 # and the new attention mask, one decoding step alone (eager, and a CUDA graph's replay),
 # lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's decode, the CPU's loop and
 # transformers' generate, fp32 and bf16) on the embedded model and
-# on Qwen3-0.6B's shape with random weights, the default run, and three steps of the GPU recipe
+# on Qwen3-0.6B's shape with random weights, the update profiled in bf16 and in fp32 (kernels
+# launched, host and GPU time), the default run, and three steps of the GPU recipe
 # on the embedded model with the diagnostics and without. Every log lands in $LOGS (default: ./gpu).
 #   bash tests/gpu_check.sh
 LOGS=${LOGS:-gpu}
@@ -111,6 +112,70 @@ done
 echo "== bench, Qwen3-0.6B's shape with random weights"
 timeout 150 $PY -m lab.bench --model random:qwen3-0.6b --device cuda --skip step,sharing --batches 32,512 \
   --repeats 1 --json "$LOGS/bench-qwen3.json" 2>&1 | tee "$LOGS/bench-qwen3.txt" | grep -v "^bench:"
+
+echo "== the update's profile, bf16 against fp32: kernels launched, host and GPU time"
+timeout 150 $PY - smollm2 <<'PY' 2>&1 | grep -v -e "^$" -e "^USDT" | tee "$LOGS/update-profile.txt"
+import random
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from grpo import UpdateSettings, policy_update
+from lora import add_adapter, adapter_parameters, inject_lora
+from model import load_policy
+from rollout import Call
+
+name, device = sys.argv[1], "cuda"
+cuda = device == "cuda"
+sync = torch.cuda.synchronize if cuda else (lambda: None)
+activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+g = torch.Generator().manual_seed(0)
+for dtype in ("bf16", "fp32"):
+    model, tok = load_policy(name, device, dtype)
+    inject_lora(model, 16, 32)
+    add_adapter(model, "shared")
+    vocab = model.config.vocab_size
+    calls = [Call(i, "generator", "generator0", 0,
+                  torch.randint(3, vocab, (20 + 13 * i,), generator=g).tolist(),
+                  torch.randint(3, vocab, (30,), generator=g).tolist(), "", "",
+                  advantage=1.0 if i % 2 else -1.0) for i in range(16)]
+    params = adapter_parameters(model, "shared")
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = torch.zeros_like(p)
+    positions = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
+    frozen = torch.optim.SGD(params, lr=0.0)  # the work of an update, the adapter unchanged
+    for tokens in (1024, 16384):
+        s = UpdateSettings(minibatch_size=16, micro_batch_tokens=tokens)
+        def run():
+            policy_update(model, "shared", calls, frozen, random.Random(0), tok.pad_token_id, s)
+            sync()
+        run()
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - start)
+        with profile(activities=activities) as prof:
+            run()
+        events = prof.key_averages()
+        on_gpu = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        kernels = sum(e.count for e in on_gpu)
+        ops = sorted((e for e in events if e.key.startswith("aten::")),
+                     key=lambda e: e.self_cpu_time_total, reverse=True)[:6]
+        print(f"{name} {dtype}, --micro_batch_tokens {tokens}, {positions} positions: update "
+              f"{1e3 * sorted(seconds)[1]:.1f} ms (median of 3), {kernels} CUDA kernels; "
+              "most host time: " + ", ".join(f"{e.key[6:]} x{e.count} "
+                                           f"{e.self_cpu_time_total / 1e3:.1f} ms" for e in ops))
+        if cuda:
+            gpu_ms = {e.key: getattr(e, "self_device_time_total", 0) / 1e3 for e in on_gpu}
+            top = sorted(on_gpu, key=lambda e: gpu_ms[e.key], reverse=True)[:5]
+            print(f"  GPU busy {sum(gpu_ms.values()):.1f} ms; most GPU time: "
+                  + ", ".join(f"{e.key[:40]} x{e.count} {gpu_ms[e.key]:.1f} ms" for e in top))
+    del model
+PY
 
 echo "== the default run"
 start=$EPOCHREALTIME
