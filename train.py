@@ -305,7 +305,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     torch.manual_seed(cfg.seed)  # the same adapters in every process
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
     # ---- data, model, run directory, adapters, optimizers
-    cfg, train_set, held_out = load_problems(cfg, world)
+    train_set, held_out = load_problems(cfg, world)
     model, tok = launch(cfg, device, rank, train_set + [p for ps in held_out.values() for p in ps])
     names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)

@@ -57,6 +57,9 @@ def check_settings(cfg: Config, typed: set[str] | None
     if cfg.credit == "own" and KINDS[cfg.task] != "math":
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs); use --credit final")
+    # --max_new_tokens 0: the task's own, resolved here once (a resumed run's config holds it)
+    cfg = dataclasses.replace(cfg,
+                              max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[KINDS[cfg.task]])
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles
@@ -67,9 +70,9 @@ def check_settings(cfg: Config, typed: set[str] | None
 # The problems, the model, the adapters and their optimizers
 
 
-def load_problems(cfg: Config, world: int) -> tuple[Config, list, dict[str, list]]:
+def load_problems(cfg: Config, world: int) -> tuple[list, dict[str, list]]:
     """The training pool and the held-out problems, {"eval": test, "val": val} (no "val" without
-    --val_problems); --max_new_tokens 0 becomes the task's own."""
+    --val_problems)."""
     if cfg.problems_per_step < world:
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than "
                          f"the {world} processes; every process needs at least one")
@@ -83,9 +86,7 @@ def load_problems(cfg: Config, world: int) -> tuple[Config, list, dict[str, list
     if cfg.problems_per_step > len(train_set):
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} "
                          f"training pool holds {len(train_set)} problems")
-    cfg = dataclasses.replace(cfg,
-                              max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[train_set[0].kind])
-    return cfg, train_set, held_out
+    return train_set, held_out
 
 
 def launch(cfg: Config, device: str, rank: int, problems: list):
@@ -356,9 +357,6 @@ def check_start(cfg: Config) -> dict:
         raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
                          "(train the start with --steps 0, or start from its best checkpoint, "
                          f"{where}/best)")
-    # as saved
-    cfg = dataclasses.replace(cfg,
-                              max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[KINDS[cfg.task]])
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
