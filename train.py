@@ -8,7 +8,7 @@
 One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   1. sample B problems, repeat each G times: B*G episodes;
   2. run the workflow on every episode (workflows.py); each stage is one
-     batched `generate` under its role's adapter (rollout.py), every call recorded;
+     batched generation under its role's adapter (rollout.py), every call recorded;
   3. score the final answers and decide each call's reward (reward.credit_calls):
      the episode's outcome broadcast to all of its calls (--credit own: each call's
      own part; --truncated: what a call cut by the length limit earns);
@@ -38,14 +38,15 @@ settings checked, problems, model, optimizers) and the clock lab/launch.py's, th
 and its checkpoints lab/checkpoint.py's, the run on disk lab/runs.py's, the machine (processes,
 threads, signals) lab/machine.py's.
 
-Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU in about 12
-minutes (a 135M model in bf16, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16, a
-learning rate of 5e-4 instead of 2e-5), and one optimizer step per adapter and step, where
+Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU (an hour on
+one without bf16, the README; a 135M model, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16,
+a learning rate of 5e-4 instead of 2e-5), and one optimizer step per adapter and step, where
 the ratio is 1 and the clip never acts: an on-policy policy gradient with GRPO's baseline.
 """
 import random
 import sys
 import time
+import warnings
 from collections import defaultdict
 from functools import partial
 
@@ -70,6 +71,10 @@ from reward import credit_calls, cut_finals, score_batch
 from rollout import Call, Rollout
 from warmup import contract_replies, supervised_steps
 from workflows import SOLVERS, adherence, boxed_contents, role_of, run_workflow, slots
+
+# A step in which no call of an adapter has a learning signal takes no optimizer step, and its
+# schedule moves on all the same: torch's warning about that order says nothing here.
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 
 
 # ----------------------------------------------------------------------------
