@@ -23,9 +23,10 @@ alternate (A B C A B C ...), so a machine that slows down slows all of them. Sec
   sharing    one Voting rollout (2 episodes of one problem), then its update under
              one shared adapter and under one adapter per role type, alternating
   throughput what the machine allows and how near each part runs to it: the peak of a large matrix
-             product in fp32 and bf16, memory bandwidth from a large copy; then tokens/s of one
-             generator stage by batch size and dtype (the rollout's decode, and transformers'
-             generate beside it), and of the update's forward + backward, each with its arithmetic
+             product in fp32 and, where the device has it natively, bf16; memory bandwidth from a
+             large copy; then tokens/s of one generator stage by batch size and dtype (the
+             rollout's decode, and transformers' generate beside it), and of the update's
+             forward + backward, each with its arithmetic
              rate (2 x parameters FLOP per generated token, 4 x per trained position: the frozen
              weights get no gradient of their own) against the peak; on CUDA the CUDA graph's decode
              beside the CPU's loop ("loop"), and milliseconds a decoding step against reading the
@@ -59,13 +60,13 @@ from workflows import chat
 
 def throughput_lines(fig: dict) -> list[str]:
     lim, t = fig["limits"], fig["throughput"]
-    peak = {d: lim[f"matmul_{d}_gflops"] for d in ("fp32", "bf16")}
+    peak = {d: lim[f"matmul_{d}_gflops"] for d in t["dtypes"]}
     # per token: a forward pass is 2 FLOP a parameter; backward adds 2 for the gradient of the
     # input (the frozen weights need none of their own; LoRA's few parameters are left out)
     gflop = {"generate": 2 * t["params"] / 1e9, "update": 4 * t["params"] / 1e9}
     lines = ["", "throughput against the machine: a 2048^3 matmul peaks at "
-             f"{peak['fp32']:.0f} GFLOP/s fp32, {peak['bf16']:.0f} bf16; copying 256 MiB runs at "
-             f"{lim['copy_gbs']:.1f} GB/s",
+             + ", ".join(f"{peak[d]:.0f} GFLOP/s {d}" for d in t["dtypes"])
+             + f"; copying 256 MiB runs at {lim['copy_gbs']:.1f} GB/s",
              f"  generate, one generator stage ({fig['new_tokens']} new tokens), tokens/s "
              f"(GFLOP/s at {gflop['generate']:.2f} GFLOP a token, % of the dtype's peak):"]
     # a step of B rows writes B tokens; its floor is reading every weight once at the copy's rate

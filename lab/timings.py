@@ -217,11 +217,18 @@ def step_parts(row: dict) -> dict:
             "eval": row.get("time/eval", 0.0), "peak_mb": row["mem/peak_mb"]}
 
 
+def bench_dtypes(device: str) -> list[str]:
+    """The dtypes the throughput compares: bf16 only where the device computes in it natively
+    (elsewhere torch emulates it: a 2048^3 product took minutes on a 2-core CPU)."""
+    return ["fp32", "bf16"] if device.startswith("cuda") or cpu_has_bf16() else ["fp32"]
+
+
 def machine_limits(device: str, repeats: int) -> dict:
-    """Peak GFLOP/s of a 2048 x 2048 matrix product in fp32 and bf16, and GB/s of copying
+    """Peak GFLOP/s of a 2048 x 2048 matrix product in each of bench_dtypes, and GB/s of copying
     256 MiB (read once, written once)."""
     out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for name in bench_dtypes(device):
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
         a, b = (torch.randn(2048, 2048, device=device).to(dtype) for _ in range(2))
         r = alternate(device, {name: lambda: a @ b}, repeats, [lambda: a @ b])
         out[f"matmul_{name}_gflops"] = 2 * 2048 ** 3 / r[name]["seconds"] / 1e9
@@ -234,8 +241,8 @@ def machine_limits(device: str, repeats: int) -> dict:
 
 def throughput(args, device: str, questions: list[str], cfg: Config, batches: list[int]) -> dict:
     """Tokens/s of one generator stage by batch size and dtype, and of the update's forward and
-    backward, alternating the dtypes; bf16 only where the device computes in it natively."""
-    dtypes = ["fp32", "bf16"] if device.startswith("cuda") or cpu_has_bf16() else ["fp32"]
+    backward, alternating the dtypes (bench_dtypes)."""
+    dtypes = bench_dtypes(device)
     models = {}
     for d in dtypes:
         model, tok = load_policy(args.model, device, d)
