@@ -352,6 +352,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         advs = torch.tensor([c.advantage for c in calls])  # (calls,)
         # 5-7. old log-probs and the update, adapter by adapter; maac: then the critics
         diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
+        lr = optimizers[names[0]].param_groups[0]["lr"]  # the rate this step trains at
         stats = update_adapters(state, tok, cfg, step, calls, names, update, diag)
         if cfg.algo == "maac":
             stats.update(train_critics(state, tok, step, critic_batch, critics))
@@ -362,7 +363,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
              "adv/zero_frac": (advs == 0).sum().item() / len(advs),
              "adv/std": advs.std(correction=0).item(),
-             "lr": schedulers[names[0]].get_last_lr()[0],
+             "lr": lr,
              "contract/truncated_prompts": sum(gather_lists([rollout.prompts_cut])),
              "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
         if cfg.algo == "maac":
