@@ -20,7 +20,7 @@ weighted alike, and a sequence is clipped or kept whole instead of token by toke
 the policy itself (train.py's --one_step, the default) both ratios are exactly 1.
 
 Multi-agent workflows (Paper A, Zeng et al. 2026, arXiv 2605.24202): the episode's outcome reward
-is broadcast to every call, and one group is one (problem, agent slot, workflow step): generator0's
+is broadcast to every call, and one group is one (problem, agent slot, stage): generator0's
 samples of a problem form one group, generator1's another. Grouping by (problem, role) is an option.
 
 Departures: std is the unbiased (Bessel) estimate, as in verl and TRL; a group whose rewards are
@@ -94,7 +94,7 @@ def group_advantages(rewards: torch.Tensor, keys: list[Hashable],
 
 
 def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> None:
-    """Group-relative advantages on every call, grouped by (problem, slot, workflow step) or by
+    """Group-relative advantages on every call, grouped by (problem, slot, stage) or by
     (problem, role)."""
     if by == "slot":
         keys = [(problem_of[c.episode], c.slot, c.turn) for c in calls]
@@ -138,7 +138,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     surrogate (truncated importance sampling, `tis_weight`). ratio_level "token": one
     ratio per token (PPO, GRPO); "sequence": GSPO's one ratio per sequence, the geometric
     mean of its token ratios, clipped as a whole and spread over its tokens. Returns the
-    per-token loss (B, T), for `aggregate` to reduce, and the statistics over the masked tokens.
+    per-token loss (B, T), for `aggregate` to reduce, and the statistics over the completion
+    tokens (mask 1).
     """
     adv = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = logp - old_logp  # (B, T)
@@ -257,9 +258,10 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
 @dataclass
 class UpdateSettings:
     """Everything one policy update reads besides the model and the calls (train.py's Config)."""
-    temperature: float = 1.0         # of the sampler: log-probs are of logits / temperature
+    temperature: float = 1.0         # the sampler's (train.py passes --temperature to both)
     minibatch_size: int = 16         # calls per optimizer step
     one_step: bool = False           # one optimizer step over all of the adapter's calls
+                                     # (train.py's default: --one_step)
     micro_batch_tokens: int = 1024   # padded tokens per forward pass (memory only)
     eps_low: float = 0.2             # the clip range of the ratio: [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28

@@ -59,7 +59,7 @@ def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
 def gradient_stats(slot_grads: dict[str, torch.Tensor],
                    role_of: dict[str, str]) -> dict[str, float]:
     """Per slot and per role gradient norms, kappa and coherence of same-role
-    slots, and each role's share of the adapter's gradient mass."""
+    slots, and each role's grad_norm over the sum of every role's (grad_share: they sum to 1)."""
     stats, role_grads = {}, defaultdict(list)
     for slot, g in slot_grads.items():
         stats[f"slot/{slot}/grad_norm"] = g.norm().item()
@@ -125,7 +125,7 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int,
                 for k, v in st.items():
                     stats[f"slot/{slot}/{k}"].append(v)
                 for k in ("entropy", "mismatch_mean", "mismatch_max", "mismatch_kl"):
-                    stats[f"role/{role}/{k}"].append(st[k])  # a role's own, however many slots
+                    stats[f"role/{role}/{k}"].append(st[k])  # pooled over the role's slots
             g = sum_across(flat_grad(params))  # (n_params,)
             slot_grads[slot] = slot_grads.get(slot, 0) + g
             halves[half] = halves[half] + g

@@ -46,15 +46,17 @@ class Call:
     episode: int             # index of the episode in the batch
     role: str                # role type, e.g. "generator"
     slot: str                # agent slot, e.g. "generator1"
-    turn: int                # index of the workflow stage that made the call
+    turn: int                # the stage that made it: Rollout's n-th generation (Eval-Opt: 0
+                             # generator, 1 evaluator, 2 refine)
     prompt_ids: list[int]    # (P_i,) without padding
-    completion_ids: list[int]  # (T_i,) up to and including the first eos
+    completion_ids: list[int]  # (T_i,) up to and including the first eos (none if truncated)
     prompt: str
     text: str                # completion decoded without special tokens
     truncated: bool = False  # stopped by max_new_tokens before its eos: an unfinished answer
     reward: float = 0.0      # the episode's outcome, broadcast to every call
                              # (--credit own: the call's own part)
-    solved: float | None = None  # a solving call's own answer, scored as a final answer would be
+    solved: float | None = None  # the score of a solving call's own answer, as a final
+                                 # answer's would be
     advantage: float = 0.0
     rollout_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,) as sampled;
                                                                           # None when greedy
@@ -106,7 +108,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
 
 
 def left_pad(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids (B, L) and attention_mask (B, L), padded on the left: the last column is real."""
+    """input_ids (B, P) and attention_mask (B, P), padded on the left: the last column is real."""
     L = max(len(ids) for ids in id_lists)
     ids = torch.full((len(id_lists), L), pad_id, dtype=torch.long)
     attn = torch.zeros(len(id_lists), L, dtype=torch.long)

@@ -12,7 +12,7 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   3. score the final answers and decide each call's reward (reward.credit_calls):
      the episode's outcome broadcast to all of its calls (--credit own: each call's
      own part; --truncated: what a call cut by the length limit earns);
-  4. group-relative advantages per (problem, slot, workflow step) (grpo.py),
+  4. group-relative advantages per (problem, slot, stage) (grpo.py),
      or with --algo maac the critics' values and GAE (critic.py);
   5. old log-probs: the first mini-batch's own, a separate pass for the later ones;
      every --diag_every steps first the diagnostics' pass, which measures each slot's
@@ -20,8 +20,8 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   6. update, adapter by adapter (one shared adapter, or one per role type): one
      optimizer step over all of its calls with a gradient (--one_step, the default);
      with --no-one_step, as in the paper, one step per mini-batch of a fixed size,
-     so a role with three slots takes three times the steps; --balance, --damping
-     and --role_kl are Paper A's mitigations (README, diagnose.py);
+     so under --sharing isolated a role with three slots takes three times the steps;
+     --balance, --damping and --role_kl are Paper A's mitigations (README, diagnose.py);
   7. maac only: one pass of each critic over its inputs (value loss);
   8. log; evaluate the whole workflow on held-out problems (test, and val where a
      peak is chosen) every `eval_every` steps; checkpoint.
@@ -120,7 +120,9 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval",
                                                 greedy=not sample, label=label)
             seen["reward"] += r
             seen["boxed"] += [bool(boxed_contents(o.final)) for o in outcomes]
-            first = {}  # episode -> its first solving call (calls are recorded stage by stage)
+            # episode -> the score of its first solving call's own answer (calls come stage by
+            # stage)
+            first = {}
             for c in rollout.calls:
                 if c.solved is not None:
                     first.setdefault(c.episode, c.solved)
@@ -153,8 +155,8 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
                     names: list[str], update: UpdateSettings, diag: bool) -> dict[str, list[float]]:
     """Steps 5-6 of a training step for each adapter RL trains: with `diag`, the signals of its
     gradient before it moves (measure.gradient_signals); its calls' old log-probs and its update
-    (grpo.policy_update), then its learning-rate schedule; returns every mini-batch's
-    statistics."""
+    (grpo.policy_update), then its learning-rate schedule; returns the statistics, a list each
+    (update_means)."""
     stats = defaultdict(list)
     for name in names:
         t_name = time.time()
@@ -195,19 +197,21 @@ def written(m: dict[str, float], cfg: Config) -> dict[str, float]:
     """The step's metrics less those that repeat another key or cannot move in this run: the slot/
     keys of a role with one slot (Eval-Opt's slots are its roles: its role/ keys hold the same
     numbers), and under --one_step, where every ratio is 1, the ratio's statistics."""
-    # voting: generator x 3, aggregator
+    # each slot's role, e.g. voting: generator x 3, aggregator
     roles = [role_of(s) for s in slots(cfg.workflow, cfg.n_agents)]
     lone = tuple(f"slot/{s}/" for s, r in zip(slots(cfg.workflow, cfg.n_agents), roles)
                  if roles.count(r) == 1)
-    # grpo.policy_loss
+    # grpo.policy_loss's ratio statistics, constant where every ratio is 1
     fixed = ("clip_frac", "approx_kl", "ratio_mean", "chi2") if cfg.one_step else ()
     return {k: v for k, v in m.items()
             if not k.startswith(lone) and k.rsplit("/", 1)[-1] not in fixed}
 
 
 def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
-    """The update's statistics, each its mean over the mini-batches; time/old_logp and, on a step
-    with diagnostics, time/diag, parts of time/update, sum the adapters' passes."""
+    """The update's statistics, each the plain mean of its entries (one per micro-batch for a
+    role's or slot's loss figures, one per mini-batch for grad_norm, one per adapter for the
+    counters and clocks); time/old_logp and, on a step with diagnostics, time/diag, parts of
+    time/update, sum the adapters' passes."""
     m = {k: sum(v) / len(v) for k, v in stats.items()}
     for part in ("old_logp", "diag"):
         if any(k.startswith(f"time/{part}/") for k in m):

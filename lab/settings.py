@@ -99,7 +99,7 @@ class Config:
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
     ratio: str = arg("token", "importance ratio: per token (PPO, GRPO) or per sequence (GSPO); "
                      "both are 1 under --one_step", RATIO_LEVELS)
-    adv_group: str = arg("slot", "GRPO groups: (problem, slot, step) or (problem, role)",
+    adv_group: str = arg("slot", "GRPO groups: (problem, slot, stage) or (problem, role)",
                          ("slot", "role"))
     kl_coef: float = arg(0.0, "k3 KL to the base model, or to the warmed-up adapters after "
                          "--sft_warmup; 0 = off, as the paper", bounds="[0, inf)")
