@@ -80,7 +80,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 def group_advantages(rewards: torch.Tensor, keys: list[Hashable],
                      eps: float = 1e-6) -> torch.Tensor:
-    """(r - group mean) / (group std + eps) for each reward, grouped by key: (N,) -> (N,)."""
+    """(r - group mean) / (group std + eps) for each reward, grouped by key:
+    (calls,) -> (calls,)."""
     groups = defaultdict(list)
     for i, key in enumerate(keys):
         groups[key].append(i)
