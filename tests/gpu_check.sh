@@ -161,7 +161,9 @@ for dtype in ("bf16", "fp32"):
         with profile(activities=activities) as prof:
             run()
         events = prof.key_averages()
-        on_gpu = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        on_gpu = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")
+                  and not getattr(e, "is_user_annotation", False)  # a span, not a kernel
+                  and not e.key.startswith(("Memcpy", "Memset"))]
         kernels = sum(e.count for e in on_gpu)
         ops = sorted((e for e in events if e.key.startswith("aten::")),
                      key=lambda e: e.self_cpu_time_total, reverse=True)[:6]
