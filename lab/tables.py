@@ -221,13 +221,16 @@ def demo_table(by_cell: Runs) -> list[str]:
 def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
     """Test accuracy before -> after RL seed by seed: the workflow's, its generator's first
     answers', and the rest's (the workflow's minus the first answers'), then each gain's paired
-    interval."""
+    interval. Each run must have finished: its last evaluation at its last step."""
     lines = ["| seed | workflow | generator's first answers | the rest of the workflow adds |",
              "|---|---|---|---|"]
     gains = {"workflow": [], "first answers": [], "the rest": []}
     accuracies = []
     for seed, (config, rows) in sorted(runs.items(), key=lambda item: int(item[0])):
         first, last = rows[0], rows[-1]
+        if len(rows) < 2 or last["step"] != config.get("steps", last["step"]):
+            raise SystemExit(f"seed {seed}: no evaluation after RL yet (the last is of step "
+                             f"{last['step']}); a gain needs the finished run")
         acc = [first["eval/accuracy"], last["eval/accuracy"]]
         answer = [first["eval/first_answer"], last["eval/first_answer"]]
         rest = [a - b for a, b in zip(acc, answer)]

@@ -265,6 +265,11 @@ def test_the_default_runs_gain_and_its_parts_by_hand():
     # gains 0.2, 0.1: mean 0.15, se 0.05, t with 1 df 12.706
     assert "- gain of workflow: +0.150 (SE 0.050; 95 % CI -0.49 to +0.79, t with 1 df) " \
            "over 2 seeds: not distinguishable at 2 seeds" in lines
+    # a run still going has only its step-0 evaluation, or one before its last step: no gain yet
+    config, rows = run((0.6, 0.7), (0.4, 0.6))
+    for unfinished in ([rows[0]], [rows[0], {**rows[1], "step": 4}]):
+        with pytest.raises(SystemExit, match="seed 2: no evaluation after RL yet"):
+            tables.gain_table({"2": ({**config, "steps": 10}, unfinished)})
 
 
 def test_where_the_signal_went_by_hand():
