@@ -162,9 +162,9 @@ def claims(by_cell: Runs) -> list[str]:
                          "(a plateau: not distinguishable from 0)")
     return [f"- {line}" for line in lines] + [
         "", "Each difference is paired by seed: its mean, its standard error over the seeds "
-        "(at least the evaluation's own noise, tables.noise_floor) and its 95 % interval from the t "
-        "distribution; it holds where the interval excludes 0. The peak is the step chosen on the "
-        "val split, read on test: the choice does not bias it upward."]
+        "(at least the evaluation's own noise, tables.noise_floor) and its 95 % interval from the "
+        "t distribution; it holds where the interval excludes 0. The peak is the step chosen on "
+        "the val split, read on test: the choice does not bias it upward."]
 
 
 def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, float]]]:

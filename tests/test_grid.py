@@ -317,7 +317,8 @@ def test_a_demo_tables_what_each_role_does_not_see_where_a_critic_logged_it():
 
 def test_a_demo_of_two_workflows_tables_each_roles_numbers_where_its_cells_have_them():
     """The optimizer demo sets Voting against a single agent: a number only Voting's roles have
-    (the aggregator's) is '-' in the single agent's row, and a column only where a cell logged it."""
+    (the aggregator's) is '-' in the single agent's row, and a column only where a cell logged
+    it."""
     voting = {"workflow": "voting", "sharing": "isolated", "n_agents": 3}
     single = {"workflow": "single", "sharing": "isolated", "n_agents": 3}
     rows = [{"step": 0, "eval/accuracy": 0.25},
