@@ -370,7 +370,9 @@ def sampler_gap(old_logp: torch.Tensor, micro: list[Call], mask: torch.Tensor, t
     """The precision correction laid over the update: the tokens came from pi_rollout, as the
     sampler recorded it (greedy or hand-made calls have no record: no gap). Returns the truncated
     importance weight (tis_weight; None where tis_cap is 0) and, with `measure`, the gap's
-    statistics."""
+    statistics. Neither asked (the default update): the record is not read."""
+    if tis_cap == 0 and not measure:
+        return None, {}
     rollout_logp = overlay(old_logp, [c.rollout_logp for c in micro])  # (b, T)
     is_weight = tis_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else None
     return is_weight, mismatch_stats(old_logp, rollout_logp, mask) if measure else {}
@@ -394,9 +396,7 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     old_logp = logp.detach()  # (b, T) pi_old on-policy: the policy itself, so every ratio is 1
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
-    is_weight, gap = None, {}  # the sampler's own log-probs: read for a correction or a measurement
-    if s.tis_cap > 0 or measure:
-        is_weight, gap = sampler_gap(old_logp, micro, mask, s.tis_cap, measure)
+    is_weight, gap = sampler_gap(old_logp, micro, mask, s.tis_cap, measure)
     adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,
                                 is_weight, s.ratio)
