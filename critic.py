@@ -3,7 +3,8 @@
 A workflow episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM,
 arXiv 2601.21972): every workflow stage is a time step, each agent slot acts at
 some of those steps, and the episode's outcome (1 correct / 0 wrong) is the
-reward of each agent's last turn. A critic V(s) estimates that outcome from
+reward of each agent's last turn (under --credit own, each turn's reward is
+the call's own: reward.credit_calls). A critic V(s) estimates the return from
 what it reads before an agent acts, and its errors become the actor's
 advantages in place of GRPO's group means.
 
@@ -43,7 +44,6 @@ them; an input longer than max_tokens keeps its most recent tokens.
 Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
 """
-import math
 import random
 import re
 from collections import defaultdict
@@ -348,6 +348,9 @@ class CriticSettings:
     grad_clip: float = 1.0           # max gradient norm per optimizer step
     cut_returns_zero: bool = False   # --truncated penalize: a call cut by the length limit
                                      # returns 0
+    own_rewards: bool = False        # --credit own: each call's own reward at its own turn (an
+                                     # earlier turn's return adds the agent's later ones); else
+                                     # the outcome on each agent's last turn (outcome_rewards)
 
 
 @dataclass
@@ -365,7 +368,8 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     keys, texts = critic_inputs(calls, s.critic, s.per)
     ids = encode(tok, texts, s.max_tokens)
     values = predict_values(model, heads, keys, ids, tok.pad_token_id, s.predict_batch)  # (N,)
-    adv, returns = call_advantages(calls, values, s.gamma, s.lam,
+    rewards = [c.reward for c in calls] if s.own_rewards else None  # None: outcome_rewards
+    adv, returns = call_advantages(calls, values, s.gamma, s.lam, rewards,
                                    cut_returns_zero=s.cut_returns_zero)  # (N,), (N,)
     if s.normalize_advantages:
         adv = normalize(adv)
@@ -390,16 +394,17 @@ def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, o
 
 def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
                   order: list[int], pad_id: int, s: CriticSettings) -> dict[str, list[float]]:
-    """One pass of critic `name` over the rows `order` of the batch, in `s.steps` mini-batches of
-    equal size. A mini-batch whose gradient (after the sum across processes) is not finite is not
-    applied, and counted."""
+    """One pass of critic `name` over the rows `order` of the batch, in `s.steps` mini-batches
+    whose sizes differ by at most one (as many as there are rows, where they are fewer). A
+    mini-batch whose gradient (after the sum across processes) is not finite is not applied, and
+    counted."""
     params = optimizer.param_groups[0]["params"]
     ids, old_values, returns = batch.ids, batch.values, batch.returns
     stats = defaultdict(list)
     nonfinite = 0
-    size = max(1, math.ceil(len(order) / s.steps))
-    for start in range(0, len(order), size):
-        mb = order[start:start + size]
+    n = min(s.steps, len(order))  # 10 rows in 3 steps: 3, 3 and 4 rows
+    for k in range(n):
+        mb = order[k * len(order) // n:(k + 1) * len(order) // n]
         optimizer.zero_grad(set_to_none=False)
         mine = my_share(mb)  # under torchrun: this process's rows; the gradients are summed below
         for idx in token_batches([(len(ids[i]), 0) for i in mine], s.micro_batch_tokens):

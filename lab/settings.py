@@ -123,7 +123,8 @@ class Config:
     critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)",
                            bounds="(0, inf)")
     critic_steps: int = arg(1, "optimizer steps of every critic per training step, its rows split "
-                            "evenly (a central critic takes as many as a decentral one)",
+                            "evenly (a central critic takes as many as a decentral one; a critic with fewer rows, one "
+                            "a row)",
                             bounds="[1, inf)")
     vf_coef: float = arg(1.0, "value-loss coefficient (matters only against grad_clip)",
                          bounds="[0, inf)")
@@ -281,7 +282,8 @@ def critic_settings(cfg: Config) -> CriticSettings:
                           steps=cfg.critic_steps, micro_batch_tokens=cfg.micro_batch_tokens,
                           vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None,
                           grad_clip=cfg.grad_clip,
-                          cut_returns_zero=cfg.truncated == "penalize")
+                          cut_returns_zero=cfg.truncated == "penalize",
+                          own_rewards=cfg.credit == "own")
 
 
 def warmup_roles(cfg: Config) -> list[str]:

@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_inputs,
-                    critic_key, critic_values, encode, explained_variance, gae, joint_history,
-                    local_observation, normalize, outcome_rewards, predict_values, setup_critics,
-                    unseen, update_critics, value_loss)
+from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_advantages,
+                    critic_inputs, critic_key, critic_values, encode, explained_variance, gae,
+                    joint_history, local_observation, normalize, outcome_rewards, predict_values,
+                    setup_critics, unseen, update_critics, value_loss)
 import lora
 from rollout import Call
 
@@ -88,6 +88,22 @@ def test_call_advantages_follow_each_agents_own_turns():
     # a workflow with an intermediate reward of 0.5 on episode 0's first generator turn
     adv, _ = call_advantages(calls, values, 1.0, 0.0, rewards=[1.0, 0.0, 0.5, 1.0, 0.0])
     assert adv[2].item() == pytest.approx(0.5 + 0.6 - 0.2)
+
+
+def test_own_credit_pays_every_turn_its_own_reward(tiny):
+    """--credit own: a fresh critic (V = 0) at lam 0 gives each call its own reward as its
+    advantage; episode 0's first generator turn solved the problem (1) before its refine broke
+    it (0). Under the broadcast outcome that first turn gets the refine's 0."""
+    model, tok = tiny
+    lora.inject_lora(model, r=4, alpha=8)
+    heads = setup_critics(model, ["critic-generator", "critic-evaluator"])
+    for own, first in ((True, 1.0), (False, 0.0)):
+        calls = eval_opt_calls()
+        calls[0].reward, calls[2].reward = 0.0, 1.0  # the refine wrong, the first answer right
+        critic_advantages(model, tok, heads, calls,
+                          CriticSettings(critic="decentral", per="role", lam=0.0,
+                                         own_rewards=own))
+        assert [c.advantage for c in calls] == [0.0, 0.0, first, 1.0, 0.0]
 
 
 def test_a_cut_call_returns_zero_under_penalize():
@@ -315,9 +331,11 @@ def test_a_critic_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
     assert not torch.equal(heads["critic-b"].out.bias, before["critic-b"][-1])
 
 
-def test_every_critic_takes_the_same_steps_whatever_its_rows(tiny):
-    """A central critic reads every agent's rows, a decentral one its own: with steps=2 both take
-    two AdamW steps a training step, the central one over mini-batches four times as large."""
+@pytest.mark.parametrize("steps, taken", [(3, [3, 3]), (2, [2, 2]), (5, [5, 4])])
+def test_every_critic_takes_the_same_steps_whatever_its_rows(tiny, steps, taken):
+    """A central critic reads every agent's rows, a decentral one its own: both take `steps` AdamW
+    steps a training step, the central one over larger mini-batches (12 rows in 3 steps: 4 a step;
+    4 rows: 1, 1 and 2), and a critic with fewer rows than steps one step a row."""
     model, tok = tiny
     lora.inject_lora(model, r=4, alpha=8)
     heads = setup_critics(model, ["central", "critic-generator0"])
@@ -326,10 +344,11 @@ def test_every_critic_takes_the_same_steps_whatever_its_rows(tiny):
     for opt in optimizers.values():
         for p in opt.param_groups[0]["params"]:
             p.grad = torch.zeros_like(p)
-    ids, returns = toy_batch(tok, random.Random(0), 10)
-    keys = ["central"] * 8 + ["critic-generator0"] * 2
-    stats = update_critics(model, heads, CriticBatch(keys, ids, torch.zeros(10), returns),
-                           optimizers, random.Random(0), tok.pad_token_id, CriticSettings(steps=2))
-    assert len(stats["critic/grad_norm"]) == 4
+    ids, returns = toy_batch(tok, random.Random(0), 16)
+    keys = ["central"] * 12 + ["critic-generator0"] * 4
+    stats = update_critics(model, heads, CriticBatch(keys, ids, torch.zeros(16), returns),
+                           optimizers, random.Random(0), tok.pad_token_id,
+                           CriticSettings(steps=steps))
+    assert len(stats["critic/grad_norm"]) == sum(taken)
     assert [o.state[o.param_groups[0]["params"][0]]["step"].item()
-            for o in optimizers.values()] == [2, 2]
+            for o in optimizers.values()] == taken
