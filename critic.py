@@ -170,7 +170,9 @@ def unseen(calls: list[Call]) -> list[float | None]:
     """For every call, what the central critic reads and a decentral one does not: the share (in
     characters) of the lines of its episode's earlier outputs (list markers aside) that its own
     prompt does not quote. 0 where the prompt quotes everything said before it (an evaluator, an
-    aggregator): both critics then read the same information. None at an episode's first turn."""
+    aggregator): both critics then read the same information. None where nothing was said
+    before (an episode's first turn). A line counts as quoted where the prompt holds it anywhere,
+    so a short line (a bare number) may be found in other words: the share is a lower bound."""
     by_episode = defaultdict(list)
     for c in calls:
         by_episode[c.episode].append(c)
