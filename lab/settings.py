@@ -123,9 +123,8 @@ class Config:
     critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)",
                            bounds="(0, inf)")
     critic_steps: int = arg(1, "optimizer steps of every critic per training step, its rows split "
-                            "evenly (a central critic takes as many as a decentral one; a critic with fewer rows, one "
-                            "a row)",
-                            bounds="[1, inf)")
+                            "evenly (a central critic takes as many as a decentral one; a critic "
+                            "with fewer rows, one a row)", bounds="[1, inf)")
     vf_coef: float = arg(1.0, "value-loss coefficient (matters only against grad_clip)",
                          bounds="[0, inf)")
     value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)",

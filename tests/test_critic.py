@@ -332,7 +332,7 @@ def test_a_critic_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
 
 
 @pytest.mark.parametrize("steps, taken", [(3, [3, 3]), (2, [2, 2]), (5, [5, 4])])
-def test_every_critic_takes_the_same_steps_whatever_its_rows(tiny, steps, taken):
+def test_every_critic_takes_the_same_steps_unless_it_has_fewer_rows(tiny, steps, taken):
     """A central critic reads every agent's rows, a decentral one its own: both take `steps` AdamW
     steps a training step, the central one over larger mini-batches (12 rows in 3 steps: 4 a step;
     4 rows: 1, 1 and 2), and a critic with fewer rows than steps one step a row."""
