@@ -350,9 +350,9 @@ class CriticSettings:
     grad_clip: float = 1.0           # max gradient norm per optimizer step
     cut_returns_zero: bool = False   # --truncated penalize: a call cut by the length limit
                                      # returns 0
-    own_rewards: bool = False        # --credit own: each call's own reward at its own turn (an
-                                     # earlier turn's return adds the agent's later ones); else
-                                     # the outcome on each agent's last turn (outcome_rewards)
+    own_rewards: bool = False        # --credit own: each call's own reward at its own turn
+                                     # (GAE adds the agent's later rewards to an earlier turn's
+                                     # return); else the outcome on each agent's last turn
 
 
 @dataclass
