@@ -21,8 +21,8 @@ update's scoring (one full forward, adapter beside the weights) round
 differently, so pi_rollout, the policy the tokens were sampled from, and pi_old,
 the policy the update scores them under, are not bit-identical; in bf16 they
 differ visibly. `Rollout` records log pi_rollout of every sampled token
-(`decode.sample_next`), so the update can log the gap and, optionally, correct for
-it with truncated importance sampling (grpo.py).
+(`decode.sample_next`), so the diagnostics' pass can log the gap (measure.py) and the update
+can, optionally, correct for it with truncated importance sampling (grpo.py).
 
 Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """

@@ -9,7 +9,8 @@ ValueError. Every task has three splits, disjoint by what a problem asks rather 
 train, val (for choosing a peak or a checkpoint) and test (read once per evaluation, never chosen
 on). An arithmetic fact (a+b of {3, 5}, however phrased) or a normalised problem text lands in one
 split, a quarter of them in test and an eighth in val. Asked for more problems than a split holds,
-the sampled tasks return all of it. The tasks in full: docs/tasks.md.
+the arithmetic task refuses (train.py then stops with one line) and the sampled tasks return all
+of it. The tasks in full: docs/tasks.md.
 
     pytest tests/test_reward.py tests/test_datasets.py
 """

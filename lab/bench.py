@@ -7,8 +7,9 @@
 Each timed figure is the median of --repeats runs after a warm-up, and runs that are compared
 alternate (A B C A B C ...), so a machine that slows down slows all of them. Sections:
 
-  generate   one workflow stage: the default step's first, 16 generator calls. transformers' own
-             `generate` on the base model (the LoRA layers taken out) against the rollout
+  generate   one workflow stage: --problems x 4 generator calls (16; the default step's first
+             stage has 32). transformers' own `generate` on the base model (the LoRA layers
+             taken out) against the rollout
              (Rollout.__call__, decode.py) with its adapter merged into the weights, as training
              runs it, and with the low-rank path on every token. A fresh adapter is an exact no-op,
              so under greedy decoding all three write the same tokens (checked once); the timed runs

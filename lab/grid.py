@@ -132,11 +132,11 @@ DEMOS = {
         ("per-token", "per-token-steps"), ("adherence", "generator share"),
         start=("--sharing", "shared")),
     # Paper B in miniature: in Orch-Workers a worker is shown one strategy, not the plan or the
-    # other workers' (critic.unseen: 0.75 of what was said before it), so the central critic reads
-    # what a decentral one cannot. GRPO's group baseline against the two critics, from one warm-up
-    # per seed, at the main table's recipe on 4 problems a step (an episode is 5 calls). `--level 4`
-    # after the demo's name asks two-digit sums and differences and one-digit products, where fewer
-    # episodes are right: the sparse reward.
+    # other workers' (critic.unseen: 0.46-0.66 of what was said before it), so the central critic
+    # reads what a decentral one cannot. GRPO's group baseline against the two critics, from one
+    # warm-up per seed, at the main table's recipe on 4 problems a step (an episode is 5 calls).
+    # `--level 4` after the demo's name asks two-digit sums and differences and one-digit
+    # products, where fewer episodes are right: the sparse reward.
     # No mechanism to find: the detector is not asked.
     "critics": Demo(
         "",

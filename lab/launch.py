@@ -301,11 +301,12 @@ def truncate_jsonl(path: str, last_step: int) -> list[dict]:
 
 # Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
 # them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
-# random numbers they leave, and must match. The critics' settings are RL settings: a critic
-# the start lacks begins fresh, as every critic begins RL.
+# random numbers they leave, and must match (--truncated among them: it decides whether a cut
+# final answer scores in the step-0 evaluation). The critics' settings are RL settings: a
+# critic the start lacks begins fresh, as every critic begins RL.
 RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay",
                "grad_clip", "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef",
-               "role_kl", "balance", "one_step", "damping", "credit", "truncated", "eval_every",
+               "role_kl", "balance", "one_step", "damping", "credit", "eval_every",
                "diag_every", "log_samples", "save_every", "algo", *MAAC_ONLY)
 
 

@@ -777,6 +777,7 @@ def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path
     train.main(small_config(start, steps=0, sharing="isolated"))
     for kw, words in [(dict(seed=1), "--seed 1 differs from the start's"),
                       (dict(sft_warmup=1), "--sft_warmup 1 differs"),
+                      (dict(truncated="keep"), "--truncated keep differs"),  # scores step 0
                       (dict(sharing="shared"), "cannot become one shared adapter"),
                       (dict(start_from=str(tmp_path / "nothing")),
                        "no run with a checkpoint there")]:
