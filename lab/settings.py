@@ -33,7 +33,7 @@ def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
     return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
 
 
-# --help shows the flags a first week changes (those of the README's commands), --help-all all
+# --help: the flags a first week changes (those of the README's commands); --help-all: every flag
 TUTORIAL = {"workflow", "sharing", "algo", "critic", "critic_per", "lam", "model", "task", "level",
             "steps", "problems_per_step", "group_size", "max_new_tokens", "lr", "lora_r",
             "eval_problems", "eval_every", "seed", "out", "resume", "overwrite", "threads",
