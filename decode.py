@@ -79,9 +79,16 @@ def sample_next(logits: torch.Tensor, temperature: float,
         sorted_p[sorted_p.cumsum(-1) - sorted_p >= top_p] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     cdf = probs.cumsum(-1)  # (B, V)
+    # u in (0, total]: a draw of exactly 0 would pick token 0 even where its probability is 0
     u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]
+    u = u.clamp(min=torch.finfo(cdf.dtype).tiny)  # (B, 1)
     tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[-1] - 1)  # (B,)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def check_length(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
 
 
 def prefill(model, ids: torch.Tensor, attn: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
@@ -112,6 +119,7 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eo
     prompts fills the KV cache, then one forward per token over the last token only, for
     the rows still writing. Greedy decoding gives `generate`'s tokens (tests/test_rollout.py).
     """
+    check_length(max_new_tokens)
     B, device = ids.shape[0], ids.device
     cache, logits = prefill(model, ids, attn)  # logits (L, V): one row per live row, all B at first
     position = attn.long().sum(-1, keepdim=True) - 1  # (L, 1): positions count real tokens only
@@ -246,6 +254,7 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
                  use_graph: bool = True):
     """`decode`'s contract over a static cache of P + max_new_tokens columns, each step one
     replay of a CUDA graph (use_graph=False runs the same step eagerly: the CPU's tests)."""
+    check_length(max_new_tokens)
     (B, P), device = ids.shape, ids.device
     cache, logits = prefill(model, ids, attn)  # (B, V)
     step = StaticStep(model, cache, attn.bool(), P + max_new_tokens)

@@ -11,8 +11,9 @@ two ways, one per way of sharing the LoRA policy:
 
 - gradient amplification (isolated adapters): N same-role slots see the same prompt and the same
   broadcast reward, so their gradients point the same way; kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2)
-  nears sqrt(N) (measure.amplification), the role's adapter takes N times the optimizer steps; the
-  paper sees the role's gradient norm and perplexity spike, then validation accuracy fall;
+  nears sqrt(N) (measure.amplification), and with --no-one_step (the paper's steps) the role's
+  adapter takes N times the optimizer steps; the paper sees the role's gradient norm and
+  perplexity spike, then validation accuracy fall;
 - role capture (one shared adapter): the role with the most tokens or calls owns most of the
   gradient, and the other roles drift towards its behaviour: their contract adherence falls while
   their outputs grow longer and start to look like the dominant role's (workflows.adherence,
@@ -193,13 +194,13 @@ def validation_fall(config: dict, rows: list[dict], step: int) -> str | None:
 
 def find_amplification(config: dict, rows: list[dict]) -> list[str]:
     """Paper A's signature of gradient amplification on a role with N > 1 same-role slots and an
-    adapter of its own (isolated: under a shared one every role takes every step, so the slots do
-    not multiply the role's steps): its gradient norm (>= GRAD_SPIKE) or training perplexity
-    (>= PPL_SPIKE) spikes against its running median, with kappa >= KAPPA_FRAC sqrt(N) at that
-    step where kappa was logged, and then validation accuracy falls (validation_fall). Reports the
-    first such spike per role. Both signals are logged before the clip. The adapter's update norm
-    is no signal: under AdamW the first steps are already the largest (about lr per weight) and
-    the learning rate decays."""
+    adapter of its own (isolated: a shared adapter's step is every role's; with --no-one_step the
+    slots also multiply the role's steps): its gradient norm (>= GRAD_SPIKE) or training perplexity
+    (>= PPL_SPIKE) spikes against its running median, with kappa >= KAPPA_FRAC sqrt(N) at that step
+    where kappa was logged, and then validation accuracy falls (validation_fall). Reports the first
+    such spike per role. Both signals are logged before the clip. The adapter's update norm is no
+    signal: under AdamW the first steps are already the largest (about lr per weight) and the
+    learning rate decays."""
     if config["sharing"] == "shared":
         return []
     found = []

@@ -258,7 +258,8 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
 
 @dataclass
 class UpdateSettings:
-    """Everything one policy update reads besides the model and the calls (train.py's Config)."""
+    """Everything one policy update, and the diagnostics' pass before it (measure.py), read
+    besides the model and the calls (train.py's Config)."""
     temperature: float = 1.0         # the sampler's (train.py passes --temperature to both)
     minibatch_size: int = 16         # calls per optimizer step
     one_step: bool = False           # one optimizer step over all of the adapter's calls
@@ -278,7 +279,7 @@ class UpdateSettings:
     damping: float = 0.0             # coherence damping, 0 = off (damped_step)
     tis_cap: float = 0.0             # truncated importance sampling cap C, 0 = off (tis_weight)
     skip_empty: bool = True          # no optimizer step on a mini-batch without a live call
-    # episodes per problem, consecutive: a problem stays in one half (grad_noise)
+    # episodes per problem, consecutive: a problem stays in one half of the diagnostics' grad_noise
     group_size: int = 1
 
 
@@ -300,6 +301,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     the gradients are summed before the step, so all processes take the step one process would take
     on the same calls (or all skip it).
     """
+    if s.damping > 0 and ema is None:
+        raise ValueError("--damping needs `ema`, the adapter's gradient EMA kept across updates")
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)

@@ -142,7 +142,7 @@ def merged_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
     the block runs; the original tensors are put back as they were.
     """
     if name is None:
-        with use_adapter(model, None):
+        with torch.no_grad(), use_adapter(model, None):
             yield
         return
     if name not in adapter_names(model):

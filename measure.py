@@ -77,13 +77,18 @@ def gradient_stats(slot_grads: dict[str, torch.Tensor],
     return stats
 
 
-def gradient_noise(g0: torch.Tensor, g1: torch.Tensor) -> float:
-    """|g0 - g1|^2 / |g0 + g1|^2, g0 and g1 the gradients of two halves of a step's problems: the
-    noise's share of the step's squared gradient. Independent halves of one mean give E|g0 - g1|^2 =
-    tr Cov(g) and E|g|^2 = |E g|^2 + tr Cov(g), g = g0 + g1: about 1 for noise alone, near 0 for
-    signal (the gradient noise scale of McCandlish et al. 2018, arXiv 1812.06162, read off two half
-    batches)."""
-    return ((g0 - g1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
+def gradient_noise(g0: torch.Tensor, g1: torch.Tensor, n0: int, n1: int) -> float:
+    """The noise's share of the step's squared gradient |g|^2, g = g0 + g1, g0 and g1 the
+    gradients of two halves of the step's problems, n0 and n1 problems each:
+    n0 n1 |g0 / n0 - g1 / n1|^2 / |g|^2, which is |g0 - g1|^2 / |g|^2 for halves of one size.
+
+    With N = n0 + n1 problems whose gradients are independent draws of mean m and covariance C,
+    E|g|^2 = N^2 |m|^2 + N tr C, and the halves' means differ by noise alone:
+    E|g0 / n0 - g1 / n1|^2 = (1 / n0 + 1 / n1) tr C, so n0 n1 times it is N tr C, the noise's part
+    of E|g|^2. About 1 for noise alone, near 0 for signal (the gradient noise scale of McCandlish
+    et al. 2018, arXiv 1812.06162, read off two half batches). For three problems the plain
+    |g0 - g1|^2 of halves of 2 and 1 would read a pure signal as 1/9."""
+    return (n0 * n1 * (g0 / n0 - g1 / n1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
 
 
 def zero_gradients(params: list[torch.Tensor]) -> None:
@@ -132,8 +137,10 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int,
     zero_gradients(params)
     for k, v in gradient_stats(slot_grads, role_of).items():
         stats[k].append(v)
-    if torch.is_tensor(halves[0]) and (halves[0] + halves[1]).norm() > 0:
-        stats[f"adapter/{adapter}/grad_noise"].append(gradient_noise(*halves))
+    problems = {c.episode // s.group_size for c in calls}
+    sizes = [sum(p % 2 == half for p in problems) for half in (0, 1)]  # problems in each half
+    if torch.is_tensor(halves[0]) and min(sizes) > 0 and (halves[0] + halves[1]).norm() > 0:
+        stats[f"adapter/{adapter}/grad_noise"].append(gradient_noise(*halves, *sizes))
     return stats
 
 

@@ -39,14 +39,12 @@ from functools import partial
 
 from sandbox import CODE_TIMEOUT, run_code
 from tasks import Problem
-from workflows import SOLVERS, parse_verdict
+from workflows import SOLVERS, boxed_contents, parse_verdict
 
 
 # ----------------------------------------------------------------------------- math verifier
 # No regex below can match the same text in two ways (the usual cause of
 # catastrophic backtracking), so a 100k-char completion takes milliseconds.
-BOXED = re.compile(r"\\boxed\s*\{")
-BRACE = re.compile(r"[{}]")
 # a number not glued to the end of another one, nor an exponent (the 2 of "12 cm^2"):
 # 12, -3, 2.5, 1,000, 3/4
 NUMBER = re.compile(r"(?<![\d.^])(?<!\^\{)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
@@ -84,21 +82,8 @@ LATEX = (("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", "pi"), ("\\
 
 def _last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} whose braces close; None if there is none."""
-    starts = [m.end() - 1 for m in BOXED.finditer(text)]  # positions of the opening '{'
-    if not starts:
-        return None
-    # one pass with a stack pairs every brace; a scan from each \boxed is quadratic on many
-    # unclosed boxes
-    stack, close = [], {}
-    for m in BRACE.finditer(text, starts[0]):
-        if m.group() == "{":
-            stack.append(m.start())
-        elif stack:
-            close[stack.pop()] = m.start()
-    for s in reversed(starts):
-        if s in close:
-            return text[s + 1:close[s]].strip()
-    return None
+    boxes = boxed_contents(text)
+    return boxes[-1].strip() if boxes else None
 
 
 def extract_answer(text: str, strict: bool = False) -> str | None:

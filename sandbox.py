@@ -75,7 +75,7 @@ FRESH_UID_BASE = 1 << 30
 
 
 class CodeTests(Protocol):
-    """What the sandbox reads of a code problem; reward.Problem has these fields."""
+    """What the sandbox reads of a code problem; tasks.Problem has these fields."""
     tests: str  # "assert": Python source; "stdio"/"call": JSON list of {"input", "output"}
     test_format: str  # "assert", "stdio" or "call"
     entry_point: str  # the function the tests call ("assert", "call")
@@ -147,9 +147,11 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
          marker: str) -> tuple[str, str]:
     """One sandboxed run; returns (verdict, head of output)."""
     fmt = problem.test_format
-    cases = [] if fmt == "assert" else json.loads(problem.tests)
-    if not problem.tests.strip() or (fmt != "assert" and not cases):
+    if not problem.tests.strip():
         return "no tests", ""  # nothing to pass is not a pass
+    cases = [] if fmt == "assert" else json.loads(problem.tests)
+    if fmt != "assert" and not cases:
+        return "no tests", ""
     uid, nonce = _fresh_uid() if sb.own_uid else None, secrets.token_hex(16)
     limits = {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": MEMORY_BYTES,
               "RLIMIT_FSIZE": FILE_BYTES, "RLIMIT_CORE": 0}
@@ -164,6 +166,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
     # ours: the run cannot rename `work` away and plant a link
     top = tempfile.mkdtemp(prefix="sandbox-")
     work = os.path.join(top, "work")
+    answers = []  # files this process opens for the run, closed however it ends
     try:
         os.chmod(top, 0o711)
         os.mkdir(work, 0o700)
@@ -180,7 +183,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
         os.chmod(harness, 0o444)
         # each stdin/stdout test's answer goes to a file opened here, inherited: the run needs no
         # writable directory of the machine's to give it back
-        answers = [tempfile.TemporaryFile() for _ in (cases if fmt == "stdio" else [])]
+        answers += [tempfile.TemporaryFile() for _ in (cases if fmt == "stdio" else [])]
         job["answers"] = [f.fileno() for f in answers]
         with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report:
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "SANDBOX_RUN": marker}
@@ -205,7 +208,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
                                           cases, answers)
             return verdict, log.read(OUTPUT_CHARS).decode(errors="replace")
     finally:
-        for f in locals().get("answers", []):
+        for f in answers:
             f.close()
         shutil.rmtree(top, ignore_errors=True)
 

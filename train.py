@@ -21,7 +21,7 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
      optimizer step over all of its calls with a gradient (--one_step, the default);
      with --no-one_step, as in the paper, one step per mini-batch of a fixed size,
      so under --sharing isolated a role with three slots takes three times the steps;
-     --balance, --damping and --role_kl are Paper A's mitigations (README, diagnose.py);
+     --balance, --damping and --role_kl are Paper A's mitigations (docs/mechanisms.md);
   7. maac only: one pass of each critic over its inputs (value loss);
   8. log; evaluate the whole workflow on held-out problems (test, and val where a
      peak is chosen) every `eval_every` steps; checkpoint.
@@ -75,6 +75,7 @@ from workflows import SOLVERS, adherence, boxed_contents, role_of, run_workflow,
 # A step in which no call of an adapter has a learning signal takes no optimizer step, and its
 # schedule moves on all the same: torch's warning about that order says nothing here.
 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+EVAL_BATCH = 32  # held-out problems an evaluation rolls out at once
 
 
 # ----------------------------------------------------------------------------
@@ -100,8 +101,7 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
     return rollout, outcomes, rewards
 
 
-def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval",
-             batch: int = 32) -> dict[str, float]:
+def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[str, float]:
     """Accuracy of the whole workflow on held-out problems (eval/: the test split; val/: the
     validation split, where a peak or a checkpoint is chosen), and on the test split what changed
     besides the answers (docs/runs.md). Greedy, except where --eval_sampling samples (Voting: greedy
@@ -114,9 +114,9 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval",
     seen = defaultdict(list)
     with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + 7919)
-        for i in range(0, len(mine), batch):
-            label = f"{prefix} problems {i + 1}-{min(i + batch, len(mine))}/{len(mine)}"
-            rollout, outcomes, r = rollout_step(model, tok, cfg, mine[i:i + batch],
+        for i in range(0, len(mine), EVAL_BATCH):
+            label = f"{prefix} problems {i + 1}-{min(i + EVAL_BATCH, len(mine))}/{len(mine)}"
+            rollout, outcomes, r = rollout_step(model, tok, cfg, mine[i:i + EVAL_BATCH],
                                                 greedy=not sample, label=label)
             seen["reward"] += r
             seen["boxed"] += [bool(boxed_contents(o.final)) for o in outcomes]
@@ -131,7 +131,9 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval",
                 seen["truncated"].append(c.truncated)
                 seen[f"{c.role}/adherence"].append(adherence(c.role, c.text, cfg.n_agents))
             seen["first_answer"] += list(first.values())
-    seen = {k: [x for part in gather_lists([seen]) for x in part.get(k, [])] for k in sorted(seen)}
+    parts = gather_lists([dict(seen)])  # one gather: every process's lists, in rank order
+    seen = {k: [x for part in parts for x in part.get(k, [])]
+            for k in sorted({k for part in parts for k in part})}
     per_problem = [sum(seen["reward"][i:i + repeats]) / repeats
                    for i in range(0, len(seen["reward"]), repeats)]
     mean = sum(per_problem) / len(per_problem)

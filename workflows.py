@@ -214,29 +214,38 @@ def stage(generate: GenerateFn, role: str, calls: list[tuple[str, int, Chat]]) -
 # Each parser returns what it read and the rule that read it, so a drift away from the
 # contract (role capture: an aggregator that writes solutions) shows up in the logs.
 
+BOXED = re.compile(r"\\boxed\s*\{")
+BRACE = re.compile(r"[{}]")
+
+
 def boxed_contents(text: str) -> list[str]:
-    r"""Contents of every \boxed{...} in order, nested braces included."""
-    found = []
-    for m in re.finditer(r"\\boxed\s*\{", text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            found.append(text[m.end():i - 1])
-    return found
+    r"""Contents of every \boxed{...} whose braces close, in order, nested braces included."""
+    starts = [m.end() - 1 for m in BOXED.finditer(text)]  # positions of the opening '{'
+    if not starts:
+        return []
+    # one pass with a stack pairs every brace (a scan from each \boxed would be quadratic in a
+    # text of many unclosed boxes)
+    stack, close = [], {}
+    for m in BRACE.finditer(text, starts[0]):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            close[stack.pop()] = m.start()
+    return [text[s + 1:close[s]] for s in starts if s in close]
 
 
-VERDICT = re.compile(r"\b(incorrect|correct)\b", re.IGNORECASE)
+VERDICT = re.compile(r"\b(incorrect|correct)\b", re.IGNORECASE)  # the contract's two words
+SAID = re.compile(r"\b(not\s+correct|incorrect|correct)\b", re.IGNORECASE)  # "not correct" too
 
 
 def parse_verdict(text: str) -> tuple[bool, str]:
-    """(is_correct, rule): rule "boxed", "word" (last standalone word) or "default" (Incorrect)."""
+    """(is_correct, rule): rule "boxed", "word" (last standalone word) or "default" (Incorrect).
+    "not correct" reads as Incorrect."""
     for content in reversed(boxed_contents(text)):
-        words = VERDICT.findall(content)
+        words = SAID.findall(content)
         if words:
             return words[-1].lower() == "correct", "boxed"
-    words = VERDICT.findall(text)
+    words = SAID.findall(text)
     if words:
         return words[-1].lower() == "correct", "word"
     return False, "default"
@@ -407,7 +416,8 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
 def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3,
                  max_rounds: int = 2) -> list[Chat]:
     """Every prompt workflow `name` builds for `question` when the agents write nothing: what
-    can be known of its prompts before a run (train.py checks them against the model's context)."""
+    can be known of its prompts before a run (lab.launch.check_context checks them against the
+    model's context)."""
     chats: list[Chat] = []
     run_workflow(name, [question], partial(silent_agents, chats), kind, n_agents, max_rounds)
     return chats

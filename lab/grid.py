@@ -20,8 +20,13 @@ they differ only in how RL updates the adapters. The tables (lab/tables.py) are 
 the seeds with their range, and differences paired by seed with their t intervals; diagnose.py's
 report on every cell follows them.
 
+Every cell's settings are checked as its train.py will check them before the first cell
+trains, and a flag that would set what tells the cells apart (--workflow in the main table,
+--algo in the critics demo, --seed) is refused: a bad grid stops at once, not hours in.
+
 It sits on top of the project: it imports diagnose.py (the report and the detectors), the
-tables and train.py, and nothing imports it.
+tables and train.py's settings and checks (lab/settings.py, lab/launch.py), runs train.py in a
+subprocess per cell, and nothing imports it.
 
 Exercised by: pytest tests/test_grid.py
 """
@@ -33,11 +38,12 @@ import sys
 import time
 
 from diagnose import findings, report
-from lab.launch import resolve_resume, typed_flags
+from lab.launch import check_goes_on_from, check_settings, resolve_resume, typed_flags
 from lab.runs import load_run
-from lab.settings import parse_config
+from lab.settings import Config, parse_config
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
                         seed_table, signal_numbers)
+from tasks import KINDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 
@@ -168,6 +174,33 @@ def demo_cells(name: str, home: str, train_flags: list[str],
     return cells
 
 
+def cell_fields(demo: str | None) -> set[str]:
+    """The train.py settings that tell the cells apart, or place a run: a train.py flag naming
+    one would override every cell's own and make them one (the main table's with demo None)."""
+    own = ([f for w, s in GRID for f in ("--workflow", w, "--sharing", s)] if demo is None else
+           [f for flags in (*DEMOS[demo].cells.values(), DEMOS[demo].start) for f in flags])
+    return typed_flags(own) | {"seed", "start_from", "resume", "overwrite"}
+
+
+def check_cells(cells: list[tuple[str, list[str]]], home: str) -> list[Config]:
+    """Every cell's settings, checked as its train.py will check them, before any cell trains;
+    a cell that goes on from its seed's start is checked against the start cell's settings (its
+    files do not exist yet). Returns the cells' configs."""
+    configs = {}
+    for name, flags in cells:
+        argv = [*flags, "--out", os.path.join(home, name)]
+        cfg = parse_config(argv)
+        try:
+            check_settings(dataclasses.replace(cfg, start_from="", resume=False), typed_flags(argv))
+            if cfg.start_from:
+                start = os.path.relpath(cfg.start_from, home)
+                check_goes_on_from(cfg, configs[start], start)
+        except SystemExit as e:
+            raise SystemExit(f"cell {name}: {e}") from None
+        configs[name] = cfg
+    return list(configs.values())
+
+
 def seed_of(run_dir: str) -> str:
     """The seed of a demo cell's run directory, seed<S>/<cell>."""
     return os.path.basename(os.path.dirname(os.path.normpath(run_dir))).removeprefix("seed")
@@ -227,7 +260,9 @@ def reproduce(out: str, train_flags: list[str], seeds: list[int]) -> str:
     """Train every grid cell for every seed, then write out/report.md: the main table, Paper A's
     findings checked against it, where each cell's learning signal went, the accuracy curves
     (curves.png) and diagnose.py's report on every run."""
-    run_dirs = train_cells(out, grid_cells(train_flags, seeds))
+    cells = grid_cells(train_flags, seeds)
+    check_cells(cells, out)
+    run_dirs = train_cells(out, cells)
     path = report(run_dirs, out, names=lambda d: os.path.relpath(d, out))
     by_cell = {f"{w}-{s}": {seed_of(d): load_run(d) for d in run_dirs
                             if os.path.basename(d) == f"{w}-{s}"}
@@ -253,6 +288,10 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     seeds) and by which cells the detector names."""
     spec, home = DEMOS[name], os.path.join(out, name)
     cells = demo_cells(name, home, train_flags, seeds)
+    task = check_cells(cells, home)[0].task
+    if name == "default" and KINDS[task] != "math":
+        raise SystemExit(f"--demo default: its table splits the gain at the generator's first "
+                         f"answers, which only a math task scores (--task {task})")
     run_dirs = [d for d in train_cells(home, cells) if os.path.basename(d) in spec.cells]
     path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
     by_cell = {cell: {seed_of(d): load_run(d) for d in run_dirs if os.path.basename(d) == cell}
@@ -299,15 +338,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--seeds {given!r}: give seeds as 0,1,2")
     if len(set(args.seeds)) < len(args.seeds) or not all(0 <= s < 2 ** 32 for s in args.seeds):
         parser.error(f"--seeds {given}: give distinct seeds from 0 to 4294967295")
-    if any(f == "--seed" or f.startswith("--seed=") for f in train_flags):
+    if "seed" in typed_flags(train_flags):
         parser.error("--seed: each cell's seed is one of --seeds (a --seed for train.py would give "
                      "every cell the same one)")
+    if fixed := sorted(typed_flags(train_flags) & cell_fields(args.demo)):
+        parser.error(f"--{fixed[0]}: the cells set it themselves (given to train.py, it would make "
+                     "them one cell under different names)")
     return args, train_flags
 
 
 def main(argv: list[str] | None = None) -> None:
     args, train_flags = parse_args(sys.argv[1:] if argv is None else argv)
-    parse_config(train_flags)  # a wrong flag fails here, before the first cell
+    parse_config(train_flags)  # a flag train.py does not know fails here (the cells: check_cells)
     t0 = time.time()
     if args.demo:
         path = demo(args.demo, args.out or f"runs/demo-{args.demo}", train_flags, args.seeds)

@@ -31,7 +31,7 @@ from lab.machine import barrier, log, rank_and_world
 from lab.checkpoint import TrainState, read_best, restore_best, start_checkpoint
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
 from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_algo_flags, check_numbers,
-                          critic_settings, update_settings, warmup_roles)
+                          critic_settings, lora_targets, update_settings, warmup_roles)
 from lora import adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters
 from model import load_policy
 from rollout import chat_text, context_length
@@ -99,8 +99,7 @@ def launch(cfg: Config, device: str, rank: int, problems: list):
     log(plan(cfg, device))
     model, tok = load_policy(cfg.model, device, cfg.dtype)
     try:
-        inject_lora(model, cfg.lora_r, cfg.lora_alpha,
-                    tuple(t.strip() for t in cfg.lora_targets.split(",")))
+        inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
     check_context(model, tok, cfg, problems)
@@ -152,7 +151,7 @@ def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, 
                                                     else [])
         for p in params:
             p.requires_grad_(True)
-            p.grad = torch.zeros_like(p)  # kept allocated: per-slot gradients are differences of it
+            p.grad = torch.zeros_like(p)  # kept: flat_grad and sum_gradients read every one
         lr = cfg.critic_lr if name in heads else cfg.lr
         optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
@@ -206,7 +205,9 @@ def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float]
     """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
     evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
     plus the evaluations still to come."""
-    per_episode = eval_seconds / cfg.eval_problems
+    episodes = (cfg.eval_problems + cfg.val_problems) * (cfg.eval_samples
+                                                         if evaluation_samples(cfg) else 1)
+    per_episode = eval_seconds / episodes  # an evaluation's: test and val, each sample
     step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
                  else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
     evals_left = sum(1 for s in eval_steps(cfg) if s > step)
@@ -302,10 +303,11 @@ def truncate_jsonl(path: str, last_step: int) -> list[dict]:
 # Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
 # them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
 # random numbers they leave, and must match (--truncated among them: it decides whether a cut
-# final answer scores in the step-0 evaluation). The critics' settings are RL settings: a
-# critic the start lacks begins fresh, as every critic begins RL.
+# final answer scores in the step-0 evaluation; --grad_clip: the warm-up's steps clip too). The
+# critics' settings are RL settings: a critic the start lacks begins fresh, as every critic
+# begins RL.
 RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay",
-               "grad_clip", "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef",
+               "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef",
                "role_kl", "balance", "one_step", "damping", "credit", "eval_every",
                "diag_every", "log_samples", "save_every", "algo", *MAAC_ONLY)
 
@@ -358,12 +360,17 @@ def check_start(cfg: Config) -> dict:
         raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
                          "(train the start with --steps 0, or start from its best checkpoint, "
                          f"{where}/best)")
+    check_goes_on_from(cfg, saved, where)
+    return dataclasses.asdict(saved)
+
+
+def check_goes_on_from(cfg: Config, start: Config, where: str) -> None:
+    """Can a run of `cfg` take its step 0 from a run of `start` (in `where`)?"""
     for f in dataclasses.fields(cfg):
-        given, old = getattr(cfg, f.name), getattr(saved, f.name)
+        given, old = getattr(cfg, f.name), getattr(start, f.name)
         if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
             raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's "
                              f"({old}); only RL settings may differ")
-    if saved.sharing == "isolated" and cfg.sharing == "shared":
+    if start.sharing == "isolated" and cfg.sharing == "shared":
         raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot "
                          "become one shared adapter")
-    return dataclasses.asdict(saved)

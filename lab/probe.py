@@ -16,7 +16,7 @@ import torch
 from grpo import set_advantages
 from lab.checkpoint import read_best
 from lab.runs import load_run, writable
-from lab.settings import Config, check_numbers, update_settings
+from lab.settings import Config, check_numbers, lora_targets, update_settings
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from measure import gradient_signals
 from model import load_policy
@@ -38,14 +38,18 @@ def run_config(run_dir: str) -> Config:
     return cfg
 
 
-def trained_model(ckpt: str) -> tuple[Config, object, object, list[str]]:
-    """The run's config, its model and tokenizer, and its adapters as saved in checkpoint `ckpt`."""
-    run_dir = os.path.dirname(os.path.normpath(ckpt))
+def checkpoint_config(ckpt: str) -> Config:
+    """The config of the run that saved checkpoint `ckpt`."""
     if not os.path.exists(os.path.join(ckpt, "state.pt")):
         raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
-    cfg = run_config(run_dir)
+    return run_config(os.path.dirname(os.path.normpath(ckpt)))
+
+
+def trained_model(ckpt: str) -> tuple[Config, object, object, list[str]]:
+    """The run's config, its model and tokenizer, and its adapters as saved in checkpoint `ckpt`."""
+    cfg = checkpoint_config(ckpt)
     model, tok = load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu", cfg.dtype)
-    inject_lora(model, cfg.lora_r, cfg.lora_alpha, tuple(cfg.lora_targets.split(",")))
+    inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     try:
         load_adapters(model, ckpt, names)
@@ -59,14 +63,18 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
     """kappa, coherence and gradient shares of a fresh sampled batch of each size (problems x the
     run's group), without a step; `credit` replaces the run's, `seed` draws another batch. GRPO's
     advantages whatever the run's algorithm: the probe asks how the slots' gradients line up."""
-    cfg, model, tok, names = trained_model(ckpt)
+    cfg = checkpoint_config(ckpt)  # everything checked before the model loads
     cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
+    if cfg.credit == "own" and KINDS[cfg.task] != "math":
+        raise SystemExit(f"--probe_credit own: task {cfg.task} has no per-call verifier "
+                         "(its answers are programs)")
     # where main writes it, known before the work
     writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")
     pool, results = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed), []
     if not all(1 <= n <= len(pool) for n in sizes):
         raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] "
                          "(the run's training pool)")
+    _, model, tok, names = trained_model(ckpt)
     # every call in one batch, no mitigation: the raw gradients of the run's loss
     settings = dataclasses.replace(update_settings(cfg), balance="none")
     for problems in sizes:

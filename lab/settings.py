@@ -40,7 +40,7 @@ TUTORIAL = {"workflow", "sharing", "algo", "critic", "critic_per", "lam", "model
             "one_step", "balance", "damping", "role_kl", "micro_batch_tokens"}
 # both in these groups; each group starts at the field named here
 SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation",
-            "balance": "mitigations of Paper A's failure modes (README, diagnose.py)",
+            "balance": "mitigations of Paper A's failure modes (docs/mechanisms.md)",
             "critic": "actor-critic (--algo maac, critic.py)", "lora_r": "LoRA",
             "eval_every": "evaluation, logging, checkpoints", "device": "machine"}
 
@@ -103,7 +103,7 @@ class Config:
                          ("slot", "role"))
     kl_coef: float = arg(0.0, "k3 KL to the base model, or to the warmed-up adapters after "
                          "--sft_warmup; 0 = off, as the paper", bounds="[0, inf)")
-    # mitigations of Paper A's failure modes (see diagnose.py)
+    # mitigations of Paper A's failure modes (docs/mechanisms.md)
     balance: str = arg("none", "loss weight per role: role = equal roles (against capture), "
                        "multiplicity = 1/N for N same-role slots (against amplification)", BALANCE)
     damping: float = arg(0.0, "coherence damping: scale a step by 1 - damping * "
@@ -172,7 +172,7 @@ class Config:
 def parse_config(argv: list[str] | None = None) -> Config:
     # no abbreviations: --resume checks the flags typed, by their full names (launch.typed_flags);
     # --work voting, taken for --workflow, would escape that check
-    # the other flags' help, or none
+    # --help shows the TUTORIAL flags' help only; --help-all every flag's
     every = "--help-all" in (sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description="Train an LLM workflow end to end with multi-agent GRPO or actor-critic.",
@@ -182,7 +182,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     for f in dataclasses.fields(Config):
         if f.name in SECTIONS:
             group = parser.add_argument_group(SECTIONS[f.name])
-        # wrap between names
+        # "a, b" rather than "a,b": argparse may wrap a long list between its names
         shown = "none" if f.default == "" else str(f.default).replace(",", ", ")
         help = (f"{f.metadata['help']} (default: {shown})" if every or f.name in TUTORIAL
                 else argparse.SUPPRESS)
@@ -298,3 +298,8 @@ def warmup_roles(cfg: Config) -> list[str]:
         raise SystemExit(f"--sft_roles: no role of {cfg.workflow} "
                          f"({', '.join(ROLES[cfg.workflow])}) to warm up")
     return mine
+
+
+def lora_targets(cfg: Config) -> tuple[str, ...]:
+    """--lora_targets as layer names: "q_proj, v_proj" names q_proj and v_proj."""
+    return tuple(t.strip() for t in cfg.lora_targets.split(","))

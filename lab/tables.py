@@ -29,13 +29,15 @@ Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's 
 
 def accuracy_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
     """Test accuracy of one run: at step 0 (the base model in the run's workflow), at the peak, at
-    the end, and after the middle step's evaluation. The peak is the step with the best val
-    accuracy where the run has a val split (the test split is never chosen on), else the best
-    test."""
+    the end, and after the evaluation nearest the middle step (NaN where none lies between the
+    first and the last). The peak is the step with the best val accuracy where the run has a val
+    split (the test split is never chosen on), else the best test."""
     acc = dict(series(rows, "eval/accuracy"))
     steps = sorted(acc)
     peak = acc[peak_step(rows, steps)]
-    middle = acc[min(steps, key=lambda step: abs(step - config["steps"] / 2))]
+    inside = [step for step in steps if 0 < step < config["steps"]]
+    middle = (acc[min(inside, key=lambda step: abs(step - config["steps"] / 2))] if inside
+              else math.nan)
     start, end = acc[steps[0]], acc[steps[-1]]
     return {"start": start, "peak": peak, "end": end, "peak - end": peak - end,
             "end - start": end - start, "end - middle": end - middle}
@@ -156,7 +158,7 @@ def claims(by_cell: Runs) -> list[str]:
                          f"{verdict(by_seed(iso, sh, 'peak'))}")
             lines.append(f"isolated falls further at the end, {w}: (peak - end) - shared's "
                          f"{verdict(by_seed(iso, sh, 'peak - end'))}")
-        if sh and w != "single":
+        if sh and w != "single" and not any(math.isnan(x["end - middle"]) for x in sh.values()):
             lines.append(f"shared plateaus, {w}: end - middle "
                          f"{verdict([x['end - middle'] for x in sh.values()])} "
                          "(a plateau: not distinguishable from 0)")

@@ -205,8 +205,8 @@ def train_step(args, threads: int, out: str, flags: list[str]) -> dict:
            "--device", args.device, "--threads", str(threads), "--out", out, "--overwrite", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"bench: {' '.join(cmd[1:])} failed: "
-                         f"{done.stderr.strip().splitlines()[-1:]}")
+        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"bench: {' '.join(cmd[1:])} failed: {said}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f][-1]
 

@@ -352,3 +352,23 @@ def test_every_critic_takes_the_same_steps_unless_it_has_fewer_rows(tiny, steps,
     assert len(stats["critic/grad_norm"]) == sum(taken)
     assert [o.state[o.param_groups[0]["params"][0]]["step"].item()
             for o in optimizers.values()] == taken
+
+
+def test_the_value_clip_logs_how_often_it_held_a_value_back(tiny):
+    """With --value_clip each micro-batch logs critic/clip_frac, the share of its values that
+    moved further than the clip from their rollout values; without it, nothing."""
+    model, tok = tiny
+    lora.inject_lora(model, r=4, alpha=8)
+    heads = setup_critics(model, ["critic"])
+    optimizer = torch.optim.AdamW(lora.adapter_parameters(model, "critic")
+                                  + list(heads.parameters()), lr=1e-1)
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    ids, returns = toy_batch(tok, random.Random(0), 8)
+    batch = CriticBatch(["critic"] * 8, ids, torch.zeros(8), returns)
+    for clip, logged in ((0.0, False), (1e-4, True)):
+        stats = update_critics(model, heads, batch, {"critic": optimizer}, random.Random(0),
+                               tok.pad_token_id, CriticSettings(steps=2, value_clip=clip))
+        assert ("critic/clip_frac" in stats) == logged
+    # two steps at lr 0.1 have moved every value past 1e-4 from the rollout's 0
+    assert stats["critic/clip_frac"] == [1.0, 1.0]

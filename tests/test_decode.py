@@ -142,3 +142,21 @@ def test_the_sampler_draws_from_the_softmax_and_its_nucleus():
     assert abs((tokens == 0).float().mean() - kept) < 4 * (kept * (1 - kept) / len(tokens)).sqrt()
 
 
+
+
+def test_a_draw_of_zero_picks_no_token_of_zero_probability(monkeypatch):
+    """torch.rand can return exactly 0: the draw must still land on a token the distribution
+    (or its nucleus) gives a probability, never on token 0 where its probability is 0."""
+    monkeypatch.setattr(torch, "rand", lambda *shape, device=None: torch.zeros(*shape))
+    tokens, logp = sample_next(torch.tensor([[-float("inf"), 0.0, 1.0]]), temperature=1.0)
+    assert tokens.tolist() == [1] and logp.isfinite().all()
+    tokens, _ = sample_next(torch.tensor([[0.0, 5.0, 5.0]]), temperature=1.0, top_p=0.5)
+    assert tokens.tolist() == [1]  # token 0 is outside the nucleus (tokens 1 and 2)
+
+
+def test_the_decoders_refuse_a_budget_of_no_token(tiny):
+    model, tok = tiny
+    ids, attn = left_pad([[5, 6, 7]], tok.pad_token_id)
+    for run in (decode, graph_decode):
+        with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+            run(model, ids, attn, 0, tok.eos_token_id, tok.pad_token_id)

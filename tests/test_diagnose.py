@@ -472,6 +472,17 @@ def test_episodes_to_align_extrapolates_the_cosine_to_the_detectors_line():
     assert diagnose.episodes_to_align(probes[:1], "generator", 3) == math.inf
 
 
+def test_a_run_is_read_back_with_its_lora_targets_as_train_py_read_them(tmp_path):
+    """--lora_targets "q_proj, v_proj" (a space after the comma) trains; --probe and --watch load
+    the same layers from its config."""
+    out = str(tmp_path / "run")
+    train.main(train.Config(model="tiny", workflow="single", steps=0, eval_problems=1,
+                            max_new_tokens=4, lora_r=4, lora_targets="q_proj, v_proj", out=out))
+    _, model, _, _ = probe.trained_model(f"{out}/ckpt")
+    assert {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+            if type(m).__name__ == "LoRALinear"} == {"q_proj", "v_proj"}
+
+
 def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
     monkeypatch.setattr(train, "score_batch", odd_length_wins)
@@ -493,9 +504,11 @@ def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
     diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4", "--seed", "1"])
     other = json.load(open(f"{out}/probe.json"))["probes"][0]  # another batch
     assert other["role/generator/grad_norm"] != result["role/generator/grad_norm"]
-    with pytest.raises(SystemExit, match=re.escape("--probe_problems [0]: each must be in "
-                                                   "[1, 256] (the run's training pool)")):
-        diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "0"])
+    with monkeypatch.context() as m:  # bad input is refused before the model loads
+        m.setattr(probe, "load_policy", lambda *a: pytest.fail("the model loaded first"))
+        with pytest.raises(SystemExit, match=re.escape("--probe_problems [0]: each must be in "
+                                                       "[1, 256] (the run's training pool)")):
+            diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "0"])
     with pytest.raises(SystemExit):
         diagnose.main(["--probe", f"{out}/ckpt", "--probe_problems", "4;8"])
     make_read_only(out, monkeypatch)  # said before the probe runs, whose result would be lost

@@ -23,6 +23,34 @@ def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_pat
     assert len(seen) == 1
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--reproduce", "--sharing", "shared"], "--sharing: the cells set it themselves"),
+    (["--demo", "critics", "--algo", "maac"], "--algo: the cells set it themselves"),
+    (["--demo", "amplification", "--start_from", "runs/x"], "--start_from: the cells set it"),
+    (["--demo", "critics", "--seed=3"], "--seed: each cell's seed is one of --seeds"),
+])
+def test_a_flag_that_would_make_the_cells_one_is_refused(argv, words, capsys):
+    with pytest.raises(SystemExit):
+        grid.parse_args(argv)
+    assert words in capsys.readouterr().err
+
+
+def test_every_cells_settings_are_checked_before_the_first_cell_trains(tmp_path, monkeypatch):
+    """A flag that only a later cell refuses (the optimizer demo's single agent has no aggregator)
+    stops the grid before anything trains; so does --demo default on a task its table cannot
+    split."""
+    monkeypatch.setattr(grid, "train_cells", lambda *a: pytest.fail("a cell was trained"))
+    cases = [(["--demo", "optimizer", "--role_kl", "aggregator=0.05"],
+              "cell seed0/single: --role_kl: 'aggregator' is not a role of single"),
+             (["--demo", "default", "--task", "humaneval"], "only a math task scores"),
+             (["--demo", "critics", "--lam", "0.5"], "cell seed0/start: --lam")]
+    tiny = TINY[:TINY.index("--problems_per_step")] + TINY[TINY.index("--group_size"):]
+    for argv, words in cases:  # (the optimizer demo's cells set --problems_per_step themselves)
+        with pytest.raises(SystemExit, match=words):
+            grid.main([*argv, "--seeds", "0", "--out", str(tmp_path), *tiny])
+    assert os.listdir(tmp_path) == []
+
+
 def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys):
     """The plumbing of --demo on the tiny model: every cell and seed trained with the demo's flags,
     the flags after --demo passed on (and overriding), one table row per cell, a verdict per
@@ -240,6 +268,11 @@ def test_the_findings_by_hand():
         assert expected in lines, (expected, lines)
     # no isolated cell to compare
     assert not any("isolated peaks higher, eval_opt" in line for line in lines)
+    # evaluated at the start and the end only: no middle, and no plateau to claim
+    ends = {s: ({**config, "eval_every": 4}, [rows[0], rows[-1]])
+            for s, (config, rows) in by_cell["eval_opt-shared"].items()}
+    assert math.isnan(tables.accuracy_numbers(*ends["0"])["end - middle"])
+    assert not any("shared plateaus" in line for line in tables.claims({"eval_opt-shared": ends}))
     table = tables.main_table(by_cell)
     assert ("| voting-isolated | 0.40 (0.40 to 0.40) | 0.80 (0.80 to 0.80) | 0.40 (0.30 to 0.50) "
             "| 0.40 (0.30 to 0.50) |") in "\n".join(table)

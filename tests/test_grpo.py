@@ -238,18 +238,27 @@ def test_old_logprob_pass_only_for_the_mini_batches_after_the_first_step(tiny):
 
 def test_gradient_noise_by_hand():
     # 2 / 2
-    assert gradient_noise(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == pytest.approx(1.0)
+    assert (gradient_noise(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), 1, 1)
+            == pytest.approx(1.0))
     # one direction
-    assert gradient_noise(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == 0.0
-    assert (gradient_noise(torch.tensor([3.0, 0.0]), torch.tensor([1.0, 0.0]))
+    assert gradient_noise(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]), 1, 1) == 0.0
+    assert (gradient_noise(torch.tensor([3.0, 0.0]), torch.tensor([1.0, 0.0]), 1, 1)
             == pytest.approx(4 / 16))
+    # halves of 2 and 1 problems of one gradient m: a pure signal (|g0 - g1|^2 / |g|^2 reads 1/9)
+    m = torch.tensor([1.0, 2.0])
+    assert gradient_noise(2 * m, m, 2, 1) == pytest.approx(0.0, abs=1e-7)
+    # 2 x 1 x |(3, 0) / 2 - (1, 0)|^2 / |(4, 0)|^2 = 2 x 0.25 / 16
+    assert (gradient_noise(torch.tensor([3.0, 0.0]), torch.tensor([1.0, 0.0]), 2, 1)
+            == pytest.approx(0.5 / 16))
 
 
 def test_the_gradient_noise_is_read_off_two_halves_of_the_problems(tiny):
-    """grad_noise is |g0 - g1|^2 / |g0 + g1|^2, g_h the gradient of the calls of half h of the
-    problems (group_size consecutive episodes each, alternating halves). Reference from three
-    separate updates' gradient norms: |g0 - g1|^2 = 2 |g0|^2 + 2 |g1|^2 - |g0 + g1|^2."""
-    # 6 episodes x 3 generators; with group_size 2, episodes 0, 1, 4, 5 in half 0
+    """grad_noise is n0 n1 |g0 / n0 - g1 / n1|^2 / |g0 + g1|^2, g_h the gradient of the calls of
+    half h of the problems (group_size consecutive episodes each, alternating halves), n_h its
+    problems. Reference from three separate updates' gradient norms, here n0 = 2 and n1 = 1:
+    |g0 - 2 g1|^2 = 3 |g0|^2 + 6 |g1|^2 - 2 |g0 + g1|^2 (g0 . g1 from the three norms); over a
+    single problem there is no second half, and no grad_noise."""
+    # 6 episodes x 3 generators; with group_size 2, problems 0 and 2 (episodes 0, 1, 4, 5) in half 0
     calls = sampled_calls(tiny)
     model, tok = tiny
     settings = UpdateSettings(temperature=1.0, one_step=True, group_size=2, grad_clip=1e9)
@@ -264,10 +273,13 @@ def test_the_gradient_noise_is_read_off_two_halves_of_the_problems(tiny):
     both, _ = norm(calls)
     half = [[c for c in calls if c.episode // 2 % 2 == h] for h in (0, 1)]
     # each call's term is 1 / len(batch)
-    n0, n1 = (norm(part)[0] * len(part) / len(calls) for part in half)
+    a0, a1 = (norm(part)[0] * len(part) / len(calls) for part in half)  # |g0|, |g1|
     assert len(half[0]) == 12 and len(half[1]) == 6
     assert stats["adapter/generator/grad_noise"][0] == pytest.approx(
-        (2 * n0 ** 2 + 2 * n1 ** 2 - both ** 2) / both ** 2, rel=1e-3)
+        (3 * a0 ** 2 + 6 * a1 ** 2 - 2 * both ** 2) / (2 * both ** 2), rel=1e-3)
+    one = gradient_signals(model, "generator", calls, tok.pad_token_id,
+                           dataclasses.replace(settings, group_size=6))
+    assert "adapter/generator/grad_noise" not in one and "role/generator/kappa" in one
 
 
 def test_the_gradient_signals_move_nothing_and_add_up_to_the_updates_gradient(tiny):

@@ -275,6 +275,8 @@ def test_correct_programs_score_one(problem, code):
     (CALL, "def plus(a, b):\n    return a + b\n", "no proof of success"),
     (Problem("empty", "", "", kind="code", test_format="stdio", tests="[]"), "print(1)\n",
      "no tests"),
+    (Problem("blank", "", "", kind="code", test_format="stdio", tests=""), "print(1)\n",
+     "no tests"),
     (Problem("empty", "", "", kind="code", test_format="assert", entry_point="f"),
      "def f():\n    pass\n", "no tests"),
 ])

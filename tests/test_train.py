@@ -778,6 +778,7 @@ def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path
     for kw, words in [(dict(seed=1), "--seed 1 differs from the start's"),
                       (dict(sft_warmup=1), "--sft_warmup 1 differs"),
                       (dict(truncated="keep"), "--truncated keep differs"),  # scores step 0
+                      (dict(grad_clip=0.1), "--grad_clip 0.1 differs"),  # clips the warm-up
                       (dict(sharing="shared"), "cannot become one shared adapter"),
                       (dict(start_from=str(tmp_path / "nothing")),
                        "no run with a checkpoint there")]:
@@ -1188,6 +1189,34 @@ def test_voting_is_evaluated_on_candidates_that_can_differ(tmp_path, monkeypatch
     voting = train.Config(model="tiny", workflow="voting", eval_samples=2)
     assert "sampled evaluation on 96 held-out problems x 2 samples" in launch.plan(voting, "cpu")
     assert "greedy evaluation on 96 held-out problems at" in launch.plan(cfg, "cpu")
+
+
+def test_a_process_without_held_out_problems_joins_the_one_gather_of_an_evaluation(monkeypatch):
+    """Under torchrun with fewer held-out problems than processes, a process's block is empty:
+    it still takes part in the evaluation's single gather, and every process reads the others'
+    lists by the keys any process wrote (a gather per key of its own would hang the others)."""
+    model, tok = load_policy("tiny")
+    inject_lora(model, 4, 8.0, ("q_proj", "v_proj"))
+    setup_adapters(model, ROLES["single"], "shared")
+    gathers = []
+    def gather(items):  # this process (rank 0, nothing) and rank 1's one right answer
+        gathers.append(items)
+        return items + [{"reward": [1.0], "len": [3], "first_answer": [1.0]}]
+    monkeypatch.setattr(train, "block", lambda n: range(0))
+    monkeypatch.setattr(train, "gather_lists", gather)
+    cfg = train.Config(model="tiny", workflow="single", max_new_tokens=4)
+    m = train.evaluate(model, tok, cfg, load_task("arith", "test", 1, 2, 0))
+    assert len(gathers) == 1 and m["eval/accuracy"] == 1.0 and m["eval/len"] == 3
+
+
+def test_the_time_left_before_any_step_counts_every_episode_of_an_evaluation():
+    """Before its first step a run guesses a step from its evaluation, whose episodes are the
+    test and val problems, each sample of them: 112 s over 64 + 48 problems is 1 s an episode,
+    a step of 32 episodes 48 s with its update, and 10 steps and 5 evaluations are left."""
+    cfg = train.Config(steps=10, eval_every=2, eval_problems=64, val_problems=48)
+    assert launch.estimate_minutes(cfg, 112.0, [], 0) == pytest.approx((10 * 48 + 5 * 112) / 60)
+    sampled = dataclasses.replace(cfg, workflow="voting", eval_samples=2)  # 224 episodes
+    assert launch.estimate_minutes(sampled, 224.0, [], 0) == pytest.approx((480 + 5 * 224) / 60)
 
 
 def test_the_orchestrators_warm_up_plans_vary_from_episode_to_episode():

@@ -230,6 +230,8 @@ def test_eval_opt_missing_verdict_refines_and_is_flagged() -> None:
     (r"It gives \boxed{5}, which is incorrect.", (False, "word")),
     ("Incorrect at first glance, but correct.", (True, "word")),
     ("This was done incorrectly.", (False, "default")),
+    ("The answer 7 is not correct.", (False, "word")),
+    (r"\boxed{Not correct}", (False, "boxed")),
     ("", (False, "default")),
 ])
 def test_parse_verdict(text: str, expected: tuple[bool, str]) -> None:
