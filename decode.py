@@ -100,6 +100,10 @@ def prefill(model, ids: torch.Tensor, attn: torch.Tensor) -> tuple[DynamicCache,
     cache = DynamicCache()
     out = forward_padded(model, distinct[:, :P], distinct[:, P:], cache=cache, use_cache=True,
                          logits_to_keep=1)
+    if len(cache.layers) != model.config.num_hidden_layers:  # `cache=` went unread
+        raise RuntimeError(f"the prefill filled {len(cache.layers)} cache layers of "
+                           f"{model.config.num_hidden_layers}: a transformers whose models take "
+                           "`cache=` is needed (requirements.txt)")
     for layer in cache.layers:
         layer.batch_select_indices(copy)
     return cache, out.logits[copy, -1]
@@ -182,10 +186,6 @@ class StaticStep:
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        if len(cache.layers) != len(self.layers):
-            raise RuntimeError(f"the prefill filled {len(cache.layers)} cache layers of "
-                               f"{len(self.layers)}: a transformers whose models take `cache=` "
-                               "is needed (requirements.txt)")
         # the prefill's keys and values (B, Hkv, P, d), in caches of S columns
         self.keys, self.values = [], []
         for layer in cache.layers:
@@ -235,16 +235,19 @@ class StaticStep:
 
 def capture(step: StaticStep):
     """A CUDA graph of `step`, and its output tensor, which each replay rewrites. Running the
-    step writes only the current column, so the warm-up runs below leave nothing behind."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # kernels' first runs (cuBLAS handles, workspaces) off the graph
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = step()
+    step writes only the current column, so the warm-up runs below leave nothing behind. On the
+    step's own GPU (the streams are the current device's: cuda:1's kernels on cuda:0's stream
+    would leave the graph empty)."""
+    with torch.cuda.device(step.token.device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # kernels' first runs (cuBLAS handles, workspaces) off it
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()
     return graph, logits
 
 

@@ -59,7 +59,19 @@ def load_policy(name: str, device: str = "cpu", dtype: str = "auto"):
     model.generation_config.pad_token_id = tok.pad_token_id
     # Eval mode for good, training included: dropout would make the old and new
     # log-probs of the same weights differ, and the ratio would no longer start at 1.
-    return model.to(device=device, dtype=weights).eval(), tok
+    return cast(model, device, weights).eval(), tok
+
+
+def cast(model, device: str, dtype: torch.dtype):
+    """The model on `device`, its weights in `dtype`; the rotary frequencies stay fp32, as
+    transformers keeps them (in bf16 they would be off by up to 0.37 %, and every position's
+    angle with them)."""
+    rotary = {name: buffer for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
+    model.to(device=device, dtype=dtype)
+    for name, buffer in rotary.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buffer.to(device))
+    return model
 
 
 def _load_smollm2(dtype: torch.dtype):

@@ -237,7 +237,7 @@ class Rollout:
         new, sampled = new.cpu(), (None if sampled is None else sampled.cpu())
         texts = []
         for i in range(len(chats)):
-            prompt_ids = ids[i][attn[i].bool()].tolist()
+            prompt_ids = list(fitted[i])  # the row as left_pad got it, read from the host
             completion = cut_at_eos(new[i].tolist(), tok.eos_token_id)
             text = tok.decode(completion, skip_special_tokens=True)
             texts.append(text)

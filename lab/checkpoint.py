@@ -47,12 +47,16 @@ class TrainState:
     rng: random.Random  # problems and mini-batches (torch's generator is the global one)
     emas: dict  # adapter name -> the EMA of its gradient (--damping)
 
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def save(self, out: str, step: int, best: dict | None = None) -> None:
         """Write out/ckpt, or with `best` (best.json's content, keep_best) out/best. Every process
         calls it; rank 0 writes."""
         torch_rngs = gather_lists([torch.get_rng_state()])
-        cuda = torch.cuda.is_available()
-        cuda_rngs = gather_lists([torch.cuda.get_rng_state()]) if cuda else None
+        device = self.device()
+        cuda_rngs = (gather_lists([torch.cuda.get_rng_state(device)]) if device.type == "cuda"
+                     else None)
         if rank_and_world()[0] != 0:
             return
         final = os.path.join(out, "best" if best else "ckpt")
@@ -111,7 +115,7 @@ class TrainState:
         barrier()
         try:
             load_adapters(self.model, path, adapter_names(self.model))  # the KL anchors too
-            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            state = load_state(path)
             for k, h in self.heads.items():
                 h.load_state_dict(load_file(os.path.join(path, k, "value_head.safetensors")))
         except Exception as e:  # a truncated or foreign file: say so in one line
@@ -126,8 +130,9 @@ class TrainState:
                 scheduler.base_lrs = lrs
                 for group, lr, factor in zip(optimizer.param_groups, lrs, scheduler.lr_lambdas):
                     group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
-        set_rngs(state, self.rng, f"--resume: {out}")
-        self.emas.update(state["emas"])
+        set_rngs(state, self.rng, f"--resume: {out}", self.device())
+        self.emas.update({name: {k: t.to(self.device()) for k, t in ema.items()}
+                          for name, ema in state["emas"].items()})
         return state["step"]
 
     def load_start(self, where: str, sharing: str, saved: dict) -> dict:
@@ -135,7 +140,7 @@ class TrainState:
         random number states; `saved`: its config (launch.check_start). Returns its step-0
         metrics, or the best checkpoint's evaluation as this run's step 0."""
         run, path = start_checkpoint(where)
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        state = load_state(path)
         fresh = {n for n in self.heads if not os.path.isdir(os.path.join(path, n))}  # start lacks
         for name in (n for n in adapter_names(self.model) if n not in fresh):
             source = name if saved["sharing"] == sharing or name in self.heads else "shared"
@@ -143,24 +148,30 @@ class TrainState:
                                load_file(os.path.join(path, source, "adapter_model.safetensors")))
         for name, head in ((n, h) for n, h in self.heads.items() if n not in fresh):
             head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
-        set_rngs(state, self.rng, f"--start_from {where}")
+        set_rngs(state, self.rng, f"--start_from {where}", self.device())
         best = read_best(path)
         if best:
             return {"step": 0, **best["evaluation"]}
         return read_jsonl(os.path.join(run, "metrics.jsonl"))[0]
 
 
-def set_rngs(state: dict, rng: random.Random, source: str) -> None:
+def load_state(ckpt: str) -> dict:
+    """A checkpoint's state.pt, its tensors on the CPU (a GPU run's too: an optimizer moves its
+    state to its parameters' device as it loads it)."""
+    return torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+
+
+def set_rngs(state: dict, rng: random.Random, source: str, device: torch.device) -> None:
     """This process's random number states from a checkpoint's state.pt, saved by as many
-    processes."""
+    processes; a GPU run's CUDA state on the run's `device`, where it is a GPU."""
     rank, world = rank_and_world()
     torch_rngs = state["torch_rngs"]
     if len(torch_rngs) != world:
         raise SystemExit(f"{source} was saved by {len(torch_rngs)} process(es); run it with as "
                          f"many (torchrun --nproc_per_node {len(torch_rngs)}), not {world}")
     torch.set_rng_state(torch_rngs[rank])
-    if state["cuda_rngs"] is not None:
-        torch.cuda.set_rng_state(state["cuda_rngs"][rank])
+    if state["cuda_rngs"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rngs"][rank], device)
     rng.setstate(state["py_rng"])
 
 
@@ -193,7 +204,7 @@ def whole_checkpoint(final: str) -> bool:
     when none does."""
     for path in (final + ".tmp", final, final + ".old"):
         try:  # the files a load reads: one torn by a crash or a power loss replaces nothing
-            torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            load_state(path)
             for tensors in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
                 load_file(tensors)
             if os.path.exists(os.path.join(path, "best.json")) and read_best(path) is None:

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from critic import CriticSettings, critic_key, setup_critics
 from grpo import UpdateSettings
 from lab.machine import barrier, log, rank_and_world
-from lab.checkpoint import TrainState, read_best, restore_best, start_checkpoint
+from lab.checkpoint import TrainState, load_state, read_best, restore_best, start_checkpoint
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
 from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_algo_flags, check_numbers,
                           critic_settings, lora_targets, update_settings, warmup_roles)
@@ -330,7 +330,7 @@ def check_start(cfg: Config) -> dict:
     try:
         with open(os.path.join(run, "config.json")) as f:
             saved = type(cfg)(**json.load(f))
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
+        state = load_state(ckpt)
         for tensors in glob.glob(os.path.join(ckpt, "**", "*.safetensors"), recursive=True):
             load_file(tensors)  # a torn adapter stops the launch here, before a file is written
     except FileNotFoundError:

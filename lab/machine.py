@@ -221,7 +221,7 @@ def peak_memory_mb(device: str) -> float:
     Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
     started from it (lab/grid.py --reproduce, lab/bench.py), VmHWM starts afresh."""
     if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated() / 2**20
+        return torch.cuda.max_memory_allocated(device) / 2**20
     try:
         with open("/proc/self/status") as f:
             return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
@@ -231,12 +231,12 @@ def peak_memory_mb(device: str) -> float:
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def reset_peak(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(device)
         return
     try:
         with open("/proc/self/clear_refs", "w") as f:

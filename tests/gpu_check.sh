@@ -1,67 +1,51 @@
 #!/bin/bash
-# The GPU checks of docs/performance.md, in one run of about eight minutes on one GPU:
-# the decoders' tests with CUDA visible, a bf16 gradient through left padding under the old
-# and the new attention mask, one decoding step alone (eager, and a CUDA graph's replay),
-# lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's decode, the CPU's loop and
-# transformers' generate, fp32 and bf16) on the embedded model and
-# on Qwen3-0.6B's shape with random weights, the update profiled in bf16 and in fp32 (kernels
-# launched, host and GPU time), the default run, and three steps of the GPU recipe
-# on the embedded model with the diagnostics and without. Every log lands in $LOGS (default: ./gpu).
+# The GPU checks of docs/performance.md, in one run of at most $BUDGET seconds (default 540: one
+# device call is at most 600) on one GPU, the parts never measured on a GPU first, so that a
+# run cut short loses what is known already: the decoders' tests with CUDA visible, one decoding
+# step alone (eager, and a CUDA graph's replay) by rows, the default run, three steps of the GPU
+# recipe on the embedded model with the diagnostics, the update profiled in bf16 and in fp32
+# (kernels launched, host and GPU time), lab/bench.py's throughput (32, 128, 512 rows; the CUDA
+# graph's decode, the CPU's loop and transformers' generate, fp32 and bf16), the recipe without
+# the diagnostics, lab/bench.py on Qwen3-0.6B's shape with random weights, and a bf16 gradient
+# through left padding under the old and the new attention mask. A part that would not finish
+# in the time left is skipped and named in skipped.txt. Every log lands in $LOGS (default:
+# ./gpu); with TAR=FILE they are also packed into that one file after every part.
 #   bash tests/gpu_check.sh
+#   LOGS=/tmp/gpu TAR=$OUT/gpu.tgz bash tests/gpu_check.sh   # on a machine that returns few files
 LOGS=${LOGS:-gpu}
+BUDGET=${BUDGET:-540}
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYTHONPATH"
 PY=${PY:-python}
+set -o pipefail
 $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
   || { echo "gpu_check: $PY finds no torch with a CUDA device here; run it where one is"; exit 1; }
 mkdir -p "$LOGS"
+
+# limit CAP: the seconds a part may take, CAP or what is left of the budget
+limit() { local rest=$(( BUDGET - SECONDS )); echo $(( rest < $1 ? rest : $1 )); }
+# enough NEED NAME: whether NEED seconds are left for part NAME (else it is skipped, and said)
+enough() {
+  [ $(( BUDGET - SECONDS )) -ge "$1" ] && return 0
+  echo "== $2: skipped, $(( BUDGET - SECONDS )) s of the budget left" | tee -a "$LOGS/skipped.txt"
+  return 1
+}
+pack() { [ -z "$TAR" ] || tar czf "$TAR" -C "$LOGS" . ; }
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOGS/device.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$LOGS/device.txt"
-$PY -c "from model import load_policy; load_policy('smollm2', 'cuda')" || exit 1   # the first load converts
+timeout 150 $PY -c "from model import load_policy; load_policy('smollm2', 'cuda')" || exit 1   # the first load converts
+pack
 
 echo "== tests"
-timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tee "$LOGS/tests.txt" | tail -3
-grep -q " failed" "$LOGS/tests.txt" && { echo "the decoders' tests failed: the rest would measure a broken decode"; exit 1; }
-
-echo "== bf16 gradient through left padding, the old mask against the new"
-timeout 120 $PY - <<'PY' 2>&1 | tee "$LOGS/nan.txt"
-import torch
-import decode
-from lora import add_adapter, adapter_parameters, inject_lora, use_adapter
-from model import load_policy
-from rollout import Call, sequence_logprobs
-
-def padding_only(model, ids, attn, **kw):  # the mask before: padding and causality, as transformers makes it
-    return model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), **kw)
-
-model, tok = load_policy("smollm2", "cuda")
-inject_lora(model, 16, 32)
-add_adapter(model, "shared")
-g = torch.Generator().manual_seed(0)
-calls = [Call(i, "generator", "generator0", 0, torch.randint(100, 40000, (20 + 13 * i,), generator=g).tolist(),
-              torch.randint(100, 40000, (30,), generator=g).tolist(), "", "") for i in range(16)]
-params = adapter_parameters(model, "shared")
-for name, forward in (("padding only", padding_only), ("padded_causal_mask", decode.forward_padded)):
-    import rollout
-    rollout.forward_padded = forward
-    for p in params:
-        p.requires_grad_(True)
-        p.grad = None
-    with use_adapter(model, "shared"):
-        logp, mask, _ = sequence_logprobs(model, calls, tok.pad_token_id)
-        (logp * mask).sum().backward()
-    bad = sum(int((~p.grad.isfinite()).sum()) for p in params)
-    print(f"{name}: log-probs finite {bool(logp[mask.bool()].isfinite().all())}, "
-          f"non-finite gradient entries {bad} of {sum(p.numel() for p in params)}")
-PY
-
-echo "== bench"
-timeout 200 $PY -m lab.bench --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
-  --json "$LOGS/bench.json" 2>&1 | tee "$LOGS/bench.txt" | grep -v "^bench:"
+timeout $(limit 120) $PY -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tee "$LOGS/tests.txt" | tail -3 \
+  || { echo "the decoders' tests did not pass: the rest would measure a broken decode"; pack; exit 1; }
+pack
 
 echo "== one decoding step alone, eager and replayed as a CUDA graph, by rows"
 for model in smollm2 random:qwen3-0.6b; do
-timeout 90 $PY - $model <<'PY' 2>&1 | grep -v "^$" | tee -a "$LOGS/step.txt"
+enough 40 "step $model" || continue
+timeout $(limit 90) $PY - $model <<'PY' 2>&1 | grep -v "^$" | tee -a "$LOGS/step.txt"
 import sys
 import time
 
@@ -84,6 +68,7 @@ for dtype in ("bf16", "fp32"):
         with torch.no_grad():
             cache, logits = prefill(model, ids, attn)
             step = StaticStep(model, cache, attn.bool(), ids.shape[1] + 48)
+            del cache
             step.position.copy_(attn.long().sum(-1, keepdim=True))
             step.column.fill_(ids.shape[1])
             step.token.copy_(logits.argmax(-1))
@@ -105,16 +90,41 @@ for dtype in ("bf16", "fp32"):
                 timed[label] = (time.perf_counter() - start) / 24
         print(f"{name} {dtype}, {B} rows, context {ids.shape[1]}: " +
               ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timed.items()), flush=True)
+        del step, graph
+        torch.cuda.empty_cache()
     del model
 PY
 done
+pack
 
-echo "== bench, Qwen3-0.6B's shape with random weights"
-timeout 150 $PY -m lab.bench --model random:qwen3-0.6b --device cuda --skip step,sharing --batches 32,512 \
-  --repeats 1 --json "$LOGS/bench-qwen3.json" 2>&1 | tee "$LOGS/bench-qwen3.txt" | grep -v "^bench:"
+echo "== the default run"
+if enough 70 "the default run"; then
+  start=$EPOCHREALTIME
+  timeout $(limit 120) $PY train.py --out /tmp/gpu-default --overwrite > "$LOGS/default.txt" 2>&1
+  echo "exit $?, wall $(awk "BEGIN {print $EPOCHREALTIME - $start}") s (loading included)" | tee -a "$LOGS/default.txt"
+  grep -E "^step|not applied|peak" "$LOGS/default.txt" | tail -8
+  cp /tmp/gpu-default/metrics.jsonl "$LOGS/default-metrics.jsonl" 2>/dev/null
+fi
+pack
+
+# The recipe with the diagnostics (per-slot and half-batch backward passes) every step, the
+# default, and, once the rest is measured, with none: what they cost on the GPU.
+recipe() {
+  echo "== three steps of the GPU recipe, --diag_every $1"
+  enough 80 "the recipe, --diag_every $1" || return
+  timeout $(limit 150) $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
+    --max_new_tokens 256 --level 3 --steps 3 --eval_problems 32 --micro_batch_tokens 16384 \
+    --diag_every $1 --out /tmp/gpu-recipe$1 --overwrite > "$LOGS/recipe$1.txt" 2>&1
+  echo "exit $?" | tee -a "$LOGS/recipe$1.txt"
+  grep -E "^step [0-9]+/|not applied" "$LOGS/recipe$1.txt" | tail -4
+  cp /tmp/gpu-recipe$1/metrics.jsonl "$LOGS/recipe$1-metrics.jsonl" 2>/dev/null
+  pack
+}
+recipe 1
 
 echo "== the update's profile, bf16 against fp32: kernels launched, host and GPU time"
-timeout 150 $PY - smollm2 <<'PY' 2>&1 | grep -v -e "^$" -e "^USDT" | tee "$LOGS/update-profile.txt"
+if enough 60 "the update's profile"; then
+timeout $(limit 150) $PY - smollm2 <<'PY' 2>&1 | grep -v -e "^$" -e "^USDT" | tee "$LOGS/update-profile.txt"
 import random
 import sys
 import time
@@ -178,22 +188,58 @@ for dtype in ("bf16", "fp32"):
                   + ", ".join(f"{e.key[:40]} x{e.count} {gpu_ms[e.key]:.1f} ms" for e in top))
     del model
 PY
+fi
+pack
 
-echo "== the default run"
-start=$EPOCHREALTIME
-timeout 120 $PY train.py --out /tmp/gpu-default --overwrite > "$LOGS/default.txt" 2>&1
-echo "exit $?, wall $(awk "BEGIN {print $EPOCHREALTIME - $start}") s (loading included)" | tee -a "$LOGS/default.txt"
-grep -E "^step|not applied|peak" "$LOGS/default.txt" | tail -8
+echo "== bench"
+if enough 100 "bench"; then
+  timeout $(limit 200) $PY -m lab.bench --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
+    --json "$LOGS/bench.json" 2>&1 | tee "$LOGS/bench.txt" | grep -v "^bench:"
+fi
+pack
 
-# The recipe with the diagnostics (per-slot and half-batch backward passes) every step, the
-# default, and with none: what they cost on the GPU.
-for diag in 1 0; do
-  echo "== three steps of the GPU recipe, --diag_every $diag"
-  timeout 100 $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
-    --max_new_tokens 256 --level 3 --steps 3 --eval_problems 32 --micro_batch_tokens 16384 \
-    --diag_every $diag --out /tmp/gpu-recipe$diag --overwrite > "$LOGS/recipe$diag.txt" 2>&1
-  echo "exit $?" | tee -a "$LOGS/recipe$diag.txt"
-  grep -E "^step [0-9]+/|not applied" "$LOGS/recipe$diag.txt" | tail -4
-  cp /tmp/gpu-recipe$diag/metrics.jsonl "$LOGS/recipe$diag-metrics.jsonl" 2>/dev/null
-done
-cp /tmp/gpu-default/metrics.jsonl "$LOGS/default-metrics.jsonl" 2>/dev/null
+recipe 0
+
+echo "== bench, Qwen3-0.6B's shape with random weights"
+if enough 60 "bench on random:qwen3-0.6b"; then
+  timeout $(limit 150) $PY -m lab.bench --model random:qwen3-0.6b --device cuda --skip step,sharing \
+    --batches 32,512 --repeats 1 --json "$LOGS/bench-qwen3.json" 2>&1 | tee "$LOGS/bench-qwen3.txt" \
+    | grep -v "^bench:"
+fi
+pack
+
+echo "== bf16 gradient through left padding, the old mask against the new"
+if enough 30 "the bf16 gradient"; then
+timeout $(limit 120) $PY - <<'PY' 2>&1 | tee "$LOGS/nan.txt"
+import torch
+import decode
+from lora import add_adapter, adapter_parameters, inject_lora, use_adapter
+from model import load_policy
+from rollout import Call, sequence_logprobs
+
+def padding_only(model, ids, attn, **kw):  # the mask before: padding and causality, as transformers makes it
+    return model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), **kw)
+
+model, tok = load_policy("smollm2", "cuda")
+inject_lora(model, 16, 32)
+add_adapter(model, "shared")
+g = torch.Generator().manual_seed(0)
+calls = [Call(i, "generator", "generator0", 0, torch.randint(100, 40000, (20 + 13 * i,), generator=g).tolist(),
+              torch.randint(100, 40000, (30,), generator=g).tolist(), "", "") for i in range(16)]
+params = adapter_parameters(model, "shared")
+for name, forward in (("padding only", padding_only), ("padded_causal_mask", decode.forward_padded)):
+    import rollout
+    rollout.forward_padded = forward
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = None
+    with use_adapter(model, "shared"):
+        logp, mask, _ = sequence_logprobs(model, calls, tok.pad_token_id)
+        (logp * mask).sum().backward()
+    bad = sum(int((~p.grad.isfinite()).sum()) for p in params)
+    print(f"{name}: log-probs finite {bool(logp[mask.bool()].isfinite().all())}, "
+          f"non-finite gradient entries {bad} of {sum(p.numel() for p in params)}")
+PY
+fi
+pack
+echo "gpu_check: done in $SECONDS s"

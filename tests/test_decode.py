@@ -160,3 +160,17 @@ def test_the_decoders_refuse_a_budget_of_no_token(tiny):
     for run in (decode, graph_decode):
         with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
             run(model, ids, attn, 0, tok.eos_token_id, tok.pad_token_id)
+
+
+def test_a_model_that_ignores_the_cache_argument_stops_the_decoders(tiny, monkeypatch):
+    """A transformers whose models read `past_key_values` only would leave the prefill's cache
+    empty, and each later step would see its last token alone: the decoders say so instead."""
+    model, tok = tiny
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, cache=None, **kw: forward(*a, **kw))
+    ids, attn = left_pad([[5, 6, 7]], tok.pad_token_id)
+    unread = "a transformers whose models take `cache=`"
+    with pytest.raises(RuntimeError, match=unread):
+        decode(model, ids, attn, 4, tok.eos_token_id, tok.pad_token_id)
+    with pytest.raises(RuntimeError, match=unread):
+        graph_decode(model, ids, attn, 4, tok.eos_token_id, tok.pad_token_id, use_graph=False)

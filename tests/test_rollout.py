@@ -262,6 +262,9 @@ def test_bf16_weights_keep_fp32_adapters_and_score_close_to_fp32():
         assert {p.dtype for p in adapter_parameters(model, "shared")} == {torch.float32}
         assert lora_layers(model)[0].base.weight.dtype == (torch.bfloat16 if dtype == "bf16"
                                                            else torch.float32)
+        # the rotary frequencies stay fp32 under bf16 weights, as transformers keeps them
+        rotary = model.model.rotary_emb
+        assert rotary.inv_freq.dtype == rotary.original_inv_freq.dtype == torch.float32
         if dtype == "fp32":
             rollout = Rollout(model, tok, "shared", max_new_tokens=12, greedy=True)
             run_workflow("single", ["What is 1 + 2?", "What is 12 + 7?"], rollout)
