@@ -189,6 +189,7 @@ def test_amplification_does_not_fire(change):
         rows[6]["role/generator/grad_norm"], rows[6]["adapter/generator/update_norm"] = 0.5, 1.0
     elif change == "early steps":  # under 3 steps of history: no running median yet
         rows[6]["role/generator/grad_norm"], rows[3]["role/generator/grad_norm"] = 0.5, 1.5
+        rows[3]["role/generator/kappa"] = 1.6  # aligned there too: only the history is short
         for r in val[2:]:
             r["val/accuracy"] = 0.30
     assert diagnose.find_amplification(config, rows) == []

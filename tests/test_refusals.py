@@ -50,10 +50,16 @@ def test_a_run_inside_another_runs_directory_is_refused(inside, tmp_path):
 
 def test_a_directory_beside_a_run_or_below_a_non_run_is_free(tmp_path):
     run(tmp_path / "a")
+    before = directory_state(tmp_path / "a")
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "config.json").write_text("{}")  # another tool's config: no run without a log
     run(tmp_path / "b" / "run")
     run(tmp_path / "a2")
+    for new in ("b/run", "a2"):  # both ran to their last step, and the run beside them is as it was
+        rows = [json.loads(line) for line in open(tmp_path / new / "metrics.jsonl")]
+        assert rows[-1]["step"] == TINY["steps"], new
+    assert directory_state(tmp_path / "a") == before
+    assert (tmp_path / "b" / "config.json").read_text() == "{}"
 
 
 def test_step_0s_best_is_saved_before_the_checkpoint(tmp_path, monkeypatch):

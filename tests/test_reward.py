@@ -458,6 +458,43 @@ def test_answers_of_plain_expressions(level):
     assert checked > 0 or level == 5  # level 5 is all word problems
 
 
+def worded_answer(question: str) -> int:
+    """The answer of an arithmetic question read from its words alone, not from the tables that
+    made it: a plain question by its operation's word, a story number by number, each changing
+    the count by what the words before it do (gives, takes, lost: fewer; bags with, packs of,
+    boxes with, each box holds: that many times over; otherwise more)."""
+    nums = [int(n) for n in re.findall(r"\d+", question)]
+    if m := EXPRESSION.fullmatch(question):
+        return eval((m.group(1) or m.group(2)).replace("×", "*"))
+    if "How many" not in question:
+        if question.startswith(("Subtract", "Take")) or " less than " in question:
+            return nums[1] - nums[0]
+        if " minus " in question:
+            return nums[0] - nums[1]
+        if re.search(r"times|Multiply|product", question):
+            return nums[0] * nums[1]
+        return sum(nums)  # plus, the sum of, Add
+    marks = list(re.finditer(r"\d+", question))
+    count = nums[0]
+    for before, n in zip(marks, marks[1:]):
+        words = question[before.end():n.start()]
+        if re.search(r"\b(gives|takes|lost)\b", words):
+            count -= int(n.group())
+        elif re.search(r"(bags with|packs of|boxes with|each box holds) $", words):
+            count *= int(n.group())
+        else:
+            count += int(n.group())
+    return count
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_every_answer_is_what_its_words_ask(level):
+    """Every question of every split, plain or a story, against the answer its words give."""
+    for split in SPLITS:
+        for question, answer in _every_question(level, split).items():
+            assert str(worded_answer(question)) == answer, question
+
+
 @pytest.mark.parametrize("level, question, answer", [
     (2, "There are 6 marbles in a box. Sam takes 3 out. How many marbles are left in the box?",
      "3"),

@@ -80,13 +80,26 @@ def test_cut_at_first_eos():
 
 
 def test_recorded_completions_end_at_their_first_eos(tiny):
-    rollout = make_rollout(tiny, sharing="shared", workflow="single")
+    """The tiny model never writes its eos (its logit is 0 through the pad's zero embedding), so
+    the decoder here ends row i after i % 4 + 1 tokens, pad after, and every fourth row not at
+    all: a call keeps its tokens up to its eos, which it counts as finished, and a row without
+    one keeps all 12 and is cut."""
+    def ending(model, ids, attn, max_new_tokens, eos_id, pad_id, *args):
+        new, logp = decode(model, ids, attn, max_new_tokens, eos_id, pad_id, *args)
+        for i in range(len(new)):
+            if i % 4:
+                new[i, i % 4], new[i, i % 4 + 1:] = eos_id, pad_id
+        return new, logp
+    rollout = make_rollout(tiny, sharing="shared", workflow="single", decoder=ending)
     eos = rollout.tok.eos_token_id
     run_workflow("single", ["What is 1 + 2?"] * 16, rollout)
     assert len(rollout.calls) == 16
-    for c in rollout.calls:
-        assert eos not in c.completion_ids[:-1]
-        assert 1 <= len(c.completion_ids) <= 12
+    for i, c in enumerate(rollout.calls):
+        if i % 4:
+            assert len(c.completion_ids) == i % 4 + 1 and c.completion_ids[-1] == eos
+            assert not c.truncated and len(c.rollout_logp) == i % 4 + 1
+        else:
+            assert len(c.completion_ids) == 12 and eos not in c.completion_ids and c.truncated
         # the recorded prompt is the unpadded prompt
         assert c.prompt_ids == rollout.tok(c.prompt, add_special_tokens=False).input_ids
 

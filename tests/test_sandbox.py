@@ -306,7 +306,9 @@ def test_score_dispatches_and_never_raises():
     for problem in (broken, weird, ADD):
         for text in (good, "", "```python\n\0\x00\n```",
                      "```python\n" + "(" * 10_000 + "\n```", None):
-            assert score(problem, text, timeout=TIMEOUT) in (0.0, 1.0)
+            # only the right program on a well-formed problem earns the reward
+            expected = 1.0 if (problem, text) == (ADD, good) else 0.0
+            assert score(problem, text, timeout=TIMEOUT) == expected, (problem.id, text)
     assert code_reward("```python\nimport os\nos._exit(0)\n```", ADD) == 0.0
 
 
