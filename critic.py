@@ -106,7 +106,7 @@ def critic_values(model: nn.Module, head: ValueHead, adapter: str,
 @torch.no_grad()
 def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
                    id_lists: list[list[int]], pad_id: int, batch_size: int = 16) -> torch.Tensor:
-    """Values of every input under its own critic, without gradient: (N,).
+    """Values of every input under its own critic, without gradient: (calls,).
 
     Identical inputs of one critic (the central critic's co-acting agents) run once.
     Under torchrun each process values its share of the inputs, and the values are summed
@@ -251,9 +251,9 @@ def outcome_rewards(calls: list[Call]) -> list[float]:
 def call_advantages(calls: list[Call], values: torch.Tensor, gamma: float, lam: float,
                     rewards: list[float] | None = None,
                     cut_returns_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE advantages and returns of every call, (N,) each.
+    """GAE advantages and returns of every call, (calls,) each.
 
-    values: (N,) the critic's value of each call's input (central: its joint step;
+    values: (calls,) the critic's value of each call's input (central: its joint step;
     decentral: its own observation); an agent's next value is that of its own next
     call. rewards: per-call rewards, default outcome_rewards(calls). cut_returns_zero
     (--truncated penalize): a call cut by the length limit returns 0, A = 0 - V(s), as its
@@ -272,17 +272,17 @@ def call_advantages(calls: list[Call], values: torch.Tensor, gamma: float, lam: 
     adv, ret = gae(r, v, mask, gamma, lam)  # (B, K), (B, K)
     real = mask.bool()
     advantages, returns = torch.zeros(len(calls)), torch.zeros(len(calls))
-    advantages[index[real]] = adv[real]  # (N,)
-    returns[index[real]] = ret[real]  # (N,)
+    advantages[index[real]] = adv[real]  # (calls,)
+    returns[index[real]] = ret[real]  # (calls,)
     if cut_returns_zero:
-        cut = torch.tensor([c.truncated for c in calls], dtype=torch.bool)  # (N,)
-        advantages = torch.where(cut, -values.detach().float().cpu(), advantages)  # (N,)
-        returns = torch.where(cut, torch.zeros_like(returns), returns)  # (N,)
+        cut = torch.tensor([c.truncated for c in calls], dtype=torch.bool)  # (calls,)
+        advantages = torch.where(cut, -values.detach().float().cpu(), advantages)  # (calls,)
+        returns = torch.where(cut, torch.zeros_like(returns), returns)  # (calls,)
     return advantages, returns
 
 
 def normalize(advantages: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(A - mean) / (std + eps) over the batch: (N,) -> (N,)."""
+    """(A - mean) / (std + eps) over the batch: (calls,) -> (calls,)."""
     return (advantages - advantages.mean()) / (advantages.std(correction=0) + eps)
 
 
@@ -302,16 +302,16 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                clip: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """0.5 * mean (V - R)^2, optionally PPO-clipped around the rollout's values: (N,) -> ().
+    """0.5 * mean (V - R)^2, optionally PPO-clipped around the rollout's values: (calls,) -> ().
 
     With clip, V may move at most `clip` from old_values before the loss stops
     rewarding the move (the max of clipped and unclipped errors, as in PPO2).
     """
-    v_loss_unclipped = (values - returns) ** 2  # (N,)
+    v_loss_unclipped = (values - returns) ** 2  # (calls,)
     v_loss = v_loss_unclipped
     if clip is not None:
-        v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)  # (N,)
-        v_loss_clipped = (v_clipped - returns) ** 2  # (N,)
+        v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)  # (calls,)
+        v_loss_clipped = (v_clipped - returns) ** 2  # (calls,)
         v_loss = torch.max(v_loss_unclipped, v_loss_clipped)
     loss = 0.5 * v_loss.mean()
     with torch.no_grad():
@@ -360,8 +360,8 @@ class CriticBatch:
     """What the critics saw at rollout time, one entry per call."""
     keys: list[str]          # which critic scores the call
     ids: list[list[int]]     # that critic's input tokens
-    values: torch.Tensor     # (N,) V(s) at rollout time (the "old" values)
-    returns: torch.Tensor    # (N,) GAE returns, the regression targets
+    values: torch.Tensor     # (calls,) V(s) at rollout time (the "old" values)
+    returns: torch.Tensor    # (calls,) GAE returns, the regression targets
 
 
 def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[Call],
@@ -369,10 +369,10 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     """Value every call's input with its critic, then set call.advantage by GAE."""
     keys, texts = critic_inputs(calls, s.critic, s.per)
     ids = encode(tok, texts, s.max_tokens)
-    values = predict_values(model, heads, keys, ids, tok.pad_token_id, s.predict_batch)  # (N,)
+    values = predict_values(model, heads, keys, ids, tok.pad_token_id, s.predict_batch)  # (calls,)
     rewards = [c.reward for c in calls] if s.own_rewards else None  # None: outcome_rewards
     adv, returns = call_advantages(calls, values, s.gamma, s.lam, rewards,
-                                   cut_returns_zero=s.cut_returns_zero)  # (N,), (N,)
+                                   cut_returns_zero=s.cut_returns_zero)  # (calls,), (calls,)
     if s.normalize_advantages:
         adv = normalize(adv)
     for call, a in zip(calls, adv.tolist()):
