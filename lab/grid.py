@@ -321,7 +321,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                      allow_abbrev=False,
                                      epilog="Every other flag goes to each cell's train.py, "
                                             "after the cell's own "
-                                            "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math).")
+                                            "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math), "
+                                            "but not one the cells set themselves (--seed, "
+                                            "--workflow and --sharing in the main table, a "
+                                            "demo's own cell flags).")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--reproduce", action="store_true",
                       help="train the main table's cells, then report")
