@@ -424,8 +424,8 @@ TASKS: dict[str, Callable[..., list[Problem]]] = {
 }
 
 
-# task -> verifier
-KINDS = {"arith": "math", "humaneval": "code", "dapo_math": "math", "deepcoder": "code"}
+# task -> the kind of its problems, which names its verifier and its prompts
+TASK_KIND = {"arith": "math", "humaneval": "code", "dapo_math": "math", "deepcoder": "code"}
 
 
 def load_task(name: str, split: str, n: int, level: int, seed: int) -> list[Problem]:

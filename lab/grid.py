@@ -43,7 +43,7 @@ from lab.runs import load_run
 from lab.settings import Config, parse_config
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
                         seed_table, signal_numbers)
-from tasks import KINDS
+from tasks import TASK_KIND
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 
@@ -289,7 +289,7 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     spec, home = DEMOS[name], os.path.join(out, name)
     cells = demo_cells(name, home, train_flags, seeds)
     task = check_cells(cells, home)[0].task
-    if name == "default" and KINDS[task] != "math":
+    if name == "default" and TASK_KIND[task] != "math":
         raise SystemExit(f"--demo default: its table splits the gain at the generator's first "
                          f"answers, which only a math task scores (--task {task})")
     run_dirs = [d for d in train_cells(home, cells) if os.path.basename(d) in spec.cells]

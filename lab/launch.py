@@ -35,7 +35,7 @@ from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_algo_flags, chec
 from lora import adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters
 from model import load_policy
 from rollout import chat_text, context_length
-from tasks import KINDS, load_task
+from tasks import TASK_KIND, load_task
 from workflows import ROLES, every_prompt, role_of, slots
 
 
@@ -54,12 +54,12 @@ def check_settings(cfg: Config, typed: set[str] | None
     cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
     check_numbers(cfg)
     check_algo_flags(cfg, typed)
-    if cfg.credit == "own" and KINDS[cfg.task] != "math":
+    if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs); use --credit final")
     # --max_new_tokens 0: the task's own, resolved here once (a resumed run's config holds it)
-    cfg = dataclasses.replace(cfg,
-                              max_new_tokens=cfg.max_new_tokens or TASK_TOKENS[KINDS[cfg.task]])
+    tokens = cfg.max_new_tokens or TASK_TOKENS[TASK_KIND[cfg.task]]
+    cfg = dataclasses.replace(cfg, max_new_tokens=tokens)
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles

@@ -21,7 +21,7 @@ from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, se
 from measure import gradient_signals
 from model import load_policy
 from rollout import Rollout
-from tasks import KINDS, load_task
+from tasks import TASK_KIND, load_task
 import train
 from workflows import ROLES, run_workflow
 
@@ -65,7 +65,7 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
     advantages whatever the run's algorithm: the probe asks how the slots' gradients line up."""
     cfg = checkpoint_config(ckpt)  # everything checked before the model loads
     cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
-    if cfg.credit == "own" and KINDS[cfg.task] != "math":
+    if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--probe_credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs)")
     # where main writes it, known before the work
@@ -109,7 +109,7 @@ def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
     torch.manual_seed(seed)
     rollout = Rollout(model, tok, cfg.sharing, max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, top_p=cfg.top_p, greedy=not sample)
-    outcome = run_workflow(cfg.workflow, [question], rollout, kind=KINDS[cfg.task],
+    outcome = run_workflow(cfg.workflow, [question], rollout, kind=TASK_KIND[cfg.task],
                            n_agents=cfg.n_agents, max_rounds=cfg.max_rounds)[0]
     decoding = f"sampled at temperature {cfg.temperature}, seed {seed}" if sample else "greedy"
     best = read_best(ckpt)
