@@ -417,7 +417,7 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
             # micro-batches of one mini-batch add up to its mean loss
             (s.vf_coef * loss * len(micro) / len(mb)).backward()
             stats["value_loss"].append(st["value_loss"])
-            if s.value_clip:  # how often the clip held a value back: --value_clip at work
+            if s.value_clip is not None:  # how often the clip held a value back
                 stats["clip_frac"].append(st["clip_frac"])
         sum_gradients(params)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)

@@ -1,15 +1,17 @@
 #!/bin/bash
-# The GPU checks of docs/performance.md, in one run of at most $BUDGET seconds (default 540: one
-# device call is at most 600) on one GPU, the parts never measured on a GPU first, so that a
-# run cut short loses what is known already: the decoders' tests with CUDA visible, one decoding
-# step alone (eager, and a CUDA graph's replay) by rows, the default run, three steps of the GPU
-# recipe on the embedded model with the diagnostics, the update profiled in bf16 and in fp32
-# (kernels launched, host and GPU time), lab/bench.py's throughput (32, 128, 512 rows; the CUDA
-# graph's decode, the CPU's loop and transformers' generate, fp32 and bf16), the recipe without
-# the diagnostics, lab/bench.py on Qwen3-0.6B's shape with random weights, and a bf16 gradient
-# through left padding under the old and the new attention mask. A part that would not finish
-# in the time left is skipped and named in skipped.txt. Every log lands in $LOGS (default:
-# ./gpu); with TAR=FILE they are also packed into that one file after every part.
+# The GPU checks of docs/performance.md, in one run of at most about $BUDGET seconds (default
+# 540: one device call is at most 600) on one GPU. After the decoders' tests with CUDA visible,
+# the parts never measured on a GPU come first, so that a run cut short loses what is known
+# already: one decoding step alone (eager, and a CUDA graph's replay) by rows, three steps of
+# the GPU recipe on the embedded model with the diagnostics, the update profiled in bf16 and in
+# fp32 (kernels launched, host and GPU time), the recipe without the diagnostics, lab/bench.py
+# on Qwen3-0.6B's shape with random weights; then what was measured at an earlier commit: the
+# default run, lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's decode, the CPU's
+# loop and transformers' generate, fp32 and bf16), and a bf16 gradient through left padding
+# under the old and the new attention mask. A part that would not finish in the time left is
+# skipped and named in skipped.txt; one that overruns its share is asked to stop, and killed
+# 10 s later. Every log lands in $LOGS (default: ./gpu); with TAR=FILE they are also packed
+# into that one file after every part.
 #   bash tests/gpu_check.sh
 #   LOGS=/tmp/gpu TAR=$OUT/gpu.tgz bash tests/gpu_check.sh   # on a machine that returns few files
 LOGS=${LOGS:-gpu}
@@ -21,8 +23,13 @@ $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/d
   || { echo "gpu_check: $PY finds no torch with a CUDA device here; run it where one is"; exit 1; }
 mkdir -p "$LOGS"
 
-# limit CAP: the seconds a part may take, CAP or what is left of the budget
-limit() { local rest=$(( BUDGET - SECONDS )); echo $(( rest < $1 ? rest : $1 )); }
+# limit CAP: the seconds a part may take, CAP or what is left of the budget less the 10 s a
+# stopped part has to end (at least 1: `timeout 0` would mean no limit at all)
+limit() {
+  local rest=$(( BUDGET - SECONDS - 10 ))
+  rest=$(( rest < $1 ? rest : $1 ))
+  echo $(( rest < 1 ? 1 : rest ))
+}
 # enough NEED NAME: whether NEED seconds are left for part NAME (else it is skipped, and said)
 enough() {
   [ $(( BUDGET - SECONDS )) -ge "$1" ] && return 0
@@ -34,18 +41,19 @@ pack() { [ -z "$TAR" ] || tar czf "$TAR" -C "$LOGS" . ; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOGS/device.txt"
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$LOGS/device.txt"
-timeout 150 $PY -c "from model import load_policy; load_policy('smollm2', 'cuda')" || exit 1   # the first load converts
+timeout -k 10 150 $PY -c "from model import load_policy; load_policy('smollm2', 'cuda')" \
+  || { pack; exit 1; }   # the first load converts
 pack
 
 echo "== tests"
-timeout $(limit 120) $PY -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tee "$LOGS/tests.txt" | tail -3 \
+timeout -k 10 $(limit 120) $PY -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tee "$LOGS/tests.txt" | tail -3 \
   || { echo "the decoders' tests did not pass: the rest would measure a broken decode"; pack; exit 1; }
 pack
 
 echo "== one decoding step alone, eager and replayed as a CUDA graph, by rows"
 for model in smollm2 random:qwen3-0.6b; do
 enough 40 "step $model" || continue
-timeout $(limit 90) $PY - $model <<'PY' 2>&1 | grep -v "^$" | tee -a "$LOGS/step.txt"
+timeout -k 10 $(limit 90) $PY - $model <<'PY' 2>&1 | grep -v "^$" | tee -a "$LOGS/step.txt"
 import sys
 import time
 
@@ -97,22 +105,12 @@ PY
 done
 pack
 
-echo "== the default run"
-if enough 70 "the default run"; then
-  start=$EPOCHREALTIME
-  timeout $(limit 120) $PY train.py --out /tmp/gpu-default --overwrite > "$LOGS/default.txt" 2>&1
-  echo "exit $?, wall $(awk "BEGIN {print $EPOCHREALTIME - $start}") s (loading included)" | tee -a "$LOGS/default.txt"
-  grep -E "^step|not applied|peak" "$LOGS/default.txt" | tail -8
-  cp /tmp/gpu-default/metrics.jsonl "$LOGS/default-metrics.jsonl" 2>/dev/null
-fi
-pack
-
 # The recipe with the diagnostics (per-slot and half-batch backward passes) every step, the
-# default, and, once the rest is measured, with none: what they cost on the GPU.
+# default, and (after the update's profile) with none: what they cost on the GPU.
 recipe() {
   echo "== three steps of the GPU recipe, --diag_every $1"
   enough 80 "the recipe, --diag_every $1" || return
-  timeout $(limit 150) $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
+  timeout -k 10 $(limit 150) $PY train.py --workflow voting --sharing isolated --problems_per_step 32 --group_size 8 \
     --max_new_tokens 256 --level 3 --steps 3 --eval_problems 32 --micro_batch_tokens 16384 \
     --diag_every $1 --out /tmp/gpu-recipe$1 --overwrite > "$LOGS/recipe$1.txt" 2>&1
   echo "exit $?" | tee -a "$LOGS/recipe$1.txt"
@@ -124,7 +122,7 @@ recipe 1
 
 echo "== the update's profile, bf16 against fp32: kernels launched, host and GPU time"
 if enough 60 "the update's profile"; then
-timeout $(limit 150) $PY - smollm2 <<'PY' 2>&1 | grep -v -e "^$" -e "^USDT" | tee "$LOGS/update-profile.txt"
+timeout -k 10 $(limit 150) $PY - smollm2 <<'PY' 2>&1 | grep -v -e "^$" -e "^USDT" | tee "$LOGS/update-profile.txt"
 import random
 import sys
 import time
@@ -191,26 +189,36 @@ PY
 fi
 pack
 
-echo "== bench"
-if enough 100 "bench"; then
-  timeout $(limit 200) $PY -m lab.bench --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
-    --json "$LOGS/bench.json" 2>&1 | tee "$LOGS/bench.txt" | grep -v "^bench:"
-fi
-pack
-
 recipe 0
 
 echo "== bench, Qwen3-0.6B's shape with random weights"
 if enough 60 "bench on random:qwen3-0.6b"; then
-  timeout $(limit 150) $PY -m lab.bench --model random:qwen3-0.6b --device cuda --skip step,sharing \
+  timeout -k 10 $(limit 150) $PY -m lab.bench --model random:qwen3-0.6b --device cuda --skip step,sharing \
     --batches 32,512 --repeats 1 --json "$LOGS/bench-qwen3.json" 2>&1 | tee "$LOGS/bench-qwen3.txt" \
     | grep -v "^bench:"
 fi
 pack
 
+echo "== the default run"
+if enough 70 "the default run"; then
+  start=$EPOCHREALTIME
+  timeout -k 10 $(limit 120) $PY train.py --out /tmp/gpu-default --overwrite > "$LOGS/default.txt" 2>&1
+  echo "exit $?, wall $(awk "BEGIN {print $EPOCHREALTIME - $start}") s (loading included)" | tee -a "$LOGS/default.txt"
+  grep -E "^step|not applied|peak" "$LOGS/default.txt" | tail -8
+  cp /tmp/gpu-default/metrics.jsonl "$LOGS/default-metrics.jsonl" 2>/dev/null
+fi
+pack
+
+echo "== bench"
+if enough 100 "bench"; then
+  timeout -k 10 $(limit 200) $PY -m lab.bench --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
+    --json "$LOGS/bench.json" 2>&1 | tee "$LOGS/bench.txt" | grep -v "^bench:"
+fi
+pack
+
 echo "== bf16 gradient through left padding, the old mask against the new"
 if enough 30 "the bf16 gradient"; then
-timeout $(limit 120) $PY - <<'PY' 2>&1 | tee "$LOGS/nan.txt"
+timeout -k 10 $(limit 120) $PY - <<'PY' 2>&1 | tee "$LOGS/nan.txt"
 import torch
 import decode
 from lora import add_adapter, adapter_parameters, inject_lora, use_adapter

@@ -366,7 +366,7 @@ def test_the_value_clip_logs_how_often_it_held_a_value_back(tiny):
         p.grad = torch.zeros_like(p)
     ids, returns = toy_batch(tok, random.Random(0), 8)
     batch = CriticBatch(["critic"] * 8, ids, torch.zeros(8), returns)
-    for clip, logged in ((0.0, False), (1e-4, True)):
+    for clip, logged in ((None, False), (1e-4, True)):
         stats = update_critics(model, heads, batch, {"critic": optimizer}, random.Random(0),
                                tok.pad_token_id, CriticSettings(steps=2, value_clip=clip))
         assert ("critic/clip_frac" in stats) == logged
