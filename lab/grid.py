@@ -175,11 +175,12 @@ def demo_cells(name: str, home: str, train_flags: list[str],
 
 
 def cell_fields(demo: str | None) -> set[str]:
-    """The train.py settings that tell the cells apart, or place a run: a train.py flag naming
-    one would override every cell's own and make them one (the main table's with demo None)."""
+    """The train.py settings that tell the cells apart, or place a run (--seed apart: its own
+    message): a train.py flag naming one would override every cell's own and make them one (the
+    main table's with demo None)."""
     own = ([f for w, s in GRID for f in ("--workflow", w, "--sharing", s)] if demo is None else
            [f for flags in (*DEMOS[demo].cells.values(), DEMOS[demo].start) for f in flags])
-    return typed_flags(own) | {"seed", "start_from", "resume", "overwrite"}
+    return typed_flags(own) | {"start_from", "resume", "overwrite"}
 
 
 def check_cells(cells: list[tuple[str, list[str]]], home: str) -> list[Config]:
@@ -191,7 +192,8 @@ def check_cells(cells: list[tuple[str, list[str]]], home: str) -> list[Config]:
         argv = [*flags, "--out", os.path.join(home, name)]
         cfg = parse_config(argv)
         try:
-            check_settings(dataclasses.replace(cfg, start_from="", resume=False), typed_flags(argv))
+            alone = dataclasses.replace(cfg, start_from="", resume=False)  # no file read yet
+            check_settings(alone, typed_flags(argv))
             if cfg.start_from:
                 start = os.path.relpath(cfg.start_from, home)
                 check_goes_on_from(cfg, configs[start], start)
@@ -345,8 +347,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--seed: each cell's seed is one of --seeds (a --seed for train.py would give "
                      "every cell the same one)")
     if fixed := sorted(typed_flags(train_flags) & cell_fields(args.demo)):
-        parser.error(f"--{fixed[0]}: the cells set it themselves (given to train.py, it would make "
-                     "them one cell under different names)")
+        parser.error(f"--{fixed[0]}: the cells set it themselves (given to train.py, it would "
+                     "make them one cell under different names)")
     return args, train_flags
 
 
