@@ -139,7 +139,11 @@ def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
         return names, {}
     keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
             for s in slots(cfg.workflow, cfg.n_agents)}
-    return names, setup_critics(model, sorted(keys))
+    # The critics' initial weights are drawn aside from the random numbers the run draws next,
+    # so an actor-critic run warms up and samples as the GRPO run of its seed does.
+    on_gpu = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=on_gpu):
+        return names, setup_critics(model, sorted(keys))
 
 
 def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, dict]:

@@ -748,13 +748,16 @@ def test_an_isolated_run_started_from_a_shared_start_gives_every_role_the_shared
 def test_an_actor_critic_run_goes_on_from_a_grpo_start_with_fresh_critics(tmp_path):
     """The algorithm and its critics are RL settings: an actor-critic run takes a GRPO run's warm-up
     and step 0, its policy adapters as the start left them, and critics that begin where a run of
-    its own would begin them (a critic's B starts at 0, as LoRA's does)."""
-    start, out = str(tmp_path / "start"), str(tmp_path / "central")
+    its own would begin them. The critics' initial weights draw no random number the warm-up
+    draws, so the run logs what the actor-critic run of its seed logs."""
+    start, out, own = (str(tmp_path / d) for d in ("start", "central", "own"))
     warm = dict(sft_warmup=2, sft_lr=1e-2, seed=3)
     train.main(small_config(start, steps=0, **warm))
     train.main(small_config(out, steps=1, algo="maac", critic="central", start_from=start, **warm))
+    train.main(small_config(own, steps=1, algo="maac", critic="central", **warm))
     rows = read_jsonl(f"{out}/metrics.jsonl")
     assert rows[0] == read_jsonl(f"{start}/metrics.jsonl")[0] and rows[-1]["step"] == 1
+    assert without_machine_stats(rows) == without_machine_stats(read_jsonl(f"{own}/metrics.jsonl"))
     # critics trained
     assert {"critic/value_loss", "role/aggregator/value", "role/generator/value"} <= rows[-1].keys()
     critics = [d for d in os.listdir(f"{out}/ckpt") if d.startswith("critic")]
