@@ -248,8 +248,12 @@ def test_capture_compares_windows_that_hold_enough_calls():
         "to it over steps 1-3 (48 calls) against 7-9 (48): its adherence falls from 0.66 to 0.02 "
         "(2 standard errors: 0.19), its length grows from 20 to 50 tokens, its similarity to "
         "generator rises from 0.15 to 0.45"]
-    # 8 calls a step over 5 steps: each window needs 4 steps to hold 32 calls, so they overlap
-    assert diagnose.find_capture(shared, captured_rows(calls=8)[:6]) == []
+    # 8 calls a step over 6 steps: each window needs 4 steps to hold 32 calls, so they would
+    # overlap (steps 1-4 and 3-6, adherence 0.75 and 0.25) and say nothing, however steep the fall
+    steep = captured_rows(calls=8)[:7]
+    for r, adherence in zip(steep[1:], [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]):
+        r["role/evaluator/adherence"] = adherence
+    assert diagnose.find_capture(shared, steep) == []
     # 6 calls a step: the first third is widened to steps 1-6 (36 calls), the last to steps 4-9
     assert diagnose.find_capture(shared, captured_rows(calls=6)) == []
 

@@ -1194,6 +1194,25 @@ def test_voting_is_evaluated_on_candidates_that_can_differ(tmp_path, monkeypatch
     assert "greedy evaluation on 96 held-out problems at" in launch.plan(cfg, "cpu")
 
 
+def test_an_evaluation_s_accuracy_and_standard_error_by_hand(monkeypatch):
+    """Sampled twice a problem, a problem scores the mean of its two episodes, and the standard
+    error is that of the mean over problems: episodes 1 0 | 1 1 | 0 0 | 1 0 score 0.5, 1, 0, 0.5,
+    accuracy 0.5, se = sqrt((0 + 0.25 + 0.25 + 0) / 3 / 4) = 0.2041."""
+    model, tok = load_policy("tiny")
+    inject_lora(model, 4, 8.0, ("q_proj", "v_proj"))
+    setup_adapters(model, ROLES["voting"], "shared")
+    real = train.rollout_step
+    def fixed_rewards(*args, **kw):
+        rollout, outcomes, rewards = real(*args, **kw)
+        assert len(rewards) == 8  # one batch: each problem's two episodes side by side
+        return rollout, outcomes, [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    monkeypatch.setattr(train, "rollout_step", fixed_rewards)
+    cfg = train.Config(model="tiny", workflow="voting", max_new_tokens=4, eval_samples=2)
+    m = train.evaluate(model, tok, cfg, load_task("arith", "test", 4, 2, 0))
+    assert m["eval/accuracy"] == 0.5
+    assert m["eval/accuracy_se"] == pytest.approx(0.2041, abs=1e-4)
+
+
 def test_a_process_without_held_out_problems_joins_the_one_gather_of_an_evaluation(monkeypatch):
     """Under torchrun with fewer held-out problems than processes, a process's block is empty:
     it still takes part in the evaluation's single gather, and every process reads the others'
