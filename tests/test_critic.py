@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_advantages,
-                    critic_inputs, critic_key, critic_values, encode, explained_variance, gae,
-                    joint_history, local_observation, normalize, outcome_rewards, predict_values,
-                    setup_critics, unseen, update_critics, value_loss)
+                    critic_inputs, critic_key, critic_metrics, critic_values, encode,
+                    explained_variance, gae, joint_history, local_observation, normalize,
+                    outcome_rewards, predict_values, setup_critics, unseen, update_critics,
+                    value_loss)
 import lora
 from rollout import Call
 
@@ -118,9 +119,9 @@ def test_a_cut_call_returns_zero_under_penalize():
 
 
 def test_normalize():
+    # mean 3, population std sqrt((4 + 1 + 0 + 9) / 4) = sqrt(3.5) = 1.8708
     out = normalize(torch.tensor([1.0, 2.0, 3.0, 6.0]))
-    assert out.mean().item() == pytest.approx(0.0, abs=1e-6)
-    assert out.std(correction=0).item() == pytest.approx(1.0, rel=1e-5)
+    assert out.tolist() == pytest.approx([-2 / 3.5 ** 0.5, -1 / 3.5 ** 0.5, 0.0, 3 / 3.5 ** 0.5])
 
 
 # ---------------------------------------------------------------- value loss by hand
@@ -199,6 +200,32 @@ def test_unseen_is_what_a_central_critic_reads_and_a_decentral_one_does_not():
     assert unseen(calls) == [None, 4 / 7, 0.0, pytest.approx(1 / 13)]
     agg = voting_calls()
     assert [unseen(agg)[i] for i in range(4)] == [None, None, None, 0.0]
+
+
+def test_critic_metrics_by_hand():
+    """Two Voting episodes (generator0-2, aggregator each). Returns 1 0 1 1 | 0 0 1 0 (mean 0.5,
+    variance 0.25) against values 0.1 ... 0.8: the errors 0.9 -0.2 0.7 0.6 -0.5 -0.6 0.3 -0.8 have
+    mean 0.05 and variance 3.02 / 8 = 0.3775, so explained variance 1 - 0.3775 / 0.25 = -0.51."""
+    calls = voting_calls()
+    for c, a in zip(calls, [0.5, -0.5, 0.5, 0.2, -0.1, -0.2, 0.3, -0.4]):
+        c.advantage = a
+    values = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    returns = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    m = critic_metrics(calls, CriticBatch(["critic"] * 8, [[1]] * 8, values, returns))
+    assert m["critic/explained_variance"] == pytest.approx(-0.51)
+    # the generators' six calls, the aggregator's two, generator0's two (episodes 0 and 1)
+    assert m["role/generator/value"] == pytest.approx(2.4 / 6)
+    assert m["role/generator/return"] == pytest.approx(0.5)
+    assert m["role/generator/adv"] == pytest.approx(0.5 / 6)
+    assert m["role/aggregator/value"] == pytest.approx(0.6)
+    assert m["role/aggregator/adv"] == pytest.approx(-0.1)
+    assert (m["slot/generator0/value"], m["slot/generator0/return"],
+            m["slot/generator0/adv"]) == pytest.approx((0.3, 0.5, 0.2))
+    # the aggregator's prompt quotes every candidate; a generator's quotes no one
+    assert m["role/aggregator/unseen"] == 0.0 and "role/generator/unseen" not in m
+    # every return equal: nothing to explain, no explained variance logged
+    flat = critic_metrics(calls, CriticBatch(["critic"] * 8, [[1]] * 8, values, torch.ones(8)))
+    assert "critic/explained_variance" not in flat and flat["role/aggregator/return"] == 1.0
 
 
 def test_decentral_critic_reads_only_its_own_agent():

@@ -49,7 +49,10 @@ def test_similarity() -> None:
     a = ["the answer is seven because three plus four"]
     assert similarity(a, a) == 1.0
     assert similarity(a, ["completely different words go here now"]) == 0.0
-    assert 0 < similarity(a, ["so the answer is seven"]) < 1
+    # 6 and 3 word trigrams, 2 shared ("the answer is", "answer is seven"): 2 of 7
+    assert similarity(a, ["so the answer is seven"]) == pytest.approx(2 / 7)
+    # a set's trigrams are its texts' together, words read in lower case: 2 of a's 6
+    assert similarity(["The answer IS", "is seven because"], a) == pytest.approx(2 / 6)
     assert similarity([], a) == 0.0 and similarity(["too short"], ["too short"]) == 0.0
 
 
@@ -251,8 +254,8 @@ def test_capture_compares_windows_that_hold_enough_calls():
     # 8 calls a step over 6 steps: each window needs 4 steps to hold 32 calls, so they would
     # overlap (steps 1-4 and 3-6, adherence 0.75 and 0.25) and say nothing, however steep the fall
     steep = captured_rows(calls=8)[:7]
-    for r, adherence in zip(steep[1:], [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]):
-        r["role/evaluator/adherence"] = adherence
+    for r, kept in zip(steep[1:], [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]):
+        r["role/evaluator/adherence"] = kept
     assert diagnose.find_capture(shared, steep) == []
     # 6 calls a step: the first third is widened to steps 1-6 (36 calls), the last to steps 4-9
     assert diagnose.find_capture(shared, captured_rows(calls=6)) == []

@@ -138,6 +138,28 @@ def test_the_critics_demo_sets_grpo_against_both_critics_on_orch_workers():
     assert not grid.DEMOS["critics"].finding  # no mechanism: the detector is not asked
 
 
+def test_a_demo_cell_s_numbers_by_hand():
+    """Voting on one shared adapter (N = 3 generators, the crowded role; the aggregator its
+    judge): kappa 1.2, 1.5, 1.7 has mean 1.4667 and 2 of 3 steps at >= 0.8 sqrt(3) = 1.386;
+    the generators' mean share 0.8 against the aggregator's 0.2."""
+    config = {"workflow": "voting", "sharing": "shared", "n_agents": 3}
+    rows = [{"step": 0, "eval/accuracy": 0.3}]
+    for step, (kappa, share, adherence, reward, norm) in enumerate(
+            [(1.2, 0.9, 0.9, 0.2, 0.5), (1.5, 0.7, 0.6, 0.4, 0.3), (1.7, 0.8, 0.3, 0.6, 0.4)], 1):
+        rows.append({"step": step, "role/generator/kappa": kappa,
+                     "role/generator/grad_share": share, "role/aggregator/grad_share": 1 - share,
+                     "role/aggregator/adherence": adherence, "reward/mean": reward,
+                     "adapter/shared/update_norm": norm})
+    rows[2]["eval/accuracy"], rows[3]["eval/accuracy"] = 0.6, 0.45
+    got = tables.cell_numbers(config, rows)
+    assert got["kappa"] == pytest.approx(4.4 / 3) and got["coherent steps"] == pytest.approx(2 / 3)
+    assert got["update norm"] == pytest.approx(0.4) and got["top share"] == pytest.approx(0.8)
+    assert (got["adherence first"], got["adherence last"]) == (0.9, 0.3)
+    assert (got["reward first"], got["reward last"]) == (0.2, 0.6)
+    assert (got["accuracy start"], got["accuracy peak"], got["accuracy end"]) == (0.3, 0.6, 0.45)
+    assert math.isnan(got["explained variance"])  # no critic
+
+
 def test_a_demo_tables_the_critics_numbers_and_drops_what_no_cell_logged():
     config = {"workflow": "orch_workers", "sharing": "shared", "n_agents": 3}
     rows = [{"step": 0, "eval/accuracy": 0.25},

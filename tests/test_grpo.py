@@ -78,6 +78,7 @@ def test_clipping_by_hand():
     loss = aggregate(per_token, torch.ones(3, 1), "token-mean")
     assert loss.item() == pytest.approx(-(1.28 * 2.0 + 0.8 * -1.0 + 0.5 * 1.0) / 3)
     assert stats["clip_frac"] == pytest.approx(2 / 3)
+    assert stats["pg_loss"] == pytest.approx(loss.item())  # its statistic: the same token mean
     loss.backward()
     grad = logp.grad.squeeze(-1)
     assert grad[0] == 0 and grad[1] == 0  # clipped tokens pass no gradient
@@ -142,8 +143,15 @@ def test_chi2_and_perplexity_by_hand():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     _, stats = policy_loss(logp, old, torch.zeros(2), mask)
     assert stats["chi2"] == pytest.approx((4 + 0.25 + 1) / 3 - 1)
+    # 0.5 log_ratio^2 over the three tokens: (log 2)^2 / 3
+    assert stats["approx_kl"] == pytest.approx(math.log(2) ** 2 / 3)
     # exp(-token mean log-prob) per sequence: exp(-(log 2 + log 0.5) / 2) = 1 and exp(0) = 1
     assert stats["ppl"] == pytest.approx(1.0)
+    # sequences that differ: exp(-(log 0.5 + log 0.25) / 2) = sqrt(8) and exp(-log 0.5) = 2,
+    # their mean 2.4142 (one mean over the three tokens would give 2^(4/3) = 2.52)
+    probs = torch.tensor([[0.5, 0.25], [0.5, 1.0]])
+    _, stats = policy_loss(torch.log(probs), old, torch.zeros(2), mask)
+    assert stats["ppl"] == pytest.approx((math.sqrt(8) + 2) / 2)
 
 
 def test_amplification_identical_and_orthogonal():
@@ -154,6 +162,9 @@ def test_amplification_identical_and_orthogonal():
     assert kappa == pytest.approx(1.0) and coherence == pytest.approx(0.0)
     kappa, coherence = amplification([g, -g])  # opposed slots cancel
     assert kappa == pytest.approx(0.0) and coherence == pytest.approx(-1.0)
+    # (1, 0) and (1, 1): |(2, 1)| / sqrt(1 + 2) = sqrt(5 / 3), at an angle of 45 degrees
+    kappa, coherence = amplification([torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0])])
+    assert kappa == pytest.approx(math.sqrt(5 / 3)) and coherence == pytest.approx(0.5 ** 0.5)
 
 
 def test_gradient_stats_shares_and_roles():

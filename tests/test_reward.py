@@ -1,5 +1,5 @@
 """Tests for reward.py and tasks.py: the math verifier on a table of hand-written cases, and the
-arith task generator."""
+arith task generator; measure.py's figures of a step's calls, by hand."""
 import random
 import re
 import time
@@ -9,9 +9,10 @@ import pytest
 # imported here once, so the time bounds below time the verifier, not the import
 import sympy  # noqa: F401
 
-from measure import role_jobs
+from measure import role_jobs, step_metrics
 from reward import credit_calls, cut_finals, extract_answer, math_equal, math_reward
 from tasks import LEVELS, NAMES, OBJECTS, SPLITS, Problem, arith_problems, load_task
+from workflows import Outcome
 
 HUGE = "blah 7 " * 30_000 + "\\boxed{42}"  # about 210k chars, answer at the very end
 
@@ -574,6 +575,39 @@ def test_an_episode_whose_final_answer_was_cut_is_found():
     assert cut_finals(calls, ["\\boxed{6}", "\\boxed{5}"]) == [False, True]
     calls[5].truncated, calls[3].truncated = False, True  # a cut candidate that was not picked
     assert cut_finals(calls, ["\\boxed{6}", "\\boxed{5}"]) == [False, False]
+
+
+def test_step_metrics_by_hand():
+    """The two Voting episodes above with completions of 3 5 2 | 4 4 4 generator tokens
+    (generator1's first cut by the limit) and 2 | 6 aggregator tokens, 30 in all; the second
+    aggregator writes prose, and its answer was decided by a fallback rule."""
+    problems, calls = _voting_episodes()
+    for c, n in zip(calls, [3, 5, 2, 4, 4, 4, 2, 6]):
+        c.completion_ids = [1] * n
+    calls[1].truncated = True
+    calls[7].text = "candidate 3"
+    credit_calls(calls, problems, [0.0, 1.0], "final", "keep")
+    outcomes = [Outcome("\\boxed{6}", {"fallback": False, "rule": "boxed"}),
+                Outcome("\\boxed{5}", {"fallback": True, "rule": "first_digit"})]
+    m = step_metrics(calls, [0.0, 1.0], outcomes, 3, diag=False)
+    assert m == pytest.approx({"reward/mean": 0.5, "contract/fallback_rate": 0.5,
+                               "contract/truncated": 1 / 8})
+    m = step_metrics(calls, [0.0, 1.0], outcomes, 3, diag=True)
+    assert (m["role/generator/calls"], m["role/aggregator/calls"], m["slot/generator0/calls"]) \
+        == (6, 2, 2)
+    # tokens a call, and the share of the step's 30 tokens
+    assert m["role/generator/len"] == pytest.approx(22 / 6)
+    assert m["role/aggregator/len"] == pytest.approx(4.0)
+    assert m["slot/generator0/len"] == pytest.approx((3 + 4) / 2)
+    assert m["role/generator/token_share"] == pytest.approx(22 / 30)
+    assert m["slot/generator1/token_share"] == pytest.approx(9 / 30)
+    # the episode's outcome broadcast; the generators' own answers 5 6 5 | 6 6 5 against 5
+    assert m["role/generator/reward"] == pytest.approx(0.5)
+    assert m["role/generator/solved"] == pytest.approx(3 / 6)
+    assert (m["slot/generator1/solved"], m["slot/generator2/solved"]) == (0.0, 1.0)
+    assert m["contract/rule/boxed"] == m["contract/rule/first_digit"] == 0.5
+    # one of the aggregator's two replies keeps its contract; generators have none
+    assert m["role/aggregator/adherence"] == 0.5 and "role/generator/adherence" not in m
 
 
 def test_role_jobs_by_hand():
