@@ -19,7 +19,6 @@ Exercised by: pytest tests/test_train.py (damaged runs, the lock, stopping early
 tests/test_distributed.py
 """
 import fcntl
-import glob
 import json
 import os
 import shlex
@@ -180,8 +179,11 @@ def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: l
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "tb", "ckpt", "ckpt.tmp", "ckpt.old",
              "best", "best.tmp", "best.old")
-# What diagnose.py writes beside a run's files: its report, probe and plots, gone with the run.
-DERIVED = ("report.md", "probe.json", "*.png")
+# What diagnose.py writes beside a run's files: its report, probe and plots (diagnose.PLOTS, by
+# name: another picture in the directory stays), gone with the run.
+DERIVED = ("report.md", "probe.json", *(f"{name}.png" for name in (
+    "accuracy", "reward", "grad_norm", "update_norm", "kappa", "coherence", "grad_share", "ppl",
+    "chi2", "entropy", "adherence", "similarity", "length")))
 LOCK = ".lock"  # in --out, kept by --overwrite: it is not one of the run's files
 held_locks: list[int] = []  # the lock file this process holds (one run at a time)
 
@@ -271,6 +273,9 @@ def check_run_dir(out: str, overwrite: bool) -> list[str]:
     """The run files already in --out; a directory that holds a run is never overwritten
     implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if held and not holds_run(out):  # a run's names, but no run: --overwrite would delete them
+        raise SystemExit(f"--out {out} holds {', '.join(held)} but no run (no config.json beside "
+                         "its log or checkpoint), so nothing there is deleted: choose another --out")
     if held and not overwrite:
         raise SystemExit(f"--out {out} already holds a run: add --resume to continue it, "
                          "--overwrite to start it over, or choose another --out")
@@ -292,9 +297,10 @@ def writable(directory: str, what: str) -> None:
 def start_run_dir(out: str, held: list[str], config: dict) -> None:
     """Clear the old run's own files and what diagnose.py made of them (--overwrite; nothing else
     in the directory), write the config."""
-    derived = [p for pattern in DERIVED for p in glob.glob(os.path.join(out, pattern))]
+    derived = [os.path.join(out, f) for f in DERIVED if os.path.exists(os.path.join(out, f))]
     derived = derived if held else []  # a directory without a run keeps what is in it
-    for path in [os.path.join(out, f) for f in held] + derived:
+    # config.json last: a directory left half cleared by a kill is still known as a run
+    for path in derived + [os.path.join(out, f) for f in sorted(held, key="config.json".__eq__)]:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(out, exist_ok=True)
     write_whole(os.path.join(out, "config.json"), json.dumps(config, indent=2))

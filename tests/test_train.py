@@ -391,6 +391,16 @@ def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
     train.main(small_config(out, steps=2, overwrite=True))
     assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2]
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"  # only the run's own files went
+    # a picture diagnose.py did not draw stays; a folder with a run's names but no run is refused
+    (tmp_path / "run" / "photo.png").write_text("mine")
+    train.main(small_config(out, steps=1, overwrite=True))
+    assert (tmp_path / "run" / "photo.png").exists()
+    plain = tmp_path / "plain"
+    (plain / "tb").mkdir(parents=True)
+    (plain / "tb" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="holds tb but no run .* nothing there is deleted"):
+        train.main(small_config(str(plain), steps=1, overwrite=True))
+    assert (plain / "tb" / "notes.txt").read_text() == "mine"
     with pytest.raises(SystemExit, match="is a file"):
         train.main(small_config(str(tmp_path / "run" / "notes.txt")))
     with pytest.raises(SystemExit, match="cannot create a directory in"):
