@@ -193,8 +193,13 @@ def copy_project(root: str, out: str) -> None:
 
 
 def make(number: int, out: str, root: str = ROOT) -> None:
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise SystemExit(f"--out {out} is a file, not a directory; choose another --out")
+    if not out:
+        raise SystemExit("--out is empty: name a directory for the student copy")
+    there = os.path.abspath(out)
+    while not os.path.exists(there):  # out or the nearest directory above it that exists
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        raise SystemExit(f"--out {out}: {there} is a file, not a directory; choose another --out")
     if os.path.exists(out) and os.listdir(out):
         raise SystemExit(f"{out} exists and is not empty; choose another --out")
     copy_project(root, out)
@@ -245,6 +250,23 @@ def grade(number: int, root: str = ROOT) -> int:
     return 0 if total == len(passed) else 1
 
 
+def assigned(root: str) -> int:
+    """The assignment a student copy was made for: the number `make` wrote in its MARKER."""
+    path = os.path.join(root, MARKER)
+    if not os.path.exists(path):
+        raise SystemExit(f"no {MARKER} here (not a student copy): name the assignment")
+    if os.path.isdir(path):
+        raise SystemExit(f"{path} is a directory, not the file of the copy's assignment number")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read().strip()
+    number = {str(n): n for n in ASSIGNMENTS}.get(text)
+    if number is None:
+        held = repr(text[:40]) if text else "nothing"
+        raise SystemExit(f"{path} holds {held}, not an assignment number "
+                         f"({', '.join(map(str, ASSIGNMENTS))}): name the assignment")
+    return number
+
+
 def show() -> None:
     for number, a in ASSIGNMENTS.items():
         needs = (f" (its tests also run assignments {sorted(prerequisites(number))})"
@@ -277,13 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "make":
         make(args.number, args.out)
     else:
-        number = args.number
-        if number is None:
-            if not os.path.exists(os.path.join(ROOT, MARKER)):
-                raise SystemExit(f"no {MARKER} here (not a student copy): name the assignment")
-            with open(os.path.join(ROOT, MARKER)) as f:
-                number = int(f.read())
-        return grade(number)
+        return grade(assigned(ROOT) if args.number is None else args.number)
     return 0
 
 

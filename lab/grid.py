@@ -174,13 +174,19 @@ def demo_cells(name: str, home: str, train_flags: list[str],
     return cells
 
 
+# train.py's flags that place a run, which the grid sets for each cell itself
+PLACED = {"resume": "the grid resumes an interrupted cell itself; run the same command again",
+          "overwrite": "the grid never deletes a cell: remove a cell's directory to train it again",
+          "start_from": "the cells of a seed go on from that seed's own start"}
+
+
 def cell_fields(demo: str | None) -> set[str]:
     """The train.py settings that tell the cells apart, or place a run (--seed apart: its own
     message): a train.py flag naming one would override every cell's own and make them one (the
     main table's with demo None)."""
     own = ([f for w, s in GRID for f in ("--workflow", w, "--sharing", s)] if demo is None else
            [f for flags in (*DEMOS[demo].cells.values(), DEMOS[demo].start) for f in flags])
-    return typed_flags(own) | {"start_from", "resume", "overwrite"}
+    return typed_flags(own) | set(PLACED)
 
 
 def check_cells(cells: list[tuple[str, list[str]]], home: str) -> list[Config]:
@@ -218,7 +224,8 @@ def finished(run_dir: str) -> bool:
         config, rows = load_run(run_dir)
     except (SystemExit, OSError):
         return False
-    return bool(rows) and rows[-1]["step"] == config["steps"] and "eval/accuracy" in rows[-1]
+    return (bool(rows) and rows[-1]["step"] == config.get("steps")
+            and "eval/accuracy" in rows[-1])
 
 
 def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
@@ -346,9 +353,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "seed" in typed_flags(train_flags):
         parser.error("--seed: each cell's seed is one of --seeds (a --seed for train.py would give "
                      "every cell the same one)")
+    if placed := sorted(typed_flags(train_flags) & set(PLACED)):
+        parser.error(f"--{placed[0]}: {PLACED[placed[0]]}")
     if fixed := sorted(typed_flags(train_flags) & cell_fields(args.demo)):
         parser.error(f"--{fixed[0]}: the cells set it themselves (given to train.py, it would "
                      "make them one cell under different names)")
+    if "steps" in typed_flags(train_flags) and parse_config(train_flags).steps == 0:
+        parser.error("--steps 0: the grid compares its cells after RL; give at least 1")
     return args, train_flags
 
 

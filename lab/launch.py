@@ -63,6 +63,7 @@ def check_settings(cfg: Config, typed: set[str] | None
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles
+    lora_targets(cfg)  # and on an empty or repeated layer name
     return cfg, update, critic_settings(cfg), start_config
 
 
@@ -253,12 +254,7 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None,
     rates in `new_lr`. The run lives wherever --out now points, however that path is spelled."""
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
         raise SystemExit(f"--resume: no run in {cfg.out}")
-    try:
-        with open(os.path.join(cfg.out, "config.json")) as f:
-            saved = type(cfg)(**json.load(f))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise SystemExit(f"--resume: {cfg.out}/config.json cannot be read "
-                         f"({type(e).__name__})") from None
+    saved = read_config(os.path.join(cfg.out, "config.json"), type(cfg))
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         chosen = f.name in typed if typed is not None else given != f.default
@@ -267,6 +263,28 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None,
         elif f.name not in NOT_THE_RUN and chosen and given != old:
             raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
+
+
+def read_config(path: str, config_type=Config) -> Config:
+    """A run's config.json as the Config it was written from: every field there, each of its
+    type (an int where a float is asked); anything else is one line, as a config whose field was
+    lost would otherwise take the default (a Voting run resumed as Eval-Opt)."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--resume: {path} cannot be read ({type(e).__name__})") from None
+    fields = {f.name: f.type for f in dataclasses.fields(config_type)}
+    if not isinstance(saved, dict) or set(saved) - set(fields):
+        raise SystemExit(f"--resume: {path} is not a run's config (the settings of train.py)")
+    if missing := [name for name in fields if name not in saved]:
+        raise SystemExit(f"--resume: {path} lacks {', '.join(missing)}")
+    for name, kind in fields.items():
+        value = saved[name]
+        if not (type(value) is kind or kind is float and type(value) is int):
+            raise SystemExit(f"--resume: {path}: {name} is {value!r} (a {type(value).__name__}, "
+                             f"not {kind.__name__})")
+    return config_type(**saved)
 
 
 def resume_run(out: str, state: TrainState, references: dict[str, str],

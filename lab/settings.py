@@ -244,11 +244,15 @@ def check_numbers(cfg: Config) -> None:
 def kl_coefs(cfg: Config) -> dict[str, float]:
     """--kl_coef for every role of the workflow, overridden per role by --role_kl."""
     coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
+    named = set()
     for item in filter(None, cfg.role_kl.split(",")):
         role, _, value = item.partition("=")
         if role.strip() not in coefs:
             raise SystemExit(f"--role_kl: {role.strip()!r} is not a role of {cfg.workflow} "
                              f"({', '.join(coefs)})")
+        if role.strip() in named:
+            raise SystemExit(f"--role_kl: {role.strip()} is given twice")
+        named.add(role.strip())
         try:
             coefs[role.strip()] = float(value)
         except ValueError:
@@ -301,5 +305,10 @@ def warmup_roles(cfg: Config) -> list[str]:
 
 
 def lora_targets(cfg: Config) -> tuple[str, ...]:
-    """--lora_targets as layer names: "q_proj, v_proj" names q_proj and v_proj."""
-    return tuple(t.strip() for t in cfg.lora_targets.split(","))
+    """--lora_targets as layer names: "q_proj, v_proj" names q_proj and v_proj (whether the
+    model has such layers is known once it has loaded: lora.inject_lora says)."""
+    names = tuple(t.strip() for t in cfg.lora_targets.split(","))
+    if "" in names or len(set(names)) < len(names):
+        raise SystemExit(f"--lora_targets {cfg.lora_targets!r}: give distinct layer names "
+                         "separated by commas, e.g. q_proj,v_proj")
+    return names

@@ -127,6 +127,27 @@ def differences(old: dict, new: dict) -> list[str]:
     return found
 
 
+def stored(path: str) -> dict:
+    """The recording that --check names, its shape checked: read before any case trains."""
+    if os.path.isdir(path):
+        raise ValueError("is a directory, not a recording.json")
+    if not os.path.isfile(path):
+        raise ValueError("no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"cannot be read as JSON ({e})") from None
+    if not isinstance(old, dict):
+        raise ValueError("is not a recording: an object of case name -> recording")
+    for name, case in old.items():
+        if not (isinstance(case, dict) and isinstance(case.get("metrics"), list)
+                and all(isinstance(row, dict) for row in case["metrics"])
+                and isinstance(case.get("samples"), str) and isinstance(case.get("weights"), dict)):
+            raise ValueError(f"case {name!r} is not a recording (metrics rows, samples, weights)")
+    return old
+
+
 def child(argv: list[str]) -> None:
     """train.py's command line on problems whose answer is always 7: the tiny model's random replies
     are right often enough that rewards vary and every update path moves the adapters."""
@@ -153,16 +174,23 @@ def main() -> None:
     unknown = set(only) - set(CASES) - {"resumed", "started"}
     if unknown:
         parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
-    if args.check and not os.path.isfile(args.check):
-        parser.error(f"--check {args.check}: no such file")
+    try:
+        old = stored(args.check) if args.check else {}
+    except ValueError as e:
+        parser.error(f"--check {args.check}: {e}")
+    if not args.out:
+        parser.error("--out is empty: name a directory for the runs")
+    there = os.path.abspath(args.out)
+    while not os.path.exists(there):  # --out or the nearest directory above it that exists
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        parser.error(f"--out {args.out}: {there} is a file, not a directory")
     if os.path.exists(args.out) and os.listdir(args.out):
         parser.error(f"--out {args.out} is not empty")
     got = record(args.out, only)
     with open(os.path.join(args.out, "recording.json"), "w") as f:
         json.dump(got, f, indent=1, sort_keys=True)
     if args.check:
-        with open(args.check) as f:
-            old = json.load(f)
         old = {k: v for k, v in old.items() if not only or k in only}
         found = differences(old, got)
         print("\n".join(found[:50]) if found else f"identical: {len(got)} cases")

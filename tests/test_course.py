@@ -119,6 +119,35 @@ def test_a_copy_leaves_out_history_environments_runs_caches_and_other_copies(tmp
         course.main(["make", "1", "--out", str(root / "hw3" / "notes")])
 
 
+def test_make_refuses_an_out_it_cannot_create_before_copying(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for out, words in ((str(tmp_path / "afile" / "sub"), "afile is a file, not a directory"),
+                       ("", "--out is empty")):
+        with pytest.raises(SystemExit, match=re.escape(words)):
+            course.main(["make", "3", "--out", out])
+    assert os.listdir(tmp_path) == ["afile"]
+
+
+VALID = f"not an assignment number ({', '.join(map(str, course.ASSIGNMENTS))})"
+
+
+@pytest.mark.parametrize("content, words", [
+    ("abc", f"holds 'abc', {VALID}"),
+    ("", f"holds nothing, {VALID}"),
+    ("9\n", f"holds '9', {VALID}"),
+    ("dir", "is a directory"),
+])
+def test_grade_names_a_wrong_assignment_file(content, words, tmp_path, monkeypatch):
+    monkeypatch.setattr(course, "ROOT", str(tmp_path))
+    monkeypatch.setattr(course, "grade", lambda number: pytest.fail("graded"))
+    if content == "dir":
+        (tmp_path / course.MARKER).mkdir()
+    else:
+        (tmp_path / course.MARKER).write_text(content)
+    with pytest.raises(SystemExit, match=re.escape(f"{course.MARKER} {words}")):
+        course.main(["grade"])
+
+
 def test_the_reference_passes_every_assignments_tests():
     ids = [t for number in course.ASSIGNMENTS for t in course.node_ids(number)]
     res = pytest_in(ROOT, ids, "-x")

@@ -1,4 +1,5 @@
 """The main table in miniature and the demos: which cells they train, resuming, and their tables."""
+import json
 import math
 import os
 
@@ -26,13 +27,24 @@ def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_pat
 @pytest.mark.parametrize("argv, words", [
     (["--reproduce", "--sharing", "shared"], "--sharing: the cells set it themselves"),
     (["--demo", "critics", "--algo", "maac"], "--algo: the cells set it themselves"),
-    (["--demo", "amplification", "--start_from", "runs/x"], "--start_from: the cells set it"),
+    (["--demo", "amplification", "--start_from", "runs/x"],
+     "--start_from: the cells of a seed go on from that seed's own start"),
+    (["--reproduce", "--overwrite"], "--overwrite: the grid never deletes a cell"),
+    (["--demo", "default", "--resume"], "--resume: the grid resumes an interrupted cell itself"),
+    (["--demo", "default", "--steps", "0"], "--steps 0: the grid compares its cells after RL"),
     (["--demo", "critics", "--seed=3"], "--seed: each cell's seed is one of --seeds"),
 ])
 def test_a_flag_that_would_make_the_cells_one_is_refused(argv, words, capsys):
     with pytest.raises(SystemExit):
         grid.parse_args(argv)
     assert words in capsys.readouterr().err
+
+
+def test_a_cell_whose_config_lacks_its_steps_is_not_finished(tmp_path):
+    """Not taken as done (nor a KeyError): the cell is then resumed, which says what is wrong."""
+    (tmp_path / "config.json").write_text(json.dumps({"workflow": "voting", "sharing": "shared"}))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    assert grid.finished(str(tmp_path)) is False
 
 
 def test_every_cells_settings_are_checked_before_the_first_cell_trains(tmp_path, monkeypatch):

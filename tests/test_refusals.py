@@ -262,3 +262,30 @@ def test_grid_refuses_seeds_that_would_repeat_a_cell(argv, words, capsys):
     with pytest.raises(SystemExit) as stop:
         grid.parse_args(["--demo", "default", *argv])
     assert stop.value.code == 2 and words in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("check, out, words", [
+    ('{"a": ', "runs", "--check bad.json: cannot be read as JSON"),
+    ("[]", "runs", "--check bad.json: is not a recording"),
+    ('{"single-shared": {}}', "runs", "case 'single-shared' is not a recording"),
+    ("dir", "runs", "--check bad.json: is a directory"),
+    (None, "afile", "afile is a file, not a directory"),
+    (None, "afile/sub", "afile is a file, not a directory"),
+    (None, "", "--out is empty"),
+])
+def test_record_refuses_a_bad_check_or_out_before_training(check, out, words, tmp_path,
+                                                           monkeypatch, capsys):
+    import record
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(record, "record", lambda *a: pytest.fail("a case was trained"))
+    (tmp_path / "afile").write_text("x")
+    if check == "dir":
+        (tmp_path / "bad.json").mkdir()
+    elif check is not None:
+        (tmp_path / "bad.json").write_text(check)
+    argv = ["--out", out, "--only", "single-shared"] + (["--check", "bad.json"] if check else [])
+    monkeypatch.setattr(sys, "argv", ["record.py", *argv])
+    with pytest.raises(SystemExit) as stop:
+        record.main()
+    assert stop.value.code == 2 and words in capsys.readouterr().err

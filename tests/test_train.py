@@ -376,6 +376,16 @@ def test_intervals_by_hand():
     settings.check_numbers(train.Config())  # the defaults are valid
 
 
+def test_a_list_flag_names_each_item_once_before_the_model_loads():
+    with pytest.raises(SystemExit, match="^--role_kl: aggregator is given twice$"):
+        settings.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=0.1,aggregator=0.5"))
+    for targets in ("q_proj,,v_proj", "", "q_proj, q_proj"):
+        with pytest.raises(SystemExit, match="give distinct layer names separated by commas"):
+            launch.check_settings(train.Config(lora_targets=targets), None)
+    assert settings.lora_targets(train.Config(lora_targets="q_proj, v_proj")) == ("q_proj",
+                                                                                 "v_proj")
+
+
 def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
     out = str(tmp_path / "run")
     train.main(small_config(out, steps=1))
@@ -564,10 +574,21 @@ def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_o
         f.truncate(100)
     with pytest.raises(SystemExit, match="cannot be read"):
         train.main(train.Config(out=out, resume=True))
+    good = json.load(open(f"{out}/config.json"))
     with open(f"{out}/config.json", "w") as f:
         f.write('{"workflow": "vot')
     with pytest.raises(SystemExit, match="config.json cannot be read"):
         train.main(train.Config(out=out, resume=True))
+    # a lost field would take the default (a Voting run resumed as Eval-Opt); a field of another
+    # type
+    for damaged, words in [({k: v for k, v in good.items() if k != "workflow"}, "lacks workflow$"),
+                           ({**good, "steps": "ten"}, r"steps is 'ten' \(a str, not int\)$"),
+                           ({**good, "lr": None}, r"lr is None \(a NoneType, not float\)$"),
+                           ([good], "is not a run's config")]:
+        with open(f"{out}/config.json", "w") as f:
+            json.dump(damaged, f)
+        with pytest.raises(SystemExit, match=words):
+            train.main(train.Config(out=out, resume=True))
 
 
 @pytest.mark.parametrize("sharing", ["shared", "isolated"])
