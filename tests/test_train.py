@@ -579,8 +579,7 @@ def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_o
         f.write('{"workflow": "vot')
     with pytest.raises(SystemExit, match="config.json cannot be read"):
         train.main(train.Config(out=out, resume=True))
-    # a lost field would take the default (a Voting run resumed as Eval-Opt); a field of another
-    # type
+    # refused: a lost field (it would take the default: a Voting run resumed as Eval-Opt), a type
     for damaged, words in [({k: v for k, v in good.items() if k != "workflow"}, "lacks workflow$"),
                            ({**good, "steps": "ten"}, r"steps is 'ten' \(a str, not int\)$"),
                            ({**good, "lr": None}, r"lr is None \(a NoneType, not float\)$"),
