@@ -361,7 +361,13 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
 def report(run_dirs: list[str], out: str, names=run_name) -> str:
     """Write report.md and the plots into `out`; return the report's path. `names` gives each
     run's name in the tables and plots (default: its directory's name)."""
-    runs = {names(d): load_run(d) for d in run_dirs}  # name -> (config, rows)
+    named = {}
+    for d in run_dirs:  # one name each: a second run of a name would replace the first
+        if names(d) in named:
+            raise SystemExit(f"{named[names(d)]} and {d} are both named {names(d)} in the report: "
+                             "give runs whose directories' names differ")
+        named[names(d)] = d
+    runs = {name: load_run(d) for name, d in named.items()}  # name -> (config, rows)
     writable(out, "report.md")
     table = [{"run": name, **summary(config, rows)} for name, (config, rows) in runs.items()]
     header = list(table[0])
@@ -394,16 +400,20 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
 # kappa would align
 
 
-def episodes_to_align(results: list[dict[str, float]], role: str, n_slots: int) -> float:
+def episodes_to_align(results: list[dict[str, float]], role: str,
+                      n_slots: int) -> float | None:
     """Episodes at which the role's kappa would reach KAPPA_FRAC sqrt(N), from probes of several
     sizes. A slot's gradient = a shared direction + its own sampling noise gives two slots' cosine
     over n episodes 1 / (1 + b / n), so b = n (1 / cos - 1); kappa^2 = 1 + (N - 1) cos reaches the
-    line at cos c = (KAPPA_FRAC^2 N - 1) / (N - 1), at n = b c / (1 - c). inf if a probe's cosine
-    is <= 0; a probe with no gradient (no reward contrast) measured nothing and is left out."""
+    line at cos c = (KAPPA_FRAC^2 N - 1) / (N - 1), at n = b c / (1 - c). inf (never) if a
+    probe's cosine is <= 0; a probe with no gradient (no reward contrast) measured nothing and is
+    left out, and None says no probe is left: not measured."""
     c = (KAPPA_FRAC ** 2 * n_slots - 1) / (n_slots - 1)
     cosines = [(r["episodes"], r[f"role/{role}/coherence"]) for r in results
                if f"role/{role}/coherence" in r]
-    if not cosines or min(cos for _, cos in cosines) <= 0:
+    if not cosines:
+        return None
+    if min(cos for _, cos in cosines) <= 0:
         return math.inf
     b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines)
     return b * c / (1 - c)
@@ -417,10 +427,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="where report.md and the plots go "
                         "(default: the run directory, or the runs' common parent)")
     parser.add_argument("--probe", metavar="CHECKPOINT", help="a run's ckpt directory")
-    parser.add_argument("--probe_problems", default=[4],
-                        type=lambda v: [int(n) for n in v.split(",")],
-                        help="problems in the probe batch; several (4,8,16): a batch each, and the "
-                        "episodes per slot at which kappa would reach the detector's line")
+    parser.add_argument("--probe_problems", metavar="N[,N...]",
+                        help="problems in the probe batch (default 4); several (4,8,16): a batch "
+                        "each, and the episodes per slot at which kappa would reach the detector's "
+                        "line")
     parser.add_argument("--probe_credit", default="", choices=["final", "own"],
                         help="--probe: each call's "
                         "reward (default: the run's --credit)")
@@ -435,16 +445,41 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def problem_counts(text: str | None) -> list[int]:
+    """--probe_problems "4,8,16" as [4, 8, 16]; 4 where it is not given."""
+    try:
+        return [int(n) for n in ("4" if text is None else text).split(",")]
+    except ValueError:
+        raise SystemExit(f"--probe_problems {text}: not whole numbers separated by commas "
+                         "(4, or 4,8,16)") from None
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One task at a time (run directories, --probe or --watch), each with its own flags: the
+    others would be ignored, so they are refused."""
+    tasks = [task for task, given in (("run directories", args.runs), ("--probe", args.probe),
+                                      ("--watch", args.watch)) if given]
+    if len(tasks) > 1:
+        raise SystemExit(f"{' and '.join(tasks)} given together: diagnose.py does one at a time")
+    for flag, task in (("sample", "--watch"), ("out", "run directories"),
+                       ("probe_problems", "--probe"), ("probe_credit", "--probe")):
+        if getattr(args, flag) != parser.get_default(flag) and tasks and task not in tasks:
+            raise SystemExit(f"--{flag} goes with {task} only; with {tasks[0]} it would be "
+                             "ignored")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
     args = parser.parse_args(argv)
     if not 0 <= args.seed < 2 ** 32:
         parser.error(f"--seed {args.seed}: must be in [0, 2**32)")
+    check_flags(parser, args)
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)
     elif args.probe:
-        results = probe(args.probe, args.probe_problems, args.probe_credit, args.seed)
+        results = probe(args.probe, problem_counts(args.probe_problems), args.probe_credit,
+                        args.seed)
         run_dir = os.path.dirname(os.path.normpath(args.probe))
         config = load_run(run_dir)[0]
         align = {role: episodes_to_align(results, role, n)
@@ -452,9 +487,16 @@ def main(argv: list[str] | None = None) -> None:
         for k in dict.fromkeys(k for r in results for k in r):  # every key, in the order first seen
             print(f"{k:40s}" + "".join(f" {r.get(k, math.nan):10.4f}" for r in results))
         for role, n in align.items():
-            print(f"{role}: kappa would reach {KAPPA_FRAC} sqrt(N) at about {n:.0f} episodes")
+            print(f"{role}: kappa would reach {KAPPA_FRAC} sqrt(N) " + (
+                "(not measured: no probe size had a reward contrast)" if n is None else
+                "never (a coherence <= 0 at some probe size)" if n == math.inf else
+                f"at about {n:.0f} episodes"))
+        # JSON has no infinity: "never", and null for what was not measured
+        align = {role: "never" if n == math.inf else n for role, n in align.items()}
+        results = [{k: v if math.isfinite(v) else None for k, v in r.items()} for r in results]
         with open(os.path.join(run_dir, "probe.json"), "w") as f:
-            json.dump({"probes": results, "episodes_to_align": align}, f, indent=2)
+            json.dump({"probes": results, "episodes_to_align": align}, f, indent=2,
+                      allow_nan=False)
     elif args.runs:
         out = args.out or (args.runs[0] if len(args.runs) == 1 else os.path.commonpath(
             [os.path.abspath(r) for r in args.runs]))

@@ -27,9 +27,14 @@ from workflows import ROLES, run_workflow
 
 
 def run_config(run_dir: str) -> Config:
-    """A run's config.json as train.py's Config, its values checked as a launch checks them."""
+    """A run's config.json as train.py's Config, its values checked as a launch checks them. Every
+    setting must be there: one lost would take its default (a Voting run watched as Eval-Opt)."""
+    saved = load_run(run_dir)[0]  # its errors name their own file
+    if missing := [f.name for f in dataclasses.fields(Config) if f.name not in saved]:
+        raise SystemExit(f"{run_dir}/config.json lacks {', '.join(missing)} "
+                         "(a run's config holds every setting of train.py)")
     try:
-        cfg = Config(**load_run(run_dir)[0])
+        cfg = Config(**saved)
         check_numbers(cfg)
     except TypeError as e:  # a key train.py does not know
         raise SystemExit(f"{run_dir}/config.json is not a config of this project ({e})") from None
@@ -65,6 +70,10 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
     advantages whatever the run's algorithm: the probe asks how the slots' gradients line up."""
     cfg = checkpoint_config(ckpt)  # everything checked before the model loads
     cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
+    if cfg.group_size < 2:  # an --algo maac run may have trained with one
+        raise SystemExit(f"--probe {ckpt}: its run's group_size is {cfg.group_size}; the probe's "
+                         "GRPO advantages need >= 2 (a group of one has no contrast: nothing to "
+                         "measure)")
     if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--probe_credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs)")

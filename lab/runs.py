@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from lab.machine import barrier, gather_lists, rank_and_world
 from rollout import Call
+from workflows import ROLES
 
 
 # ----------------------------------------------------------------------------
@@ -65,11 +66,16 @@ def append_jsonl(path: str, rows: list[dict]) -> None:
 
 def read_jsonl(path: str) -> list[dict]:
     """The rows of a log. A torn last line (the process was killed while writing it) and blank
-    lines are dropped; any other unreadable line is an error."""
+    lines are dropped; any other unreadable line is an error, as is a log that cannot be read."""
     if not os.path.exists(path):
         raise SystemExit(f"{path} is missing: not a complete run directory")
-    with open(path) as f:
-        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    try:
+        with open(path) as f:
+            lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    except OSError as e:  # a directory in its place, a file not readable
+        raise SystemExit(f"{path} cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError:  # a log is JSON, text
+        raise SystemExit(f"{path} is not text; the log is damaged") from None
     rows = []
     for k, (i, line) in enumerate(lines):
         try:
@@ -85,21 +91,45 @@ def read_jsonl(path: str) -> list[dict]:
     return rows
 
 
+# What the reports (diagnose.py, lab/tables.py) read of a run's config, and each one's type
+READ = {"workflow": str, "sharing": str, "algo": str, "n_agents": int, "eval_problems": int,
+        "val_problems": int}
+
+
 def load_run(run_dir: str) -> tuple[dict, list[dict]]:
-    """A run's config and its metrics rows (step 0 holds the accuracy before training)."""
+    """A run's config and its metrics rows (step 0 holds the accuracy before training). The
+    settings the reports read (READ) must be in the config, each of its type (a lost one would
+    otherwise take a default: a Voting run read as Eval-Opt), and every metric a number."""
     for name in ("metrics.jsonl", "config.json"):
         if not os.path.exists(os.path.join(run_dir, name)):
             raise SystemExit(f"{run_dir}: no {name} (not a train.py run directory)")
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError):
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise SystemExit(f"{run_dir}/config.json is not JSON") from None
+    except OSError as e:
+        raise SystemExit(f"{run_dir}/config.json cannot be read ({e.strerror})") from None
     if not isinstance(config, dict):
         raise SystemExit(f"{run_dir}/config.json is not a run's config (an object of settings)")
+    if missing := [name for name in READ if name not in config]:
+        raise SystemExit(f"{run_dir}/config.json lacks {', '.join(missing)} "
+                         "(a run's config holds every setting of train.py)")
+    for name, kind in READ.items():
+        if type(config[name]) is not kind:
+            raise SystemExit(f"{run_dir}/config.json: {name} is {json.dumps(config[name])}, not "
+                             f"{'a string' if kind is str else 'a whole number'}")
+    if config["workflow"] not in ROLES:
+        raise SystemExit(f"{run_dir}/config.json: workflow {config['workflow']!r} is not one of "
+                         f"{', '.join(ROLES)}")
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
     if not rows:
         raise SystemExit(f"{run_dir}: metrics.jsonl is empty (the run has not logged a step yet)")
+    for row in rows:
+        for key, value in row.items():
+            if type(value) not in (int, float):
+                raise SystemExit(f"{run_dir}/metrics.jsonl, step {row['step']}: {key} is "
+                                 f"{json.dumps(value)}, not a number")
     return config, rows
 
 

@@ -21,7 +21,7 @@ from lora import DEFAULT_TARGETS, adapter_for
 from model import DTYPES
 from reward import CREDITS, TRUNCATED
 from sandbox import CODE_TIMEOUT
-from tasks import DEFAULT_LEVEL, TASKS
+from tasks import DEFAULT_LEVEL, TASK_KIND, TASKS
 from workflows import ROLES, WORKFLOWS
 
 TASK_TOKENS = {"math": 48, "code": 320}  # --max_new_tokens 0: code needs room for a whole function
@@ -203,15 +203,31 @@ MAAC_ONLY = ("critic", "critic_per", "gamma", "lam", "critic_lr", "critic_steps"
              "value_clip", "norm_adv", "critic_max_tokens")
 
 
+# Settings that act only under another, as (its flags, whether it acts, why not): given (typed,
+# or unlike the default) where it does not act, a flag would change nothing, so it is an error.
+ONLY_UNDER = [
+    (MAAC_ONLY, lambda c: c.algo == "maac",
+     "sets the critics of --algo maac; this run trains GRPO (--algo {c.algo}): add --algo maac"),
+    (("critic_per",), lambda c: c.critic == "decentral",
+     "groups the critics of --critic decentral; --critic {c.critic} is one critic"),
+    (("sft_lr", "sft_roles"), lambda c: c.sft_warmup > 0,
+     "sets the warm-up, which --sft_warmup 0 leaves out"),
+    (("level",), lambda c: c.task == "arith", "is the arith task's; task {c.task} has no levels"),
+    (("code_workers",), lambda c: TASK_KIND[c.task] == "code",
+     "runs a code task's programs; task {c.task} has none"),
+]
+
+
 def check_algo_flags(cfg: Config, typed: set[str] | None) -> None:
-    """No actor-critic setting given (typed, or unlike its default) to a run without critics."""
-    if cfg.algo == "maac":
-        return
-    for f in dataclasses.fields(cfg):
-        given = f.name in typed if typed is not None else getattr(cfg, f.name) != f.default
-        if f.name in MAAC_ONLY and given:
-            raise SystemExit(f"--{f.name} sets the critics of --algo maac; this run trains GRPO "
-                             f"(--algo {cfg.algo}): add --algo maac or drop --{f.name}")
+    """No setting given to a run where it would do nothing (ONLY_UNDER): a critic's to GRPO, a
+    warm-up's to a run without one, a task's to another task."""
+    for flags, acts, why in ONLY_UNDER:
+        if acts(cfg):
+            continue
+        for f in dataclasses.fields(cfg):
+            given = f.name in typed if typed is not None else getattr(cfg, f.name) != f.default
+            if f.name in flags and given:
+                raise SystemExit(f"--{f.name} {why.format(c=cfg)}, or drop --{f.name}")
 
 
 def in_bounds(value: float, bounds: str) -> bool:

@@ -1,5 +1,6 @@
 """Diagnostics and mitigations: the detectors on synthetic runs, kappa and the fixes on the tiny
 model."""
+import dataclasses
 import json
 import math
 import os
@@ -63,7 +64,8 @@ def test_similarity() -> None:
 def write_run(path, config: dict, rows: list[dict]) -> str:
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"algo": "grpo", "n_agents": 3, **config}, f)
+        json.dump({"algo": "grpo", "n_agents": 3, "eval_problems": 96, "val_problems": 0,
+                   **config}, f)
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return str(path)
@@ -305,6 +307,126 @@ def test_diagnose_rejects_a_directory_that_is_not_a_run(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("config, metrics, words", [
+    ({}, None, "config.json lacks workflow, sharing, algo, n_agents, eval_problems, val_problems"),
+    ({"workflow": "bogus"}, None,
+     "config.json: workflow 'bogus' is not one of single, eval_opt, voting, orch_workers"),
+    ({"sharing": 1}, None, "config.json: sharing is 1, not a string"),
+    ({"n_agents": "3"}, None, 'config.json: n_agents is "3", not a whole number'),
+    (None, '{"step": 0, "eval/accuracy": null}\n',
+     "metrics.jsonl, step 0: eval/accuracy is null, not a number"),
+    (None, '{"step": 0, "eval/accuracy": "0.5"}\n',
+     'metrics.jsonl, step 0: eval/accuracy is "0.5", not a number'),
+    (None, b"\xff\xfe\x00\x81\n", "metrics.jsonl is not text; the log is damaged"),
+    (None, "a directory", r"metrics.jsonl cannot be read \(Is a directory\)"),
+])
+def test_damaged_run_files_are_one_line_errors(tmp_path, config, metrics, words):
+    """What diagnose.py reads of a run is checked as it is read: a config lacking a setting or
+    holding an unknown value, a metric that is not a number, a log that is not text or not a
+    file."""
+    run = write_run(tmp_path / "run", {"workflow": "voting", "sharing": "isolated"},
+                    healthy_rows(["generator", "aggregator"]))
+    if config is not None:
+        saved = {} if config == {} else {**json.load(open(f"{run}/config.json")), **config}
+        with open(f"{run}/config.json", "w") as f:
+            json.dump(saved, f)
+    if metrics == "a directory":
+        os.remove(f"{run}/metrics.jsonl")
+        os.mkdir(f"{run}/metrics.jsonl")
+    elif metrics is not None:
+        with open(f"{run}/metrics.jsonl", "wb") as f:
+            f.write(metrics if isinstance(metrics, bytes) else metrics.encode())
+    with pytest.raises(SystemExit, match=f"^{re.escape(run)}[/:] ?{words}"):
+        diagnose.main([run])
+
+
+def test_runs_of_one_name_are_refused_not_merged(tmp_path):
+    """The report keys runs by their directory's name: a second run of a name would replace the
+    first and the report would show one row for two runs."""
+    a, b = (write_run(tmp_path / side / "run", {"workflow": "single", "sharing": "shared"},
+                      healthy_rows(["generator"])) for side in ("a", "b"))
+    with pytest.raises(SystemExit, match=re.escape(f"{a} and {b} are both named run")):
+        diagnose.main([a, b, "--out", str(tmp_path / "out")])
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--probe", "R/ckpt", "R"], "run directories and --probe given together"),
+    (["--probe", "R/ckpt", "--watch", "R", "Q"], "--probe and --watch given together"),
+    (["R", "--watch", "R", "Q"], "run directories and --watch given together"),
+    (["R", "--sample"], "--sample goes with --watch only; with run directories it would be "
+                        "ignored"),
+    (["--probe", "R/ckpt", "--sample"], "--sample goes with --watch only"),
+    (["--watch", "R", "Q", "--probe_problems", "4"], "--probe_problems goes with --probe only"),
+    (["--watch", "R", "Q", "--out", "elsewhere"], "--out goes with run directories only"),
+    (["--probe", "R/ckpt", "--probe_problems", "4,,8"],
+     "--probe_problems 4,,8: not whole numbers separated by commas"),
+])
+def test_flags_that_would_be_ignored_are_refused_before_any_work(argv, words, monkeypatch):
+    for name in ("probe", "watch", "report", "load_run"):
+        monkeypatch.setattr(diagnose, name, lambda *a, **k: pytest.fail("work began"))
+    with pytest.raises(SystemExit, match=f"^{re.escape(words)}"):
+        diagnose.main(argv)
+
+
+def full_run(path, **settings) -> str:
+    """A run directory as train.py leaves it, but for its checkpoint (an empty state.pt): every
+    setting in config.json, a step-0 row."""
+    config = dataclasses.asdict(train.Config(model="tiny", out=str(path), **settings))
+    run = write_run(path, config, [{"step": 0, "eval/accuracy": 0.5}])
+    os.makedirs(f"{run}/ckpt")
+    open(f"{run}/ckpt/state.pt", "w").close()
+    return run
+
+
+def test_watch_and_probe_refuse_a_config_that_lacks_a_setting_or_an_empty_log(tmp_path,
+                                                                             monkeypatch):
+    """Config(**saved) would give a lost setting its default (a Voting run watched as Eval-Opt);
+    an empty log is named as it is, not blamed on config.json. Before the model loads."""
+    monkeypatch.setattr(probe, "load_policy", lambda *a: pytest.fail("the model loaded first"))
+    run = full_run(tmp_path / "run", workflow="voting", sharing="isolated")
+    saved = json.load(open(f"{run}/config.json"))
+    for lost in ("lora_r", "workflow"):
+        with open(f"{run}/config.json", "w") as f:
+            json.dump({k: v for k, v in saved.items() if k != lost}, f)
+        for argv in (["--watch", run, "What is 2 + 3?"], ["--probe", f"{run}/ckpt"]):
+            with pytest.raises(SystemExit, match=f"^{re.escape(run)}/config.json lacks {lost} "):
+                diagnose.main(argv)
+    with open(f"{run}/config.json", "w") as f:
+        json.dump(saved, f)
+    open(f"{run}/metrics.jsonl", "w").close()
+    for argv in (["--watch", run, "What is 2 + 3?"], ["--probe", f"{run}/ckpt"]):
+        with pytest.raises(SystemExit, match=f"^{re.escape(run)}: metrics.jsonl is empty"):
+            diagnose.main(argv)
+
+
+def test_probe_refuses_a_group_of_one_and_writes_no_infinity(tmp_path, monkeypatch, capsys):
+    """With --group_size 1 (an --algo maac run) every GRPO advantage of the probe is 0: refused
+    before the model loads. Where kappa's episodes to align cannot be estimated (no probe with a
+    coherence), they are said not measured, and probe.json holds null, not Infinity."""
+    monkeypatch.setattr(probe, "load_policy", lambda *a: pytest.fail("the model loaded first"))
+    lone = full_run(tmp_path / "lone", workflow="voting", algo="maac", group_size=1)
+    with pytest.raises(SystemExit, match=re.escape(f"--probe {lone}/ckpt: its run's group_size "
+                                                   "is 1; the probe's GRPO advantages need >= 2")):
+        diagnose.main(["--probe", f"{lone}/ckpt"])
+    run = full_run(tmp_path / "run", workflow="voting", sharing="isolated")
+    flat = [{"episodes": 8, "reward/mean": 0.0}, {"episodes": 16, "reward/mean": math.nan}]
+    monkeypatch.setattr(diagnose, "probe", lambda *a: flat)
+    diagnose.main(["--probe", f"{run}/ckpt", "--probe_problems", "2,4"])
+    assert "generator: kappa would reach 0.8 sqrt(N) (not measured: no probe size had a reward " \
+        "contrast)" in capsys.readouterr().out
+    text = open(f"{run}/probe.json").read()
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text) == {"probes": [flat[0], {"episodes": 16, "reward/mean": None}],
+                                "episodes_to_align": {"generator": None}}
+    apart = [{"episodes": 8, "role/generator/coherence": -0.1},
+             {"episodes": 16, "role/generator/coherence": 0.2}]
+    monkeypatch.setattr(diagnose, "probe", lambda *a: apart)
+    diagnose.main(["--probe", f"{run}/ckpt", "--probe_problems", "2,4"])
+    assert "generator: kappa would reach 0.8 sqrt(N) never" in capsys.readouterr().out
+    assert json.load(open(f"{run}/probe.json"))["episodes_to_align"] == {"generator": "never"}
+
+
 def test_a_read_only_run_is_diagnosed_and_probed_only_where_it_can_be_written(tmp_path,
                                                                               monkeypatch):
     run = write_run(tmp_path / "run", {"workflow": "single", "sharing": "shared"},
@@ -479,7 +601,7 @@ def test_episodes_to_align_extrapolates_the_cosine_to_the_detectors_line():
     probes[1]["role/generator/coherence"] = -0.02  # no shared direction measured at one size
     assert diagnose.episodes_to_align(probes, "generator", 3) == math.inf
     # nothing measured at all
-    assert diagnose.episodes_to_align(probes[:1], "generator", 3) == math.inf
+    assert diagnose.episodes_to_align(probes[:1], "generator", 3) is None
 
 
 def test_a_run_is_read_back_with_its_lora_targets_as_train_py_read_them(tmp_path):
