@@ -77,3 +77,19 @@ def test_bench_on_cuda_without_a_gpu_is_one_line(monkeypatch):
     monkeypatch.setattr(bench, "load_policy", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit, match="--device cuda: "):
         bench.main(["--model", "tiny", "--device", "cuda"])
+
+
+def test_the_throughput_table_against_the_machine_by_hand():
+    """A model of 1e9 parameters: 2 GFLOP a generated token, 4 a trained position. 100 tokens/s
+    at 32 rows is 320 ms a step and 200 GFLOP/s, 20 % of a 1000 GFLOP/s peak; 2 GB of weights at
+    100 GB/s take 20 ms to read; 50 positions/s of the update is 200 GFLOP/s."""
+    fig = {"limits": {"matmul_fp32_gflops": 1000.0, "copy_gbs": 100.0}, "new_tokens": 48,
+           "throughput": {"dtypes": ["fp32"], "params": 1e9, "weight_bytes": {"fp32": 2e9},
+                          "generate": {"32": {"decode fp32": 100.0}}, "update": {"fp32": 50.0},
+                          "update_positions": 1000}}
+    lines = bench.throughput_lines(fig)
+    assert "peaks at 1000 GFLOP/s fp32; copying 256 MiB runs at 100.0 GB/s" in lines[1]
+    assert "at 2.00 GFLOP a token" in lines[2]
+    assert "reading the weights once takes 20.000 ms in fp32" in lines[3]
+    assert lines[4] == "    batch   32, decode  : fp32    100.0 (320.00 ms,  200.0, 20.0%)"
+    assert lines[5].endswith("positions/s: fp32   50.0 (200.0, 20.0%)")
