@@ -361,12 +361,12 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
 def report(run_dirs: list[str], out: str, names=run_name) -> str:
     """Write report.md and the plots into `out`; return the report's path. `names` gives each
     run's name in the tables and plots (default: its directory's name)."""
-    named = {}
-    for d in run_dirs:  # one name each: a second run of a name would replace the first
-        if names(d) in named:
-            raise SystemExit(f"{named[names(d)]} and {d} are both named {names(d)} in the report: "
+    named = {}  # name -> run directory: a second run of a name would replace the first
+    for d in run_dirs:
+        if (name := names(d)) in named:
+            raise SystemExit(f"{named[name]} and {d} are both named {name} in the report: "
                              "give runs whose directories' names differ")
-        named[names(d)] = d
+        named[name] = d
     runs = {name: load_run(d) for name, d in named.items()}  # name -> (config, rows)
     writable(out, "report.md")
     table = [{"run": name, **summary(config, rows)} for name, (config, rows) in runs.items()]
@@ -454,13 +454,18 @@ def problem_counts(text: str | None) -> list[int]:
                          "(4, or 4,8,16)") from None
 
 
-def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                argv: list[str]) -> None:
     """One task at a time (run directories, --probe or --watch), each with its own flags: the
     others would be ignored, so they are refused."""
     tasks = [task for task, given in (("run directories", args.runs), ("--probe", args.probe),
                                       ("--watch", args.watch)) if given]
     if len(tasks) > 1:
         raise SystemExit(f"{' and '.join(tasks)} given together: diagnose.py does one at a time")
+    seeded = any(a == "--seed" or a.startswith("--seed=") for a in argv)
+    if seeded and not (args.probe or args.watch and args.sample):
+        raise SystemExit("--seed draws the probe's batches or --watch --sample's replies; "
+                         "without them it would be ignored")
     for flag, task in (("sample", "--watch"), ("out", "run directories"),
                        ("probe_problems", "--probe"), ("probe_credit", "--probe")):
         if getattr(args, flag) != parser.get_default(flag) and tasks and task not in tasks:
@@ -474,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.seed < 2 ** 32:
         parser.error(f"--seed {args.seed}: must be in [0, 2**32)")
-    check_flags(parser, args)
+    check_flags(parser, args, argv)
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)
     elif args.probe:

@@ -181,12 +181,12 @@ PLACED = {"resume": "the grid resumes an interrupted cell itself; run the same c
 
 
 def cell_fields(demo: str | None) -> set[str]:
-    """The train.py settings that tell the cells apart, or place a run (--seed apart: its own
-    message): a train.py flag naming one would override every cell's own and make them one (the
-    main table's with demo None)."""
+    """The train.py settings that tell the cells apart (--seed apart: its own message): a
+    train.py flag naming one would override every cell's own and make them one (the main
+    table's with demo None)."""
     own = ([f for w, s in GRID for f in ("--workflow", w, "--sharing", s)] if demo is None else
            [f for flags in (*DEMOS[demo].cells.values(), DEMOS[demo].start) for f in flags])
-    return typed_flags(own) | set(PLACED)
+    return typed_flags(own)
 
 
 def check_cells(cells: list[tuple[str, list[str]]], home: str) -> list[Config]:
@@ -224,8 +224,7 @@ def finished(run_dir: str) -> bool:
         config, rows = load_run(run_dir)
     except (SystemExit, OSError):
         return False
-    return (bool(rows) and rows[-1]["step"] == config.get("steps")
-            and "eval/accuracy" in rows[-1])
+    return bool(rows) and rows[-1]["step"] == config["steps"] and "eval/accuracy" in rows[-1]
 
 
 def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:

@@ -30,8 +30,9 @@ from grpo import UpdateSettings
 from lab.machine import barrier, log, rank_and_world
 from lab.checkpoint import TrainState, load_state, read_best, restore_best, start_checkpoint
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
-from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_algo_flags, check_numbers,
-                          critic_settings, lora_targets, update_settings, warmup_roles)
+from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_idle_flags, check_numbers,
+                          critic_settings, lora_targets, read_config, update_settings,
+                          warmup_roles)
 from lora import adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters
 from model import load_policy
 from rollout import chat_text, context_length
@@ -53,7 +54,7 @@ def check_settings(cfg: Config, typed: set[str] | None
                          "give one")
     cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
     check_numbers(cfg)
-    check_algo_flags(cfg, typed)
+    check_idle_flags(cfg, typed)
     if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs); use --credit final")
@@ -254,7 +255,10 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None,
     rates in `new_lr`. The run lives wherever --out now points, however that path is spelled."""
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
         raise SystemExit(f"--resume: no run in {cfg.out}")
-    saved = read_config(os.path.join(cfg.out, "config.json"), type(cfg))
+    try:
+        saved = read_config(os.path.join(cfg.out, "config.json"))
+    except SystemExit as e:
+        raise SystemExit(f"--resume: {e}") from None
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         chosen = f.name in typed if typed is not None else given != f.default
@@ -263,28 +267,6 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None,
         elif f.name not in NOT_THE_RUN and chosen and given != old:
             raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
-
-
-def read_config(path: str, config_type=Config) -> Config:
-    """A run's config.json as the Config it was written from: every field there, each of its
-    type (an int where a float is asked); anything else is one line, as a config whose field was
-    lost would otherwise take the default (a Voting run resumed as Eval-Opt)."""
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"--resume: {path} cannot be read ({type(e).__name__})") from None
-    fields = {f.name: f.type for f in dataclasses.fields(config_type)}
-    if not isinstance(saved, dict) or set(saved) - set(fields):
-        raise SystemExit(f"--resume: {path} is not a run's config (the settings of train.py)")
-    if missing := [name for name in fields if name not in saved]:
-        raise SystemExit(f"--resume: {path} lacks {', '.join(missing)}")
-    for name, kind in fields.items():
-        value = saved[name]
-        if not (type(value) is kind or kind is float and type(value) is int):
-            raise SystemExit(f"--resume: {path}: {name} is {value!r} (a {type(value).__name__}, "
-                             f"not {kind.__name__})")
-    return config_type(**saved)
 
 
 def resume_run(out: str, state: TrainState, references: dict[str, str],
@@ -350,14 +332,15 @@ def check_start(cfg: Config) -> dict:
         raise SystemExit(f"--start_from {where}: its best.json is not a best checkpoint's "
                          "(an integer step, a metric, a score and an evaluation)")
     try:
-        with open(os.path.join(run, "config.json")) as f:
-            saved = type(cfg)(**json.load(f))
         state = load_state(ckpt)
         for tensors in glob.glob(os.path.join(ckpt, "**", "*.safetensors"), recursive=True):
             load_file(tensors)  # a torn adapter stops the launch here, before a file is written
+        saved = read_config(os.path.join(run, "config.json"))
     except FileNotFoundError:
         raise SystemExit(f"--start_from {where}: no run with a checkpoint there "
                          "(train it with --steps 0)") from None
+    except SystemExit as e:  # its config.json, named
+        raise SystemExit(f"--start_from {where}: {e}") from None
     except Exception as e:  # a torn or foreign file: say so in one line
         raise SystemExit(f"--start_from {where}: its run cannot be read "
                          f"({type(e).__name__})") from None

@@ -92,8 +92,8 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 # What the reports (diagnose.py, lab/tables.py) read of a run's config, and each one's type
-READ = {"workflow": str, "sharing": str, "algo": str, "n_agents": int, "eval_problems": int,
-        "val_problems": int}
+READ = {"workflow": str, "sharing": str, "algo": str, "n_agents": int, "steps": int,
+        "eval_problems": int, "val_problems": int}
 
 
 def load_run(run_dir: str) -> tuple[dict, list[dict]]:
@@ -273,13 +273,17 @@ def take_lock(out: str) -> str:
 
 
 def holds_run(path: str) -> bool:
-    """Whether `path` is a run directory: a config.json beside its lock, a log or a checkpoint (a
-    .lock alone is no sign: pytest, among others, keeps one in its directories)."""
+    """Whether `path` is a run directory: a run's config.json (the settings READ among others)
+    beside its lock, a log or a checkpoint (a .lock alone is no sign: pytest, among others, keeps
+    one in its directories; nor is another tool's config.json)."""
     try:
         names = set(os.listdir(path))
-    except OSError:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return "config.json" in names and bool(names & {LOCK, "metrics.jsonl", "ckpt", "best"})
+    return (isinstance(config, dict) and set(READ) <= set(config)
+            and bool(names & {LOCK, "metrics.jsonl", "ckpt", "best"}))
 
 
 def enclosing_run(out: str) -> str:
@@ -304,8 +308,9 @@ def check_run_dir(out: str, overwrite: bool) -> list[str]:
     implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if held and not holds_run(out):  # a run's names, but no run: --overwrite would delete them
-        raise SystemExit(f"--out {out} holds {', '.join(held)} but no run (no config.json beside "
-                         "its log or checkpoint), so nothing there is deleted: choose another --out")
+        raise SystemExit(f"--out {out} holds {', '.join(held)} but no run (no run's config.json "
+                         "beside its log or checkpoint), so nothing there is deleted: choose "
+                         "another --out")
     if held and not overwrite:
         raise SystemExit(f"--out {out} already holds a run: add --resume to continue it, "
                          "--overwrite to start it over, or choose another --out")
@@ -330,7 +335,8 @@ def start_run_dir(out: str, held: list[str], config: dict) -> None:
     derived = [os.path.join(out, f) for f in DERIVED if os.path.exists(os.path.join(out, f))]
     derived = derived if held else []  # a directory without a run keeps what is in it
     # config.json last: a directory left half cleared by a kill is still known as a run
-    for path in derived + [os.path.join(out, f) for f in sorted(held, key="config.json".__eq__)]:
+    last = [os.path.join(out, "config.json")] if "config.json" in held else []
+    for path in derived + [os.path.join(out, f) for f in held if f != "config.json"] + last:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(out, exist_ok=True)
     write_whole(os.path.join(out, "config.json"), json.dumps(config, indent=2))

@@ -11,6 +11,7 @@ Exercised by: pytest tests/test_train.py (bad flags, --help), tests/test_refusal
 """
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -203,31 +204,30 @@ MAAC_ONLY = ("critic", "critic_per", "gamma", "lam", "critic_lr", "critic_steps"
              "value_clip", "norm_adv", "critic_max_tokens")
 
 
-# Settings that act only under another, as (its flags, whether it acts, why not): given (typed,
-# or unlike the default) where it does not act, a flag would change nothing, so it is an error.
+# Settings that act only under another: (the flags, whether they act, why not and what to do).
+# Given where they do not act (typed, or unlike the default), they would change nothing.
 ONLY_UNDER = [
     (MAAC_ONLY, lambda c: c.algo == "maac",
-     "sets the critics of --algo maac; this run trains GRPO (--algo {c.algo}): add --algo maac"),
+     "sets the critics of --algo maac; this run trains GRPO: add --algo maac or drop it"),
     (("critic_per",), lambda c: c.critic == "decentral",
-     "groups the critics of --critic decentral; --critic {c.critic} is one critic"),
+     "groups the critics of --critic decentral; a central critic is one: drop it"),
     (("sft_lr", "sft_roles"), lambda c: c.sft_warmup > 0,
-     "sets the warm-up, which --sft_warmup 0 leaves out"),
-    (("level",), lambda c: c.task == "arith", "is the arith task's; task {c.task} has no levels"),
-    (("code_workers",), lambda c: TASK_KIND[c.task] == "code",
-     "runs a code task's programs; task {c.task} has none"),
+     "sets the warm-up, which --sft_warmup 0 leaves out: drop it or give --sft_warmup"),
+    (("level",), lambda c: c.task == "arith", "is the arith task's difficulty: drop it"),
+    (("code_workers", "code_timeout"), lambda c: TASK_KIND[c.task] == "code",
+     "sets how a code task's programs run: drop it"),
 ]
 
 
-def check_algo_flags(cfg: Config, typed: set[str] | None) -> None:
+def check_idle_flags(cfg: Config, typed: set[str] | None) -> None:
     """No setting given to a run where it would do nothing (ONLY_UNDER): a critic's to GRPO, a
     warm-up's to a run without one, a task's to another task."""
+    defaults = Config()
     for flags, acts, why in ONLY_UNDER:
-        if acts(cfg):
-            continue
-        for f in dataclasses.fields(cfg):
-            given = f.name in typed if typed is not None else getattr(cfg, f.name) != f.default
-            if f.name in flags and given:
-                raise SystemExit(f"--{f.name} {why.format(c=cfg)}, or drop --{f.name}")
+        given = [name for name in flags if (name in typed if typed is not None
+                                            else getattr(cfg, name) != getattr(defaults, name))]
+        if given and not acts(cfg):
+            raise SystemExit(f"--{given[0]} {why}")
 
 
 def in_bounds(value: float, bounds: str) -> bool:
@@ -236,6 +236,31 @@ def in_bounds(value: float, bounds: str) -> bool:
     above = value >= low if bounds[0] == "[" else value > low
     below = value <= high if bounds[-1] == "]" else value < high
     return above and below
+
+
+def read_config(path: str) -> Config:
+    """A run's config.json as the Config it was written from: every setting there, each of its
+    type (an int where a float is asked); anything else is one line naming the file, as a setting
+    that was lost would take its default (a Voting run resumed as Eval-Opt). Its values are
+    check_numbers' to check."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{path} cannot be read ({type(e).__name__})") from None
+    fields = {f.name: f.type for f in dataclasses.fields(Config)}
+    if not isinstance(saved, dict):
+        raise SystemExit(f"{path} is not a config of this project (an object of settings)")
+    if unknown := sorted(set(saved) - set(fields)):
+        raise SystemExit(f"{path} is not a config of this project (it sets {', '.join(unknown)})")
+    if missing := [name for name in fields if name not in saved]:
+        raise SystemExit(f"{path} lacks {', '.join(missing)}")
+    for name, kind in fields.items():
+        value = saved[name]
+        if not (type(value) is kind or kind is float and type(value) is int):
+            raise SystemExit(f"{path}: {name} is {value!r} (a {type(value).__name__}, "
+                             f"not {kind.__name__})")
+    return Config(**saved)
 
 
 def check_numbers(cfg: Config) -> None:
@@ -263,18 +288,19 @@ def kl_coefs(cfg: Config) -> dict[str, float]:
     named = set()
     for item in filter(None, cfg.role_kl.split(",")):
         role, _, value = item.partition("=")
-        if role.strip() not in coefs:
-            raise SystemExit(f"--role_kl: {role.strip()!r} is not a role of {cfg.workflow} "
+        role = role.strip()
+        if role not in coefs:
+            raise SystemExit(f"--role_kl: {role!r} is not a role of {cfg.workflow} "
                              f"({', '.join(coefs)})")
-        if role.strip() in named:
-            raise SystemExit(f"--role_kl: {role.strip()} is given twice")
-        named.add(role.strip())
+        if role in named:
+            raise SystemExit(f"--role_kl: {role} is given twice")
+        named.add(role)
         try:
-            coefs[role.strip()] = float(value)
+            coefs[role] = float(value)
         except ValueError:
             raise SystemExit(f"--role_kl: {item!r} is not role=number") from None
         # as --kl_coef: a negative, nan or inf is no anchor
-        if not in_bounds(coefs[role.strip()], "[0, inf)"):
+        if not in_bounds(coefs[role], "[0, inf)"):
             raise SystemExit(f"--role_kl {item.strip()}: must be in [0, inf)")
     return coefs
 

@@ -148,6 +148,16 @@ def stored(path: str) -> dict:
     return old
 
 
+def unusable(out: str) -> str:
+    """Why --out cannot take the runs ("" if it can): it must be new or an empty directory."""
+    there = os.path.abspath(out)
+    while not os.path.exists(there):  # out or the nearest directory above it that exists
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        return f"{there} is a file, not a directory"
+    return "it is not empty" if os.path.exists(out) and os.listdir(out) else ""
+
+
 def child(argv: list[str]) -> None:
     """train.py's command line on problems whose answer is always 7: the tiny model's random replies
     are right often enough that rewards vary and every update path moves the adapters."""
@@ -180,13 +190,8 @@ def main() -> None:
         parser.error(f"--check {args.check}: {e}")
     if not args.out:
         parser.error("--out is empty: name a directory for the runs")
-    there = os.path.abspath(args.out)
-    while not os.path.exists(there):  # --out or the nearest directory above it that exists
-        there = os.path.dirname(there)
-    if not os.path.isdir(there):
-        parser.error(f"--out {args.out}: {there} is a file, not a directory")
-    if os.path.exists(args.out) and os.listdir(args.out):
-        parser.error(f"--out {args.out} is not empty")
+    if why := unusable(args.out):
+        parser.error(f"--out {args.out}: {why}")
     got = record(args.out, only)
     with open(os.path.join(args.out, "recording.json"), "w") as f:
         json.dump(got, f, indent=1, sort_keys=True)

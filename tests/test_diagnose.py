@@ -64,8 +64,8 @@ def test_similarity() -> None:
 def write_run(path, config: dict, rows: list[dict]) -> str:
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({"algo": "grpo", "n_agents": 3, "eval_problems": 96, "val_problems": 0,
-                   **config}, f)
+        json.dump({"algo": "grpo", "n_agents": 3, "steps": 10, "eval_problems": 96,
+                   "val_problems": 0, **config}, f)
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return str(path)
@@ -308,7 +308,8 @@ def test_diagnose_rejects_a_directory_that_is_not_a_run(tmp_path):
 
 
 @pytest.mark.parametrize("config, metrics, words", [
-    ({}, None, "config.json lacks workflow, sharing, algo, n_agents, eval_problems, val_problems"),
+    ({}, None, "config.json lacks workflow, sharing, algo, n_agents, steps, eval_problems, "
+               "val_problems"),
     ({"workflow": "bogus"}, None,
      "config.json: workflow 'bogus' is not one of single, eval_opt, voting, orch_workers"),
     ({"sharing": 1}, None, "config.json: sharing is 1, not a string"),
@@ -359,6 +360,8 @@ def test_runs_of_one_name_are_refused_not_merged(tmp_path):
     (["--probe", "R/ckpt", "--sample"], "--sample goes with --watch only"),
     (["--watch", "R", "Q", "--probe_problems", "4"], "--probe_problems goes with --probe only"),
     (["--watch", "R", "Q", "--out", "elsewhere"], "--out goes with run directories only"),
+    (["R", "--seed", "3"], "--seed draws the probe's batches or --watch --sample's replies"),
+    (["--watch", "R", "Q", "--seed=3"], "--seed draws the probe's batches"),
     (["--probe", "R/ckpt", "--probe_problems", "4,,8"],
      "--probe_problems 4,,8: not whole numbers separated by commas"),
 ])
@@ -390,7 +393,7 @@ def test_watch_and_probe_refuse_a_config_that_lacks_a_setting_or_an_empty_log(tm
         with open(f"{run}/config.json", "w") as f:
             json.dump({k: v for k, v in saved.items() if k != lost}, f)
         for argv in (["--watch", run, "What is 2 + 3?"], ["--probe", f"{run}/ckpt"]):
-            with pytest.raises(SystemExit, match=f"^{re.escape(run)}/config.json lacks {lost} "):
+            with pytest.raises(SystemExit, match=rf"^{re.escape(run)}/config.json lacks {lost}\b"):
                 diagnose.main(argv)
     with open(f"{run}/config.json", "w") as f:
         json.dump(saved, f)

@@ -103,10 +103,10 @@ def test_a_misspelt_lora_target_is_refused():
     (dict(critic="decentral"), "--critic sets the critics of --algo maac"),
     (dict(lam=0.5), "--lam sets the critics of --algo maac"),
     (dict(algo="maac", critic="central", critic_per="role"),
-     "--critic_per groups the critics of --critic decentral; --critic central is one critic"),
+     "--critic_per groups the critics of --critic decentral; a central critic is one: drop it"),
     (dict(sft_lr=0.01), "--sft_lr sets the warm-up, which --sft_warmup 0 leaves out"),
-    (dict(task="humaneval", level=1), "--level is the arith task's; task humaneval has no levels"),
-    (dict(code_workers=4), "--code_workers runs a code task's programs; task arith has none"),
+    (dict(task="humaneval", level=1), "--level is the arith task's difficulty: drop it"),
+    (dict(code_timeout=3.0), "--code_timeout sets how a code task's programs run: drop it"),
     (dict(seed=2 ** 64), "--seed 18446744073709551616: must be in"),
     (dict(seed=-1), "--seed -1: must be in"),
     (dict(lora_alpha=1e300), "--lora_alpha 1e+300: must be in"),
@@ -267,7 +267,6 @@ def test_grid_refuses_seeds_that_would_repeat_a_cell(argv, words, capsys):
     with pytest.raises(SystemExit) as stop:
         grid.parse_args(["--demo", "default", *argv])
     assert stop.value.code == 2 and words in capsys.readouterr().err
-
 
 
 @pytest.mark.parametrize("check, out, words", [

@@ -351,9 +351,9 @@ def test_training_goes_on_when_generated_code_misbehaves(tmp_path, monkeypatch):
                 for i in range(8)]
     monkeypatch.setattr(launch, "load_task", lambda name, split, n, *args: problems[:n])
     out = str(tmp_path / "run")
-    train.main(train.Config(model="tiny", workflow="single", steps=2, problems_per_step=2,
-                            group_size=len(programs), max_new_tokens=8, lora_r=4,
-                            code_timeout=TIMEOUT, eval_problems=2,
+    train.main(train.Config(model="tiny", task="humaneval", workflow="single", steps=2,
+                            problems_per_step=2, group_size=len(programs), max_new_tokens=8,
+                            lora_r=4, code_timeout=TIMEOUT, eval_problems=2,
                             truncated="keep", out=out))  # the tiny model's calls are all cut
     rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -401,16 +401,22 @@ def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
     train.main(small_config(out, steps=2, overwrite=True))
     assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2]
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"  # only the run's own files went
-    # a picture diagnose.py did not draw stays; a folder with a run's names but no run is refused
-    (tmp_path / "run" / "photo.png").write_text("mine")
+    # diagnose.py's report and plots go with the run, a picture of one's own stays
+    for name in ("photo.png", "accuracy.png", "report.md"):
+        (tmp_path / "run" / name).write_text("mine")
     train.main(small_config(out, steps=1, overwrite=True))
-    assert (tmp_path / "run" / "photo.png").exists()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.suffix in (".png", ".md")) \
+        == ["photo.png"]
+    # a folder with a run's names but no run is refused; so is one with another tool's config
     plain = tmp_path / "plain"
     (plain / "tb").mkdir(parents=True)
     (plain / "tb" / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit, match="holds tb but no run .* nothing there is deleted"):
-        train.main(small_config(str(plain), steps=1, overwrite=True))
-    assert (plain / "tb" / "notes.txt").read_text() == "mine"
+    for config in (None, '{"architectures": ["LlamaForCausalLM"]}'):
+        if config:
+            (plain / "config.json").write_text(config)
+        with pytest.raises(SystemExit, match="holds .*tb but no run .* nothing there is deleted"):
+            train.main(small_config(str(plain), steps=1, overwrite=True))
+        assert (plain / "tb" / "notes.txt").read_text() == "mine"
     with pytest.raises(SystemExit, match="is a file"):
         train.main(small_config(str(tmp_path / "run" / "notes.txt")))
     with pytest.raises(SystemExit, match="cannot create a directory in"):
@@ -583,7 +589,7 @@ def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_o
     for damaged, words in [({k: v for k, v in good.items() if k != "workflow"}, "lacks workflow$"),
                            ({**good, "steps": "ten"}, r"steps is 'ten' \(a str, not int\)$"),
                            ({**good, "lr": None}, r"lr is None \(a NoneType, not float\)$"),
-                           ([good], "is not a run's config")]:
+                           ([good], "is not a config of this project")]:
         with open(f"{out}/config.json", "w") as f:
             json.dump(damaged, f)
         with pytest.raises(SystemExit, match=words):
