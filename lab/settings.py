@@ -1,6 +1,7 @@
 """A run's settings: every flag of train.py with its default, its --help line, its choices and
 its bounds (`Config`, read from the command line by `parse_config`), the checks a launch makes
-before a file or the model is touched (lab/launch.check_settings runs them), and what the
+before a file or the model is touched (lab/launch.check_settings runs them), a run's
+config.json read back whole (`read_config`: --resume, --start_from, the probe), and what the
 library files read from them: grpo.UpdateSettings, critic.CriticSettings and the roles the
 warm-up teaches. Each value is resolved here once.
 
