@@ -110,8 +110,7 @@ class TrainState:
         path = os.path.join(out, "ckpt")
         rank0 = rank_and_world()[0] == 0  # only rank 0 puts a checkpoint back in place
         if rank0 and not whole_checkpoint(path) and not os.path.exists(f"{path}/state.pt"):
-            raise SystemExit(f"--resume: {out} has no checkpoint (the run stopped before its first "
-                             "one); start it again without --resume, with --overwrite")
+            raise SystemExit(no_checkpoint(out))
         barrier()
         try:
             load_adapters(self.model, path, adapter_names(self.model))  # the KL anchors too
@@ -196,6 +195,18 @@ def start_checkpoint(where: str) -> tuple[str, str]:
     if os.path.exists(os.path.join(where, "best.json")):
         return os.path.dirname(os.path.normpath(where)), where
     return where, os.path.join(where, "ckpt")
+
+
+def has_checkpoint(out: str) -> bool:
+    """Whether a run saved a checkpoint: out/ckpt, or the .tmp or .old a killed save leaves (a
+    look at the files, before the model loads; whether it reads back is whole_checkpoint's)."""
+    return any(os.path.exists(os.path.join(out, f"ckpt{end}", "state.pt"))
+               for end in ("", ".tmp", ".old"))
+
+
+def no_checkpoint(out: str) -> str:
+    return (f"--resume: {out} has no checkpoint (the run stopped before its first one); start it "
+            "again without --resume, with --overwrite")
 
 
 def whole_checkpoint(final: str) -> bool:

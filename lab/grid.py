@@ -38,6 +38,7 @@ import sys
 import time
 
 from diagnose import findings, report
+from lab.checkpoint import has_checkpoint
 from lab.launch import check_goes_on_from, check_settings, resolve_resume, typed_flags
 from lab.runs import load_run
 from lab.settings import Config, parse_config
@@ -248,9 +249,7 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
         # an interrupted cell continues from its checkpoint (one killed between a save's two
         # renames has it in ckpt.tmp or ckpt.old: train.py puts it back); one killed before its
         # first starts over
-        saved = any(os.path.exists(os.path.join(run_dir, f"ckpt{end}", "state.pt"))
-                    for end in ("", ".tmp", ".old"))
-        again = ["--resume"] if saved else ["--overwrite"]
+        again = ["--resume"] if has_checkpoint(run_dir) else ["--overwrite"]
         cmd = [sys.executable, "train.py", *flags, "--out", run_dir, *again]
         print(" ".join(cmd[1:]), flush=True)
         t0 = time.time()

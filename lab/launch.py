@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 from critic import CriticSettings, critic_key, setup_critics
 from grpo import UpdateSettings
 from lab.machine import barrier, log, rank_and_world
-from lab.checkpoint import TrainState, load_state, read_best, restore_best, start_checkpoint
+from lab.checkpoint import (TrainState, has_checkpoint, load_state, no_checkpoint, read_best,
+                            restore_best, start_checkpoint)
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
 from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_idle_flags, check_numbers,
                           critic_settings, lora_targets, read_config, update_settings,
@@ -259,6 +260,8 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None,
         saved = read_config(os.path.join(cfg.out, "config.json"))
     except SystemExit as e:
         raise SystemExit(f"--resume: {e}") from None
+    if not has_checkpoint(cfg.out):
+        raise SystemExit(no_checkpoint(cfg.out))
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         chosen = f.name in typed if typed is not None else given != f.default

@@ -564,8 +564,9 @@ def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_o
                                                                                    monkeypatch):
     out = str(tmp_path / "run")
     killed_in_step_3(small_config(out), monkeypatch, dies_at_call=1)  # in the step-0 evaluation
-    with pytest.raises(SystemExit,
-                       match="stopped before its first one.*without --resume, with --overwrite"):
+    with monkeypatch.context() as m, pytest.raises(
+            SystemExit, match="stopped before its first one.*without --resume, with --overwrite"):
+        m.setattr(launch, "load_policy", lambda *a: pytest.fail("the model loaded first"))
         train.main(train.Config(out=out, resume=True))
     killed_in_step_3(small_config(out, overwrite=True), monkeypatch, dies_at_call=2)  # in step 1
     # from the checkpoint after the step-0 evaluation
