@@ -75,6 +75,8 @@ def eval_opt_calls() -> list[Call]:
 
 def test_outcome_reward_sits_on_each_agents_last_turn():
     assert outcome_rewards(eval_opt_calls()) == [1.0, 0.0, 0.0, 1.0, 0.0]
+    # Voting: each generator is its own agent, acting once: each earns the outcome
+    assert outcome_rewards(voting_calls()[:4]) == [1.0] * 4
 
 
 def test_call_advantages_follow_each_agents_own_turns():
@@ -145,6 +147,12 @@ def test_value_loss_clipped_by_hand():
     assert stats["clip_frac"] == pytest.approx(1 / 3)
     loss.backward()
     assert values.grad.tolist() == pytest.approx([0.0, 1.0 / 3, -0.1 / 3])  # clipped: no gradient
+    # a move down is clipped too: V = -1 from 0 counts as -0.2, whose error 0.8^2 wins
+    loss, stats = value_loss(torch.tensor([-1.0]), torch.zeros(1), torch.tensor([-1.0]), clip=0.2)
+    assert loss.item() == pytest.approx(0.5 * 0.64) and stats["clip_frac"] == 1.0
+    # a move of exactly the clip is not clipped
+    _, stats = value_loss(torch.tensor([0.5]), torch.zeros(1), torch.tensor([0.5]), clip=0.5)
+    assert stats["clip_frac"] == 0.0
 
 
 def test_explained_variance_by_hand():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo import (UpdateSettings, aggregate, group_advantages, masked_mean, mismatch_stats,
-                  policy_loss, policy_update, tis_weight)
+                  overlay, policy_loss, policy_update, set_advantages, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
 from measure import amplification, gradient_noise, gradient_signals, gradient_stats
 from rollout import Call, Rollout, old_logprobs, sequence_logprobs
@@ -154,6 +154,46 @@ def test_chi2_and_perplexity_by_hand():
     assert stats["ppl"] == pytest.approx((math.sqrt(8) + 2) / 2)
 
 
+def test_set_advantages_groups_by_slot_and_stage_or_by_role():
+    """Two episodes of one problem. Eval-Opt's generator, first answers 1, 0 and refines 1, 1:
+    by slot and stage the first answers are one group (+-0.5 / sqrt(0.5) = +-0.7071) and the
+    refines another, without contrast; by role the four are one (mean 0.75, sample std 0.5).
+    Voting's generator0 and generator1, 1 1 | 0 0: by role one group (std sqrt(1/3): +-0.866),
+    by slot one per slot (+-0.7071)."""
+    def calls(spec):
+        return [Call(e, slot.rstrip("01"), slot, turn, [1], [1], "", "", reward=r)
+                for e, slot, turn, r in spec]
+    refine = calls([(0, "generator", 0, 1.0), (1, "generator", 0, 0.0),
+                    (0, "generator", 2, 1.0), (1, "generator", 2, 1.0)])
+    vote = calls([(0, "generator0", 0, 1.0), (0, "generator1", 0, 1.0),
+                  (1, "generator0", 0, 0.0), (1, "generator1", 0, 0.0)])
+    for cs, by, expected in [(refine, "slot", [0.7071, -0.7071, 0.0, 0.0]),
+                             (refine, "role", [0.5, -1.5, 0.5, 0.5]),
+                             (vote, "role", [0.866, 0.866, -0.866, -0.866]),
+                             (vote, "slot", [0.7071, 0.7071, -0.7071, -0.7071])]:
+        set_advantages(cs, [0, 0], by)
+        assert [c.advantage for c in cs] == pytest.approx(expected, abs=1e-4), (by, expected)
+
+
+def test_logged_kl_and_chi2_read_the_completion_tokens_and_the_token_ratios():
+    """k3 to the reference over the real token only: exp(log 2) - log 2 - 1 = 0.3069 (the pad's
+    0 would halve it); chi2 is of the token ratios 2 and 1 under GSPO too: (4 + 1) / 2 - 1 = 1.5
+    (the sequence ratio sqrt(2) would give 1.0)."""
+    zeros = torch.zeros(1, 2)
+    ref = torch.tensor([[math.log(2), 0.0]])
+    _, stats = policy_loss(zeros, zeros, torch.zeros(1), torch.tensor([[1.0, 0.0]]),
+                           ref_logp=ref, kl_coef=0.1)
+    assert stats["kl_ref"] == pytest.approx(1 - math.log(2))
+    logp = torch.tensor([[math.log(2), 0.0]])
+    _, stats = policy_loss(logp, zeros, torch.zeros(1), torch.ones(1, 2), ratio_level="sequence")
+    assert stats["chi2"] == pytest.approx(1.5)
+
+
+def test_overlay_writes_each_row_over_the_start_of_its_own():
+    got = overlay(torch.zeros(2, 3), [torch.tensor([1.0, 2.0]), None])
+    assert got.tolist() == [[1.0, 2.0, 0.0], [0.0, 0.0, 0.0]]
+
+
 def test_amplification_identical_and_orthogonal():
     g = torch.tensor([3.0, 4.0, 0.0])
     kappa, coherence = amplification([g, g, g])
@@ -178,6 +218,11 @@ def test_gradient_stats_shares_and_roles():
     assert stats["role/generator/grad_share"] == pytest.approx(2 / 5)
     assert stats["role/aggregator/grad_share"] == pytest.approx(3 / 5)
     assert "role/aggregator/kappa" not in stats  # one slot: nothing to be coherent with
+    # a slot with no gradient (no contrast) is no slot to line up with; one role owns no share
+    lone = gradient_stats({"generator0": torch.tensor([1.0, 0.0]),
+                           "generator1": torch.tensor([0.0, 0.0])},
+                          {"generator0": "generator", "generator1": "generator"})
+    assert "role/generator/kappa" not in lone and "role/generator/grad_share" not in lone
     assert stats["slot/aggregator/grad_norm"] == pytest.approx(3.0)
 
 

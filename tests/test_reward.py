@@ -252,6 +252,10 @@ VALUE_CASES = [
     ("345, 12", "12,345", False),  # a number with a thousands comma is not a list
     ("\\{12, 345\\}", "12,345", False),
     ("1, 2", "(1, 2)", False),  # a tuple is ordered and not a set
+    ("2(x+y)", "2x+2y", True),  # two symbols
+    ("x^2", "\\frac{37}{41}x", False),  # equal at x = 37/41, not at the other test point
+    ("(x-37)(x-66)(x-95)+x", "x", False),  # equal at 37, 66 and 95, not between
+    ("2^{\\sqrt{2}}", "2^{\\frac{2}{\\sqrt{2}}}", True),  # a root in the exponent
     ("1," * 3000, "1", False),
 ]
 
@@ -545,6 +549,27 @@ def _voting_episodes():
     calls += [_call(0, "aggregator", "aggregator", 1, "\\boxed{2}"),
               _call(1, "aggregator", "aggregator", 1, "\\boxed{3}")]
     return problems, calls
+
+
+def test_refines_and_the_synthesizer_s_skill_by_hand():
+    """Eval-Opt, three episodes on "2 + 3", every first answer judged Incorrect and refined:
+    4 -> 5 fixed, 5 -> 5 kept, 4 -> 6 still wrong: fixed 1/3, broken 0. Orch-Workers: workers
+    answer 5 and 4, the synthesizer 5: its skill 1 - (1 + 0) / 2 = 0.5."""
+    problems = [Problem("p", "What is 2 + 3?", "5")] * 3
+    calls = [_call(e, "generator", "generator", 0, f"\\boxed{{{a}}}")
+             for e, a in enumerate((4, 5, 4))]
+    calls += [_call(e, "evaluator", "evaluator", 1, "\\boxed{Incorrect}") for e in range(3)]
+    calls += [_call(e, "generator", "generator", 2, f"\\boxed{{{a}}}")
+              for e, a in enumerate((5, 5, 6))]
+    credit_calls(calls, problems, [1.0, 1.0, 0.0], "final", "keep")
+    jobs = role_jobs(calls)
+    assert (jobs["refine/fixed"], jobs["refine/broken"]) == pytest.approx((1 / 3, 0.0))
+    calls = [_call(0, "orchestrator", "orchestrator", 0, "1. add\n2. count\n3. check"),
+             _call(0, "worker", "worker0", 1, "\\boxed{5}"),
+             _call(0, "worker", "worker1", 1, "\\boxed{4}"),
+             _call(0, "synthesizer", "synthesizer", 2, "\\boxed{5}")]
+    credit_calls(calls, problems[:1], [1.0], "final", "keep")
+    assert role_jobs(calls)["role/synthesizer/skill"] == pytest.approx(0.5)
 
 
 def test_credit_broadcasts_the_outcome_or_pays_each_call_its_own():
