@@ -8,8 +8,8 @@ import torch
 from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_advantages,
                     critic_inputs, critic_key, critic_metrics, critic_values, encode,
                     explained_variance, gae, joint_history, local_observation, normalize,
-                    outcome_rewards, predict_values, setup_critics, unseen, update_critics,
-                    value_loss)
+                    outcome_rewards, predict_values, setup_critics, unseen, update_critic,
+                    update_critics, value_loss)
 import lora
 from rollout import Call
 
@@ -153,6 +153,31 @@ def test_value_loss_clipped_by_hand():
     # a move of exactly the clip is not clipped
     _, stats = value_loss(torch.tensor([0.5]), torch.zeros(1), torch.tensor([0.5]), clip=0.5)
     assert stats["clip_frac"] == 0.0
+
+
+def test_a_critic_pass_reads_each_row_once_and_its_micro_batches_add_up_to_the_mean(
+        monkeypatch):
+    """A stand-in critic whose value of a row is w x (x: the row's one token id), returns 0, so a
+    mini-batch's loss is 0.5 mean (w x)^2 and its gradient in w, at w = 1, mean x^2. Three rows
+    x = 1, 2, 3 read as micro-batches of 2 and 1 rows give (1 + 4 + 9) / 3 = 4.667, as one pass
+    would. Ten rows in three steps: 3, 3 and 4 rows, every row once."""
+    import critic
+    w = torch.nn.Parameter(torch.tensor(1.0))
+    read = []
+    def stand_in(model, head, name, id_lists, pad_id):
+        read.append([ids[0] for ids in id_lists])
+        return w * torch.tensor([float(ids[0]) for ids in id_lists])
+    monkeypatch.setattr(critic, "critic_values", stand_in)
+    batch = CriticBatch(["critic"] * 3, [[1], [2], [3]], torch.zeros(3), torch.zeros(3))
+    settings = CriticSettings(micro_batch_tokens=2, grad_clip=100.0)
+    update_critic(None, None, "critic", batch, torch.optim.SGD([w], lr=0.0), [0, 1, 2], 0,
+                  settings)
+    assert read == [[1, 2], [3]] and w.grad.item() == pytest.approx(14 / 3)
+    read.clear()
+    ten = CriticBatch(["critic"] * 10, [[i] for i in range(10)], torch.zeros(10), torch.zeros(10))
+    update_critic(None, None, "critic", ten, torch.optim.SGD([w], lr=0.0), list(range(10)), 0,
+                  CriticSettings(steps=3))
+    assert read == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
 
 
 def test_explained_variance_by_hand():
