@@ -42,6 +42,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+from lab.launch import typed_flags
 from lab.probe import probe, watch
 from lab.runs import load_run, writable
 from workflows import ROLES, role_of, slots
@@ -454,23 +455,45 @@ def problem_counts(text: str | None) -> list[int]:
                          "(4, or 4,8,16)") from None
 
 
-def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                argv: list[str]) -> None:
-    """One task at a time (run directories, --probe or --watch), each with its own flags: the
-    others would be ignored, so they are refused."""
+# The flags that act in one task only: (the flag, whether it acts, what it goes with)
+ONE_TASK = [("out", lambda a: a.runs, "run directories"),
+            ("probe_problems", lambda a: a.probe, "--probe"),
+            ("probe_credit", lambda a: a.probe, "--probe"),
+            ("sample", lambda a: a.watch, "--watch"),
+            ("seed", lambda a: a.probe or a.watch and a.sample, "--probe or --watch --sample")]
+
+
+def check_flags(args: argparse.Namespace, typed: set[str]) -> None:
+    """One task at a time (run directories, --probe or --watch), and no flag `typed` where it
+    would be ignored (ONE_TASK)."""
     tasks = [task for task, given in (("run directories", args.runs), ("--probe", args.probe),
                                       ("--watch", args.watch)) if given]
     if len(tasks) > 1:
         raise SystemExit(f"{' and '.join(tasks)} given together: diagnose.py does one at a time")
-    seeded = any(a == "--seed" or a.startswith("--seed=") for a in argv)
-    if seeded and not (args.probe or args.watch and args.sample):
-        raise SystemExit("--seed draws the probe's batches or --watch --sample's replies; "
-                         "without them it would be ignored")
-    for flag, task in (("sample", "--watch"), ("out", "run directories"),
-                       ("probe_problems", "--probe"), ("probe_credit", "--probe")):
-        if getattr(args, flag) != parser.get_default(flag) and tasks and task not in tasks:
+    for flag, acts, task in ONE_TASK:
+        if tasks and flag in typed and not acts(args):
             raise SystemExit(f"--{flag} goes with {task} only; with {tasks[0]} it would be "
                              "ignored")
+
+
+def write_probe(results: list[dict[str, float]], run_dir: str) -> None:
+    """Print the probe's figures by batch size and where each crowded role's kappa would align;
+    save both in RUN/probe.json (JSON has no infinity: "never", and null where nothing was
+    measured)."""
+    align = {role: episodes_to_align(results, role, n)
+             for role, n in multiplicity(load_run(run_dir)[0]).items()
+             if n > 1 and len(results) > 1}
+    for k in dict.fromkeys(k for r in results for k in r):  # every key, in the order first seen
+        print(f"{k:40s}" + "".join(f" {r.get(k, math.nan):10.4f}" for r in results))
+    for role, n in align.items():
+        print(f"{role}: kappa would reach {KAPPA_FRAC} sqrt(N) " + (
+            "(not measured: no probe size had a reward contrast)" if n is None else
+            "never (a coherence <= 0 at some probe size)" if n == math.inf else
+            f"at about {n:.0f} episodes"))
+    align = {role: "never" if n == math.inf else n for role, n in align.items()}
+    results = [{k: v if math.isfinite(v) else None for k, v in r.items()} for r in results]
+    with open(os.path.join(run_dir, "probe.json"), "w") as f:
+        json.dump({"probes": results, "episodes_to_align": align}, f, indent=2, allow_nan=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -479,29 +502,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.seed < 2 ** 32:
         parser.error(f"--seed {args.seed}: must be in [0, 2**32)")
-    check_flags(parser, args, argv)
+    check_flags(args, typed_flags(argv))
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)
     elif args.probe:
         results = probe(args.probe, problem_counts(args.probe_problems), args.probe_credit,
                         args.seed)
-        run_dir = os.path.dirname(os.path.normpath(args.probe))
-        config = load_run(run_dir)[0]
-        align = {role: episodes_to_align(results, role, n)
-                 for role, n in multiplicity(config).items() if n > 1 and len(results) > 1}
-        for k in dict.fromkeys(k for r in results for k in r):  # every key, in the order first seen
-            print(f"{k:40s}" + "".join(f" {r.get(k, math.nan):10.4f}" for r in results))
-        for role, n in align.items():
-            print(f"{role}: kappa would reach {KAPPA_FRAC} sqrt(N) " + (
-                "(not measured: no probe size had a reward contrast)" if n is None else
-                "never (a coherence <= 0 at some probe size)" if n == math.inf else
-                f"at about {n:.0f} episodes"))
-        # JSON has no infinity: "never", and null for what was not measured
-        align = {role: "never" if n == math.inf else n for role, n in align.items()}
-        results = [{k: v if math.isfinite(v) else None for k, v in r.items()} for r in results]
-        with open(os.path.join(run_dir, "probe.json"), "w") as f:
-            json.dump({"probes": results, "episodes_to_align": align}, f, indent=2,
-                      allow_nan=False)
+        write_probe(results, os.path.dirname(os.path.normpath(args.probe)))
     elif args.runs:
         out = args.out or (args.runs[0] if len(args.runs) == 1 else os.path.commonpath(
             [os.path.abspath(r) for r in args.runs]))
