@@ -60,8 +60,9 @@ from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_min
                         evaluation_samples, launch, load_problems, make_optimizers, resume_run,
                         step_line, typed_flags)
 from lab.machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats,
-                         join_processes, log, peak_memory_mb, pick_threads, pick_threads_again,
-                         rank_and_world, release_free_memory, run_main, stop_requested)
+                         gpu_rngs, join_processes, log, peak_memory_mb, pick_threads,
+                         pick_threads_again, rank_and_world, release_free_memory, run_main,
+                         stop_requested)
 from lab.runs import (NONFINITE_STOP, episode_samples, leave_processes, start_logs, stop_run,
                       write_step)
 from lab.settings import Config, parse_config, warmup_roles
@@ -112,7 +113,7 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[st
     # under torchrun, a block
     mine = [p for i in block(len(problems)) for p in [problems[i]] * repeats]
     seen = defaultdict(list)
-    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=gpu_rngs(model.device)):
         torch.manual_seed(cfg.seed + 7919)
         for i in range(0, len(mine), EVAL_BATCH):
             label = f"{prefix} problems {i + 1}-{min(i + EVAL_BATCH, len(mine))}/{len(mine)}"

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from critic import CriticSettings, critic_key, setup_critics
 from grpo import UpdateSettings
-from lab.machine import barrier, log, rank_and_world
+from lab.machine import barrier, gpu_rngs, log, rank_and_world
 from lab.checkpoint import (TrainState, has_checkpoint, load_state, no_checkpoint, read_best,
                             restore_best, start_checkpoint)
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
@@ -144,8 +144,7 @@ def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
             for s in slots(cfg.workflow, cfg.n_agents)}
     # The critics' initial weights are drawn aside from the random numbers the run draws next,
     # so an actor-critic run warms up and samples as the GRPO run of its seed does.
-    on_gpu = [model.device] if model.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=on_gpu):
+    with torch.random.fork_rng(devices=gpu_rngs(model.device)):
         return names, setup_critics(model, sorted(keys))
 
 

@@ -229,6 +229,11 @@ def peak_memory_mb(device: str) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def gpu_rngs(device: torch.device) -> list:
+    """The devices whose random state torch.random.fork_rng must set aside besides the CPU's."""
+    return [device] if device.type == "cuda" else []
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
