@@ -29,6 +29,8 @@ do not change.
 
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """
+import math
+
 import torch
 from transformers import DynamicCache
 
@@ -209,7 +211,10 @@ class StaticStep:
         x = inner.embed_tokens(self.token[:, None])  # (B, 1, D)
         cos, sin = inner.rotary_emb(x, self.position)  # (B, 1, d) each
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, d)
-        hide = ~self.valid[:, None, None, :]  # (B, 1, 1, S)
+        # 0 where a row's column holds a token, -inf elsewhere: added to the scores, it scales
+        # and masks them in one kernel, the same numbers as masking after scaling
+        bias = torch.zeros(self.valid.shape, dtype=torch.float32, device=x.device)
+        bias = bias.masked_fill_(~self.valid, -math.inf)[:, None, None, :]  # (B, 1, 1, S)
         for layer, keys, values in zip(self.layers, self.keys, self.values):
             a, h = layer.self_attn, layer.input_layernorm(x)
             q = a.q_proj(h).view(B, 1, H, d)
@@ -217,16 +222,17 @@ class StaticStep:
             v = a.v_proj(h).view(B, 1, Hkv, d).transpose(1, 2)  # (B, Hkv, 1, d)
             if hasattr(a, "q_norm"):  # Qwen3 normalises each head's query and key
                 q, k = a.q_norm(q), a.k_norm(k)
-            q = rotate(q.transpose(1, 2), cos, sin)  # (B, H, 1, d)
-            k = rotate(k.transpose(1, 2), cos, sin)  # (B, Hkv, 1, d)
+            # queries and keys rotated together: one set of kernels, not two
+            qk = rotate(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # (B, H + Hkv, 1, d)
+            q, k = qk[:, :H], qk[:, H:]  # (B, H, 1, d), (B, Hkv, 1, d)
             keys.index_copy_(2, self.column, k)
             values.index_copy_(2, self.column, v)
             # Grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245) of one query per
             # row: the H query heads in Hkv groups, each reading its own key/value head, with no
             # copy of the cache.
             q = q.view(B, Hkv, H // Hkv, d)  # (B, Hkv, g, d)
-            scores = (q @ keys.transpose(-1, -2)).float() * self.scale  # (B, Hkv, g, S)
-            p = scores.masked_fill(hide, float("-inf")).softmax(-1).to(values.dtype)
+            scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)  # (B, Hkv, g, S)
+            p = scores.softmax(-1).to(values.dtype)
             out = (p @ values).reshape(B, 1, H * d)  # (B, 1, H*d)
             x = x + a.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
