@@ -196,7 +196,10 @@ def plan(cfg: Config, device: str) -> str:
     threads = torch.get_num_threads()
     adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
     sampled = evaluation_samples(cfg)
-    samples = f" x {cfg.eval_samples} samples" if sampled and cfg.eval_samples > 1 else ""
+    samples = ""
+    if cfg.eval_samples > 1:  # said, not silently dropped, where a greedy evaluation answers once
+        samples = (f" x {cfg.eval_samples} samples" if sampled
+                   else f" (--eval_samples {cfg.eval_samples} unused: greedy answers once)")
     return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
             f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
             f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; "

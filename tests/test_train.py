@@ -1228,7 +1228,10 @@ def test_voting_is_evaluated_on_candidates_that_can_differ(tmp_path, monkeypatch
     assert seen[-1][0] is True  # the other workflows stay greedy
     voting = train.Config(model="tiny", workflow="voting", eval_samples=2)
     assert "sampled evaluation on 96 held-out problems x 2 samples" in launch.plan(voting, "cpu")
-    assert "greedy evaluation on 96 held-out problems at" in launch.plan(cfg, "cpu")
+    assert "greedy evaluation on 96 held-out problems (--eval_samples 2 unused: greedy answers " \
+        "once) at" in launch.plan(cfg, "cpu")
+    assert "greedy evaluation on 96 held-out problems at" in launch.plan(
+        dataclasses.replace(cfg, eval_samples=1), "cpu")
 
 
 def test_an_evaluation_s_accuracy_and_standard_error_by_hand(monkeypatch):
