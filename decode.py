@@ -170,11 +170,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """A Llama or Qwen3 RMSNorm module's output, its arithmetic as transformers writes it (the
+    mean square in fp32, the weight multiplied in x's dtype), with the normalisation one call:
+    on CUDA one fused kernel (aten::_fused_rms_norm's, equal to fp32 rounding) in place of five,
+    on the CPU the same five operations, bit for bit (tests/test_decode.py)."""
+    normed = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon)
+    return norm.weight * normed.to(x.dtype)
+
+
 class StaticStep:
     """One decoding step of a Llama- or Qwen3-style model over a static KV cache of B rows and
     S columns: every tensor it reads or writes has a fixed address, so the step can be captured
-    as a CUDA graph. It calls the model's own modules (embedding, norms, projections, rotary
-    table, output layer), so a merged adapter is in its weights as in the model's.
+    as a CUDA graph. It calls the model's own modules (embedding, projections, MLP, rotary
+    table, output layer) and reads its norms' weights, so a merged adapter is in its weights as
+    in the model's.
 
     Inputs, set before each step: `token` (B,) the last token of each row, `position` (B, 1)
     its position, `column` (1,) the cache column it goes in (the same for every row).
@@ -216,12 +226,12 @@ class StaticStep:
         bias = torch.zeros(self.valid.shape, dtype=torch.float32, device=x.device)
         bias = bias.masked_fill_(~self.valid, -math.inf)[:, None, None, :]  # (B, 1, 1, S)
         for layer, keys, values in zip(self.layers, self.keys, self.values):
-            a, h = layer.self_attn, layer.input_layernorm(x)
+            a, h = layer.self_attn, rms_norm(layer.input_layernorm, x)
             q = a.q_proj(h).view(B, 1, H, d)
             k = a.k_proj(h).view(B, 1, Hkv, d)
             v = a.v_proj(h).view(B, 1, Hkv, d).transpose(1, 2)  # (B, Hkv, 1, d)
             if hasattr(a, "q_norm"):  # Qwen3 normalises each head's query and key
-                q, k = a.q_norm(q), a.k_norm(k)
+                q, k = rms_norm(a.q_norm, q), rms_norm(a.k_norm, k)
             # queries and keys rotated together: one set of kernels, not two
             qk = rotate(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # (B, H + Hkv, 1, d)
             q, k = qk[:, :H], qk[:, H:]  # (B, H, 1, d), (B, Hkv, 1, d)
@@ -231,12 +241,12 @@ class StaticStep:
             # row: the H query heads in Hkv groups, each reading its own key/value head, with no
             # copy of the cache.
             q = q.view(B, Hkv, H // Hkv, d)  # (B, Hkv, g, d)
-            scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)  # (B, Hkv, g, S)
+            scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)  # (B,Hkv,g,S)
             p = scores.softmax(-1).to(values.dtype)
             out = (p @ values).reshape(B, 1, H * d)  # (B, 1, H*d)
             x = x + a.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.lm_head(inner.norm(x))[:, 0].float()  # (B, V)
+            x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+        return self.model.lm_head(rms_norm(inner.norm, x))[:, 0].float()  # (B, V)
 
 
 def capture(step: StaticStep):

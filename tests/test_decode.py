@@ -1,10 +1,13 @@
 """decode.py: the mask that keeps pad queries out of NaN, the sampler's draws, and the GPU's
 static-cache step (run eagerly here) against the CPU's decoder, transformers' generate and a
 scoring pass."""
+import itertools
+
 import pytest
 import torch
 
-from decode import decode, forward_padded, graph_decode, padded_causal_mask, sample_next
+from decode import (decode, forward_padded, graph_decode, padded_causal_mask, rms_norm,
+                    sample_next)
 from lora import inject_lora, lora_layers, merged_adapter, setup_adapters, use_adapter
 from rollout import Call, chat_text, left_pad, sequence_logprobs
 
@@ -174,3 +177,53 @@ def test_a_model_that_ignores_the_cache_argument_stops_the_decoders(tiny, monkey
         decode(model, ids, attn, 4, tok.eos_token_id, tok.pad_token_id)
     with pytest.raises(RuntimeError, match=unread):
         graph_decode(model, ids, attn, 4, tok.eos_token_id, tok.pad_token_id, use_graph=False)
+
+
+def test_rms_norm_is_the_modules_own_arithmetic_bit_for_bit():
+    """The decoding step's norm gives what transformers' Llama and Qwen3 RMSNorm modules give, in
+    fp32 and bf16: the weight multiplied after the cast down (multiplied before, in fp32, other
+    bits come out)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    torch.manual_seed(0)
+    for Norm, dtype in itertools.product((LlamaRMSNorm, Qwen3RMSNorm),
+                                         (torch.float32, torch.bfloat16)):
+        norm = Norm(96, eps=1e-6)
+        torch.nn.init.normal_(norm.weight, 1.0, 0.2)
+        norm.to(dtype)
+        x = (3 * torch.randn(8, 1, 96)).to(dtype)
+        assert torch.equal(rms_norm(norm, x), norm(x))
+    normed = torch.nn.functional.rms_norm(x.float(), (96,), eps=1e-6)
+    assert not torch.equal((norm.weight.float() * normed).to(x.dtype), norm(x))
+
+
+def test_the_static_step_runs_qwen3_s_query_and_key_norms(tiny):
+    """A Qwen3 (random weights, a few dimensions; the tiny model's tokenizer), whose step also
+    normalises each head's query and key: greedy, `decode`'s and generate's tokens; sampled, the
+    log-probs a scoring pass gives."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    _, tok = tiny
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = Qwen3ForCausalLM(config).eval()
+    for layer in model.model.layers:  # norms whose weights are not all 1, so that they count
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+    ids, attn = prompts(tok, ["What is 1 + 2?", "x", "Name three colours, then stop."])
+    static, _ = graph_decode(model, ids, attn, 12, -1, tok.pad_token_id, greedy=True,
+                             use_graph=False)
+    dynamic, _ = decode(model, ids, attn, 12, -1, tok.pad_token_id, greedy=True)
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=False,
+                         eos_token_id=None, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    assert static.tolist() == dynamic.tolist() == out.tolist()
+    torch.manual_seed(1)
+    new, logp = graph_decode(model, ids, attn, 12, tok.eos_token_id, tok.pad_token_id,
+                             temperature=0.7, use_graph=False)
+    calls = [Call(i, "generator", "generator0", 0, ids[i][attn[i].bool()].tolist(), new[i].tolist(),
+                  "", "") for i in range(len(ids))]
+    with torch.no_grad():
+        scored, _, _ = sequence_logprobs(model, calls, tok.pad_token_id, 0.7)
+    assert logp.shape == scored.shape and torch.allclose(logp, scored, atol=1e-4)
