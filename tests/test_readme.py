@@ -1,6 +1,7 @@
 """Every command in the README and its deep pages (docs/*.md) works verbatim after the two set-up
 commands: each is parsed here, and those that work offline run on the tiny model with tiny
-budgets, the README's first, in page order."""
+budgets, the README's first, in page order; the prepared GPU script's (tests/gpu_check.sh) pass
+the checks a launch makes before its model loads."""
 import glob
 import json
 import os
@@ -138,3 +139,43 @@ def test_the_readme_names_every_metric_a_run_logs(tmp_path):
                          .replace("sim/" + parts[-1], "sim/<other>"))
     missing = [k for k in sorted(keys) if not names[k] & listed]
     assert not missing, missing
+
+
+def gpu_check_commands(logs: str) -> list[list[str]]:
+    """The argv (after $PY) of each train.py and lab.bench command of tests/gpu_check.sh, the
+    prepared GPU measurement of docs/performance.md, its logs in `logs`; its recipe runs with
+    --diag_every 1 and 0."""
+    with open(f"{ROOT}/tests/gpu_check.sh") as f:
+        text = f.read().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        if "$PY train.py" not in line and "$PY -m lab.bench" not in line:
+            continue
+        words = shlex.split(line[line.index("$PY") + 3:])
+        ends = [i for i, w in enumerate(words) if re.fullmatch(r"\d?>.*|\|", w)]
+        words = words[:ends[0]] if ends else words  # up to a redirection or a pipe
+        for diag_every in ("1", "0"):
+            argv = [w.replace("$1", diag_every).replace("$LOGS", logs) for w in words]
+            if argv not in commands:
+                commands.append(argv)
+    return commands
+
+
+def test_the_prepared_gpu_check_s_commands_pass_a_launch_s_checks(tmp_path, monkeypatch):
+    """The script runs only where a GPU is lent: a flag it passes that train.py or lab.bench
+    would refuse shows here, before the model loads (a GPU faked as present)."""
+    import torch
+    from lab.launch import check_settings, load_problems, typed_flags
+    from lab.settings import Config
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    commands = gpu_check_commands(str(tmp_path))
+    scripts = [c[0] for c in commands]
+    assert scripts.count("train.py") == 3 and scripts.count("-m") == 2, commands
+    for argv in commands:
+        if argv[0] == "train.py":
+            cfg, *_ = check_settings(train.parse_config(argv[1:]), typed_flags(argv[1:]))
+            load_problems(cfg, world=1)
+        else:
+            assert argv[1] == "lab.bench", argv
+            bench.check_args(bench.make_parser().parse_args(argv[2:]), Config().train_problems)
