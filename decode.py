@@ -17,9 +17,9 @@ one) is prefilled once, its cache rows copied to every row that asked for it.
   CHECK_EVERY tokens only. As nano-vllm's model runner and gpt-fast's
   `decode_one_token` do; unlike them, a graph is captured per stage (its shape
   is the stage's, and the adapter merged into the weights is the stage's),
-  which costs three eager steps (two to warm up, one captured) against a
-  stage's tens to hundreds of replays; the capture alone is timed by
-  tests/gpu_check.sh.
+  which costs two eager steps to warm up and one recorded against a stage's
+  tens to hundreds of replays (tests/gpu_check.sh times the capture, its
+  warm-up included).
 
 Padding and NaN. In a left-padded batch a pad column's query may attend to
 nothing: every key before it is padding. CUDA's fused attention kernels give
