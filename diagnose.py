@@ -22,14 +22,13 @@ two ways, one per way of sharing the LoRA policy:
 This file reads train.py's logs (metrics.jsonl), plots them and applies three detectors (a cliff,
 the two mechanisms' signatures) with explicit thresholds, this project's choices; a fall counts
 only beyond its noise, a peak is chosen on the val split where a run has one. A checkpoint's
-gradient probe and a trained workflow watched are lab/probe.py's (it drives train.py);
+gradient probe (and where kappa would align) and a trained workflow watched are lab/probe.py's;
 lab/tables.py builds the grid's tables on this file.
 
 Exercised by: pytest tests/test_diagnose.py
 """
 import argparse
 import itertools
-import json
 import math
 import os
 import re
@@ -43,7 +42,7 @@ matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from lab.launch import typed_flags
-from lab.probe import probe, watch
+from lab.probe import probe, watch, write_probe
 from lab.runs import load_run, writable
 from workflows import ROLES, role_of, slots
 
@@ -397,27 +396,8 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
 
 
 # ----------------------------------------------------------------------------
-# A trained run: the gradient probe and watching it answer (lab/probe.py), and where
-# kappa would align
-
-
-def episodes_to_align(results: list[dict[str, float]], role: str,
-                      n_slots: int) -> float | None:
-    """Episodes at which the role's kappa would reach KAPPA_FRAC sqrt(N), from probes of several
-    sizes. A slot's gradient = a shared direction + its own sampling noise gives two slots' cosine
-    over n episodes 1 / (1 + b / n), so b = n (1 / cos - 1); kappa^2 = 1 + (N - 1) cos reaches the
-    line at cos c = (KAPPA_FRAC^2 N - 1) / (N - 1), at n = b c / (1 - c). inf (never) if a
-    probe's cosine is <= 0; a probe with no gradient (no reward contrast) measured nothing and is
-    left out, and None says no probe is left: not measured."""
-    c = (KAPPA_FRAC ** 2 * n_slots - 1) / (n_slots - 1)
-    cosines = [(r["episodes"], r[f"role/{role}/coherence"]) for r in results
-               if f"role/{role}/coherence" in r]
-    if not cosines:
-        return None
-    if min(cos for _, cos in cosines) <= 0:
-        return math.inf
-    b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines)
-    return b * c / (1 - c)
+# The command: a report of runs, a trained run's gradient probe or its calls watched
+# (lab/probe.py)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -476,26 +456,6 @@ def check_flags(args: argparse.Namespace, typed: set[str]) -> None:
                              "ignored")
 
 
-def write_probe(results: list[dict[str, float]], run_dir: str) -> None:
-    """Print the probe's figures by batch size and where each crowded role's kappa would align;
-    save both in RUN/probe.json (JSON has no infinity: "never", and null where nothing was
-    measured)."""
-    align = {role: episodes_to_align(results, role, n)
-             for role, n in multiplicity(load_run(run_dir)[0]).items()
-             if n > 1 and len(results) > 1}
-    for k in dict.fromkeys(k for r in results for k in r):  # every key, in the order first seen
-        print(f"{k:40s}" + "".join(f" {r.get(k, math.nan):10.4f}" for r in results))
-    for role, n in align.items():
-        print(f"{role}: kappa would reach {KAPPA_FRAC} sqrt(N) " + (
-            "(not measured: no probe size had a reward contrast)" if n is None else
-            "never (a coherence <= 0 at some probe size)" if n == math.inf else
-            f"at about {n:.0f} episodes"))
-    align = {role: "never" if n == math.inf else n for role, n in align.items()}
-    results = [{k: v if math.isfinite(v) else None for k, v in r.items()} for r in results]
-    with open(os.path.join(run_dir, "probe.json"), "w") as f:
-        json.dump({"probes": results, "episodes_to_align": align}, f, indent=2, allow_nan=False)
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
@@ -508,7 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.probe:
         results = probe(args.probe, problem_counts(args.probe_problems), args.probe_credit,
                         args.seed)
-        write_probe(results, os.path.dirname(os.path.normpath(args.probe)))
+        run_dir = os.path.dirname(os.path.normpath(args.probe))
+        write_probe(results, run_dir, multiplicity(load_run(run_dir)[0]), KAPPA_FRAC)
     elif args.runs:
         out = args.out or (args.runs[0] if len(args.runs) == 1 else os.path.commonpath(
             [os.path.abspath(r) for r in args.runs]))

@@ -1,6 +1,7 @@
 """A trained run, from its checkpoint: the gradient probe (kappa, coherence and each role's
-gradient share on a fresh batch, measured without a step) and the trained workflow watched call by
-call on one question. diagnose.py's --probe and --watch run them.
+gradient share on a fresh batch, measured without a step; with probes of several sizes, where
+each crowded role's kappa would align) and the trained workflow watched call by call on one
+question. diagnose.py's --probe and --watch run them.
 
     python diagnose.py --probe runs/a/ckpt              # kappa, coherence, gradient shares
     python diagnose.py --watch runs/a "What is 7 + 5?"  # every call of the trained workflow
@@ -8,8 +9,11 @@ call on one question. diagnose.py's --probe and --watch run them.
 Exercised by: pytest tests/test_diagnose.py (--probe, --watch), tests/test_train.py
 """
 import dataclasses
+import json
+import math
 import os
 import random
+import statistics
 
 import torch
 
@@ -126,3 +130,47 @@ def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
         print(f"--- output:\n{call.text}")
     print(f"\n=== final answer:\n{outcome.final}\n=== info: {outcome.info}")
     return outcome.final
+
+
+# ----------------------------------------------------------------------------
+# Where kappa would align, from probes of several sizes
+
+
+def episodes_to_align(results: list[dict[str, float]], role: str, n_slots: int,
+                      frac: float) -> float | None:
+    """Episodes at which the role's kappa would reach frac sqrt(N) (diagnose.py's amplification
+    line, KAPPA_FRAC), from probes of several sizes. A slot's gradient = a shared direction + its
+    own sampling noise gives two slots' cosine over n episodes 1 / (1 + b / n), so
+    b = n (1 / cos - 1); kappa^2 = 1 + (N - 1) cos reaches the line at
+    cos c = (frac^2 N - 1) / (N - 1), at n = b c / (1 - c). inf (never) if a probe's cosine is
+    <= 0; a probe with no gradient (no reward contrast) measured nothing and is left out, and
+    None says no probe is left: not measured."""
+    c = (frac ** 2 * n_slots - 1) / (n_slots - 1)
+    cosines = [(r["episodes"], r[f"role/{role}/coherence"]) for r in results
+               if f"role/{role}/coherence" in r]
+    if not cosines:
+        return None
+    if min(cos for _, cos in cosines) <= 0:
+        return math.inf
+    b = statistics.mean(n * (1 / cos - 1) for n, cos in cosines)
+    return b * c / (1 - c)
+
+
+def write_probe(results: list[dict[str, float]], run_dir: str, slots: dict[str, int],
+                frac: float) -> None:
+    """Print the probe's figures by batch size and where each crowded role's kappa (`slots`: the
+    role's slot count) would reach frac sqrt(N); save both in RUN/probe.json (JSON has no
+    infinity: "never", and null where nothing was measured)."""
+    align = {role: episodes_to_align(results, role, n, frac) for role, n in slots.items()
+             if n > 1 and len(results) > 1}
+    for k in dict.fromkeys(k for r in results for k in r):  # every key, in the order first seen
+        print(f"{k:40s}" + "".join(f" {r.get(k, math.nan):10.4f}" for r in results))
+    for role, n in align.items():
+        print(f"{role}: kappa would reach {frac} sqrt(N) " + (
+            "(not measured: no probe size had a reward contrast)" if n is None else
+            "never (a coherence <= 0 at some probe size)" if n == math.inf else
+            f"at about {n:.0f} episodes"))
+    align = {role: "never" if n == math.inf else n for role, n in align.items()}
+    results = [{k: v if math.isfinite(v) else None for k, v in r.items()} for r in results]
+    with open(os.path.join(run_dir, "probe.json"), "w") as f:
+        json.dump({"probes": results, "episodes_to_align": align}, f, indent=2, allow_nan=False)
