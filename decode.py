@@ -172,21 +172,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:  # x: (..., D)
     """A Llama or Qwen3 RMSNorm module's output, its arithmetic as transformers writes it (the
     mean square in fp32, the weight multiplied in x's dtype), with the normalisation one call:
     on CUDA one fused kernel (aten::_fused_rms_norm's, equal to fp32 rounding) in place of five,
     on the CPU the same five operations, bit for bit (tests/test_decode.py)."""
-    normed = torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon)
-    return norm.weight * normed.to(x.dtype)
+    normed = torch.nn.functional.rms_norm(x.float(), x.shape[-1:],
+                                          eps=norm.variance_epsilon)  # (..., D) fp32
+    return norm.weight * normed.to(x.dtype)  # (..., D) in x's dtype
 
 
 class StaticStep:
     """One decoding step of a Llama- or Qwen3-style model over a static KV cache of B rows and
     S columns: every tensor it reads or writes has a fixed address, so the step can be captured
     as a CUDA graph. It calls the model's own modules (embedding, projections, MLP, rotary
-    table, output layer) and reads its norms' weights, so a merged adapter is in its weights as
-    in the model's.
+    table, output layer) and reads its norms' weights and epsilons, so a merged adapter is in
+    its weights as in the model's.
 
     Inputs, set before each step: `token` (B,) the last token of each row, `position` (B, 1)
     its position, `column` (1,) the cache column it goes in (the same for every row).

@@ -109,8 +109,10 @@ class TrainState:
         peak."""
         path = os.path.join(out, "ckpt")
         rank0 = rank_and_world()[0] == 0  # only rank 0 puts a checkpoint back in place
+        # a run without any checkpoint was refused before its model loaded (has_checkpoint)
         if rank0 and not whole_checkpoint(path) and not os.path.exists(f"{path}/state.pt"):
-            raise SystemExit(no_checkpoint(out))
+            raise SystemExit(f"--resume: no checkpoint in {out} reads back whole (a save was torn "
+                             "or damaged); start the run over with --overwrite")
         barrier()
         try:
             load_adapters(self.model, path, adapter_names(self.model))  # the KL anchors too

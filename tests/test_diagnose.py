@@ -601,7 +601,8 @@ def test_episodes_to_align_extrapolates_the_cosine_to_the_detectors_line():
     # 8: no reward contrast, nothing measured
     probes = [{"episodes": 8}, {"episodes": 16, "role/generator/coherence": 0.25},
               {"episodes": 32, "role/generator/coherence": 0.4}]
-    assert probe.episodes_to_align(probes, "generator", 3, diagnose.KAPPA_FRAC) == pytest.approx(48 * 0.46 / 0.54)
+    assert (probe.episodes_to_align(probes, "generator", 3, diagnose.KAPPA_FRAC)
+            == pytest.approx(48 * 0.46 / 0.54))
     probes[1]["role/generator/coherence"] = -0.02  # no shared direction measured at one size
     assert probe.episodes_to_align(probes, "generator", 3, diagnose.KAPPA_FRAC) == math.inf
     # nothing measured at all

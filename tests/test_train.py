@@ -581,6 +581,10 @@ def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_o
         f.truncate(100)
     with pytest.raises(SystemExit, match="cannot be read"):
         train.main(train.Config(out=out, resume=True))
+    os.rename(f"{out}/ckpt", f"{out}/ckpt.tmp")  # only a torn save left: a checkpoint, unreadable
+    with pytest.raises(SystemExit, match="no checkpoint in .* reads back whole"):
+        train.main(train.Config(out=out, resume=True))
+    os.rename(f"{out}/ckpt.tmp", f"{out}/ckpt")
     good = json.load(open(f"{out}/config.json"))
     with open(f"{out}/config.json", "w") as f:
         f.write('{"workflow": "vot')
