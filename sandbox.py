@@ -147,10 +147,11 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
          marker: str) -> tuple[str, str]:
     """One sandboxed run; returns (verdict, head of output)."""
     fmt = problem.test_format
-    blank = not problem.tests.strip()
-    cases = [] if fmt == "assert" or blank else json.loads(problem.tests)
-    if blank or (fmt != "assert" and not cases):
+    if not problem.tests.strip():
         return "no tests", ""  # nothing to pass is not a pass
+    cases = [] if fmt == "assert" else json.loads(problem.tests)
+    if fmt != "assert" and not cases:
+        return "no tests", ""
     uid, nonce = _fresh_uid() if sb.own_uid else None, secrets.token_hex(16)
     limits = {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": MEMORY_BYTES,
               "RLIMIT_FSIZE": FILE_BYTES, "RLIMIT_CORE": 0}

@@ -178,11 +178,13 @@ def demo_cells(name: str, home: str, train_flags: list[str],
 # train.py's flags that place a run, which the grid sets for each cell itself
 PLACED = {"resume": "the grid resumes an interrupted cell itself; run the same command again",
           "overwrite": "the grid never deletes a cell: remove a cell's directory to train it again",
-          "start_from": "the cells of a seed go on from that seed's own start"}
+          "start_from": "the cells of a seed go on from that seed's own start",
+          "seed": "each cell's seed is one of --seeds (a --seed for train.py would give every cell "
+                  "the same one)"}
 
 
 def cell_fields(demo: str | None) -> set[str]:
-    """The train.py settings that tell the cells apart (--seed apart: its own message): a
+    """The train.py settings that tell the cells apart (--seed apart: PLACED's): a
     train.py flag naming one would override every cell's own and make them one (the main
     table's with demo None)."""
     own = ([f for w, s in GRID for f in ("--workflow", w, "--sharing", s)] if demo is None else
@@ -348,15 +350,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--seeds {given!r}: give seeds as 0,1,2")
     if len(set(args.seeds)) < len(args.seeds) or not all(0 <= s < 2 ** 32 for s in args.seeds):
         parser.error(f"--seeds {given}: give distinct seeds from 0 to 4294967295")
-    if "seed" in typed_flags(train_flags):
-        parser.error("--seed: each cell's seed is one of --seeds (a --seed for train.py would give "
-                     "every cell the same one)")
-    if placed := sorted(typed_flags(train_flags) & set(PLACED)):
+    typed = typed_flags(train_flags)
+    if placed := sorted(typed & set(PLACED)):
         parser.error(f"--{placed[0]}: {PLACED[placed[0]]}")
-    if fixed := sorted(typed_flags(train_flags) & cell_fields(args.demo)):
+    if fixed := sorted(typed & cell_fields(args.demo)):
         parser.error(f"--{fixed[0]}: the cells set it themselves (given to train.py, it would "
                      "make them one cell under different names)")
-    if "steps" in typed_flags(train_flags) and parse_config(train_flags).steps == 0:
+    if "steps" in typed and parse_config(train_flags).steps == 0:
         parser.error("--steps 0: the grid compares its cells after RL; give at least 1")
     return args, train_flags
 

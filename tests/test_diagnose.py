@@ -145,8 +145,9 @@ def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
         png = tmp_path / "out" / f"{name}.png"
         assert png.exists() and png.stat().st_size > 1000
         assert f"]({name}.png)" in text
-    # what --overwrite of a run clears beside it: every plot diagnose.py can draw
-    assert {f"{name}.png" for name in diagnose.PLOTS} <= set(runs.DERIVED)
+    # what --overwrite of a run clears beside it: every plot diagnose.py can draw, and no other
+    assert {f"{name}.png" for name in diagnose.PLOTS} == set(runs.DERIVED) - {"report.md",
+                                                                              "probe.json"}
 
 
 def test_amplification_fires_on_a_coherent_spike_then_a_validation_fall():
