@@ -317,9 +317,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     with torch.no_grad():
         stats = {
             "value_loss": loss.item(),
-            "explained_variance": explained_variance(values, returns),
-            "value_mean": values.mean().item(),
-            "return_mean": returns.mean().item(),
             "clip_frac": ((values - old_values).abs() > clip).float().mean().item()
                          if clip is not None else 0.0,
         }

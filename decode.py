@@ -22,12 +22,13 @@ one) is prefilled once, its cache rows copied to every row that asked for it.
   warm-up included).
 
 Padding and NaN. In a left-padded batch a pad column's query may attend to
-nothing: every key before it is padding. CUDA's fused attention kernels give
-such a row NaN (or NaN in its backward pass) where the CPU's give zeros, and
-the NaN reaches real tokens through the pad's keys and values in the next
-layer, since 0 x NaN is NaN. `padded_causal_mask` lets a pad query see
-itself: no row is empty, and no real query sees a pad, so real tokens' outputs
-do not change.
+nothing: every key before it is padding. CUDA's fused attention kernels can
+give such a row NaN (or NaN in its backward pass) where the CPU's give zeros
+(transformers issue 38690 reports it for the flash kernel; on one H200 it did
+not show: docs/performance.md), and the NaN would reach real tokens through
+the pad's keys and values in the next layer, since 0 x NaN is NaN.
+`padded_causal_mask` lets a pad query see itself: no row is empty, and no
+real query sees a pad, so real tokens' outputs do not change.
 
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """

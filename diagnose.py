@@ -401,7 +401,7 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      epilog="python -m lab.grid trains the main table's "
                                             "and the demos' cells.")
     parser.add_argument("runs", nargs="*", help="train.py run directories")

@@ -237,7 +237,8 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
 
     A gradient that keeps pointing where the recent ones pointed is the signature of amplification;
     its step is shortened through the learning rate, since AdamW would undo a scaled gradient. `ema`
-    holds EMA(g) across steps (checkpointed by train.py). Returns the factor applied.
+    holds EMA(g) across steps (kept in the checkpoint: lab/checkpoint.py's TrainState.emas).
+    Returns the factor applied.
     """
     g = flat_grad(params)  # (n_params,)
     factor = 1.0

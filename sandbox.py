@@ -52,7 +52,6 @@ import os
 import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile

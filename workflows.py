@@ -17,8 +17,9 @@ Multi-Agent RL Improve LLM Workflows?", arXiv 2605.24202):
 The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the orchestrator
 lists strategies and never solves. `adherence` says whether an output keeps its role's
 contract and `similarity` how alike two roles' outputs are: the signals of role capture
-(Paper A) that train.py logs every step. The replies that keep each role's contract, which the
-supervised warm-up teaches before RL, are warmup.py's.
+(Paper A) that train.py logs every --diag_every steps (every step by default). The replies
+that keep each role's contract, which the supervised warm-up teaches before RL, are
+warmup.py's.
 
 Departures from the paper:
   - the prompts are this project's own, short enough for a 135M model;
@@ -282,7 +283,7 @@ def parse_strategies(text: str, n: int) -> list[str]:
 # ---------------------------------------------------------------- role-capture signals
 # Role capture (Paper A) shows in outputs before it shows in losses: an evaluator that
 # starts solving, an aggregator that writes essays instead of \boxed{k}. train.py logs
-# both signals every step; diagnose.py reads them.
+# both signals every --diag_every steps (measure.step_metrics); diagnose.py reads them.
 
 SHORT_VERDICT = 300  # characters: "at most two short sentences, then the verdict"
 SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it

@@ -141,7 +141,7 @@ def report(fig: dict, device_name: str) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lab.bench", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m lab.bench", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
     p.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny, random:qwen3-0.6b "
                    "(-1.7b, -4b: random weights), or a HF id/path")

@@ -278,7 +278,7 @@ def show() -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lab.course",
-                                     description=__doc__.split("\n")[0], allow_abbrev=False)
+                                     description=__doc__.split("\n\n")[0], allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="the assignments, their functions and tests")
     p = commands.add_parser("make", help="copy the project with one assignment's functions stubbed",

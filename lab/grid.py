@@ -326,8 +326,8 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This file's flags, and every other flag, in order, for each cell's train.py."""
-    parser = argparse.ArgumentParser(prog="python -m lab.grid", description=__doc__.split("\n")[0],
-                                     allow_abbrev=False,
+    parser = argparse.ArgumentParser(prog="python -m lab.grid",
+                                     description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                      epilog="Every other flag goes to each cell's train.py, "
                                             "after the cell's own "
                                             "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math), "

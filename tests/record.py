@@ -175,7 +175,7 @@ def child(argv: list[str]) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         return child(sys.argv[2:])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="a directory for the runs and recording.json")
     parser.add_argument("--check", default="", help="a stored recording.json to compare with")
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")

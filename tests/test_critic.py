@@ -134,7 +134,7 @@ def test_value_loss_unclipped_by_hand():
     loss, stats = value_loss(values, values, returns)
     assert loss.item() == pytest.approx(0.5 * (0.25 + 1.0 + 0.01) / 3)
     assert stats["clip_frac"] == 0.0
-    assert stats["value_mean"] == pytest.approx(1.4 / 3)
+    assert stats["value_loss"] == pytest.approx(0.5 * (0.25 + 1.0 + 0.01) / 3)
 
 
 def test_value_loss_clipped_by_hand():

@@ -202,9 +202,10 @@ def test_a_step_writes_no_twin_and_nothing_constant():
     repeat role/ keys. Under --one_step every ratio is 1: its statistics cannot move."""
     role = {"role/generator/len": 5.0, "role/generator/ratio_mean": 1.0,
             "role/generator/pg_loss": 0.5}
-    eval_opt = {**role, "slot/generator/len": 5.0}
+    critic = {"critic/clip_frac": 0.25}  # a critic's value clip: its mini-batches move it
+    eval_opt = {**role, **critic, "slot/generator/len": 5.0}
     assert train.written(eval_opt, train.Config(workflow="eval_opt")) == \
-        {"role/generator/len": 5.0, "role/generator/pg_loss": 0.5}
+        {"role/generator/len": 5.0, "role/generator/pg_loss": 0.5, **critic}
     generators = {f"slot/generator{i}/len": 5.0 for i in range(2)}
     voting = {**role, **generators, "slot/aggregator/len": 5.0}
     assert train.written(voting, train.Config(workflow="voting", n_agents=2, one_step=False)) == \
