@@ -96,9 +96,11 @@ def check_length(max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
 
 
-def prefill(model, ids: torch.Tensor, attn: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
-    """The KV cache of every row and the logits of its next token (B, V), each distinct prompt
-    run once and its cache rows and logits copied to every row that asked for it."""
+def prefill(model, ids: torch.Tensor,
+            attn: torch.Tensor) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """The KV cache and next token's logits (U, V) of the U distinct prompts among the rows, each
+    run once, and `copy` (B,): the distinct prompt of each row, whose cache rows and logits the
+    decoder copies to it."""
     P = ids.shape[1]
     distinct, copy = torch.unique(torch.cat([ids, attn.to(ids.dtype)], dim=-1), dim=0,
                                   return_inverse=True)  # (U, 2P), (B,)
@@ -109,9 +111,7 @@ def prefill(model, ids: torch.Tensor, attn: torch.Tensor) -> tuple[DynamicCache,
         raise RuntimeError(f"the prefill filled {len(cache.layers)} cache layers of "
                            f"{model.config.num_hidden_layers}: a transformers whose models take "
                            "`cache=` is needed (requirements.txt)")
-    for layer in cache.layers:
-        layer.batch_select_indices(copy)
-    return cache, out.logits[copy, -1]
+    return cache, out.logits[:, -1], copy
 
 
 # ----------------------------------------------------------------------------
@@ -130,7 +130,10 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eo
     """
     check_length(max_new_tokens)
     B, device = ids.shape[0], ids.device
-    cache, logits = prefill(model, ids, attn)  # logits (L, V): one row per live row, all B at first
+    cache, logits, copy = prefill(model, ids, attn)
+    for layer in cache.layers:
+        layer.batch_select_indices(copy)
+    logits = logits[copy]  # (L, V): one row per live row, all B at first
     position = attn.long().sum(-1, keepdim=True) - 1  # (L, 1): positions count real tokens only
     live = torch.arange(B, device=device)  # (L,) the rows in the batch, by their index in it
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (L,) those that wrote their eos
@@ -195,20 +198,26 @@ class StaticStep:
     `valid` (B, S) says which columns hold a row's real tokens; the step marks its own column.
     """
 
-    def __init__(self, model, cache: DynamicCache, valid: torch.Tensor, S: int):
+    def __init__(self, model, cache: DynamicCache, copy: torch.Tensor, valid: torch.Tensor, S: int):
         inner, config = model.model, model.config
         self.model, self.inner, self.layers = model, inner, inner.layers
         B, device = valid.shape[0], valid.device
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        # the prefill's keys and values (B, Hkv, P, d), in caches of S columns
+        rope = getattr(inner.rotary_emb, "rope_type", "default")
+        if rope in ("dynamic", "longrope"):  # their tables change with the length: host branches
+            raise ValueError(f"rope_type {rope!r} cannot be captured in a CUDA graph")
+        # the prefill's keys and values of each distinct prompt (U, Hkv, P, d), copied to each of
+        # its rows in caches of S columns; a layer's prefill cache is let go once copied, so the
+        # two caches are never whole side by side
         self.keys, self.values = [], []
         for layer in cache.layers:
             k = layer.keys.new_zeros(B, self.kv_heads, S, self.head_dim)
             v = torch.zeros_like(k)
             P = layer.keys.shape[2]
-            k[:, :, :P], v[:, :, :P] = layer.keys, layer.values
+            k[:, :, :P], v[:, :, :P] = layer.keys[copy], layer.values[copy]
+            layer.keys = layer.values = None
             self.keys.append(k)
             self.values.append(v)
         self.valid = torch.zeros(B, S, dtype=torch.bool, device=device)
@@ -253,20 +262,27 @@ class StaticStep:
         return self.model.lm_head(rms_norm(inner.norm, x))[:, 0].float()  # (B, V)
 
 
+SIDE_STREAMS = {}  # device -> the one stream its graphs are warmed up and captured on
+
+
 def capture(step: StaticStep):
     """A CUDA graph of `step`, and its output tensor, which each replay rewrites. Running the
     step writes only the current column, so the warm-up runs below leave nothing behind. On the
     step's own GPU (the streams are the current device's: cuda:1's kernels on cuda:0's stream
-    would leave the graph empty)."""
-    with torch.cuda.device(step.token.device):
-        side = torch.cuda.Stream()
+    would leave the graph empty), on one side stream per device for every stage: cuBLAS keeps a
+    workspace for each stream it has run on, and does not free it."""
+    device = step.token.device
+    with torch.cuda.device(device):
+        if device not in SIDE_STREAMS:
+            SIDE_STREAMS[device] = torch.cuda.Stream()
+        side = SIDE_STREAMS[device]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # kernels' first runs (cuBLAS handles, workspaces) off it
             for _ in range(2):
                 step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             logits = step()
     return graph, logits
 
@@ -279,9 +295,10 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
     replay of a CUDA graph (use_graph=False runs the same step eagerly: the CPU's tests)."""
     check_length(max_new_tokens)
     (B, P), device = ids.shape, ids.device
-    cache, logits = prefill(model, ids, attn)  # (B, V)
-    step = StaticStep(model, cache, attn.bool(), P + max_new_tokens)
+    cache, logits, copy = prefill(model, ids, attn)
+    step = StaticStep(model, cache, copy, attn.bool(), P + max_new_tokens)
     del cache
+    logits = logits[copy]  # (B, V)
     step.position.copy_(attn.long().sum(-1, keepdim=True) - 1)  # the last prompt token's
     step.column.fill_(P - 1)
     done = torch.zeros(B, dtype=torch.bool, device=device)

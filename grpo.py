@@ -131,7 +131,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
                 ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
                 is_weight: torch.Tensor | None = None,
-                ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
+                ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate per completion token, plus kl_coef * k3 to the reference.
 
     logp, old_logp, ref_logp, mask: (B, T); advantages: (B,), one per sequence,
@@ -140,7 +140,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ratio per token (PPO, GRPO); "sequence": GSPO's one ratio per sequence, the geometric
     mean of its token ratios, clipped as a whole and spread over its tokens. Returns the
     per-token loss (B, T), for `aggregate` to reduce, and the statistics over the completion
-    tokens (mask 1).
+    tokens (mask 1), 0-d tensors that `read_stats` reads after the backward pass.
     """
     adv = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = logp - old_logp  # (B, T)
@@ -159,20 +159,26 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     loss = pg_loss
     with torch.no_grad():
         stats = {
-            "pg_loss": masked_mean(pg_loss, mask).item(),
-            "clip_frac": masked_mean((surr2 < surr1).float(), mask).item(),
-            # KL(old || new), 2nd order
-            "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
-            "chi2": (masked_mean(token_ratio ** 2, mask) - 1).item(),  # E[rho^2] - 1 over tokens
-            "ppl": torch.exp(-masked_mean(logp, mask, dim=-1)).mean().item(),  # mean over sequences
+            "pg_loss": masked_mean(pg_loss, mask),
+            "clip_frac": masked_mean((surr2 < surr1).float(), mask),
+            "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask),  # KL(old || new), 2nd order
+            "ratio_mean": masked_mean(ratio, mask),
+            "chi2": masked_mean(token_ratio ** 2, mask) - 1,  # E[rho^2] - 1 over tokens
+            "ppl": torch.exp(-masked_mean(logp, mask, dim=-1)).mean(),  # mean over sequences
         }
     if ref_logp is not None and kl_coef > 0:  # kl_ref only where there is a KL term
         log_ref_ratio = ref_logp - logp
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 >= 0, unbiased for KL(pi || ref)
         loss = pg_loss + kl_coef * kl
-        stats["kl_ref"] = masked_mean(kl.detach(), mask).item()
+        stats["kl_ref"] = masked_mean(kl.detach(), mask)
     return loss, stats
+
+
+def read_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Statistics kept as 0-d tensors, as numbers. On a GPU reading one waits for every kernel
+    queued before it, so the update reads a micro-batch's after its backward pass is queued: the
+    GPU is not left idle while the host launches that pass."""
+    return {k: v.item() for k, v in stats.items()}
 
 
 def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
@@ -186,14 +192,14 @@ def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -
 
 
 def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                   mask: torch.Tensor) -> dict[str, float]:
+                   mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """How far the sampler's policy is from the trainer's on the sampled tokens: the mean and
-    max of |log pi_old - log pi_rollout|, and the k3 estimate of KL(pi_rollout || pi_old)."""
+    max of |log pi_old - log pi_rollout|, and the k3 estimate of KL(pi_rollout || pi_old), as 0-d
+    tensors (`read_stats`); the max is 0 where no token is in the mask."""
     gap = old_logp - rollout_logp  # (B, T)
-    on = mask.bool()
-    return {"mismatch_mean": masked_mean(gap.abs(), mask).item(),
-            "mismatch_max": gap.abs()[on].max().item() if on.any() else 0.0,
-            "mismatch_kl": masked_mean(torch.exp(gap) - gap - 1, mask).item()}
+    return {"mismatch_mean": masked_mean(gap.abs(), mask),
+            "mismatch_max": gap.abs().masked_fill(~mask.bool(), 0.0).max(),
+            "mismatch_kl": masked_mean(torch.exp(gap) - gap - 1, mask)}
 
 
 # ----------------------------------------------------------------------------
@@ -370,7 +376,7 @@ def overlay(base: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor
 
 
 def sampler_gap(old_logp: torch.Tensor, micro: list[Call], mask: torch.Tensor, tis_cap: float,
-                measure: bool) -> tuple[torch.Tensor | None, dict[str, float]]:
+                measure: bool) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """The precision correction laid over the update: the tokens came from pi_rollout, as the
     sampler recorded it (greedy or hand-made calls have no record: no gap). Returns the truncated
     importance weight (tis_weight; None where tis_cap is 0) and, with `measure`, the gap's
@@ -390,6 +396,8 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     after the first step (old_logprobs); the first mini-batch's calls are on-policy. With
     `measure` (the diagnostics' pass) also the tokens' entropy and the sampler's gap."""
     kl_coef = s.kl_coef.get(micro[0].role, 0.0)
+    # to the device before the forward pass is queued: a host-to-device copy waits for the queue
+    adv = torch.tensor([c.advantage for c in micro], device=model.device)  # (b,)
     with use_adapter(model, adapter):
         logp, mask, entropy = sequence_logprobs(model, micro, pad_id, s.temperature,
                                                 with_entropy=measure)  # (b, T) each
@@ -401,11 +409,10 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
     is_weight, gap = sampler_gap(old_logp, micro, mask, s.tis_cap, measure)
-    adv = torch.tensor([c.advantage for c in micro], device=logp.device)  # (b,)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,
                                 is_weight, s.ratio)
     loss = aggregate(per_token, mask, s.agg, weight.num_seqs, weight.num_tokens)
     (weight.scale * loss).backward()
     if measure:
-        st.update(gap, entropy=masked_mean(entropy, mask).item())
-    return st
+        st.update(gap, entropy=masked_mean(entropy, mask))
+    return read_stats(st)

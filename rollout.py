@@ -155,17 +155,18 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
                       with_entropy: bool = False):
     """Per-token log-probs of the calls' completions (B, T), the mask (B, T), and
     with_entropy the entropy of each next-token distribution (B, T), else None."""
-    ids, attn, cmask = pack([c.prompt_ids for c in calls], [c.completion_ids for c in calls],
-                            pad_id)
+    packed = pack([c.prompt_ids for c in calls], [c.completion_ids for c in calls], pad_id)
+    # to the device before the forward pass is queued: a host-to-device copy waits for the queue
+    ids, attn, cmask = (t.to(model.device) for t in packed)  # (B, L), (B, L), (B, T)
     T = cmask.shape[1]
-    logits = completion_logits(model, ids.to(model.device), attn.to(model.device), T)
-    logp = token_logprobs(logits, ids[:, -T:].to(model.device), temperature)  # (B, T)
+    logits = completion_logits(model, ids, attn, T)
+    logp = token_logprobs(logits, ids[:, -T:], temperature)  # (B, T)
     entropy = None
     if with_entropy:
         with torch.no_grad():
             all_logp = F.log_softmax(logits / temperature, dim=-1)  # (B, T, V)
             entropy = -(all_logp.exp() * all_logp).sum(-1)  # (B, T)
-    return logp, cmask.to(logp.device), entropy
+    return logp, cmask, entropy
 
 
 def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
@@ -180,13 +181,14 @@ def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
 @torch.no_grad()
 def old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temperature: float,
                  micro_batch_tokens: int) -> dict[int, torch.Tensor]:
-    """pi_old of every completion token, under the adapter that generated it: id(call) -> (T_i,)."""
+    """pi_old of every completion token, under the adapter that generated it: id(call) -> (T_i,),
+    on the model's device (the update reads them there)."""
     old = {}
     with use_adapter(model, adapter):
         for micro in micro_batches(calls, micro_batch_tokens):
             logp, _, _ = sequence_logprobs(model, micro, pad_id, temperature)  # (b, T)
             for call, row in zip(micro, logp):
-                old[id(call)] = row[: len(call.completion_ids)].cpu()  # (T_i,)
+                old[id(call)] = row[: len(call.completion_ids)]  # (T_i,)
     return old
 
 

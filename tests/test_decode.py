@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+import decode as decode_module
 from decode import (decode, forward_padded, graph_decode, padded_causal_mask, rms_norm,
                     sample_next)
 from lora import inject_lora, lora_layers, merged_adapter, setup_adapters, use_adapter
@@ -124,6 +125,68 @@ def test_the_cuda_graph_replays_what_the_eager_step_computes(tiny):
                             use_graph=False)
     graphed, _ = graph_decode(model, ids, attn, 20, -1, tok.pad_token_id, greedy=True)
     assert graphed.tolist() == eager.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph needs a GPU")
+def test_graphs_of_successive_stages_replay_what_the_eager_step_computes(tiny):
+    """As a run uses them: sampled under a merged adapter (fp32), then a stage of another shape
+    captured after the first graph was dropped, in bf16: graphed and eager write the same tokens
+    (a replay runs the kernels the eager step launches) and record the same log-probs."""
+    model, tok = tiny
+    model = model.cuda()
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator"], "shared")
+    for layer in lora_layers(model):
+        torch.nn.init.normal_(layer.lora_B["shared"], std=0.05)
+    ids, attn = (t.cuda() for t in prompts(tok, ["What is 1 + 2?", "What is 1 + 2?", "x"]))
+    runs = []
+    for use_graph in (False, True):
+        torch.manual_seed(0)
+        with merged_adapter(model, "shared"):
+            runs.append(graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, temperature=0.7,
+                                     top_p=0.9, use_graph=use_graph))
+    (eager, eager_logp), (graphed, graphed_logp) = runs
+    assert graphed.tolist() == eager.tolist() and torch.equal(graphed_logp, eager_logp)
+    model = model.to(torch.bfloat16)
+    ids, attn = (t.cuda() for t in prompts(tok, ["Name three colours, then stop.", "y"] * 3))
+    eager, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True,
+                            use_graph=False)
+    graphed, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True)
+    assert graphed.tolist() == eager.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph needs a GPU")
+def test_the_graph_decoder_waits_for_the_gpu_every_few_tokens_not_every_token(tiny):
+    """The host waits for the GPU (a synchronising call, as torch's sync debug mode reports each)
+    as often for 16 tokens as for 48, but for the question "are all rows done?" asked every
+    CHECK_EVERY tokens: a wait added to the token loop would add 32."""
+    model, tok = tiny
+    model = model.cuda()
+    ids, attn = (t.cuda() for t in prompts(tok, ["What is 1 + 2?", "x", "Name three colours."]))
+
+    def waits(tokens: int) -> int:
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning) as seen:
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                graph_decode(model, ids, attn, tokens, -1, tok.pad_token_id, top_p=0.9)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchronizing" in str(w.message) for w in seen)
+
+    short, long = waits(16), waits(48)
+    assert short > 0 and long - short == (48 - 16) // decode_module.CHECK_EVERY, (short, long)
+
+
+def test_a_rotary_table_that_changes_with_the_length_is_refused_by_the_static_step(tiny,
+                                                                                    monkeypatch):
+    """"dynamic" and "longrope" rotary embeddings recompute their table when a sequence outgrows
+    it, a branch on the host that a CUDA graph cannot hold: refused by name."""
+    model, tok = tiny
+    monkeypatch.setattr(model.model.rotary_emb, "rope_type", "dynamic")
+    ids, attn = prompts(tok, ["What is 1 + 2?"])
+    with pytest.raises(ValueError, match="rope_type 'dynamic' cannot be captured"):
+        graph_decode(model, ids, attn, 4, -1, tok.pad_token_id, use_graph=False)
 
 
 def test_the_sampler_draws_from_the_softmax_and_its_nucleus():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo import (UpdateSettings, aggregate, group_advantages, masked_mean, mismatch_stats,
-                  overlay, policy_loss, policy_update, set_advantages, tis_weight)
+                  overlay, policy_loss, policy_update, read_stats, set_advantages, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
 from measure import amplification, gradient_noise, gradient_signals, gradient_stats
 from rollout import Call, Rollout, old_logprobs, sequence_logprobs
@@ -75,6 +75,7 @@ def test_clipping_by_hand():
     logp = torch.log(torch.tensor([[1.5], [0.5], [0.5]])).requires_grad_(True)
     adv = torch.tensor([2.0, -1.0, 1.0])
     per_token, stats = policy_loss(logp, old, adv, torch.ones(3, 1))
+    stats = read_stats(stats)  # 0-d tensors, read as numbers once the backward pass is queued
     loss = aggregate(per_token, torch.ones(3, 1), "token-mean")
     assert loss.item() == pytest.approx(-(1.28 * 2.0 + 0.8 * -1.0 + 0.5 * 1.0) / 3)
     assert stats["clip_frac"] == pytest.approx(2 / 3)
@@ -389,12 +390,14 @@ def test_mismatch_stats_by_hand_and_zero_for_equal_policies():
     old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, 0.0, 0.0]])
     sampled = torch.tensor([[-1.5, -1.0, -0.5], [-3.25, 9.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    st = mismatch_stats(old, sampled, mask)
+    st = read_stats(mismatch_stats(old, sampled, mask))
     assert st["mismatch_mean"] == pytest.approx((0.5 + 1.0 + 0.0 + 0.25) / 4)
     assert st["mismatch_max"] == pytest.approx(1.0)  # the padding's gap of 9 is masked
     k3 = [math.exp(g) - g - 1 for g in (0.5, -1.0, 0.0, 0.25)]
     assert st["mismatch_kl"] == pytest.approx(sum(k3) / 4)
-    assert set(mismatch_stats(old, old, mask).values()) == {0.0}
+    assert set(read_stats(mismatch_stats(old, old, mask)).values()) == {0.0}
+    # no token in the mask: a max of nothing, 0
+    assert read_stats(mismatch_stats(old, sampled, torch.zeros(2, 3)))["mismatch_max"] == 0.0
 
 
 def test_no_optimizer_step_on_a_mini_batch_without_a_live_call(tiny):
