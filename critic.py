@@ -301,11 +301,14 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               clip: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """0.5 * mean (V - R)^2, optionally PPO-clipped around the rollout's values: (calls,) -> ().
+               clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """0.5 * mean (V - R)^2, optionally PPO-clipped around the rollout's values: (calls,) -> (),
+    and its statistics as 0-d tensors (read after the backward pass: on a GPU a read waits for
+    every kernel queued before it).
 
     With clip, V may move at most `clip` from old_values before the loss stops
-    rewarding the move (the max of clipped and unclipped errors, as in PPO2).
+    rewarding the move (the max of clipped and unclipped errors, as in PPO2); clip_frac is the
+    share of values it held back.
     """
     v_loss_unclipped = (values - returns) ** 2  # (calls,)
     v_loss = v_loss_unclipped
@@ -314,12 +317,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         v_loss_clipped = (v_clipped - returns) ** 2  # (calls,)
         v_loss = torch.max(v_loss_unclipped, v_loss_clipped)
     loss = 0.5 * v_loss.mean()
-    with torch.no_grad():
-        stats = {
-            "value_loss": loss.item(),
-            "clip_frac": ((values - old_values).abs() > clip).float().mean().item()
-                         if clip is not None else 0.0,
-        }
+    stats = {"value_loss": loss.detach()}
+    if clip is not None:
+        stats["clip_frac"] = ((values - old_values).abs() > clip).float().mean().detach()
     return loss, stats
 
 
@@ -398,6 +398,7 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
     mini-batch whose gradient (after the sum across processes) is not finite is not applied, and
     counted."""
     params = optimizer.param_groups[0]["params"]
+    device = params[0].device  # the critic's: its head's and its adapter's
     ids, old_values, returns = batch.ids, batch.values, batch.returns
     stats = defaultdict(list)
     nonfinite = 0
@@ -408,14 +409,15 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
         mine = my_share(mb)  # under torchrun: this process's rows; the gradients are summed below
         for idx in token_batches([(len(ids[i]), 0) for i in mine], s.micro_batch_tokens):
             micro = [mine[j] for j in idx]
+            # to the device before the forward pass is queued: a host-to-device copy waits for
+            # the queue
+            v_old, v_target = old_values[micro].to(device), returns[micro].to(device)  # (b,) each
             v = critic_values(model, head, name, [ids[i] for i in micro], pad_id)  # (b,)
-            loss, st = value_loss(v, old_values[micro].to(v.device), returns[micro].to(v.device),
-                                  s.value_clip)
+            loss, st = value_loss(v, v_old, v_target, s.value_clip)
             # micro-batches of one mini-batch add up to its mean loss
             (s.vf_coef * loss * len(micro) / len(mb)).backward()
-            stats["value_loss"].append(st["value_loss"])
-            if s.value_clip is not None:  # how often the clip held a value back
-                stats["clip_frac"].append(st["clip_frac"])
+            for k, x in st.items():  # value_loss, and with a clip how often it held a value back
+                stats[k].append(x.item())
         sum_gradients(params)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         if not torch.isfinite(total):  # a NaN or inf loss: the step would make the critic NaN
