@@ -107,7 +107,9 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
 def noise_floor(accuracies: list[float], problems: int, seeds: int) -> float:
     """The least standard error a mean over `seeds` of accuracies on `problems` problems can have:
     one evaluation's binomial noise, sqrt(p (1 - p) / problems), over sqrt(seeds). Three seeds of 64
-    problems near p = 0.5: 0.036, whatever the seeds' own spread says."""
+    problems near p = 0.5: 0.036, whatever the seeds' own spread says. A difference of two
+    evaluations of the same problems has an error between 0 (answers that move together) and
+    sqrt(2) times this (independent ones); the floor takes one evaluation's."""
     p = statistics.mean(accuracies)
     return math.sqrt(p * (1 - p) / problems / seeds)
 

@@ -212,6 +212,41 @@ def test_spikes_are_measured_against_the_running_median():
     assert diagnose.spikes([(0, 0.0), (1, 0.0), (2, 0.0), (3, 1.0)], 2.0) == []
 
 
+def test_the_running_median_is_over_the_last_five_values():
+    """Before step 6, the last 5 values (1, 1, 10, 10, 1) have median 1, so 2.5 is a spike; the
+    last 4 or 6 have median 5.5, and at step 4 the last 3 (1, 1, 10) would call 10 a spike."""
+    values = list(enumerate([10.0, 1.0, 1.0, 10.0, 10.0, 1.0, 2.5]))
+    assert diagnose.spikes(values, 2.0) == [(3, 10.0, 1.0), (6, 2.5, 1.0)]
+
+
+def test_a_mean_over_steps_weighs_each_by_its_calls():
+    """Adherence 1.0 over 10 calls and 0.0 over 30 (a step without it does not count): 10 of 40."""
+    rows = [{"role/evaluator/adherence": 1.0, "role/evaluator/calls": 10},
+            {"role/evaluator/adherence": 0.0, "role/evaluator/calls": 30},
+            {"role/evaluator/calls": 50}]
+    assert diagnose.weighted(rows, "evaluator", "adherence") == (0.25, 40)
+    assert diagnose.weighted(rows[2:], "evaluator", "adherence") == (None, 0)
+
+
+def test_the_peak_is_the_earliest_of_equal_bests():
+    rows = [{"step": s, "eval/accuracy": a} for s, a in [(0, 0.5), (2, 0.9), (4, 0.9)]]
+    assert diagnose.peak_step(rows, [0, 2, 4]) == 2
+
+
+def test_the_dip_s_low_is_chosen_on_val_and_read_on_test():
+    """Val peaks at step 0 and is lowest at step 4; test is lowest at step 2 (0.30), a lucky low
+    that choosing on test would report. Read at step 4, test fell 0.15, beyond 2 standard errors
+    of the difference (2 sqrt(0.05^2 + 0.05^2) = 0.141); to the end, 0.10, within them."""
+    test = {0: 0.60, 2: 0.30, 4: 0.45, 6: 0.50}
+    val = {0: 0.60, 2: 0.50, 4: 0.30, 6: 0.50}
+    rows = [{"step": s, "eval/accuracy": test[s], "eval/accuracy_se": 0.05,
+             "val/accuracy": val[s]} for s in test]
+    assert diagnose.find_cliff({}, rows) == [
+        "accuracy dip: test accuracy fell from 0.600 at step 0 (the peak, chosen on val) to 0.450 "
+        "at step 4 (-0.150) and ended at 0.500, beyond 2 standard errors of the difference "
+        "(0.141)"]
+
+
 def test_a_fall_and_partial_recovery_is_a_dip():
     rows = [{"step": s, "eval/accuracy": a} for s, a in [(0, 0.47), (4, 0.22), (8, 0.41)]]
     # 2 SE = 2 sqrt((0.47*0.53 + 0.22*0.78) / 32) = 2 sqrt(0.4207 / 32) = 0.229
