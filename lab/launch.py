@@ -284,6 +284,14 @@ def resume_run(out: str, state: TrainState, references: dict[str, str],
         freeze_copy(state.model, name, ref)
     start = state.load(out)
     metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
+    # every step writes its row before its checkpoint: the log holds steps 0 to `start`, each once
+    kept = [row["step"] for row in read_jsonl(metrics_path) if row["step"] <= start]
+    if kept != list(range(start + 1)):
+        first = next(i for i, s in enumerate(kept + [None]) if s != i)
+        raise SystemExit(f"--resume: {metrics_path} does not hold steps 0 to {start} once each, "
+                         f"as the checkpoint of step {start} does (step {first}'s row is missing "
+                         "or out of place: a torn or lost line); start the run again with "
+                         "--overwrite")
     if rank_and_world()[0] == 0:
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)

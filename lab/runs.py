@@ -130,6 +130,13 @@ def load_run(run_dir: str) -> tuple[dict, list[dict]]:
             if type(value) not in (int, float):
                 raise SystemExit(f"{run_dir}/metrics.jsonl, step {row['step']}: {key} is "
                                  f"{json.dumps(value)}, not a number")
+    steps = [row["step"] for row in rows]
+    if steps[0] != 0:
+        raise SystemExit(f"{run_dir}/metrics.jsonl begins at step {steps[0]}, not at step 0 (the "
+                         "evaluation before training): a damaged log")
+    if back := next(((a, b) for a, b in zip(steps, steps[1:]) if b <= a), None):
+        raise SystemExit(f"{run_dir}/metrics.jsonl: step {back[1]} follows step {back[0]} "
+                         "(a damaged log)")
     return config, rows
 
 

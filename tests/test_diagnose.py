@@ -355,6 +355,10 @@ def test_diagnose_rejects_a_directory_that_is_not_a_run(tmp_path):
     (None, '{"step": 0, "eval/accuracy": "0.5"}\n',
      'metrics.jsonl, step 0: eval/accuracy is "0.5", not a number'),
     (None, b"\xff\xfe\x00\x81\n", "metrics.jsonl is not text; the log is damaged"),
+    (None, '{"step": 2, "eval/accuracy": 0.75}\n',
+     r"metrics.jsonl begins at step 2, not at step 0 \(the evaluation before training\)"),
+    (None, '{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 2}\n{"step": 0}\n',
+     r"metrics.jsonl: step 2 follows step 2 \(a damaged log\)"),
     (None, "a directory", r"metrics.jsonl cannot be read \(Is a directory\)"),
 ])
 def test_damaged_run_files_are_one_line_errors(tmp_path, config, metrics, words):

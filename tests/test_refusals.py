@@ -183,13 +183,21 @@ def test_start_from_a_file_is_refused(tmp_path):
     ("metrics.jsonl", '{"reward": 1}\n{"step": 1}\n', "line 1: not a row of this log"),
     ("metrics.jsonl", '[1, 2]\n{"step": 1}\n', "line 1: not a row of this log"),
     ("metrics.jsonl", '{"step": "0"}\n{"step": 1}\n', "line 1: not a row of this log"),
+    # the checkpoint is step 1's: its row torn, or one row twice
+    ("metrics.jsonl", '{"step": 0, "eval/accuracy": 0.5}\n{"step": 1, "rew',
+     "does not hold steps 0 to 1 once each, as the checkpoint of step 1 does (step 1's row"),
+    ("metrics.jsonl", '{"step": 0, "eval/accuracy": 0.5}\n{"step": 0, "eval/accuracy": 0.5}\n',
+     "(step 1's row is missing or out of place"),
     ("config.json", None, "--resume: no run in"),
     (".lock", "dir", "is a directory, not a lock file"),
 ])
 def test_a_resume_over_wrong_shaped_files_names_them(path, content, words, finished, tmp_path):
+    """Refused before the log is cut back to the checkpoint: it stays as it was."""
     out = damaged(finished, tmp_path, path, content)
+    log = open(os.path.join(out, "metrics.jsonl"), "rb").read()
     with pytest.raises(SystemExit, match=re.escape(words)):
         run(out, resume=True, steps=2)
+    assert open(os.path.join(out, "metrics.jsonl"), "rb").read() == log
 
 
 def test_a_resume_with_an_unknown_workflow_in_its_config_names_it(finished, tmp_path):
