@@ -35,6 +35,8 @@ from lab.runs import fsync, read_jsonl
 from lora import adapter_names, load_adapter_state, load_adapters, save_adapters
 
 BEST_OF = ("val/accuracy", "eval/accuracy")  # the best step is chosen on val; on test without val
+# what TrainState.save writes in state.pt
+STATE_KEYS = ("step", "optimizers", "schedulers", "torch_rngs", "cuda_rngs", "py_rng", "emas")
 
 
 @dataclass
@@ -117,23 +119,26 @@ class TrainState:
         try:
             load_adapters(self.model, path, adapter_names(self.model))  # the KL anchors too
             state = load_state(path)
+            if not is_state(state):
+                raise ValueError("not a checkpoint's state.pt")
             for k, h in self.heads.items():
                 h.load_state_dict(load_file(os.path.join(path, k, "value_head.safetensors")))
-        except Exception as e:  # a truncated or foreign file: say so in one line
+            for k, optimizer in self.optimizers.items():
+                scheduler = self.schedulers[k]
+                lrs = [group["initial_lr"] for group in optimizer.param_groups]  # this --lr
+                optimizer.load_state_dict(state["optimizers"][k])
+                scheduler.load_state_dict(state["schedulers"][k])
+                if lrs != scheduler.base_lrs:  # --resume --lr: the schedule scaled to the new peak
+                    scheduler.base_lrs = lrs
+                    for group, lr, factor in zip(optimizer.param_groups, lrs,
+                                                 scheduler.lr_lambdas):
+                        group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
+            set_rngs(state, self.rng, f"--resume: {out}", self.device())
+            self.emas.update({name: {k: t.to(self.device()) for k, t in ema.items()}
+                              for name, ema in state["emas"].items()})
+        except Exception as e:  # a truncated, foreign or wrong-shaped file: say so in one line
             raise SystemExit(f"--resume: the checkpoint in {path} cannot be read "
                              f"({type(e).__name__}); start the run over with --overwrite") from None
-        for k, optimizer in self.optimizers.items():
-            scheduler = self.schedulers[k]
-            lrs = [group["initial_lr"] for group in optimizer.param_groups]  # this launch's --lr
-            optimizer.load_state_dict(state["optimizers"][k])
-            scheduler.load_state_dict(state["schedulers"][k])
-            if lrs != scheduler.base_lrs:  # --resume --lr: the schedule scaled to the new peak
-                scheduler.base_lrs = lrs
-                for group, lr, factor in zip(optimizer.param_groups, lrs, scheduler.lr_lambdas):
-                    group["initial_lr"], group["lr"] = lr, lr * factor(scheduler.last_epoch)
-        set_rngs(state, self.rng, f"--resume: {out}", self.device())
-        self.emas.update({name: {k: t.to(self.device()) for k, t in ema.items()}
-                          for name, ema in state["emas"].items()})
         return state["step"]
 
     def load_start(self, where: str, sharing: str, saved: dict) -> dict:
@@ -160,6 +165,12 @@ def load_state(ckpt: str) -> dict:
     """A checkpoint's state.pt, its tensors on the CPU (a GPU run's too: an optimizer moves its
     state to its parameters' device as it loads it)."""
     return torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+
+
+def is_state(state) -> bool:
+    """Whether a loaded state.pt holds what `TrainState.save` writes, its step a whole number."""
+    return isinstance(state, dict) and set(STATE_KEYS) <= state.keys() \
+        and type(state["step"]) is int
 
 
 def set_rngs(state: dict, rng: random.Random, source: str, device: torch.device) -> None:

@@ -28,8 +28,8 @@ from safetensors.torch import load_file
 from critic import CriticSettings, critic_key, setup_critics
 from grpo import UpdateSettings
 from lab.machine import barrier, gpu_rngs, log, rank_and_world
-from lab.checkpoint import (TrainState, has_checkpoint, load_state, no_checkpoint, read_best,
-                            restore_best, start_checkpoint)
+from lab.checkpoint import (TrainState, has_checkpoint, is_state, load_state, no_checkpoint,
+                            read_best, restore_best, start_checkpoint)
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
 from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_idle_flags, check_numbers,
                           critic_settings, lora_targets, read_config, update_settings,
@@ -357,7 +357,7 @@ def check_start(cfg: Config) -> dict:
     except Exception as e:  # a torn or foreign file: say so in one line
         raise SystemExit(f"--start_from {where}: its run cannot be read "
                          f"({type(e).__name__})") from None
-    if not isinstance(state, dict) or type(state.get("step")) is not int:
+    if not is_state(state):
         raise SystemExit(f"--start_from {where}: its state.pt is not a checkpoint's")
     if saved.workflow not in ROLES or saved.sharing not in ("shared", "isolated"):
         raise SystemExit(f"--start_from {where}: its config.json names no known workflow "

@@ -256,6 +256,8 @@ def take_lock(out: str) -> str:
         return f"--out {out}: its {LOCK} is a directory, not a lock file; remove it"
     if home := enclosing_run(out):  # that run's next save or --overwrite would delete this one
         return f"--out {out} is inside the run in {home}; choose a directory outside it"
+    if inner := run_below(out):  # that run could no longer be resumed inside this one
+        return f"--out {out} holds the run in {inner} below it; choose a directory outside it"
     # a run kept or copied read-only
     own = [os.path.join(out, name) for name in (LOCK,) + RUN_FILES]
     own += [os.path.join(root, n) for path in own for root, dirs, files in os.walk(path)
@@ -263,7 +265,10 @@ def take_lock(out: str) -> str:
     if read_only := [p for p in own if os.path.exists(p) and not os.access(p, os.W_OK)]:
         return (f"--out {out}: {read_only[0]} is read-only; make the run writable (chmod -R u+w) "
                 "or copy it")
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:  # a name too long, a read-only file system
+        return f"--out {out} cannot be made ({e.strerror})"
     # not inherited by children
     fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -301,6 +306,18 @@ def enclosing_run(out: str) -> str:
         path = os.path.dirname(path)
         if holds_run(path):
             return path
+    return ""
+
+
+def run_below(out: str, depth: int = 3) -> str:
+    """A run directory at most `depth` levels below `out` (a grid's cells are two below its
+    --out), or ""."""
+    top = os.path.abspath(out).rstrip(os.sep).count(os.sep)
+    for root, dirs, _ in os.walk(out):
+        if root != out and holds_run(root):
+            return root
+        if os.path.abspath(root).rstrip(os.sep).count(os.sep) - top >= depth:
+            dirs.clear()
     return ""
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, directory_state
 from lab import launch
@@ -46,6 +47,18 @@ def test_a_run_inside_another_runs_directory_is_refused(inside, tmp_path):
     with pytest.raises(SystemExit, match="is inside the run in"):
         run(tmp_path / "a" / "best", start_from=str(tmp_path / "a" / "best"))
     assert directory_state(tmp_path / "a") == before
+
+
+def test_a_run_around_another_run_or_a_directory_that_cannot_be_made_is_refused(tmp_path):
+    """A run made around a grid's cell (two levels down) would keep that cell from resuming
+    (it would be inside a run): refused, as is an --out whose name is too long to make."""
+    run(tmp_path / "grid" / "cell" / "seed0")
+    before = directory_state(tmp_path / "grid")
+    with pytest.raises(SystemExit, match="holds the run in .*seed0 below it; choose a directory"):
+        run(tmp_path / "grid")
+    assert directory_state(tmp_path / "grid") == before
+    with pytest.raises(SystemExit, match=r"cannot be made \(File name too long\)"):
+        run(tmp_path / ("x" * 300))
 
 
 def test_a_directory_beside_a_run_or_below_a_non_run_is_free(tmp_path):
@@ -198,6 +211,26 @@ def test_a_resume_over_wrong_shaped_files_names_them(path, content, words, finis
     with pytest.raises(SystemExit, match=re.escape(words)):
         run(out, resume=True, steps=2)
     assert open(os.path.join(out, "metrics.jsonl"), "rb").read() == log
+
+
+def test_a_checkpoint_whose_state_is_not_what_a_save_writes_is_refused_in_one_line(finished,
+                                                                                  tmp_path):
+    """state.pt that loads but holds the wrong things: not a dict, a dict that lacks the
+    optimizers, one whose optimizers lack the run's adapter; and a start whose state has a step
+    only. Each is named, not a KeyError."""
+    state = torch.load(os.path.join(finished, "ckpt", "state.pt"), weights_only=False)
+    for i, wrong in enumerate([[1, 2], {k: v for k, v in state.items() if k != "optimizers"},
+                               {**state, "optimizers": {}}]):
+        out = damaged(finished, tmp_path / str(i), "ckpt/state.pt", None)
+        torch.save(wrong, os.path.join(out, "ckpt", "state.pt"))
+        with pytest.raises(SystemExit, match=re.escape("the checkpoint in ") + ".*" +
+                           re.escape("cannot be read")):
+            run(out, resume=True, steps=2)
+    start = damaged(finished, tmp_path / "start", "best/state.pt", None)
+    torch.save({"step": 0}, os.path.join(start, "best", "state.pt"))
+    with pytest.raises(SystemExit, match="its state.pt is not a checkpoint's"):
+        run(tmp_path / "b", start_from=os.path.join(start, "best"))
+    assert not os.path.exists(tmp_path / "b" / "config.json")
 
 
 def test_a_resume_with_an_unknown_workflow_in_its_config_names_it(finished, tmp_path):
