@@ -56,9 +56,9 @@ from tqdm import tqdm
 from critic import CriticSettings, critic_advantages, critic_metrics, update_critics
 from grpo import UpdateSettings, is_live, policy_update, set_advantages
 from lab.checkpoint import TrainState
-from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes, eval_steps,
-                        evaluation_samples, launch, load_problems, make_optimizers, resume_run,
-                        step_line, typed_flags)
+from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes,
+                        evaluation_samples, is_eval_step, launch, load_problems, make_optimizers,
+                        resume_run, step_line, typed_flags)
 from lab.machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats,
                          gpu_rngs, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, run_main,
@@ -377,7 +377,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         if cfg.algo == "maac":
             m.update(critic_metrics(calls, critic_batch))
         step_seconds.append(time.time() - t0)
-        if step in eval_steps(cfg):
+        if is_eval_step(cfg, step):
             t_eval = time.time()
             m.update(evaluations(model, tok, cfg, held_out))
             m["time/eval"] = time.time() - t_eval

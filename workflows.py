@@ -451,6 +451,8 @@ def echo_generate(role: str, slot_list: list[str], episodes: list[int],
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 or sys.argv[1:] and sys.argv[1] not in ROLES:
+        raise SystemExit(f"usage: python workflows.py [{' | '.join(ROLES)}] (default: voting)")
     name = sys.argv[1] if len(sys.argv) > 1 else "voting"
     for outcome in run_workflow(name, ["What is 2 + 3?"], echo_generate):
         print(f"=== final: {outcome.final!r}  info: {outcome.info}")

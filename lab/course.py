@@ -202,7 +202,11 @@ def make(number: int, out: str, root: str = ROOT) -> None:
         raise SystemExit(f"--out {out}: {there} is a file, not a directory; choose another --out")
     if os.path.exists(out) and os.listdir(out):
         raise SystemExit(f"{out} exists and is not empty; choose another --out")
-    copy_project(root, out)
+    try:
+        copy_project(root, out)
+    except OSError as e:  # a name too long, a full or read-only disk
+        why = e.strerror or type(e).__name__
+        raise SystemExit(f"--out {out}: cannot be written ({why})") from None
     by_module: dict[str, list[str]] = {}
     for name in ASSIGNMENTS[number].tests:
         module, function = name.split(".", 1)

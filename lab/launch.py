@@ -124,7 +124,10 @@ def check_context(model, tok, cfg: Config, problems: list) -> None:
     sizes = [len(ids) for ids
              in tok([p.question for p in problems], add_special_tokens=False).input_ids]
     longest = problems[sizes.index(max(sizes))]
-    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents, cfg.max_rounds)
+    # Eval-Opt's prompts do not grow with its rounds: two hold each kind (first try, verdict,
+    # refinement)
+    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents,
+                         min(cfg.max_rounds, 2))
     prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
     if prompt + cfg.max_new_tokens > context:
         fix = (f"lower --max_new_tokens to at most {context - prompt}" if prompt < context
@@ -178,10 +181,27 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 # The clock: what the run will do, and the time it has left
 
 
-def eval_steps(cfg: Config) -> list[int]:
-    """The steps after which the workflow is evaluated (step 0 = before training)."""
-    return [0] + [s for s in range(1, cfg.steps + 1) if (cfg.eval_every and s % cfg.eval_every == 0)
-                  or s == cfg.steps]
+def is_eval_step(cfg: Config, step: int) -> bool:
+    """Whether the workflow is evaluated after `step` (step 0 = before training): every
+    --eval_every-th step and the last."""
+    return step in (0, cfg.steps) or bool(cfg.eval_every and step % cfg.eval_every == 0)
+
+
+def evals_after(cfg: Config, step: int) -> int:
+    """How many evaluations come after `step`, counted, not listed (a run may be long)."""
+    every = cfg.eval_every and (cfg.steps // cfg.eval_every - step // cfg.eval_every)
+    last = step < cfg.steps and not (cfg.eval_every and cfg.steps % cfg.eval_every == 0)
+    return every + last
+
+
+def eval_steps_text(cfg: Config) -> str:
+    """The evaluated steps as the plan says them: all of them, or the first and the last few."""
+    shown = [s for s in range(min(cfg.steps, 6 * max(cfg.eval_every, 1)) + 1)
+             if is_eval_step(cfg, s)]
+    if evals_after(cfg, 0) + 1 <= 7:
+        return ", ".join(map(str, sorted({*shown, cfg.steps})))
+    last = [s for s in range(cfg.steps - 2 * cfg.eval_every, cfg.steps + 1) if is_eval_step(cfg, s)]
+    return f"{', '.join(map(str, shown[:4]))}, ..., {', '.join(map(str, last))}"
 
 
 def evaluation_samples(cfg: Config) -> bool:
@@ -192,7 +212,7 @@ def evaluation_samples(cfg: Config) -> bool:
 
 def plan(cfg: Config, device: str) -> str:
     """The first line of a run: what it will do."""
-    evals = ", ".join(map(str, eval_steps(cfg)))
+    evals = eval_steps_text(cfg)
     threads = torch.get_num_threads()
     adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
     sampled = evaluation_samples(cfg)
@@ -219,7 +239,7 @@ def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float]
     per_episode = eval_seconds / episodes  # an evaluation's: test and val, each sample
     step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
                  else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
-    evals_left = sum(1 for s in eval_steps(cfg) if s > step)
+    evals_left = evals_after(cfg, step)
     return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
 
 

@@ -122,7 +122,8 @@ def test_a_copy_leaves_out_history_environments_runs_caches_and_other_copies(tmp
 def test_make_refuses_an_out_it_cannot_create_before_copying(tmp_path):
     (tmp_path / "afile").write_text("x")
     for out, words in ((str(tmp_path / "afile" / "sub"), "afile is a file, not a directory"),
-                       ("", "--out is empty")):
+                       ("", "--out is empty"),
+                       (str(tmp_path / ("x" * 300)), "cannot be written (File name too long)")):
         with pytest.raises(SystemExit, match=re.escape(words)):
             course.main(["make", "3", "--out", out])
     assert os.listdir(tmp_path) == ["afile"]

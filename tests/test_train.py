@@ -1,6 +1,7 @@
 """train.py end to end on the tiny model: every workflow x sharing, resume, learning."""
 import dataclasses
 import glob
+import itertools
 import json
 import os
 import random
@@ -462,6 +463,23 @@ def test_default_checkpoint_every_step_and_resume_from_anywhere(tmp_path, monkey
     assert result["after"] == rows[-1]["eval/accuracy"]
     again = train.main(train.Config(out=moved, resume=True))  # a finished run: nothing to do
     assert again["after"] == rows[-1]["eval/accuracy"]
+
+
+def test_the_evaluated_steps_are_every_eval_every_th_and_the_last_however_long_the_run():
+    """Against the list written out (step 0, each multiple of --eval_every, the last step), for
+    every run of up to 30 steps; a run of a billion steps is planned without listing them."""
+    for steps, every in itertools.product(range(31), range(9)):
+        cfg = train.Config(steps=steps, eval_every=every)
+        listed = [0] + [s for s in range(1, steps + 1) if (every and s % every == 0) or s == steps]
+        assert [s for s in range(steps + 1) if launch.is_eval_step(cfg, s)] == listed
+        assert [launch.evals_after(cfg, s) for s in range(steps + 1)] == \
+            [sum(e > s for e in listed) for s in range(steps + 1)]
+        if len(listed) <= 7:
+            assert launch.eval_steps_text(cfg) == ", ".join(map(str, listed))
+    long = train.Config(steps=10 ** 9, eval_every=5)
+    started = time.time()
+    assert launch.eval_steps_text(long) == "0, 5, 10, 15, ..., 999999990, 999999995, 1000000000"
+    assert launch.evals_after(long, 0) == 2 * 10 ** 8 and time.time() - started < 1
 
 
 def test_a_redirected_log_shows_progress(tmp_path):

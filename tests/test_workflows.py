@@ -1,10 +1,14 @@
 """Workflows against a scripted fake model: stage order, batching, prompts, contracts, finals."""
+import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 
+from conftest import ROOT
 from tasks import LEVELS, OPS, fact, facts
 from workflows import (PROMPTS, DEFAULT_STRATEGY, MAX_FEED_CHARS, ROLES, WORKFLOWS,
                        Chat, boxed_contents, clip, parse_choice, parse_strategies,
@@ -307,3 +311,14 @@ def test_no_prompt_shows_a_held_out_fact():
             shown.add(fact(formula, nums) if formula in OPS else formula)
     assert shown, "the math prompts show a worked example"
     assert not shown & held_out, shown & held_out
+
+
+def test_the_demo_names_its_workflows_for_an_unknown_one():
+    """`python workflows.py NAME` prints a workflow's prompts on a canned model; any other NAME,
+    or a second argument, is a usage line, not a traceback."""
+    for args in (["chain"], ["voting", "extra"]):
+        res = subprocess.run([sys.executable, os.path.join(ROOT, "workflows.py"), *args],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode != 0 and "Traceback" not in res.stderr
+        assert res.stderr.strip() == ("usage: python workflows.py [single | eval_opt | voting | "
+                                      "orch_workers] (default: voting)")
