@@ -13,6 +13,7 @@ LoRA adapters and their optimizer state stay fp32 either way (lora.py).
 Exercised by: pytest tests/test_rollout.py (the loading tests)
 """
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -115,6 +116,10 @@ def _load_smollm2(dtype: torch.dtype):
 
 
 def _load_hf(name: str, dtype: torch.dtype):
+    if name.startswith(("/", "./", "../", "~")) and not os.path.isdir(name):
+        raise SystemExit(f"model {name!r}: no such directory")
+    if os.path.isdir(name):
+        _check_model_dir(name)
     if not os.path.isdir(name):  # a hub id: the local cache first, then the hub
         try:
             return _from_pretrained(name, dtype, local_files_only=True)
@@ -124,6 +129,19 @@ def _load_hf(name: str, dtype: torch.dtype):
         return _from_pretrained(name, dtype, local_files_only=False)
     except (OSError, ValueError) as e:
         raise SystemExit(_cannot_load(name, e)) from None
+
+
+def _check_model_dir(name: str) -> None:
+    """Stop with one line unless directory `name` holds a model's config.json (a run's holds
+    train.py's settings: its adapters load with --start_from, or diagnose.py --probe)."""
+    try:
+        with open(os.path.join(name, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise SystemExit(f"model {name!r}: not a model's directory (no config.json naming a "
+                         "model_type)")
 
 
 def _from_pretrained(name: str, dtype: torch.dtype, local_files_only: bool):

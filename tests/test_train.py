@@ -397,6 +397,11 @@ def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
     # a failed launch leaves the run alone
     with pytest.raises(SystemExit, match="could not be loaded"):
         train.main(small_config(out, steps=1, model="no-such-dir/no-model", overwrite=True))
+    with pytest.raises(SystemExit, match="no such directory"):
+        train.main(small_config(out, steps=1, model=str(tmp_path / "nothing"), overwrite=True))
+    # a run's directory is no model's (its config.json holds train.py's settings)
+    with pytest.raises(SystemExit, match="not a model's directory"):
+        train.main(small_config(str(tmp_path / "other"), steps=1, model=out))
     assert read_jsonl(f"{out}/metrics.jsonl") == before
     assert json.load(open(f"{out}/config.json"))["model"] == "tiny"
     (tmp_path / "run" / "notes.txt").write_text("mine")
