@@ -462,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.seed < 2 ** 32:
         parser.error(f"--seed {args.seed}: must be in [0, 2**32)")
+    if args.out == "":
+        raise SystemExit("--out is empty: name the directory for report.md (or leave it out)")
     check_flags(args, typed_flags(argv))
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)

@@ -46,6 +46,7 @@ import tempfile
 import torch
 
 from lab.machine import check_device, pick_threads
+from lab.runs import enclosing_run
 from lab.settings import TASK_TOKENS, Config
 from lab.timings import (generation, machine_limits, ratio, sharing, step_parts, throughput,
                          train_step, update_parts)
@@ -188,6 +189,9 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
         why = ("is a directory" if os.path.isdir(args.json)
                else f"cannot be written: {folder} is missing or read-only")
         raise SystemExit(f"bench: --json {args.json} {why}; name a file in a writable directory")
+    if args.json and (home := enclosing_run(args.json)):  # it would replace a run's own file
+        raise SystemExit(f"bench: --json {args.json} is inside the run in {home}; "
+                         "name a file outside it")
     return skip, batches
 
 

@@ -343,6 +343,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", default=None, help="where the cells and report.md go "
                         "(default: runs/reproduce, runs/demo-NAME)")
     args, train_flags = parser.parse_known_args(argv)
+    if args.out == "":
+        parser.error("--out is empty: name the directory for the cells (or leave it out)")
     given = args.seeds
     try:
         args.seeds = [int(s) for s in given.split(",")]

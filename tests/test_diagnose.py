@@ -405,6 +405,7 @@ def test_runs_of_one_name_are_refused_not_merged(tmp_path):
     (["--watch", "R", "Q", "--seed=3"], "--seed goes with --probe or --watch --sample only"),
     (["--probe", "R/ckpt", "--probe_problems", "4,,8"],
      "--probe_problems 4,,8: not whole numbers separated by commas"),
+    (["R", "--out", ""], "--out is empty: name the directory for report.md"),
 ])
 def test_flags_that_would_be_ignored_are_refused_before_any_work(argv, words, monkeypatch):
     for name in ("probe", "watch", "report", "load_run"):

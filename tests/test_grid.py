@@ -34,6 +34,7 @@ def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_pat
     (["--demo", "default", "--resume"], "--resume: the grid resumes an interrupted cell itself"),
     (["--demo", "default", "--steps", "0"], "--steps 0: the grid compares its cells after RL"),
     (["--demo", "critics", "--seed=3"], "--seed: each cell's seed is one of --seeds"),
+    (["--reproduce", "--out", ""], "--out is empty: name the directory for the cells"),
 ])
 def test_a_flag_that_would_make_the_cells_one_is_refused(argv, words, capsys):
     with pytest.raises(SystemExit):
