@@ -240,8 +240,11 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
         run_dirs.append(run_dir)
         if finished(run_dir):
             argv = [*flags, "--out", run_dir]
-            try:  # the check --resume makes: every flag given must match the run's config, --lr too
-                resolve_resume(parse_config(argv), typed_flags(argv), new_lr=())
+            # the check --resume makes, of every setting (a flag left out this time takes its
+            # default, which the cell may not have been trained with), --lr too
+            every = {f.name for f in dataclasses.fields(Config)}
+            try:
+                resolve_resume(parse_config(argv), every, new_lr=())
             except SystemExit as e:
                 raise SystemExit(f"{run_dir} was trained with other settings "
                                  f"({str(e).removeprefix('--resume: ')}): "

@@ -107,6 +107,10 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
     with pytest.raises(SystemExit,
                        match=r"seed0/\S+ was trained with other settings \(--lr 0.01 differs"):
         grid.main(["--demo", "capture", "--seeds", "0", "--out", out, *tiny, "--lr", "0.01"])
+    # a flag left out is its default, which the finished cells were not trained with
+    with pytest.raises(SystemExit, match=r"seed0/\S+ was trained with other settings "
+                                         r"\(--sft_warmup \d+ differs from the run's config \(2\)"):
+        grid.main(["--demo", "capture", "--seeds", "0", "--out", out, *TINY])
 
 
 def test_the_optimizer_demos_single_agent_warms_up_itself():
