@@ -34,7 +34,8 @@ from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_w
 from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_idle_flags, check_numbers,
                           critic_settings, lora_targets, read_config, update_settings,
                           warmup_roles)
-from lora import adapter_for, adapter_parameters, freeze_copy, inject_lora, setup_adapters
+from lora import (adapter_for, adapter_parameters, freeze_copy, inject_lora, narrowest,
+                  setup_adapters)
 from model import load_policy
 from rollout import chat_text, context_length
 from tasks import TASK_KIND, load_task
@@ -101,6 +102,10 @@ def launch(cfg: Config, device: str, rank: int, problems: list):
     held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
     log(plan(cfg, device))
     model, tok = load_policy(cfg.model, device, cfg.dtype)
+    side = narrowest(model, lora_targets(cfg))
+    if side is not None and cfg.lora_r > side:  # B A could not have that rank
+        raise SystemExit(f"--lora_r {cfg.lora_r}: more than the {side} columns of the narrowest "
+                         f"adapted layer of {cfg.model}; give at most {side}")
     try:
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
     except ValueError as e:

@@ -399,6 +399,9 @@ def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
         train.main(small_config(out, steps=1, model="no-such-dir/no-model", overwrite=True))
     with pytest.raises(SystemExit, match="no such directory"):
         train.main(small_config(out, steps=1, model=str(tmp_path / "nothing"), overwrite=True))
+    # the tiny model's key and value projections are 64 x 32: no update of theirs has rank 33
+    with pytest.raises(SystemExit, match="--lora_r 33: more than the 32 columns of the narrowest"):
+        train.main(small_config(out, steps=1, lora_r=33, overwrite=True))
     # a run's directory is no model's (its config.json holds train.py's settings)
     with pytest.raises(SystemExit, match="not a model's directory"):
         train.main(small_config(str(tmp_path / "other"), steps=1, model=out))
