@@ -295,7 +295,8 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None,
         if f.name in new_lr and chosen:
             saved = dataclasses.replace(saved, **{f.name: given})
         elif f.name not in NOT_THE_RUN and chosen and given != old:
-            raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config ({old})")
+            raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config "
+                             f"({old if old != '' else 'none'})")
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
 
 

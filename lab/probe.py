@@ -58,8 +58,9 @@ def trained_model(ckpt: str) -> tuple[Config, object, object, list[str]]:
     try:
         load_adapters(model, ckpt, names)
     except Exception as e:  # a truncated or foreign adapter file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise SystemExit(f"{ckpt}: the adapters cannot be read "
-                         f"({type(e).__name__}: {str(e)[:80]})") from None
+                         f"({type(e).__name__}: {first})") from None
     return cfg, model, tok, names
 
 

@@ -100,6 +100,8 @@ def load_run(run_dir: str) -> tuple[dict, list[dict]]:
     """A run's config and its metrics rows (step 0 holds the accuracy before training). The
     settings the reports read (READ) must be in the config, each of its type (a lost one would
     otherwise take a default: a Voting run read as Eval-Opt), and every metric a number."""
+    if not run_dir:
+        raise SystemExit("a run directory's name is empty: name the run")
     for name in ("metrics.jsonl", "config.json"):
         if not os.path.exists(os.path.join(run_dir, name)):
             raise SystemExit(f"{run_dir}: no {name} (not a train.py run directory)")

@@ -287,7 +287,7 @@ def kl_coefs(cfg: Config) -> dict[str, float]:
     """--kl_coef for every role of the workflow, overridden per role by --role_kl."""
     coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
     named = set()
-    for item in filter(None, cfg.role_kl.split(",")):
+    for item in cfg.role_kl.split(",") if cfg.role_kl.strip() else []:  # a blank item: no role
         role, _, value = item.partition("=")
         role = role.strip()
         if role not in coefs:

@@ -331,6 +331,8 @@ def test_capture_needs_a_fall_beyond_noise_and_the_role_turning_into_the_dominan
 def test_diagnose_rejects_a_directory_that_is_not_a_run(tmp_path):
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         diagnose.main([str(tmp_path)])
+    with pytest.raises(SystemExit, match="a run directory's name is empty"):
+        diagnose.main([""])
     (tmp_path / "notes.txt").write_text("mine")
     # a file: not made the report's directory
     with pytest.raises(SystemExit, match="notes.txt: no metrics.jsonl"):
@@ -703,6 +705,12 @@ def test_role_kl_names_must_be_roles_of_the_workflow():
         settings.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
     with pytest.raises(SystemExit, match="not role=number"):
         settings.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
+    # a blank item is no role, not an item to skip
+    for blank in (",,", "aggregator=0.1,,generator=0.2"):
+        with pytest.raises(SystemExit, match="'' is not a role of voting"):
+            settings.kl_coefs(train.Config(workflow="voting", role_kl=blank))
+    assert settings.kl_coefs(train.Config(workflow="voting", role_kl=" ")) == \
+        {"generator": 0.0, "aggregator": 0.0}
     # checked as --kl_coef is, not taken for off or trained into NaN
     for value in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit,

@@ -156,8 +156,12 @@ def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monk
 def test_resume_rejects_a_contradicting_flag(tmp_path):
     out = str(tmp_path / "run")
     train.main(small_config(out, steps=1))
-    with pytest.raises(SystemExit, match="--seed 5 differs from the run's config"):
+    with pytest.raises(SystemExit, match=re.escape("--seed 5 differs from the run's config (0)")):
         train.main(train.Config(out=out, resume=True, seed=5))
+    # a setting the run has none of is said to be none, not "()"
+    with pytest.raises(SystemExit, match=re.escape("--start_from elsewhere differs from the run's "
+                                                   "config (none)")):
+        train.main(train.Config(out=out, resume=True, start_from="elsewhere"))
     # typed, even when it is the default: this voting/isolated run is not eval_opt/shared
     argv = ["--out", out, "--resume", "--workflow", "eval_opt", "--sharing=shared"]
     assert launch.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
