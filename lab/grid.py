@@ -41,7 +41,7 @@ from diagnose import findings, report
 from lab.checkpoint import has_checkpoint
 from lab.launch import check_goes_on_from, check_settings, resolve_resume, typed_flags
 from lab.runs import load_run
-from lab.settings import Config, parse_config
+from lab.settings import Config, parse_config, with_task_tokens
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
                         seed_table, signal_numbers)
 from tasks import TASK_KIND
@@ -244,7 +244,7 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
             # default, which the cell may not have been trained with), --lr too
             every = {f.name for f in dataclasses.fields(Config)}
             try:
-                resolve_resume(parse_config(argv), every, new_lr=())
+                resolve_resume(with_task_tokens(parse_config(argv)), every, new_lr=())
             except SystemExit as e:
                 raise SystemExit(f"{run_dir} was trained with other settings "
                                  f"({str(e).removeprefix('--resume: ')}): "

@@ -31,9 +31,9 @@ from lab.machine import barrier, gpu_rngs, log, rank_and_world
 from lab.checkpoint import (TrainState, has_checkpoint, is_state, load_state, no_checkpoint,
                             read_best, restore_best, start_checkpoint)
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
-from lab.settings import (MAAC_ONLY, TASK_TOKENS, Config, check_idle_flags, check_numbers,
-                          critic_settings, lora_targets, read_config, update_settings,
-                          warmup_roles)
+from lab.settings import (MAAC_ONLY, Config, check_idle_flags, check_numbers, critic_settings,
+                          lora_targets, read_config, update_settings, warmup_roles,
+                          with_task_tokens)
 from lora import (adapter_for, adapter_parameters, freeze_copy, inject_lora, narrowest,
                   setup_adapters)
 from model import load_policy
@@ -60,9 +60,7 @@ def check_settings(cfg: Config, typed: set[str] | None
     if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs); use --credit final")
-    # --max_new_tokens 0: the task's own, resolved here once (a resumed run's config holds it)
-    tokens = cfg.max_new_tokens or TASK_TOKENS[TASK_KIND[cfg.task]]
-    cfg = dataclasses.replace(cfg, max_new_tokens=tokens)
+    cfg = with_task_tokens(cfg)  # resolved here once (a resumed run's config holds it)
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     update = update_settings(cfg)  # stops here on a bad --role_kl
     warmup_roles(cfg)  # and here on a bad --sft_roles

@@ -264,6 +264,13 @@ def read_config(path: str) -> Config:
     return Config(**saved)
 
 
+def with_task_tokens(cfg: Config) -> Config:
+    """cfg with --max_new_tokens 0 resolved to its task's own (TASK_TOKENS), as a run's
+    config.json holds it."""
+    return dataclasses.replace(cfg, max_new_tokens=cfg.max_new_tokens
+                               or TASK_TOKENS[TASK_KIND[cfg.task]])
+
+
 def check_numbers(cfg: Config) -> None:
     """Every numeric flag in its interval, before any file or model is touched."""
     for f in dataclasses.fields(cfg):

@@ -42,6 +42,17 @@ def test_a_flag_that_would_make_the_cells_one_is_refused(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
+def test_a_finished_cell_trained_with_the_task_s_own_length_is_reused(tmp_path, capsys):
+    """A cell given no --max_new_tokens was trained with its task's (0 is resolved before
+    config.json is written): found finished, not "trained with other settings"."""
+    flags = [f for i, f in enumerate(TINY) if "--max_new_tokens" not in TINY[max(i - 1, 0):i + 1]]
+    assert "--max_new_tokens" not in flags and len(flags) == len(TINY) - 2
+    train.main(train.parse_config([*flags, "--steps", "1", "--out", str(tmp_path / "cell")]))
+    capsys.readouterr()
+    grid.train_cells(str(tmp_path), [("cell", [*flags, "--steps", "1"])])
+    assert capsys.readouterr().out == f"{tmp_path / 'cell'}: already finished\n"
+
+
 def test_a_cell_whose_config_lacks_its_steps_is_not_finished(tmp_path):
     """Not taken as done (nor a KeyError): the cell is then resumed, which says what is wrong."""
     config = {k: v for k, v in dataclasses.asdict(train.Config()).items() if k != "steps"}
