@@ -416,8 +416,8 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
             loss, st = value_loss(v, v_old, v_target, s.value_clip)
             # micro-batches of one mini-batch add up to its mean loss
             (s.vf_coef * loss * len(micro) / len(mb)).backward()
-            for k, x in st.items():  # value_loss, and with a clip how often it held a value back
-                stats[k].append(x.item())
+            for stat, x in st.items():  # value_loss, and with a clip how often it held one back
+                stats[stat].append(x.item())
         sum_gradients(params)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         if not torch.isfinite(total):  # a NaN or inf loss: the step would make the critic NaN

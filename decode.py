@@ -186,6 +186,12 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:  # x: (...
     return norm.weight * normed.to(x.dtype)  # (..., D) in x's dtype
 
 
+def graphable(model) -> bool:
+    """Whether the model's decoding step can be a CUDA graph: not where its rotary table changes
+    with the length ("dynamic", "longrope"), which transformers decides on the host."""
+    return getattr(model.model.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope")
+
+
 class StaticStep:
     """One decoding step of a Llama- or Qwen3-style model over a static KV cache of B rows and
     S columns: every tensor it reads or writes has a fixed address, so the step can be captured
@@ -205,9 +211,9 @@ class StaticStep:
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        rope = getattr(inner.rotary_emb, "rope_type", "default")
-        if rope in ("dynamic", "longrope"):  # their tables change with the length: host branches
-            raise ValueError(f"rope_type {rope!r} cannot be captured in a CUDA graph")
+        if not graphable(model):
+            raise ValueError(f"rope_type {inner.rotary_emb.rope_type!r} cannot be captured in a "
+                             "CUDA graph: decode such a model with `decode`")
         # the prefill's keys and values of each distinct prompt (U, Hkv, P, d), copied to each of
         # its rows in caches of S columns; a layer's prefill cache is let go once copied, so the
         # two caches are never whole side by side

@@ -116,7 +116,8 @@ def _load_smollm2(dtype: torch.dtype):
 
 
 def _load_hf(name: str, dtype: torch.dtype):
-    if name.startswith(("/", "./", "../", "~")) and not os.path.isdir(name):
+    name = os.path.expanduser(name)  # ~/models/x, as a shell would read it
+    if name.startswith(("/", "./", "../")) and not os.path.isdir(name):
         raise SystemExit(f"model {name!r}: no such directory")
     if os.path.isdir(name):
         _check_model_dir(name)

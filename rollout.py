@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from decode import decode, forward_padded, graph_decode
+from decode import decode, forward_padded, graph_decode, graphable
 from lora import adapter_for, merged_adapter, use_adapter
 
 # ----------------------------------------------------------------------------
@@ -230,8 +230,10 @@ class Rollout:
         self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
         adapter = adapter_for(role, self.sharing)
-        # On a GPU each token is a replay of one CUDA graph; on a CPU, host calls cost little.
-        decoder = self.decoder or (graph_decode if model.device.type == "cuda" else decode)
+        # On a GPU each token is a replay of one CUDA graph (where the model's rotary table is
+        # fixed); on a CPU, host calls cost little.
+        graph = model.device.type == "cuda" and graphable(model)
+        decoder = self.decoder or (graph_decode if graph else decode)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
             new, sampled = decoder(model, ids, attn, self.max_new_tokens, tok.eos_token_id,
                                    tok.pad_token_id, self.temperature, self.top_p,

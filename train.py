@@ -199,15 +199,17 @@ def train_critics(state: TrainState, tok, step: int, critic_batch,
 def written(m: dict[str, float], cfg: Config) -> dict[str, float]:
     """The step's metrics less those that repeat another key or cannot move in this run: the slot/
     keys of a role with one slot (Eval-Opt's slots are its roles: its role/ keys hold the same
-    numbers), and under --one_step, where every ratio is 1, the policy ratio's statistics (the
-    critics' clip_frac stays: a critic takes several mini-batch steps a training step)."""
+    numbers); under --one_step, where every ratio is 1, the policy ratio's statistics; and with
+    one critic step (--critic_steps 1), whose values are still the rollout's, the critics'
+    clip_frac."""
     # each slot's role, e.g. voting: generator x 3, aggregator
     roles = [role_of(s) for s in slots(cfg.workflow, cfg.n_agents)]
     lone = tuple(f"slot/{s}/" for s, r in zip(slots(cfg.workflow, cfg.n_agents), roles)
                  if roles.count(r) == 1)
     # grpo.policy_loss's ratio statistics, constant where every ratio is 1
     fixed = ("clip_frac", "approx_kl", "ratio_mean", "chi2") if cfg.one_step else ()
-    return {k: v for k, v in m.items() if not k.startswith(lone)
+    still = ("critic/clip_frac",) if cfg.critic_steps == 1 else ()  # values yet to move: 0
+    return {k: v for k, v in m.items() if not k.startswith(lone) and k not in still
             and not (k.startswith(("role/", "slot/")) and k.rsplit("/", 1)[-1] in fixed)}
 
 

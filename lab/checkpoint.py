@@ -137,8 +137,10 @@ class TrainState:
             self.emas.update({name: {k: t.to(self.device()) for k, t in ema.items()}
                               for name, ema in state["emas"].items()})
         except Exception as e:  # a truncated, foreign or wrong-shaped file: say so in one line
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             raise SystemExit(f"--resume: the checkpoint in {path} cannot be read "
-                             f"({type(e).__name__}); start the run over with --overwrite") from None
+                             f"({type(e).__name__}: {first}); start the run over with "
+                             "--overwrite") from None
         return state["step"]
 
     def load_start(self, where: str, sharing: str, saved: dict) -> dict:

@@ -102,8 +102,8 @@ def launch(cfg: Config, device: str, rank: int, problems: list):
     model, tok = load_policy(cfg.model, device, cfg.dtype)
     side = narrowest(model, lora_targets(cfg))
     if side is not None and cfg.lora_r > side:  # B A could not have that rank
-        raise SystemExit(f"--lora_r {cfg.lora_r}: more than the {side} columns of the narrowest "
-                         f"adapted layer of {cfg.model}; give at most {side}")
+        raise SystemExit(f"--lora_r {cfg.lora_r}: more than {side}, the smaller side of the "
+                         f"narrowest adapted layer of {cfg.model}; give at most {side}")
     try:
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
     except ValueError as e:
@@ -312,10 +312,11 @@ def resume_run(out: str, state: TrainState, references: dict[str, str],
     kept = [row["step"] for row in read_jsonl(metrics_path) if row["step"] <= start]
     if kept != list(range(start + 1)):
         first = next(i for i, s in enumerate(kept + [None]) if s != i)
+        what = (f"step {first}'s row is missing or out of place" if first <= start
+                else f"step {kept[first]}'s row is there twice")
         raise SystemExit(f"--resume: {metrics_path} does not hold steps 0 to {start} once each, "
-                         f"as the checkpoint of step {start} does (step {first}'s row is missing "
-                         "or out of place: a torn or lost line); start the run again with "
-                         "--overwrite")
+                         f"as the checkpoint of step {start} does ({what}: a torn, lost or "
+                         "repeated line); start the run again with --overwrite")
     if rank_and_world()[0] == 0:
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)

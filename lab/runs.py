@@ -59,9 +59,13 @@ def write_whole(path: str, text: str) -> None:
 
 
 def append_jsonl(path: str, rows: list[dict]) -> None:
+    """Rows at the end of a log, on the disk when it returns: a step's row is there before its
+    checkpoint names the step (a power loss would otherwise keep the checkpoint, not the row)."""
     with open(path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -259,7 +263,8 @@ def take_lock(out: str) -> str:
     if home := enclosing_run(out):  # that run's next save or --overwrite would delete this one
         return f"--out {out} is inside the run in {home}; choose a directory outside it"
     if inner := run_below(out):  # that run could no longer be resumed inside this one
-        return f"--out {out} holds the run in {inner} below it; choose a directory outside it"
+        return (f"--out {out} holds the run in {inner} below it; "
+                "choose a directory with no run in it")
     # a run kept or copied read-only
     own = [os.path.join(out, name) for name in (LOCK,) + RUN_FILES]
     own += [os.path.join(root, n) for path in own for root, dirs, files in os.walk(path)

@@ -294,9 +294,11 @@ def kl_coefs(cfg: Config) -> dict[str, float]:
     """--kl_coef for every role of the workflow, overridden per role by --role_kl."""
     coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
     named = set()
-    for item in cfg.role_kl.split(",") if cfg.role_kl.strip() else []:  # a blank item: no role
+    for item in cfg.role_kl.split(",") if cfg.role_kl.strip() else []:
         role, _, value = item.partition("=")
         role = role.strip()
+        if not item.strip():
+            raise SystemExit(f"--role_kl {cfg.role_kl}: an empty item between commas")
         if role not in coefs:
             raise SystemExit(f"--role_kl: {role!r} is not a role of {cfg.workflow} "
                              f"({', '.join(coefs)})")

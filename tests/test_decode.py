@@ -187,6 +187,7 @@ def test_a_rotary_table_that_changes_with_the_length_is_refused_by_the_static_st
     ids, attn = prompts(tok, ["What is 1 + 2?"])
     with pytest.raises(ValueError, match="rope_type 'dynamic' cannot be captured"):
         graph_decode(model, ids, attn, 4, -1, tok.pad_token_id, use_graph=False)
+    assert not decode_module.graphable(model)  # the rollout decodes it with `decode` on a GPU too
 
 
 def test_the_sampler_draws_from_the_softmax_and_its_nucleus():

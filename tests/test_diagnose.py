@@ -705,9 +705,9 @@ def test_role_kl_names_must_be_roles_of_the_workflow():
         settings.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
     with pytest.raises(SystemExit, match="not role=number"):
         settings.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
-    # a blank item is no role, not an item to skip
-    for blank in (",,", "aggregator=0.1,,generator=0.2"):
-        with pytest.raises(SystemExit, match="'' is not a role of voting"):
+    # a blank item is refused, not skipped
+    for blank in (",,", "aggregator=0.1,,generator=0.2", "aggregator=0.1,"):
+        with pytest.raises(SystemExit, match=f"--role_kl {blank}: an empty item between commas"):
             settings.kl_coefs(train.Config(workflow="voting", role_kl=blank))
     assert settings.kl_coefs(train.Config(workflow="voting", role_kl=" ")) == \
         {"generator": 0.0, "aggregator": 0.0}

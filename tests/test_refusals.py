@@ -201,6 +201,8 @@ def test_start_from_a_file_is_refused(tmp_path):
      "does not hold steps 0 to 1 once each, as the checkpoint of step 1 does (step 1's row"),
     ("metrics.jsonl", '{"step": 0, "eval/accuracy": 0.5}\n{"step": 0, "eval/accuracy": 0.5}\n',
      "(step 1's row is missing or out of place"),
+    ("metrics.jsonl", '{"step": 0, "eval/accuracy": 0.5}\n{"step": 1}\n{"step": 1}\n',
+     "(step 1's row is there twice"),
     ("config.json", None, "--resume: no run in"),
     (".lock", "dir", "is a directory, not a lock file"),
 ])

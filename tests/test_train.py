@@ -204,13 +204,17 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
 
 def test_a_step_writes_no_twin_and_nothing_constant():
     """Eval-Opt's slots are its roles, and Voting's aggregator has one slot: their slot/ keys would
-    repeat role/ keys. Under --one_step every ratio is 1: its statistics cannot move."""
+    repeat role/ keys. Under --one_step every ratio is 1, and with one critic step every value is
+    the rollout's: their statistics cannot move."""
     role = {"role/generator/len": 5.0, "role/generator/ratio_mean": 1.0,
             "role/generator/pg_loss": 0.5}
-    critic = {"critic/clip_frac": 0.25}  # a critic's value clip: its mini-batches move it
+    # a critic's value clip: --critic_steps, not --one_step, decides whether its values move
+    critic = {"critic/clip_frac": 0.25}
     eval_opt = {**role, **critic, "slot/generator/len": 5.0}
-    assert train.written(eval_opt, train.Config(workflow="eval_opt")) == \
+    assert train.written(eval_opt, train.Config(workflow="eval_opt", critic_steps=2)) == \
         {"role/generator/len": 5.0, "role/generator/pg_loss": 0.5, **critic}
+    assert train.written(eval_opt, train.Config(workflow="eval_opt")) == \
+        {"role/generator/len": 5.0, "role/generator/pg_loss": 0.5}
     generators = {f"slot/generator{i}/len": 5.0 for i in range(2)}
     voting = {**role, **generators, "slot/aggregator/len": 5.0}
     assert train.written(voting, train.Config(workflow="voting", n_agents=2, one_step=False)) == \
@@ -404,7 +408,7 @@ def test_a_run_directory_is_never_overwritten_implicitly(tmp_path):
     with pytest.raises(SystemExit, match="no such directory"):
         train.main(small_config(out, steps=1, model=str(tmp_path / "nothing"), overwrite=True))
     # the tiny model's key and value projections are 64 x 32: no update of theirs has rank 33
-    with pytest.raises(SystemExit, match="--lora_r 33: more than the 32 columns of the narrowest"):
+    with pytest.raises(SystemExit, match="--lora_r 33: more than 32, the smaller side of the"):
         train.main(small_config(out, steps=1, lora_r=33, overwrite=True))
     # a run's directory is no model's (its config.json holds train.py's settings)
     with pytest.raises(SystemExit, match="not a model's directory"):
