@@ -180,7 +180,9 @@ def main() -> None:
     parser.add_argument("--check", default="", help="a stored recording.json to compare with")
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
     args = parser.parse_args()
-    only = [n for n in args.only.split(",") if n]
+    only = [n.strip() for n in args.only.split(",")] if args.only.strip() else []
+    if "" in only:
+        parser.error(f"--only {args.only}: an empty case name between commas")
     unknown = set(only) - set(CASES) - {"resumed", "started"}
     if unknown:
         parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
