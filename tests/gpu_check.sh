@@ -74,12 +74,12 @@ for dtype in ("bf16", "fp32"):
         rows = tok([chat_text(tok, c) for c in chats], add_special_tokens=False).input_ids
         ids, attn = (t.to(device) for t in left_pad(rows, tok.pad_token_id))
         with torch.no_grad():
-            cache, logits = prefill(model, ids, attn)
-            step = StaticStep(model, cache, attn.bool(), ids.shape[1] + 48)
+            cache, logits, copy = prefill(model, ids, attn)
+            step = StaticStep(model, cache, copy, attn.bool(), ids.shape[1] + 48)
             del cache
             step.position.copy_(attn.long().sum(-1, keepdim=True))
             step.column.fill_(ids.shape[1])
-            step.token.copy_(logits.argmax(-1))
+            step.token.copy_(logits[copy].argmax(-1))
             timed = {}
             for label, run in (("eager", step), ("replay", None)):
                 if label == "replay":

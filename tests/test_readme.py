@@ -1,7 +1,7 @@
 """Every command in the README and its deep pages (docs/*.md) works verbatim after the two set-up
 commands: each is parsed here, and those that work offline run on the tiny model with tiny
 budgets, the README's first, in page order; the prepared GPU script's (tests/gpu_check.sh) pass
-the checks a launch makes before its model loads."""
+the checks a launch makes before its model loads, and its own Python runs on the CPU."""
 import glob
 import json
 import os
@@ -179,3 +179,37 @@ def test_the_prepared_gpu_check_s_commands_pass_a_launch_s_checks(tmp_path, monk
         else:
             assert argv[1] == "lab.bench", argv
             bench.check_args(bench.make_parser().parse_args(argv[2:]), Config().train_problems)
+
+
+def gpu_check_snippet(log: str) -> str:
+    """The Python that tests/gpu_check.sh feeds to `$PY -` for the part that writes `log`."""
+    with open(f"{ROOT}/tests/gpu_check.sh") as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if "<<'PY'" in line and log in line)
+    end = lines.index("PY", start)
+    return "\n".join(lines[start + 1:end]) + "\n"
+
+
+@pytest.mark.parametrize("log, device_line", [
+    ("step.txt", 'name, device, sync = sys.argv[1], "cuda", torch.cuda.synchronize'),
+    ("update-profile.txt", 'name, device = sys.argv[1], "cuda"'),
+])
+def test_the_prepared_gpu_check_s_python_runs_on_the_cpu(log, device_line, monkeypatch, capsys):
+    """The script's own Python (a decoding step timed eager and replayed; the update profiled),
+    run here on the tiny model with its device set to the CPU and CUDA's calls stood in for (the
+    "graph" replays the eager step): a change to decode.py, grpo.py or rollout.py that the script
+    does not follow fails here, not in a GPU session's minutes."""
+    import types
+    import torch
+    import decode
+    source = gpu_check_snippet(log)
+    assert device_line in source
+    source = source.replace(device_line, device_line.replace('"cuda"', '"cpu"'))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(decode, "capture", lambda step: (types.SimpleNamespace(replay=step), None))
+    monkeypatch.setattr(sys, "argv", ["-", "tiny"])
+    exec(compile(source, f"gpu_check.sh ({log})", "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out
+    for dtype in ("bf16", "fp32"):
+        assert f"tiny {dtype}, " in printed, printed
