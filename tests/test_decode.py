@@ -117,17 +117,6 @@ def test_the_static_step_records_the_log_probs_a_scoring_pass_gives(tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph needs a GPU")
-def test_the_cuda_graph_replays_what_the_eager_step_computes(tiny):
-    model, tok = tiny
-    model = model.cuda()
-    ids, attn = (t.cuda() for t in prompts(tok, ["What is 1 + 2?", "x", "Name three colours."]))
-    eager, _ = graph_decode(model, ids, attn, 20, -1, tok.pad_token_id, greedy=True,
-                            use_graph=False)
-    graphed, _ = graph_decode(model, ids, attn, 20, -1, tok.pad_token_id, greedy=True)
-    assert graphed.tolist() == eager.tolist()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph needs a GPU")
 def test_graphs_of_successive_stages_replay_what_the_eager_step_computes(tiny):
     """As a run uses them: sampled under a merged adapter (fp32), then a stage of another shape
     captured after the first graph was dropped, in bf16: graphed and eager write the same tokens
