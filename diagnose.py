@@ -464,6 +464,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--seed {args.seed}: must be in [0, 2**32)")
     if args.out == "":
         raise SystemExit("--out is empty: name the directory for report.md (or leave it out)")
+    if args.watch and not args.watch[1].strip():
+        raise SystemExit("--watch RUN QUESTION: the question is empty")
     check_flags(args, typed_flags(argv))
     if args.watch:
         watch(*args.watch, sample=args.sample, seed=args.seed)

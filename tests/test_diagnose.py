@@ -408,6 +408,7 @@ def test_runs_of_one_name_are_refused_not_merged(tmp_path):
     (["--probe", "R/ckpt", "--probe_problems", "4,,8"],
      "--probe_problems 4,,8: not whole numbers separated by commas"),
     (["R", "--out", ""], "--out is empty: name the directory for report.md"),
+    (["--watch", "R", " "], "--watch RUN QUESTION: the question is empty"),
 ])
 def test_flags_that_would_be_ignored_are_refused_before_any_work(argv, words, monkeypatch):
     for name in ("probe", "watch", "report", "load_run"):
