@@ -53,7 +53,7 @@ import torch
 import torch.nn as nn
 
 from decode import forward_padded
-from lab.machine import my_share, sum_across, sum_gradients
+from lab.machine import my_share, sum_across, sum_gradients  # in one process: all, no sums
 from lora import add_adapter, use_adapter
 from rollout import Call, left_pad, token_batches
 

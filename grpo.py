@@ -62,7 +62,7 @@ from typing import Hashable, NamedTuple
 
 import torch
 
-from lab.machine import my_share, sum_gradients
+from lab.machine import my_share, sum_gradients  # in one process: all the calls; no sum
 from lora import adapter_parameters, use_adapter
 from rollout import Call, micro_batches, old_logprobs, sequence_logprobs
 

@@ -59,6 +59,9 @@ from lab.checkpoint import TrainState
 from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes,
                         evaluation_samples, is_eval_step, launch, load_problems, make_optimizers,
                         resume_run, step_line, typed_flags)
+# lab/: the run's plumbing. Under torchrun `block` splits the problems between the processes and
+# the gather_* calls join what each did; in one process `block` is every problem and a gather
+# hands back what it is given.
 from lab.machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats,
                          gpu_rngs, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, run_main,
