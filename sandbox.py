@@ -3,8 +3,9 @@ inside them.
 
 The code reward (reward.py) runs the last python block of a completion against every test of a
 problem; this file is how, without trusting the program. Three test formats: "assert" (a HumanEval
-`check`, run in the candidate's interpreter), "stdio" (stdin -> stdout, one fresh process per test)
-and "call" (fn(*input) == output). run_code() gives a verdict for one program; it never raises.
+`check`, run by a judge outside the sandbox that asks the program for each call), "stdio" (stdin ->
+stdout, one fresh process per test) and "call" (fn(*input) == output). run_code() gives a verdict
+for one program; it never raises.
 
 The layers, strongest first:
   - `unshare` (as root, or through a user namespace): its own network (a loopback that is down: no
@@ -27,16 +28,19 @@ passes here.
 
 The harness is the second half of this file. Each run gets a read-only copy of that half next to its
 working directory (so the sandboxed process needs no read access to the project) and runs it as
-`python -I -S harness.py <report fd>`, with the code, the tests and a random nonce on stdin; the
-harness writes "<nonce> <tests passed>" to an inherited file after the last test returns, and the
-verdict needs that line and exit status 0. Expected outputs of stdin/stdout and function-call tests
-never enter the sandbox: the trainer compares the outputs itself. So early exits, fake output,
-atexit or signal tricks earn nothing. Assert-style tests run in the candidate's interpreter: after
-each call of the candidate the harness puts back every module's attributes (builtins, math.isclose,
-its own helpers), the tests use the prompt's helpers rather than the candidate's versions, and a
-result that is not plain data (an object whose __eq__ always says yes) fails. Because the sandbox
-may run it with another interpreter (the system python3, when a fresh uid cannot read the
-trainer's), the harness keeps to the standard library and to Python 3.8 syntax.
+`python -I -S harness.py <report fd>`, with the code, the tests' inputs and a random nonce on
+stdin; the harness writes "<nonce> <tests passed>" to an inherited file after the last test
+returns, and the verdict needs that line and exit status 0. Expected outputs of stdin/stdout and
+function-call tests never enter the sandbox: the trainer compares the outputs itself. So early
+exits, fake output, atexit or signal tricks earn nothing. Assert-style tests never enter it
+either: the same copy of the harness, run as `python -I harness.py judge` by the trainer's
+interpreter outside the sandbox, runs the prompt and the tests, and each call of the candidate's
+function there is a request over a pipe to the sandboxed program, which calls the function and
+replies with its result as JSON. The judge reads a reply as data only (builtin types: an object
+whose __eq__ always says yes cannot cross), and its exit status is the verdict; the program's
+interpreter holds neither the tests nor the judge's frames. Because the sandbox may run the
+harness with another interpreter (the system python3, when a fresh uid cannot read the
+trainer's), it keeps to the standard library and to Python 3.8 syntax.
 
 What is left: without namespaces the network is open, a program can leave files in every
 world-writable directory of the machine (/tmp, /var/tmp, /dev/shm, /run/lock...; as root, under its
@@ -44,9 +48,9 @@ own uid: they stay there, and the next run's sweep does not remove them), SysV s
 makes outlives it, every world-readable file stays readable, and a non-root trainer's code runs
 as the trainer's user; with them, world-readable files outside the hidden trees stay readable;
 memory is capped per process only (NPROC_MAX processes of MEMORY_BYTES each); disk use is capped
-per file only; code that inspects the harness's frames could forge an assert-style verdict or
-read an assert-style test's expected values (they run in its interpreter). A guard against
-reward hacking, not a jail for malicious code.
+per file only; a call's arguments and results are copied, so a test that looks at an argument
+after the call does not see what the candidate did to it. A guard against reward hacking, not a
+jail for malicious code.
 
     pytest tests/test_sandbox.py
 """
@@ -181,7 +185,6 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
         limits["RLIMIT_NPROC"] = NPROC_MAX
     job = {"format": fmt, "code": code, "setup": problem.setup, "nonce": nonce,
            "entry_point": problem.entry_point, "uid": uid, "limits": limits,
-           "tests": problem.tests if fmt == "assert" else "",
            "cases": [c["input"] for c in cases] if fmt == "call" else len(cases),
            "private_tmp": TMP_BYTES if sb.prefix else 0,  # its own mount namespace: private_scratch
            "hidden": hidden_trees(sb.python) if sb.prefix else ()}
@@ -189,6 +192,8 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
     top = tempfile.mkdtemp(prefix="sandbox-")
     work = os.path.join(top, "work")
     answers = []  # files this process opens for the run, closed however it ends
+    pipes = []  # the program's ends of the judge's pipes, closed here once it has them
+    deadline = time.monotonic() + timeout
     try:
         os.chmod(top, 0o711)
         os.mkdir(work, 0o700)
@@ -208,45 +213,99 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
         answers += [tempfile.TemporaryFile() for _ in (cases if fmt == "stdio" else [])]
         job["answers"] = [f.fileno() for f in answers]
         with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report:
+            judge = None
+            if fmt == "assert":
+                judge = _judge(problem, harness, top, log, pipes)
+                job["requests"], job["replies"] = pipes
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "SANDBOX_RUN": marker}
-            proc = subprocess.Popen([*sb.prefix, sb.python, "-I", "-S", harness,
-                                     str(report.fileno())],
-                                    cwd=work, env=env, stdin=subprocess.PIPE, stdout=log,
-                                    stderr=log, pass_fds=(report.fileno(), *job["answers"]),
-                                    start_new_session=True)
+            try:
+                proc = subprocess.Popen([*sb.prefix, sb.python, "-I", "-S", harness,
+                                         str(report.fileno())],
+                                        cwd=work, env=env, stdin=subprocess.PIPE, stdout=log,
+                                        stderr=log, pass_fds=(report.fileno(), *pipes,
+                                                              *job["answers"]),
+                                        start_new_session=True)
+            except BaseException:
+                _stop(judge)
+                raise
+            _close_fds(pipes)  # the program's now: when it ends, the judge hears so
             try:
                 proc.communicate(json.dumps(job).encode(), timeout=timeout)
+                if judge is not None:
+                    judge.wait(max(0.0, deadline - time.monotonic()))
                 verdict = None
             except subprocess.TimeoutExpired:
                 verdict = "timeout"
             finally:  # the whole group now, then anything that left it
-                with suppress(OSError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _stop(proc)
+                _stop(judge)
                 _sweep(uid, marker)
             report.seek(0)
             log.seek(0)
-            verdict = verdict or _verdict(proc.returncode, report.read(), nonce, problem,
-                                          cases, answers)
+            if verdict is None and judge is not None:
+                verdict = JUDGED.get(judge.returncode, "no proof of success")
+            verdict = verdict or _verdict(proc.returncode, report.read(), nonce, cases, answers)
             return verdict, log.read(OUTPUT_CHARS).decode(errors="replace")
     finally:
         for f in answers:
             f.close()
+        _close_fds(pipes)
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _verdict(status: int, report: bytes, nonce: str, problem: CodeTests, cases: list[dict],
-             answers: list) -> str:
-    """Believe the run only if the harness vouched for every test; then check the answers here."""
+# judge()'s exit statuses (in the harness below)
+JUDGED = {0: "passed", 1: "failed a test", 2: "no proof of success",
+          3: "sandbox error: a test calls the program with data that is not plain"}
+
+
+def _judge(problem: CodeTests, harness: str, cwd: str, log, pipes: list) -> subprocess.Popen:
+    """Start an assert-style problem's judge: the harness's judge() in this interpreter, outside
+    the sandbox, with the prompt and the tests, which never enter the sandbox. It asks the
+    program for each call of its function over two pipes; the program's ends (requests to read,
+    replies to write) are appended to `pipes`, for the caller to hand on and close."""
+    requests, replies = os.pipe(), os.pipe()
+    pipes += [requests[0], replies[1]]
+    try:
+        judge = subprocess.Popen([sys.executable, "-I", harness, "judge", str(requests[1]),
+                                  str(replies[0])],
+                                 cwd=cwd, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                                 stdin=subprocess.PIPE, stdout=log, stderr=log,
+                                 pass_fds=(requests[1], replies[0]), start_new_session=True)
+    finally:
+        _close_fds([requests[1], replies[0]])
+    with judge.stdin:  # read whole before it asks anything
+        judge.stdin.write(json.dumps({"setup": problem.setup, "tests": problem.tests,
+                                      "entry_point": problem.entry_point}).encode())
+    return judge
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    """Kill a process's whole group (it started its own session) and reap it."""
+    if proc is not None:
+        with suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _close_fds(fds: list[int]) -> None:
+    """Close file descriptors this process holds, once each."""
+    while fds:
+        with suppress(OSError):
+            os.close(fds.pop())
+
+
+def _verdict(status: int, report: bytes, nonce: str, cases: list[dict], answers: list) -> str:
+    """A stdin/stdout or call problem's verdict: the run is believed only if the harness vouched
+    for every test; then the answers are checked here."""
     lines = report.split(b"\n")[:-1]  # the harness ends each line with a newline
-    n = 1 if problem.test_format == "assert" else len(cases)
+    n = len(cases)
     if status != 0 or not lines or not lines[-1].startswith(f"{nonce} ".encode()):
         return "no proof of success"  # it crashed, a test raised, it exited early or was killed
     if lines[-1] != f"{nonce} {n}".encode():
         return f"failed test {lines[-1].split()[1].decode()}"
     for i, case in enumerate(cases):
         want = case["output"]
-        if problem.test_format == "stdio":
+        if answers:  # "stdio": one answer file per test
             answers[i].seek(0)
             if not _same_output(answers[i].read(FILE_BYTES).decode(errors="replace"), want):
                 return f"wrong output on test {i}"
@@ -334,76 +393,82 @@ def harness_source() -> str:
 
 # ----------------------------------------------------------------- the harness (inside the sandbox)
 # Runs as `python -I -S harness.py <report fd>`, a copy of this part of the file alone, with these
-# imports and nothing of the trainer's side above. It reads its job (code, tests, nonce, limits,
-# uid) from stdin, applies the limits, drops to the uid, runs the tests, then writes
-# "<nonce> <tests passed>" to the report fd and exits 0. Any failure exits 1 with no such line. It
-# may run on the system python3: Python 3.8 syntax.
-import ast, builtins, functools, json, os, resource, sys, traceback, types  # noqa: E401, E402, F811
+# imports and nothing of the trainer's side above. It reads its job (code, the tests' inputs or
+# the judge's pipes, nonce, limits, uid) from stdin, applies the limits, drops to the uid, runs
+# the tests, then writes "<nonce> <tests passed>" to the report fd and exits 0. Any failure exits
+# 1 with no such line. It may run on the system python3: Python 3.8 syntax. The same copy, run as
+# `python -I harness.py judge <requests fd> <replies fd>` outside the sandbox, is an assert-style
+# problem's judge.
+import builtins, json, os, resource, sys, traceback  # noqa: E401, E402, F811
 
 # Captured when the harness starts, before any candidate code can patch the originals.
-write, exit_, settrace, setprofile = os.write, os._exit, sys.settrace, sys.setprofile
-ATOMS = (int, float, complex, str, bytes, bool, type(None))
+write, exit_ = os.write, os._exit
+ATOMS = (int, float, str, bool, type(None))  # JSON's own
+TAGGED = {"tuple": tuple, "set": set, "frozenset": frozenset}
+DEPTH = 20  # nesting of plain data
+REPLY_BYTES = 16 << 20  # one call's result, as JSON
 
 
-def plain(x, depth=0):
-    """Data made of builtin types only: anything else could carry an __eq__ that always says yes."""
+def encode(x, depth=0):
+    """Plain data as JSON: numbers, strings, None and lists as they are; a tuple, set, frozenset,
+    dict, bytes or complex number as {"<its type>": [...]}. Anything else is refused, a subclass
+    of a builtin type too (its __eq__ could always say yes)."""
     t = type(x)
     if any(t is a for a in ATOMS):
-        return True
-    if depth < 20 and any(t is c for c in (list, tuple, set, frozenset)):
-        return all(plain(v, depth + 1) for v in x)
-    return depth < 20 and t is dict and all(plain(k, depth + 1) and plain(v, depth + 1)
-                                            for k, v in x.items())
+        return x
+    if depth < DEPTH:
+        if t is list:
+            return [encode(v, depth + 1) for v in x]
+        if t is dict:
+            return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in x.items()]}
+        if t is bytes:
+            return {"bytes": x.decode("latin-1")}
+        if t is complex:
+            return {"complex": [x.real, x.imag]}
+        for name, kind in TAGGED.items():
+            if t is kind:
+                return {name: [encode(v, depth + 1) for v in x]}
+    raise TypeError("not plain data: a %s" % t.__name__)
 
 
-def preload(source):
-    """Import what the tests import, so that the snapshot covers those modules too."""
-    for node in ast.walk(ast.parse(source)):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-        names += ([node.module] if isinstance(node, ast.ImportFrom) and node.module and
-                  not node.level else [])
-        for name in names:
-            try:
-                __import__(name)
-            except ImportError:
-                pass
-
-
-def snapshot(*extra):
-    """Copies of the attributes of every loaded module: builtins, math, this file..."""
-    dicts = [vars(m) for m in list(sys.modules.values())
-             if isinstance(m, types.ModuleType) and m is not sys]
-    return [(d, dict(d)) for d in dicts + list(extra)]
-
-
-def checked(fn, saved, *args, **kwargs):
-    """What the tests call instead of the candidate's function."""
-    result = fn(*args, **kwargs)
-    # undo what it patched (abs, math.isclose, plain...), reading no global name
-    for d, copy in saved:
-        d.clear()
-        d.update(copy)
-    settrace(None)  # a trace function could make the caller jump over its asserts
-    setprofile(None)
-    if not plain(result):
-        raise TypeError("the result is not plain data")
-    return result
+def decode(x, depth=0):
+    """encode's inverse, strict: builtin types only, whatever the JSON holds."""
+    t = type(x)
+    if any(t is a for a in ATOMS):
+        return x
+    if depth < DEPTH and t is list:
+        return [decode(v, depth + 1) for v in x]
+    if depth < DEPTH and t is dict and len(x) == 1:
+        (name, v), = x.items()
+        if name == "bytes" and type(v) is str:
+            return v.encode("latin-1")
+        if name == "complex" and type(v) is list and len(v) == 2 and all(
+                type(part) is float or type(part) is int for part in v):
+            return complex(*v)
+        if type(v) is list and (name == "dict" or name in TAGGED):
+            items = [decode(item, depth + 1) for item in v]
+            if name != "dict":
+                return TAGGED[name](items)
+            if all(type(pair) is list and len(pair) == 2 for pair in items):
+                return {key: value for key, value in items}
+    raise ValueError("not plain data")
 
 
 def run_assert(job, report):
-    setup, code, tests = (compile(job[k], f"<{k}>", "exec") for k in ("setup", "code", "tests"))
-    given = {"__name__": "__main__", "__builtins__": builtins}
-    exec(setup, given)  # the prompt: the imports and helpers that the tests may use
-    preload(job["tests"])
-    saved, ns = snapshot(given), dict(given)
-    exec(code, ns)
-    for d, copy in saved:  # as in checked()
-        d.clear()
-        d.update(copy)
-    env = dict(given)  # the tests see the prompt's helpers, not the candidate's versions of them
-    env[job["entry_point"]] = functools.partial(checked, ns[job["entry_point"]], saved)
-    exec(tests, env)
-    return 1
+    """Serve an assert-style problem's judge: each request one call of the candidate's function,
+    each reply its result as plain data. The tests never enter the sandbox."""
+    ns = {"__name__": "__main__", "__builtins__": builtins}
+    exec(compile(job["setup"], "<setup>", "exec"), ns)  # the prompt: its imports and helpers
+    exec(compile(job["code"], "<code>", "exec"), ns)
+    fn = ns[job["entry_point"]]
+    requests, replies = os.fdopen(job["requests"], "rb"), os.fdopen(job["replies"], "wb")
+    served = 0
+    for line in requests:  # until the judge has asked everything and closed its end
+        args, kwargs = decode(json.loads(line))
+        replies.write(json.dumps(encode(fn(*args, **kwargs))).encode() + b"\n")
+        replies.flush()
+        served += 1
+    return served
 
 
 def run_case(code, i, report, inputs, answers):
@@ -519,8 +584,54 @@ def harness(report):
         exit_(0)
 
 
-if __name__ == "__main__":  # inside the sandbox: python -I -S harness.py <report fd>
+class NoReply(Exception):
+    """The program answered a call with nothing plain: it raised, crashed, exited or overran."""
+
+
+def judge(requests, replies):
+    """Outside the sandbox, with the trainer's rights but never the candidate's code: run an
+    assert-style problem's prompt and tests, each call of the candidate a request to the sandboxed
+    program (run_assert) and its reply taken as data only. Returns the exit status: 0 every test
+    passed, 1 a test failed, 2 a call got no plain reply, 3 a test called with data not plain."""
+    job = json.loads(sys.stdin.buffer.read())
+    ask, hear = os.fdopen(requests, "wb"), os.fdopen(replies, "rb")
+    trouble = []  # statuses of calls gone wrong: a test that catches the exception is not believed
+
+    def candidate(*args, **kwargs):
+        try:
+            request = (json.dumps(encode([list(args), kwargs])) + "\n").encode()
+        except TypeError:
+            trouble.append(3)
+            raise
+        try:
+            ask.write(request)
+            ask.flush()
+            line = hear.readline(REPLY_BYTES)
+            if line.endswith(b"\n"):
+                return decode(json.loads(line))
+        except (OSError, ValueError, RecursionError):
+            pass
+        trouble.append(2)
+        raise NoReply()
+
+    env = {"__name__": "__main__", "__builtins__": builtins}
+    exec(compile(job["setup"], "<setup>", "exec"), env)  # the helpers the tests may use
+    env[job["entry_point"]] = candidate
+    status = 0
     try:
+        exec(compile(job["tests"], "<tests>", "exec"), env)
+    except BaseException:
+        traceback.print_exc(limit=-2)  # for the log: which test failed
+        status = 1
+    return max(trouble) if trouble else status
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "judge":  # outside: python -I harness.py judge <requests fd> <replies fd>
+        status = judge(int(sys.argv[2]), int(sys.argv[3]))
+        sys.stderr.flush()
+        exit_(status)
+    try:  # inside the sandbox: python -I -S harness.py <report fd>
         harness(int(sys.argv[1]))
     except BaseException:
         traceback.print_exc(limit=-2)  # for the log: which test failed, or what the program raised

@@ -3,12 +3,11 @@ behind; correct programs score 1 in every test format; scoring runs in parallel 
 import ast
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -16,7 +15,7 @@ import pytest
 
 from conftest import ROOT as ROOT_DIR
 from reward import code_reward, extract_code, score, score_batch
-from sandbox import harness_source, plain, run_code, sandbox
+from sandbox import DEPTH, decode, encode, harness_source, run_code, sandbox
 from tasks import Problem
 
 TIMEOUT = 2.0  # per program; hostile programs that must be killed take this long
@@ -39,8 +38,21 @@ HALF = Problem("half", "", "", kind="code", entry_point="half", test_format="ass
                tests=("import math\n\ndef check(candidate):\n"
                       "    assert math.isclose(twice(candidate(3.0)), 3.0)\n"
                       "    assert math.fabs(twice(candidate(5.0)) - 5.0) < 1e-9\n\ncheck(half)\n"))
+# every kind of plain data, nested
+RICH = (1, [2.5, None, True], {"k": b"\x00\xff", 3: frozenset({4j})}, {"s"}, "t", -7, [])
 CALL = Problem("call", "", "", kind="code", test_format="call", entry_point="add", tests=json.dumps(
     [{"input": [2, 3], "output": [5]}, {"input": [[1], [2]], "output": [[1, 2]]}]))
+
+
+def secret_problem(fmt: str) -> Problem:
+    """A problem whose one test expects a random token: only a leak of the test could give it."""
+    token = secrets.token_hex(8)
+    if fmt == "stdio":
+        return Problem("secret", "", "", kind="code", test_format="stdio",
+                       tests=json.dumps([{"input": "what is the secret?\n", "output": token}]))
+    return Problem("secret", "", "", kind="code", test_format="assert", entry_point="answer",
+                   tests=f"def check(candidate):\n    assert candidate() == '{token}'\n\n"
+                         "check(answer)\n")
 
 
 def call_problem(name: str, output: object) -> Problem:
@@ -119,9 +131,9 @@ HOSTILE = [
      "    math.fabs = lambda v: 0.0\n    return 1.5 if x == 3.0 else 0.0\n", HALF, 1),
     ("redefined prompt helper", "def twice(x):\n    return x\ndef half(x):\n    return x\n",
      HALF, 1),
-    ("patched harness", "import __main__\n__main__.plain = lambda *a: True\nclass Yes:\n"
+    ("patched harness", "import __main__\n__main__.encode = lambda *a: True\nclass Yes:\n"
      "    __eq__ = lambda self, other: True\n    __hash__ = object.__hash__\n"
-     "def add(a, b):\n    __main__.plain = lambda *a: True\n"
+     "def add(a, b):\n    __main__.encode = lambda *a: True\n"
      "    return Yes() if type(a) is int else a + b\n", ADD, 1),
     ("replaced AssertionError",
      "import builtins\nbuiltins.AssertionError = type('No', (Exception,), {})\n"
@@ -154,7 +166,26 @@ HOSTILE = [
      "                text = open(os.path.join(d, n), errors='ignore').read(200).strip()\n"
      "            except OSError:\n                continue\n"
      "            if len(text) == 16 and all(c in '0123456789abcdef' for c in text):\n"
-     "                print(text)\n                raise SystemExit(0)\nprint('0')\n", None, 1),
+     "                print(text)\n                raise SystemExit(0)\nprint('0')\n", "stdio", 1),
+    # what an assert-style test expects, looked for in every object of the program's interpreter
+    ("reading the tests from its own memory",
+     "def answer():\n    import gc, re\n    def strings(x, depth=0):\n"
+     "        if isinstance(x, str):\n            yield x\n"
+     "        elif depth < 3 and isinstance(x, (tuple, list)):\n"
+     "            for v in x:\n                yield from strings(v, depth + 1)\n"
+     "        elif depth < 3 and isinstance(x, dict):\n"
+     "            for v in list(x.values()):\n                yield from strings(v, depth + 1)\n"
+     "        elif depth < 3 and type(x).__name__ == 'code':\n"
+     "            yield from strings(x.co_consts, depth + 1)\n"
+     "    for o in gc.get_objects():\n        for s in strings(o):\n"
+     "            m = re.search(r\"== '([0-9a-f]{16})'\", s)\n            if m:\n"
+     "                return m.group(1)\n    return ''\n", "assert", 1),
+    # the harness's own report written from the caller's frames, then a clean exit
+    ("forging the harness's report",
+     "def answer():\n    import os, sys\n    f = sys._getframe()\n    while f is not None:\n"
+     "        if 'nonce' in f.f_locals and 'report' in f.f_locals:\n"
+     "            os.write(f.f_locals['report'], f.f_locals['nonce'] + b' 1\\n')\n"
+     "            os._exit(0)\n        f = f.f_back\n    return ''\n", "assert", 1),
 ]
 
 
@@ -163,10 +194,8 @@ def test_hostile_program_scores_zero(name, code, problem, seconds):
     if name.startswith("killing") and not (ROOT or ISOLATED):
         pytest.skip(
             "here the run could kill the test process itself: it shares its user and pid space")
-    if problem is None:  # the expected answer is random, so only a leak could print it
-        problem = Problem("secret", "", "", kind="code", test_format="stdio",
-                          tests=json.dumps([{"input": "what is the secret?\n",
-                                             "output": secrets.token_hex(8)}]))
+    if isinstance(problem, str):  # the expected answer is random, so only a leak could give it
+        problem = secret_problem(problem)
     check_hostile(code, problem, bound=seconds)
 
 
@@ -257,8 +286,12 @@ def test_network_is_blocked():
     (STDIO, "print(sum(map(int, open(0).read().split())))\n"),
     (CALL, "def add(a, b):\n    return a + b\n"),
     (CALL, "class Solution:\n    def add(self, a, b):\n        return a + b\n"),
+    (Problem("data", "", "", kind="code", test_format="assert", entry_point="f",
+             setup="import math\n", tests=f"assert f({RICH!r}, key=-0.0) == ({RICH!r}, -0.0)\n"
+                                         "assert math.isnan(f(math.nan)[0])\n"),
+     "def f(x, key=None):\n    return x, key\n"),
 ], ids=["assert", "assert-with-prompt-helpers", "stdio-input", "stdio-buffer-exit", "stdio-open0",
-        "call", "call-Solution"])
+        "call", "call-Solution", "assert-data"])
 def test_correct_programs_score_one(problem, code):
     for isolate in (True, False):
         result = run_code(code, problem, timeout=5, isolate=isolate)
@@ -267,7 +300,7 @@ def test_correct_programs_score_one(problem, code):
 
 
 @pytest.mark.parametrize("problem, code, reason", [
-    (ADD, "def add(a, b):\n    return a - b\n", "no proof of success"),
+    (ADD, "def add(a, b):\n    return a - b\n", "failed a test"),
     (ADD, "def add(a, b) return", "no proof of success"),
     (STDIO, "print(5)\n", "wrong output on test 1"),
     (STDIO, "print(1 / 0)\n", "failed test 0"),
@@ -279,6 +312,16 @@ def test_correct_programs_score_one(problem, code):
      "no tests"),
     (Problem("empty", "", "", kind="code", test_format="assert", entry_point="f"),
      "def f():\n    pass\n", "no tests"),
+    # the program raised; a test that catches the error is not believed
+    (Problem("caught", "", "", kind="code", test_format="assert", entry_point="f",
+             tests="try:\n    f(1)\nexcept Exception:\n    pass\n"),
+     "def f(x):\n    raise ValueError\n", "no proof of success"),
+    (Problem("unsendable", "", "", kind="code", test_format="assert", entry_point="f",
+             tests="assert f(len) == 1\n"), "def f(g):\n    return 1\n",
+     "sandbox error: a test calls the program with data that is not plain"),
+    # a list is not the tuple the test expects, in the sandbox as in one interpreter
+    (Problem("tuple", "", "", kind="code", test_format="assert", entry_point="f",
+             tests="assert f() == (1, 2)\n"), "def f():\n    return [1, 2]\n", "failed a test"),
 ])
 def test_wrong_programs_score_zero(problem, code, reason):
     assert run_code(code, problem, timeout=5).reason == reason
@@ -377,48 +420,30 @@ def test_harness_stands_alone_in_python_3_8():
         ast.parse("match x:\n    case 1:\n        pass\n", feature_version=(3, 8))
 
 
-def test_plain_accepts_builtin_data_only():
-    assert plain([1, 2.5, "a", b"b", None, True, (3, {4: [5]}), frozenset({6})])
-    assert not plain(type("Liar", (), {"__eq__": lambda self, other: True})())
-    assert not plain([1, type("Int", (int,), {})(2)])  # a subclass can override __eq__
-    assert not plain({"k": object()})
+def test_plain_data_crosses_to_the_judge_as_it_was_and_nothing_else_does():
+    """What the candidate returns reaches the tests through JSON: every builtin type keeps its
+    type, and nothing but builtin data is sent or read back."""
+    assert decode(json.loads(json.dumps(encode(RICH)))) == RICH
+    assert type(decode(json.loads(json.dumps(encode((1,)))))) is tuple
+    assert math.isinf(decode(json.loads(json.dumps(encode(math.inf)))))
+    for unplain in (type("Liar", (), {"__eq__": lambda self, other: True})(),
+                    [1, type("Int", (int,), {})(2)],  # a subclass can override __eq__
+                    {"k": object()}, len, nested(DEPTH + 1)):
+        with pytest.raises(TypeError):
+            encode(unplain)
+    assert encode(nested(DEPTH)) == nested(DEPTH)
+    for forged in ({"tuple": 1}, {"tuple": [], "set": []}, {"object": []}, {"dict": [[1]]},
+                   {"complex": ["1", 2]}, {"bytes": 3}, nested(DEPTH + 1)):
+        with pytest.raises(ValueError):
+            decode(forged)
 
 
-CHEAT = """
-import builtins, math, sys
-sys.path.insert(0, sys.argv[1])
-from sandbox import checked, snapshot
-
-
-def cheat(x):
-    math.isclose = lambda *a, **k: True
-    builtins.abs = lambda v: 0
-    return x * 2
-
-
-def main():  # locals: the restore puts every module's globals back, this script's too
-    real_isclose, real_abs = math.isclose, builtins.abs
-    saved = snapshot()
-    assert checked(cheat, saved, 21) == 42
-    assert math.isclose is real_isclose and builtins.abs is real_abs, "not restored"
-    try:
-        checked(lambda: object(), saved)
-        raise AssertionError("an object passed as plain data")
-    except TypeError as e:
-        assert "plain data" in str(e)
-    print("ok")
-
-
-main()
-"""
-
-
-def test_checked_undoes_what_the_candidate_patched():
-    """After each call of the candidate, every module's attributes come back. In a fresh
-    interpreter, as in the sandbox: the restore touches every loaded module."""
-    res = subprocess.run([sys.executable, "-I", "-S", "-c", CHEAT, ROOT_DIR], capture_output=True,
-                         text=True, timeout=60)
-    assert res.stdout.strip() == "ok", res.stderr[-2000:]
+def nested(depth: int) -> list:
+    """A list `depth` lists deep."""
+    x: list = []
+    for _ in range(depth - 1):
+        x = [x]
+    return x
 
 
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
