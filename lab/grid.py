@@ -9,8 +9,9 @@ training them, and their tables.
     python -m lab.grid --demo critics       # Paper B: GRPO, central and decentral critics
     python -m lab.grid --demo default --seeds 0,1,2  # the default run's gain, and its source
 
-Flags this file does not know go to every cell's train.py, after the cell's own, so they
-override them (e.g. --model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in
+Flags this file does not know go to every cell's train.py in which they act (--n_agents to the
+cells whose workflow has agents to count), after the cell's own, so they override them (e.g.
+--model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in
 a directory of its own (out/seed<S>/<cell>), trained in a fresh process. A finished cell is
 not trained again, and one trained with other settings is an error rather than a silent mix;
 an interrupted cell resumes from its checkpoint, and one killed before its first starts over,
@@ -39,9 +40,10 @@ import time
 
 from diagnose import findings, report
 from lab.checkpoint import has_checkpoint
-from lab.launch import check_goes_on_from, check_settings, resolve_resume, typed_flags
+from lab.launch import (check_goes_on_from, check_settings, flag_groups, resolve_resume,
+                        typed_flags)
 from lab.runs import load_run
-from lab.settings import Config, parse_config, with_task_tokens
+from lab.settings import Config, idle_settings, parse_config, with_task_tokens
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
                         seed_table, signal_numbers)
 from tasks import TASK_KIND
@@ -61,9 +63,18 @@ GRID_FLAGS = ("--eval_every", "2", "--eval_problems", "64", "--val_problems", "4
 def grid_cells(train_flags: list[str], seeds: list[int]) -> list[tuple[str, list[str]]]:
     """The grid's (name, train.py flags) cells, seed<S>/<workflow>-<sharing> for every seed;
     `train_flags` come after the grid's and override them."""
-    return [(f"seed{seed}/{w}-{s}", ["--workflow", w, "--sharing", s, *GRID_FLAGS,
-                                     "--seed", str(seed), *train_flags])
+    return [(f"seed{seed}/{w}-{s}", handed(["--workflow", w, "--sharing", s, *GRID_FLAGS,
+                                            "--seed", str(seed)], train_flags))
             for seed in seeds for w, s in GRID]
+
+
+def handed(own: list[str], train_flags: list[str]) -> list[str]:
+    """A cell's own flags, then those of the grid's train.py flags that act in it: a setting of
+    settings.ONLY_UNDER that would do nothing there stays out (--n_agents reaches the voting
+    cells, not the single-agent one; check_cells refuses one that acts in no cell)."""
+    idle = idle_settings(parse_config([*own, *train_flags]))
+    return [*own, *(token for name, group in flag_groups(train_flags) if name not in idle
+                    for token in group)]
 
 
 # ----------------------------------------------------------------------------
@@ -166,12 +177,13 @@ def demo_cells(name: str, home: str, train_flags: list[str],
     for seed in seeds:
         mine, start = [*spec.flags, "--seed", str(seed)], []
         if spec.start:  # the warm-up and step-0 evaluation, once; the cells go on from there
-            cells.append((f"seed{seed}/start", [*mine, *spec.start, *train_flags, "--steps", "0"]))
+            cells.append((f"seed{seed}/start", [*handed([*mine, *spec.start], train_flags),
+                                                "--steps", "0"]))
             start = ["--start_from", os.path.join(home, f"seed{seed}", "start")]
         for cell, flags in spec.cells.items():  # a cell of another workflow cannot go on from the
             own = "--workflow" in flags  # start (only RL settings may differ): it warms up itself
             cells.append((f"seed{seed}/{cell}",
-                          [*mine, *([] if own else start), *flags, *train_flags]))
+                          handed([*mine, *([] if own else start), *flags], train_flags)))
     return cells
 
 
@@ -192,10 +204,12 @@ def cell_fields(demo: str | None) -> set[str]:
     return typed_flags(own)
 
 
-def check_cells(cells: list[tuple[str, list[str]]], home: str) -> list[Config]:
+def check_cells(cells: list[tuple[str, list[str]]], home: str,
+                train_flags: list[str]) -> list[Config]:
     """Every cell's settings, checked as its train.py will check them, before any cell trains;
     a cell that goes on from its seed's start is checked against the start cell's settings (its
-    files do not exist yet). Returns the cells' configs."""
+    files do not exist yet), and a flag of the grid's that acts in no cell is refused. Returns
+    the cells' configs."""
     configs = {}
     for name, flags in cells:
         argv = [*flags, "--out", os.path.join(home, name)]
@@ -209,6 +223,10 @@ def check_cells(cells: list[tuple[str, list[str]]], home: str) -> list[Config]:
         except SystemExit as e:
             raise SystemExit(f"cell {name}: {e}") from None
         configs[name] = cfg
+    for name in typed_flags(train_flags):
+        whys = [idle_settings(cfg).get(name) for cfg in configs.values()]
+        if all(whys):
+            raise SystemExit(f"--{name} {whys[0]} (in every cell)")
     return list(configs.values())
 
 
@@ -273,7 +291,7 @@ def reproduce(out: str, train_flags: list[str], seeds: list[int]) -> str:
     findings checked against it, where each cell's learning signal went, the accuracy curves
     (curves.png) and diagnose.py's report on every run."""
     cells = grid_cells(train_flags, seeds)
-    check_cells(cells, out)
+    check_cells(cells, out, train_flags)
     run_dirs = train_cells(out, cells)
     path = report(run_dirs, out, names=lambda d: os.path.relpath(d, out))
     by_cell = {f"{w}-{s}": {seed_of(d): load_run(d) for d in run_dirs
@@ -300,7 +318,7 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     seeds) and by which cells the detector names."""
     spec, home = DEMOS[name], os.path.join(out, name)
     cells = demo_cells(name, home, train_flags, seeds)
-    task = check_cells(cells, home)[0].task
+    task = check_cells(cells, home, train_flags)[0].task
     if name == "default" and TASK_KIND[task] != "math":
         raise SystemExit(f"--demo default: its table splits the gain at the generator's first "
                          f"answers, which only a math task scores (--task {task})")

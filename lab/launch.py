@@ -270,8 +270,24 @@ NEW_LR = ("lr", "critic_lr")
 
 def typed_flags(argv: list[str]) -> set[str]:
     """The Config fields named on a command line: --lr 0.1, --lr=0.1, --no-one_step."""
-    names = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
-    return {n[3:] if n.startswith("no-") else n for n in names}
+    return {name for name, _ in flag_groups(argv)}
+
+
+def flag_groups(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """A command line's flags, each with its value: ("lr", ["--lr", "0.1"]), ("lr", ["--lr=0.1"]),
+    ("one_step", ["--no-one_step"]); a token that is no flag's is left out."""
+    switches = {f.name for f in dataclasses.fields(Config) if f.type is bool}
+    groups, i = [], 0
+    while i < len(argv):
+        if not argv[i].startswith("--"):
+            i += 1
+            continue
+        name = argv[i][2:].split("=")[0]
+        name = name[3:] if name.startswith("no-") else name
+        width = 1 if "=" in argv[i] or name in switches else 2
+        groups.append((name, argv[i:i + width]))
+        i += width
+    return groups
 
 
 def resolve_resume(cfg: Config, typed: set[str] | None = None,

@@ -93,7 +93,8 @@ class Config:
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
     one_step: bool = arg(True, "one optimizer step per adapter a step (--no-one_step: one per "
                          "--minibatch_size)")
-    minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step", bounds="[1, inf)")
+    minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step, and per warm-up step",
+                              bounds="[1, inf)")
     micro_batch_tokens: int = arg(1024, "padded tokens a pass (memory only)",
                                   bounds="[1, inf)")
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
@@ -217,18 +218,29 @@ ONLY_UNDER = [
     (("level",), lambda c: c.task == "arith", "is the arith task's difficulty: drop it"),
     (("code_workers", "code_timeout"), lambda c: TASK_KIND[c.task] == "code",
      "sets how a code task's programs run: drop it"),
+    (("n_agents",), lambda c: c.workflow in ("voting", "orch_workers"),
+     "counts the generators of voting and the workers of orch_workers; this workflow has "
+     "neither: drop it"),
+    (("max_rounds",), lambda c: c.workflow == "eval_opt",
+     "counts eval_opt's generator turns; this workflow has no rounds: drop it"),
+    (("minibatch_size",), lambda c: not c.one_step or c.sft_warmup > 0,
+     "sizes the optimizer steps of --no-one_step and of the warm-up; this run has neither: "
+     "drop it"),
 ]
+
+
+def idle_settings(cfg: Config) -> dict[str, str]:
+    """The settings of ONLY_UNDER that would do nothing in a run of cfg, each with why."""
+    return {name: why for flags, acts, why in ONLY_UNDER if not acts(cfg) for name in flags}
 
 
 def check_idle_flags(cfg: Config, typed: set[str] | None) -> None:
     """No setting given to a run where it would do nothing (ONLY_UNDER): a critic's to GRPO, a
-    warm-up's to a run without one, a task's to another task."""
+    warm-up's to a run without one, a task's to another task, a workflow's to another workflow."""
     defaults = Config()
-    for flags, acts, why in ONLY_UNDER:
-        given = [name for name in flags if (name in typed if typed is not None
-                                            else getattr(cfg, name) != getattr(defaults, name))]
-        if given and not acts(cfg):
-            raise SystemExit(f"--{given[0]} {why}")
+    for name, why in idle_settings(cfg).items():
+        if name in typed if typed is not None else getattr(cfg, name) != getattr(defaults, name):
+            raise SystemExit(f"--{name} {why}")
 
 
 def in_bounds(value: float, bounds: str) -> bool:

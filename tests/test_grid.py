@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from lab import grid, runs, tables
+from lab import grid, launch, runs, tables
 import train
 
 TINY = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems", "2",
@@ -69,12 +69,28 @@ def test_every_cells_settings_are_checked_before_the_first_cell_trains(tmp_path,
     cases = [(["--demo", "optimizer", "--role_kl", "aggregator=0.05"],
               "cell seed0/single: --role_kl: 'aggregator' is not a role of single"),
              (["--demo", "default", "--task", "humaneval"], "only a math task scores"),
-             (["--demo", "critics", "--lam", "0.5"], "cell seed0/start: --lam")]
+             (["--demo", "amplification", "--lam", "0.5"],
+              "--lam sets the critics of --algo maac.* \\(in every cell\\)")]
     tiny = TINY[:TINY.index("--problems_per_step")] + TINY[TINY.index("--group_size"):]
     for argv, words in cases:  # (the optimizer demo's cells set --problems_per_step themselves)
         with pytest.raises(SystemExit, match=words):
             grid.main([*argv, "--seeds", "0", "--out", str(tmp_path), *tiny])
     assert os.listdir(tmp_path) == []
+
+
+def test_a_flag_reaches_only_the_cells_where_it_acts():
+    """--n_agents counts Voting's generators, --max_rounds Eval-Opt's turns, --lam a critic's GAE:
+    each reaches those cells alone (train.py would refuse it in the others); a flag that acts
+    everywhere reaches every cell, and --minibatch_size acts in a warm-up too."""
+    flags = ["--n_agents", "2", "--max_rounds=3", "--lr", "1e-3", "--minibatch_size", "8"]
+    for name, cell in grid.grid_cells(flags, [0]):
+        c, typed = train.parse_config(cell), launch.typed_flags(cell)
+        assert ("n_agents" in typed, "max_rounds" in typed) == (c.workflow == "voting",
+                                                                c.workflow == "eval_opt"), name
+        assert (c.lr, c.minibatch_size) == (1e-3, 8)
+    cells = grid.demo_cells("critics", "home", ["--lam", "0.5"], [0])
+    assert {name: train.parse_config(flags).lam for name, flags in cells} == {
+        "seed0/start": 0.95, "seed0/grpo": 0.95, "seed0/central": 0.5, "seed0/decentral": 0.5}
 
 
 def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys):

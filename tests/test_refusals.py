@@ -120,6 +120,10 @@ def test_a_misspelt_lora_target_is_refused():
     (dict(sft_lr=0.01), "--sft_lr sets the warm-up, which --sft_warmup 0 leaves out"),
     (dict(task="humaneval", level=1), "--level is the arith task's difficulty: drop it"),
     (dict(code_timeout=3.0), "--code_timeout sets how a code task's programs run: drop it"),
+    (dict(workflow="single", n_agents=2), "--n_agents counts the generators of voting"),
+    (dict(max_rounds=3), "--max_rounds counts eval_opt's generator turns"),
+    (dict(minibatch_size=8), "--minibatch_size sizes the optimizer steps of --no-one_step and of "
+                             "the warm-up; this run has neither"),
     (dict(seed=2 ** 64), "--seed 18446744073709551616: must be in"),
     (dict(seed=-1), "--seed -1: must be in"),
     (dict(lora_alpha=1e300), "--lora_alpha 1e+300: must be in"),
