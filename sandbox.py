@@ -48,9 +48,11 @@ own uid: they stay there, and the next run's sweep does not remove them), SysV s
 makes outlives it, every world-readable file stays readable, and a non-root trainer's code runs
 as the trainer's user; with them, world-readable files outside the hidden trees stay readable;
 memory is capped per process only (NPROC_MAX processes of MEMORY_BYTES each); disk use is capped
-per file only; a call's arguments and results are copied, so a test that looks at an argument
-after the call does not see what the candidate did to it. A guard against reward hacking, not a
-jail for malicious code.
+per file only; without namespaces and a fresh uid the program can read the judge's memory, the
+expected values of assert-style tests included, as it can the trainer's; a call's arguments and
+results are copied, so a test that looks at an argument after the call does not see what the
+candidate did to it, and a result is never the test's own object ([nan] == itself fails). A
+guard against reward hacking, not a jail for malicious code.
 
     pytest tests/test_sandbox.py
 """
@@ -212,10 +214,12 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
         # writable directory of the machine's to give it back
         answers += [tempfile.TemporaryFile() for _ in (cases if fmt == "stdio" else [])]
         job["answers"] = [f.fileno() for f in answers]
-        with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report:
+        # the judge's log is its own: the program's stdout is the file it could read or rewrite
+        with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report, \
+                tempfile.TemporaryFile() as judged:
             judge = None
             if fmt == "assert":
-                judge = _judge(problem, harness, top, log, pipes)
+                judge = _judge(problem, harness, top, judged, pipes)
                 job["requests"], job["replies"] = pipes
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "SANDBOX_RUN": marker}
             try:
@@ -242,10 +246,12 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
                 _sweep(uid, marker)
             report.seek(0)
             log.seek(0)
+            judged.seek(0)
             if verdict is None and judge is not None:
                 verdict = JUDGED.get(judge.returncode, "no proof of success")
             verdict = verdict or _verdict(proc.returncode, report.read(), nonce, cases, answers)
-            return verdict, log.read(OUTPUT_CHARS).decode(errors="replace")
+            output = log.read(OUTPUT_CHARS) + judged.read(OUTPUT_CHARS)
+            return verdict, output.decode(errors="replace")
     finally:
         for f in answers:
             f.close()
@@ -406,14 +412,19 @@ write, exit_ = os.write, os._exit
 ATOMS = (int, float, str, bool, type(None))  # JSON's own
 TAGGED = {"tuple": tuple, "set": set, "frozenset": frozenset}
 DEPTH = 20  # nesting of plain data
-REPLY_BYTES = 16 << 20  # one call's result, as JSON
+BIG_BITS = 10000  # a longer int crosses in hexadecimal (str() stops at 4300 digits: 14,000 bits)
+REPLY_BYTES = 1 << 20  # one call's result, as JSON (the judge holds it decoded)
+JUDGE_MEMORY = 1 << 30  # the judge's address space
 
 
 def encode(x, depth=0):
     """Plain data as JSON: numbers, strings, None and lists as they are; a tuple, set, frozenset,
-    dict, bytes or complex number as {"<its type>": [...]}. Anything else is refused, a subclass
-    of a builtin type too (its __eq__ could always say yes)."""
+    dict, bytes, complex number or long int as {"<its type>": ...}; an iterator (a generator, a
+    map) as {"iter": [what it yields]}. Anything else is refused, a subclass of a builtin type too
+    (its __eq__ could always say yes)."""
     t = type(x)
+    if t is int and x.bit_length() > BIG_BITS:
+        return {"int": format(x, "x")}
     if any(t is a for a in ATOMS):
         return x
     if depth < DEPTH:
@@ -428,6 +439,8 @@ def encode(x, depth=0):
         for name, kind in TAGGED.items():
             if t is kind:
                 return {name: [encode(v, depth + 1) for v in x]}
+        if hasattr(t, "__next__") and hasattr(t, "__iter__"):
+            return {"iter": [encode(v, depth + 1) for v in x]}
     raise TypeError("not plain data: a %s" % t.__name__)
 
 
@@ -442,11 +455,15 @@ def decode(x, depth=0):
         (name, v), = x.items()
         if name == "bytes" and type(v) is str:
             return v.encode("latin-1")
+        if name == "int" and type(v) is str:
+            return int(v, 16)
         if name == "complex" and type(v) is list and len(v) == 2 and all(
                 type(part) is float or type(part) is int for part in v):
             return complex(*v)
-        if type(v) is list and (name == "dict" or name in TAGGED):
+        if type(v) is list and (name in ("dict", "iter") or name in TAGGED):
             items = [decode(item, depth + 1) for item in v]
+            if name == "iter":
+                return iter(items)
             if name != "dict":
                 return TAGGED[name](items)
             if all(type(pair) is list and len(pair) == 2 for pair in items):
@@ -592,15 +609,18 @@ def judge(requests, replies):
     """Outside the sandbox, with the trainer's rights but never the candidate's code: run an
     assert-style problem's prompt and tests, each call of the candidate a request to the sandboxed
     program (run_assert) and its reply taken as data only. Returns the exit status: 0 every test
-    passed, 1 a test failed, 2 a call got no plain reply, 3 a test called with data not plain."""
+    passed, 1 a test failed, 2 a call got no plain reply (or none was made), 3 a test called with
+    data not plain."""
     job = json.loads(sys.stdin.buffer.read())
     ask, hear = os.fdopen(requests, "wb"), os.fdopen(replies, "rb")
+    resource.setrlimit(resource.RLIMIT_AS, (JUDGE_MEMORY, JUDGE_MEMORY))
     trouble = []  # statuses of calls gone wrong: a test that catches the exception is not believed
+    answered = []
 
     def candidate(*args, **kwargs):
         try:
             request = (json.dumps(encode([list(args), kwargs])) + "\n").encode()
-        except TypeError:
+        except Exception:
             trouble.append(3)
             raise
         try:
@@ -608,8 +628,10 @@ def judge(requests, replies):
             ask.flush()
             line = hear.readline(REPLY_BYTES)
             if line.endswith(b"\n"):
-                return decode(json.loads(line))
-        except (OSError, ValueError, RecursionError):
+                result = decode(json.loads(line))
+                answered.append(1)
+                return result
+        except Exception:  # a broken pipe, or a reply that is not JSON, or not plain
             pass
         trouble.append(2)
         raise NoReply()
@@ -623,6 +645,8 @@ def judge(requests, replies):
     except BaseException:
         traceback.print_exc(limit=-2)  # for the log: which test failed
         status = 1
+    if not answered:  # a test that never called the program proves nothing of it
+        trouble.append(2)
     return max(trouble) if trouble else status
 
 

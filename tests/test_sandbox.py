@@ -290,8 +290,12 @@ def test_network_is_blocked():
              setup="import math\n", tests=f"assert f({RICH!r}, key=-0.0) == ({RICH!r}, -0.0)\n"
                                          "assert math.isnan(f(math.nan)[0])\n"),
      "def f(x, key=None):\n    return x, key\n"),
+    (Problem("big", "", "", kind="code", test_format="assert", entry_point="f",
+             tests="assert f(10 ** 5000) == 10 ** 5000 + 1\nassert tuple(f(3)) == (0, 1, 2)\n"),
+     "def f(n):\n    return n + 1 if n > 3 else (i for i in range(n))\n"),
 ], ids=["assert", "assert-with-prompt-helpers", "stdio-input", "stdio-buffer-exit", "stdio-open0",
-        "call", "call-Solution", "assert-data"])
+        "call", "call-Solution", "assert-data",
+        "assert-long-int-and-generator"])
 def test_correct_programs_score_one(problem, code):
     for isolate in (True, False):
         result = run_code(code, problem, timeout=5, isolate=isolate)
@@ -319,6 +323,25 @@ def test_correct_programs_score_one(problem, code):
     (Problem("unsendable", "", "", kind="code", test_format="assert", entry_point="f",
              tests="assert f(len) == 1\n"), "def f(g):\n    return 1\n",
      "sandbox error: a test calls the program with data that is not plain"),
+    # a reply the judge cannot read, sent by the harness's own encoder, patched
+    (Problem("caught", "", "", kind="code", test_format="assert", entry_point="f",
+             tests="try:\n    f(1)\nexcept Exception:\n    pass\n"),
+     "import __main__\n__main__.encode = lambda *a: {'set': [[1]]}\ndef f(x):\n    return 1\n",
+     "no proof of success"),
+    # a test that calls nothing proves nothing of the program
+    (Problem("uncalled", "", "", kind="code", test_format="assert", entry_point="f",
+             tests="assert True\n"), "def f(:\n", "no proof of success"),
+    (Problem("long", "", "", kind="code", test_format="assert", entry_point="f",
+             tests="assert len(f()) > 0\n"), "def f():\n    return 'x' * (2 << 20)\n",
+     "no proof of success"),
+    # what the judge writes (a warning, a traceback) is not in the program's output file
+    (Problem("told", "", "", kind="code", test_format="assert", entry_point="f",
+             tests="import sys\nsys.stderr.write('expected 4242\\n')\nsys.stderr.flush()\n"
+                   "assert f() == 4242\n"),
+     "import os, re\ndef f():\n    seen = os.pread(1, 1000, 0).decode()\n"
+     "    found = re.findall('expected (\\\\d+)', seen)\n"
+     "    return int(found[0]) if found else 0\n",
+     "failed a test"),
     # a list is not the tuple the test expects, in the sandbox as in one interpreter
     (Problem("tuple", "", "", kind="code", test_format="assert", entry_point="f",
              tests="assert f() == (1, 2)\n"), "def f():\n    return [1, 2]\n", "failed a test"),
@@ -426,6 +449,9 @@ def test_plain_data_crosses_to_the_judge_as_it_was_and_nothing_else_does():
     assert decode(json.loads(json.dumps(encode(RICH)))) == RICH
     assert type(decode(json.loads(json.dumps(encode((1,)))))) is tuple
     assert math.isinf(decode(json.loads(json.dumps(encode(math.inf)))))
+    big = -(10 ** 5000)  # past str()'s digits
+    assert decode(json.loads(json.dumps(encode(big)))) == big
+    assert list(decode(json.loads(json.dumps(encode(map(str, [1, 2])))))) == ["1", "2"]
     for unplain in (type("Liar", (), {"__eq__": lambda self, other: True})(),
                     [1, type("Int", (int,), {})(2)],  # a subclass can override __eq__
                     {"k": object()}, len, nested(DEPTH + 1)):
