@@ -258,11 +258,12 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
         run_dirs.append(run_dir)
         if finished(run_dir):
             argv = [*flags, "--out", run_dir]
-            # the check --resume makes, of every setting (a flag left out this time takes its
-            # default, which the cell may not have been trained with), --lr too
-            every = {f.name for f in dataclasses.fields(Config)}
+            # the check --resume makes, of every setting that acts in the cell (a flag left out
+            # this time takes its default, which the cell may not have been trained with), --lr too
+            cfg = with_task_tokens(parse_config(argv))
+            every = {f.name for f in dataclasses.fields(Config)} - set(idle_settings(cfg))
             try:
-                resolve_resume(with_task_tokens(parse_config(argv)), every, new_lr=())
+                resolve_resume(cfg, every, new_lr=())
             except SystemExit as e:
                 raise SystemExit(f"{run_dir} was trained with other settings "
                                  f"({str(e).removeprefix('--resume: ')}): "

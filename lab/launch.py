@@ -56,7 +56,8 @@ def check_settings(cfg: Config, typed: set[str] | None
                          "give one")
     cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
     check_numbers(cfg)
-    check_idle_flags(cfg, typed)
+    if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
+        check_idle_flags(cfg, typed)
     if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs); use --credit final")

@@ -51,6 +51,12 @@ def test_a_finished_cell_trained_with_the_task_s_own_length_is_reused(tmp_path, 
     capsys.readouterr()
     grid.train_cells(str(tmp_path), [("cell", [*flags, "--steps", "1"])])
     assert capsys.readouterr().out == f"{tmp_path / 'cell'}: already finished\n"
+    # a setting that acts nowhere in the cell does not tell it apart (Eval-Opt has no --n_agents)
+    config = json.loads((tmp_path / "cell" / "config.json").read_text())
+    assert config["workflow"] == "eval_opt"
+    (tmp_path / "cell" / "config.json").write_text(json.dumps({**config, "n_agents": 2}))
+    grid.train_cells(str(tmp_path), [("cell", [*flags, "--steps", "1"])])
+    assert capsys.readouterr().out == f"{tmp_path / 'cell'}: already finished\n"
 
 
 def test_a_cell_whose_config_lacks_its_steps_is_not_finished(tmp_path):

@@ -249,6 +249,19 @@ def test_a_resume_with_an_unknown_workflow_in_its_config_names_it(finished, tmp_
         train.main(train.Config(out=out, resume=True))
 
 
+def test_a_run_holding_an_idle_setting_still_resumes(finished, tmp_path):
+    """Only a new run's settings are refused for doing nothing: a run whose config holds one (as
+    one started before that check may) resumes and finishes."""
+    out = damaged(finished, tmp_path, "config.json", None)
+    with open(os.path.join(finished, "config.json")) as f:
+        config = {**json.load(f), "max_rounds": 5}  # Voting has no rounds
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    train.main(train.Config(out=out, resume=True))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("content", [{}, [], {"step": 0, "metric": "eval/accuracy", "score": "high",
                                                 "evaluation": {"eval/accuracy": 0.5}}, "file"])
 def test_a_resume_drops_a_wrong_shaped_best_and_keeps_a_new_one(content, finished, tmp_path,
