@@ -375,15 +375,30 @@ def overlay(base: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor
     return out
 
 
-def sampler_gap(old_logp: torch.Tensor, micro: list[Call], mask: torch.Tensor, tis_cap: float,
+def sampler_record(micro: list[Call], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the sampler recorded of a micro-batch's tokens, laid out as its update's (b, T): the
+    log-probs under pi_rollout, and where a record is (greedy or hand-made calls have none), on
+    the device."""
+    T = max(max(len(c.completion_ids) for c in micro), 1)  # as rollout.pack lays them out
+    logp, known = torch.zeros(len(micro), T), torch.zeros(len(micro), T, dtype=torch.bool)
+    for i, c in enumerate(micro):
+        if c.rollout_logp is not None:
+            logp[i, : len(c.rollout_logp)] = c.rollout_logp
+            known[i, : len(c.rollout_logp)] = True
+    return logp.to(device), known.to(device)
+
+
+def sampler_gap(old_logp: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor, tis_cap: float,
                 measure: bool) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """The precision correction laid over the update: the tokens came from pi_rollout, as the
-    sampler recorded it (greedy or hand-made calls have no record: no gap). Returns the truncated
+    sampler recorded it (sampler_record; where there is none, no gap). Returns the truncated
     importance weight (tis_weight; None where tis_cap is 0) and, with `measure`, the gap's
-    statistics. Neither asked (the default update): the record is not read."""
-    if tis_cap == 0 and not measure:
+    statistics. Neither asked (the default update): no record is made or read."""
+    if record is None:
         return None, {}
-    rollout_logp = overlay(old_logp, [c.rollout_logp for c in micro])  # (b, T)
+    logp, known = record
+    rollout_logp = torch.where(known, logp.to(old_logp.dtype), old_logp)  # (b, T)
     is_weight = tis_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else None
     return is_weight, mismatch_stats(old_logp, rollout_logp, mask) if measure else {}
 
@@ -398,6 +413,7 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     kl_coef = s.kl_coef.get(micro[0].role, 0.0)
     # to the device before the forward pass is queued: a host-to-device copy waits for the queue
     adv = torch.tensor([c.advantage for c in micro], device=model.device)  # (b,)
+    record = sampler_record(micro, model.device) if s.tis_cap > 0 or measure else None
     with use_adapter(model, adapter):
         logp, mask, entropy = sequence_logprobs(model, micro, pad_id, s.temperature,
                                                 with_entropy=measure)  # (b, T) each
@@ -408,7 +424,7 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     old_logp = logp.detach()  # (b, T) pi_old on-policy: the policy itself, so every ratio is 1
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
-    is_weight, gap = sampler_gap(old_logp, micro, mask, s.tis_cap, measure)
+    is_weight, gap = sampler_gap(old_logp, record, mask, s.tis_cap, measure)
     per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,
                                 is_weight, s.ratio)
     loss = aggregate(per_token, mask, s.agg, weight.num_seqs, weight.num_tokens)
