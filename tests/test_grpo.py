@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo import (UpdateSettings, aggregate, group_advantages, masked_mean, mismatch_stats,
-                  overlay, policy_loss, policy_update, read_stats, set_advantages, tis_weight)
+                  overlay, policy_loss, policy_update, read_stats, sampler_gap, sampler_record,
+                  set_advantages, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
 from measure import amplification, gradient_noise, gradient_signals, gradient_stats
 from rollout import Call, Rollout, old_logprobs, sequence_logprobs
@@ -193,6 +194,26 @@ def test_logged_kl_and_chi2_read_the_completion_tokens_and_the_token_ratios():
 def test_overlay_writes_each_row_over_the_start_of_its_own():
     got = overlay(torch.zeros(2, 3), [torch.tensor([1.0, 2.0]), None])
     assert got.tolist() == [[1.0, 2.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_the_sampler_s_record_is_laid_out_as_the_update_s_tokens_and_only_where_it_is():
+    """Two calls of 3 and 2 tokens, one sampled (its record: -1, -2, -3) and one hand-made (no
+    record): the gap is read where a record is, and is 0 elsewhere (pi_old itself)."""
+    sampled = Call(0, "generator", "generator", 0, [5], [1, 2, 3], "", "",
+                   rollout_logp=torch.tensor([-1.0, -2.0, -3.0]))
+    made = Call(1, "generator", "generator", 0, [5], [4, 2], "", "")
+    logp, known = sampler_record([sampled, made], "cpu")
+    assert logp.tolist() == [[-1.0, -2.0, -3.0], [0.0, 0.0, 0.0]]
+    assert known.tolist() == [[True, True, True], [False, False, False]]
+    old_logp = torch.full((2, 3), -1.5)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    weight, gap = sampler_gap(old_logp, (logp, known), mask, tis_cap=2.0, measure=True)
+    # pi_old / pi_rollout: e^-0.5, e^0.5, e^1.5 capped at 2; 1 where there is no record
+    assert weight.flatten().tolist() == pytest.approx([math.exp(-0.5), math.exp(0.5), 2.0,
+                                                       1.0, 1.0, 1.0])
+    # |log pi_old - log pi_rollout| over the 5 tokens: (0.5 + 0.5 + 1.5 + 0 + 0) / 5
+    assert float(gap["mismatch_mean"]) == pytest.approx(0.5)
+    assert sampler_gap(old_logp, None, mask, tis_cap=0.0, measure=False) == (None, {})
 
 
 def test_amplification_identical_and_orthogonal():
