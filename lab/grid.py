@@ -11,15 +11,14 @@ training them, and their tables.
 
 Flags this file does not know go to every cell's train.py in which they act (--n_agents to the
 cells whose workflow has agents to count), after the cell's own, so they override them (e.g.
---model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in
-a directory of its own (out/seed<S>/<cell>), trained in a fresh process. A finished cell is
-not trained again, and one trained with other settings is an error rather than a silent mix;
-an interrupted cell resumes from its checkpoint, and one killed before its first starts over,
-so an interrupted grid goes on where it stopped when the same command runs again. A demo's
-cells of one seed go on from one warm-up and step-0 evaluation (train.py --start_from), so
-they differ only in how RL updates the adapters. The tables (lab/tables.py) are means over
-the seeds with their range, and differences paired by seed with their t intervals; diagnose.py's
-report on every cell follows them.
+--model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in a directory of its own
+(out/seed<S>/<cell>), trained in a fresh process. A finished cell is not trained again, and one
+trained with other settings is an error rather than a silent mix; an interrupted cell resumes
+from its checkpoint, and one killed before its first starts over, so an interrupted grid goes on
+where it stopped when the same command runs again. A demo's cells of one seed go on from one
+warm-up and step-0 evaluation (train.py --start_from), so they differ only in how RL updates the
+adapters. The tables (lab/tables.py) are means over the seeds with their range, and differences
+paired by seed with their t intervals; diagnose.py's report on every cell follows them.
 
 Every cell's settings are checked as its train.py will check them before the first cell
 trains, and a flag that would set what tells the cells apart (--workflow in the main table,
@@ -63,18 +62,25 @@ GRID_FLAGS = ("--eval_every", "2", "--eval_problems", "64", "--val_problems", "4
 def grid_cells(train_flags: list[str], seeds: list[int]) -> list[tuple[str, list[str]]]:
     """The grid's (name, train.py flags) cells, seed<S>/<workflow>-<sharing> for every seed;
     `train_flags` come after the grid's and override them."""
-    return [(f"seed{seed}/{w}-{s}", handed(["--workflow", w, "--sharing", s, *GRID_FLAGS,
-                                            "--seed", str(seed)], train_flags))
+    return [(f"seed{seed}/{w}-{s}", cell_flags([], ["--workflow", w, "--sharing", s,
+                                                    *GRID_FLAGS, "--seed", str(seed)],
+                                                train_flags))
             for seed in seeds for w, s in GRID]
 
 
-def handed(own: list[str], train_flags: list[str]) -> list[str]:
-    """A cell's own flags, then those of the grid's train.py flags that act in it: a setting of
-    settings.ONLY_UNDER that would do nothing there stays out (--n_agents reaches the voting
-    cells, not the single-agent one; check_cells refuses one that acts in no cell)."""
-    idle = idle_settings(parse_config([*own, *train_flags]))
-    return [*own, *(token for name, group in flag_groups(train_flags) if name not in idle
-                    for token in group)]
+def cell_flags(shared: list[str], own: list[str], train_flags: list[str]) -> list[str]:
+    """A cell's train.py flags: those its demo gives every cell, its own, then the caller's, each
+    overriding the ones before. Of the flags that go to every cell (the demo's and the caller's),
+    a setting of settings.ONLY_UNDER that would do nothing in this one stays out: --n_agents
+    reaches the Voting cells, not the single-agent one (check_cells refuses one of the caller's
+    that acts in no cell)."""
+    idle = idle_settings(parse_config([*shared, *own, *train_flags]))
+    return [*acting(shared, idle), *own, *acting(train_flags, idle)]
+
+
+def acting(flags: list[str], idle: dict[str, str]) -> list[str]:
+    """flags, each with its value, less those named in `idle`."""
+    return [token for name, group in flag_groups(flags) if name not in idle for token in group]
 
 
 # ----------------------------------------------------------------------------
@@ -177,13 +183,13 @@ def demo_cells(name: str, home: str, train_flags: list[str],
     for seed in seeds:
         mine, start = [*spec.flags, "--seed", str(seed)], []
         if spec.start:  # the warm-up and step-0 evaluation, once; the cells go on from there
-            cells.append((f"seed{seed}/start", [*handed([*mine, *spec.start], train_flags),
+            cells.append((f"seed{seed}/start", [*cell_flags(mine, [*spec.start], train_flags),
                                                 "--steps", "0"]))
             start = ["--start_from", os.path.join(home, f"seed{seed}", "start")]
         for cell, flags in spec.cells.items():  # a cell of another workflow cannot go on from the
             own = "--workflow" in flags  # start (only RL settings may differ): it warms up itself
             cells.append((f"seed{seed}/{cell}",
-                          handed([*mine, *([] if own else start), *flags], train_flags)))
+                          cell_flags(mine, [*([] if own else start), *flags], train_flags)))
     return cells
 
 
@@ -350,8 +356,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This file's flags, and every other flag, in order, for each cell's train.py."""
     parser = argparse.ArgumentParser(prog="python -m lab.grid",
                                      description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     epilog="Every other flag goes to each cell's train.py, "
-                                            "after the cell's own "
+                                     epilog="Every other flag goes to each cell's train.py "
+                                            "in which it acts, after the cell's own "
                                             "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math), "
                                             "but not one the cells set themselves (--seed, "
                                             "--workflow and --sharing in the main table, a "

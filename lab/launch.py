@@ -32,8 +32,8 @@ from lab.checkpoint import (TrainState, has_checkpoint, is_state, load_state, no
                             read_best, restore_best, start_checkpoint)
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
 from lab.settings import (MAAC_ONLY, Config, check_idle_flags, check_numbers, critic_settings,
-                          lora_targets, read_config, update_settings, warmup_roles,
-                          with_task_tokens)
+                          idle_settings, lora_targets, read_config, update_settings,
+                          warmup_roles, with_task_tokens)
 from lora import (adapter_for, adapter_parameters, freeze_copy, inject_lora, narrowest,
                   setup_adapters)
 from model import load_policy
@@ -270,13 +270,15 @@ NEW_LR = ("lr", "critic_lr")
 
 
 def typed_flags(argv: list[str]) -> set[str]:
-    """The Config fields named on a command line: --lr 0.1, --lr=0.1, --no-one_step."""
-    return {name for name, _ in flag_groups(argv)}
+    """The flags named on a command line, any tool's: --lr 0.1, --lr=0.1, --no-one_step."""
+    names = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+    return {n[3:] if n.startswith("no-") else n for n in names}
 
 
 def flag_groups(argv: list[str]) -> list[tuple[str, list[str]]]:
-    """A command line's flags, each with its value: ("lr", ["--lr", "0.1"]), ("lr", ["--lr=0.1"]),
-    ("one_step", ["--no-one_step"]); a token that is no flag's is left out."""
+    """A train.py command line's flags, each with its value: ("lr", ["--lr", "0.1"]),
+    ("lr", ["--lr=0.1"]), ("one_step", ["--no-one_step"]); a token that is no flag's is left
+    out. Which flags take no value is train.py's (Config's switches)."""
     switches = {f.name for f in dataclasses.fields(Config) if f.type is bool}
     groups, i = [], 0
     while i < len(argv):
@@ -425,10 +427,13 @@ def check_start(cfg: Config) -> dict:
 
 
 def check_goes_on_from(cfg: Config, start: Config, where: str) -> None:
-    """Can a run of `cfg` take its step 0 from a run of `start` (in `where`)?"""
+    """Can a run of `cfg` take its step 0 from a run of `start` (in `where`)? A setting that
+    acted nowhere in the start (settings.ONLY_UNDER: --minibatch_size without a warm-up or
+    mini-batch steps) did not shape it, and may differ as RL settings may."""
+    idle = idle_settings(start)
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(start, f.name)
-        if f.name not in NOT_THE_RUN + RL_SETTINGS and given != old:
+        if f.name not in NOT_THE_RUN + RL_SETTINGS and f.name not in idle and given != old:
             raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's "
                              f"({old}); only RL settings may differ")
     if start.sharing == "isolated" and cfg.sharing == "shared":

@@ -93,8 +93,8 @@ class Config:
     grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
     one_step: bool = arg(True, "one optimizer step per adapter a step (--no-one_step: one per "
                          "--minibatch_size)")
-    minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step, and per warm-up step",
-                              bounds="[1, inf)")
+    minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step, and per "
+                                  "warm-up step", bounds="[1, inf)")
     micro_batch_tokens: int = arg(1024, "padded tokens a pass (memory only)",
                                   bounds="[1, inf)")
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")

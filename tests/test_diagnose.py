@@ -402,6 +402,7 @@ def test_runs_of_one_name_are_refused_not_merged(tmp_path):
     (["--probe", "R/ckpt", "--sample"], "--sample goes with --watch only"),
     (["--watch", "R", "Q", "--probe_problems", "4"], "--probe_problems goes with --probe only"),
     (["--watch", "R", "Q", "--out", "elsewhere"], "--out goes with run directories only"),
+    (["--watch", "R", "Q", "--sample", "--out", "d"], "--out goes with run directories only"),
     (["R", "--seed", "3"],
      "--seed goes with --probe or --watch --sample only; with run directories it would be ignored"),
     (["--watch", "R", "Q", "--seed=3"], "--seed goes with --probe or --watch --sample only"),

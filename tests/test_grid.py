@@ -97,6 +97,12 @@ def test_a_flag_reaches_only_the_cells_where_it_acts():
     cells = grid.demo_cells("critics", "home", ["--lam", "0.5"], [0])
     assert {name: train.parse_config(flags).lam for name, flags in cells} == {
         "seed0/start": 0.95, "seed0/grpo": 0.95, "seed0/central": 0.5, "seed0/decentral": 0.5}
+    # a demo's own flags too: without a warm-up its --minibatch_size acts in the cells that
+    # take mini-batch steps alone, and a start that never used it may differ in it
+    cells = grid.demo_cells("optimizer", "home", ["--sft_warmup", "0"], [0])
+    grid.check_cells(cells, "home", ["--sft_warmup", "0"])
+    assert {name: train.parse_config(flags).minibatch_size for name, flags in cells} == {
+        "seed0/start": 16, "seed0/isolated": 4, "seed0/isolated-one_step": 16, "seed0/single": 4}
 
 
 def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys):

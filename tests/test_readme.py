@@ -80,7 +80,7 @@ def test_every_readme_command_parses_and_the_offline_ones_run(tmp_path, monkeypa
                 continue
             steps = "0" if cfg.steps == 0 else "1"
             # TINY's flags where they act, as the grid hands them out (--n_agents: voting)
-            train.main(train.parse_config(grid.handed(args, TINY + ["--steps", steps])
+            train.main(train.parse_config(grid.cell_flags([], args, TINY + ["--steps", steps])
                                           if not cfg.resume else args))
         elif script == "lab/bench.py":  # runs for minutes: parsed here, run in test_bench.py
             bench.make_parser().parse_args(args)
