@@ -375,7 +375,8 @@ def overlay(base: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor
     return out
 
 
-def sampler_record(micro: list[Call], device) -> tuple[torch.Tensor, torch.Tensor]:
+def sampler_record(micro: list[Call],
+                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """What the sampler recorded of a micro-batch's tokens, laid out as its update's (b, T): the
     log-probs under pi_rollout, and where a record is (greedy or hand-made calls have none), on
     the device."""

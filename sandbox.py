@@ -70,7 +70,7 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Protocol
+from typing import IO, Protocol
 
 CODE_TIMEOUT = 6.0  # wall-clock seconds per program, all its tests together
 MEMORY_BYTES = 1 << 30  # address space of each process
@@ -79,7 +79,7 @@ FILE_BYTES = 16 << 20
 # processes and threads of one run (set where the run has its own uid or user namespace)
 NPROC_MAX = 64
 FILES_MAX = 256  # open files of each process (the trainer's own limit may be far higher)
-OUTPUT_CHARS = 2000  # head of stdout/stderr kept for logs
+OUTPUT_CHARS = 2000  # head of each log kept: the program's stdout/stderr (and the judge's)
 TMP_BYTES = 64 << 20  # size of each private /tmp, /var/tmp and /dev/shm (inside namespaces)
 # fresh uids are drawn from [2^30, 2^30 + 2^29): far above real and container users
 FRESH_UID_BASE = 1 << 30
@@ -102,7 +102,7 @@ class CodeResult:
     passed: bool  # every test ran and passed
     reason: str  # "passed", "no proof of success", "timeout", "wrong output on test 3", ...
     seconds: float
-    output: str = ""  # head of the program's stdout and stderr
+    output: str = ""  # head of the program's stdout and stderr, then of the judge's
     marker: str = ""  # every process of the run has SANDBOX_RUN=<marker> in its environment
 
 
@@ -234,7 +234,8 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
                 raise
             _close_fds(pipes)  # the program's now: when it ends, the judge hears so
             try:
-                proc.communicate(json.dumps(job).encode(), timeout=timeout)
+                proc.communicate(json.dumps(job).encode(),
+                                 timeout=max(0.0, deadline - time.monotonic()))
                 if judge is not None:
                     judge.wait(max(0.0, deadline - time.monotonic()))
                 verdict = None
@@ -248,7 +249,8 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
             log.seek(0)
             judged.seek(0)
             if verdict is None and judge is not None:
-                verdict = JUDGED.get(judge.returncode, "no proof of success")
+                verdict = JUDGED.get(judge.returncode,
+                                     "sandbox error: the judge failed (its log says why)")
             verdict = verdict or _verdict(proc.returncode, report.read(), nonce, cases, answers)
             output = log.read(OUTPUT_CHARS) + judged.read(OUTPUT_CHARS)
             return verdict, output.decode(errors="replace")
@@ -259,12 +261,13 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
         shutil.rmtree(top, ignore_errors=True)
 
 
-# judge()'s exit statuses (in the harness below)
+# judge()'s exit statuses (in the harness below); any other: the judge failed
 JUDGED = {0: "passed", 1: "failed a test", 2: "no proof of success",
           3: "sandbox error: a test calls the program with data that is not plain"}
 
 
-def _judge(problem: CodeTests, harness: str, cwd: str, log, pipes: list) -> subprocess.Popen:
+def _judge(problem: CodeTests, harness: str, cwd: str, log: IO[bytes],
+           pipes: list[int]) -> subprocess.Popen:
     """Start an assert-style problem's judge: the harness's judge() in this interpreter, outside
     the sandbox, with the prompt and the tests, which never enter the sandbox. It asks the
     program for each call of its function over two pipes; the program's ends (requests to read,
@@ -279,9 +282,13 @@ def _judge(problem: CodeTests, harness: str, cwd: str, log, pipes: list) -> subp
                                  pass_fds=(requests[1], replies[0]), start_new_session=True)
     finally:
         _close_fds([requests[1], replies[0]])
-    with judge.stdin:  # read whole before it asks anything
-        judge.stdin.write(json.dumps({"setup": problem.setup, "tests": problem.tests,
-                                      "entry_point": problem.entry_point}).encode())
+    try:
+        with judge.stdin:  # read whole before it asks anything
+            judge.stdin.write(json.dumps({"setup": problem.setup, "tests": problem.tests,
+                                          "entry_point": problem.entry_point}).encode())
+    except BaseException:  # it died first
+        _stop(judge)
+        raise
     return judge
 
 
@@ -386,7 +393,7 @@ def _fresh_uid() -> int:
     return uid
 
 
-HARNESS_START = "# " + "-" * 65 + " the harness (inside the sandbox)\n"
+HARNESS_START = "# " + "-" * 43 + " the harness (inside the sandbox) and the judge\n"
 
 
 @functools.lru_cache(maxsize=None)
@@ -397,7 +404,7 @@ def harness_source() -> str:
     return source[source.index(HARNESS_START):]
 
 
-# ----------------------------------------------------------------- the harness (inside the sandbox)
+# ------------------------------------------- the harness (inside the sandbox) and the judge
 # Runs as `python -I -S harness.py <report fd>`, a copy of this part of the file alone, with these
 # imports and nothing of the trainer's side above. It reads its job (code, the tests' inputs or
 # the judge's pipes, nonce, limits, uid) from stdin, applies the limits, drops to the uid, runs
@@ -605,37 +612,45 @@ class NoReply(Exception):
     """The program answered a call with nothing plain: it raised, crashed, exited or overran."""
 
 
-def judge(requests, replies):
-    """Outside the sandbox, with the trainer's rights but never the candidate's code: run an
-    assert-style problem's prompt and tests, each call of the candidate a request to the sandboxed
-    program (run_assert) and its reply taken as data only. Returns the exit status: 0 every test
-    passed, 1 a test failed, 2 a call got no plain reply (or none was made), 3 a test called with
-    data not plain."""
-    job = json.loads(sys.stdin.buffer.read())
-    ask, hear = os.fdopen(requests, "wb"), os.fdopen(replies, "rb")
-    resource.setrlimit(resource.RLIMIT_AS, (JUDGE_MEMORY, JUDGE_MEMORY))
-    trouble = []  # statuses of calls gone wrong: a test that catches the exception is not believed
-    answered = []
+class Candidate:
+    """What the judge's tests call in place of the candidate's function: each call a request to
+    the sandboxed program (run_assert), its reply taken as data only. It keeps the worst that
+    went wrong (`trouble`: a test that catches the exception is not believed) and how many calls
+    were answered."""
 
-    def candidate(*args, **kwargs):
+    def __init__(self, requests, replies):
+        self.ask, self.hear = os.fdopen(requests, "wb"), os.fdopen(replies, "rb")
+        self.trouble, self.answered = 0, 0
+
+    def __call__(self, *args, **kwargs):
         try:
             request = (json.dumps(encode([list(args), kwargs])) + "\n").encode()
         except Exception:
-            trouble.append(3)
+            self.trouble = max(self.trouble, 3)
             raise
         try:
-            ask.write(request)
-            ask.flush()
-            line = hear.readline(REPLY_BYTES)
+            self.ask.write(request)
+            self.ask.flush()
+            line = self.hear.readline(REPLY_BYTES)
             if line.endswith(b"\n"):
                 result = decode(json.loads(line))
-                answered.append(1)
+                self.answered += 1
                 return result
         except Exception:  # a broken pipe, or a reply that is not JSON, or not plain
             pass
-        trouble.append(2)
+        self.trouble = max(self.trouble, 2)
         raise NoReply()
 
+
+def judge(requests, replies):
+    """Outside the sandbox, with the trainer's rights but never the candidate's code: run an
+    assert-style problem's prompt and tests, the candidate's function a Candidate. Returns the
+    exit status: 0 every test passed, 1 a test failed, 2 a call got no plain reply (or none was
+    made), 3 a test called with data not plain; it raises (status 4) where the judge itself
+    fails: its job, its limit, the prompt."""
+    job = json.loads(sys.stdin.buffer.read())
+    resource.setrlimit(resource.RLIMIT_AS, (JUDGE_MEMORY, JUDGE_MEMORY))
+    candidate = Candidate(requests, replies)
     env = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(job["setup"], "<setup>", "exec"), env)  # the helpers the tests may use
     env[job["entry_point"]] = candidate
@@ -645,14 +660,19 @@ def judge(requests, replies):
     except BaseException:
         traceback.print_exc(limit=-2)  # for the log: which test failed
         status = 1
-    if not answered:  # a test that never called the program proves nothing of it
-        trouble.append(2)
-    return max(trouble) if trouble else status
+    if not candidate.answered:  # a test that never called the program proves nothing of it
+        return max(candidate.trouble, 2)
+    return candidate.trouble or status
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "judge":  # outside: python -I harness.py judge <requests fd> <replies fd>
-        status = judge(int(sys.argv[2]), int(sys.argv[3]))
+        try:
+            status = judge(int(sys.argv[2]), int(sys.argv[3]))
+        except BaseException:
+            traceback.print_exc()
+            status = 4
+        sys.stdout.flush()
         sys.stderr.flush()
         exit_(status)
     try:  # inside the sandbox: python -I -S harness.py <report fd>

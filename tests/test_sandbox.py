@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 import tempfile
 import time
 
@@ -342,12 +343,43 @@ def test_correct_programs_score_one(problem, code):
      "    found = re.findall('expected (\\\\d+)', seen)\n"
      "    return int(found[0]) if found else 0\n",
      "failed a test"),
+    # the prompt itself fails: the judge's fault, not the program's
+    (Problem("broken prompt", "", "", kind="code", test_format="assert", entry_point="f",
+             setup="import no_such_module\n", tests="assert f() == 1\n"),
+     "def f():\n    return 1\n", "sandbox error: the judge failed (its log says why)"),
     # a list is not the tuple the test expects, in the sandbox as in one interpreter
     (Problem("tuple", "", "", kind="code", test_format="assert", entry_point="f",
              tests="assert f() == (1, 2)\n"), "def f():\n    return [1, 2]\n", "failed a test"),
 ])
 def test_wrong_programs_score_zero(problem, code, reason):
     assert run_code(code, problem, timeout=5).reason == reason
+
+
+def test_a_judge_that_will_not_read_its_job_is_stopped(monkeypatch, tmp_path):
+    """A judge that closes its stdin unread and lives on (a stand-in for one that failed to
+    start): a sandbox error, and no child of this process is left, not even as a zombie."""
+    judge = tmp_path / "judge"
+    judge.write_text("#!/bin/sh\nexec 0<&-\nexec sleep 30\n")
+    judge.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(judge))
+    tests = "assert f() == 1\n" + "#" * (1 << 20)  # more than a pipe holds
+    problem = Problem("big", "", "", kind="code", test_format="assert", entry_point="f",
+                      tests=tests)
+    result = run_code("def f():\n    return 1\n", problem, timeout=5)
+    assert result.reason.startswith("sandbox error: BrokenPipeError"), result
+    assert children() == []
+
+
+def children() -> list[str]:
+    """This process's children, zombies included: pid and state."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid():
+                found.append(f"{pid} {fields[0]}")
+    return found
 
 
 def test_extract_code():
