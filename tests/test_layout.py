@@ -7,7 +7,7 @@ from conftest import ROOT
 
 # A file may import only files of a lower layer (README, "The files"), named as imported.
 LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0, "model": 0,
-          "decode": 0,
+          "decode": 0, "lab.harness": 0,
           "rollout": 1, "reward": 1,
           "grpo": 2, "critic": 2, "lab.runs": 2, "warmup": 2,
           "lab.checkpoint": 3, "lab.settings": 3, "measure": 3,
