@@ -33,6 +33,7 @@ the roles, step by step, is measure.py's.
     pytest tests/test_reward.py tests/test_datasets.py
 """
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from functools import partial
@@ -298,9 +299,18 @@ def extract_code(text: str) -> str | None:
 
 
 def code_reward(text: str, problem: Problem, timeout: float = CODE_TIMEOUT) -> float:
-    """1.0 if the last python block of the text passes every test of the problem, else 0.0."""
+    """1.0 if the last python block of the text passes every test of the problem, else 0.0. A
+    sandbox error (a broken problem, a judge or a machine that fails) scores 0 too, and is said,
+    once a problem and reason: every program scoring 0 would otherwise look like a policy that
+    learns nothing."""
     code = extract_code(text)
-    return 0.0 if code is None else float(run_code(code, problem, timeout).passed)
+    if code is None:
+        return 0.0
+    result = run_code(code, problem, timeout)
+    if result.reason.startswith("sandbox error"):
+        warnings.warn(f"code reward: {result.reason} (problem {problem.id}); its programs "
+                      "score 0", RuntimeWarning)
+    return float(result.passed)
 
 
 # ----------------------------------------------------------------------------- scoring

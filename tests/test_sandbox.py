@@ -409,6 +409,8 @@ def test_score_dispatches_and_never_raises():
             expected = 1.0 if (problem, text) == (ADD, good) else 0.0
             assert score(problem, text, timeout=TIMEOUT) == expected, (problem.id, text)
     assert code_reward("```python\nimport os\nos._exit(0)\n```", ADD) == 0.0
+    with pytest.warns(RuntimeWarning, match=r"code reward: sandbox error: .* \(problem b\)"):
+        assert code_reward(good, broken) == 0.0  # said, not silent
 
 
 def test_score_batch_runs_in_parallel():
