@@ -117,11 +117,11 @@ def _load_smollm2(dtype: torch.dtype):
 
 def _load_hf(name: str, dtype: torch.dtype):
     name = os.path.expanduser(name)  # ~/models/x, as a shell would read it
-    if name.startswith(("/", "./", "../")) and not os.path.isdir(name):
-        raise SystemExit(f"model {name!r}: no such directory")
     if os.path.isdir(name):
         _check_model_dir(name)
-    if not os.path.isdir(name):  # a hub id: the local cache first, then the hub
+    elif name.startswith(("/", "./", "../")):
+        raise SystemExit(f"model {name!r}: no such directory")
+    else:  # a hub id: the local cache first, then the hub
         try:
             return _from_pretrained(name, dtype, local_files_only=True)
         except (OSError, ValueError):

@@ -39,8 +39,7 @@ import time
 
 from diagnose import findings, report
 from lab.checkpoint import has_checkpoint
-from lab.launch import (check_goes_on_from, check_settings, flag_groups, resolve_resume,
-                        typed_flags)
+from lab.launch import check_goes_on_from, check_settings, resolve_resume, typed_flags
 from lab.runs import load_run
 from lab.settings import Config, idle_settings, parse_config, with_task_tokens
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
@@ -81,6 +80,24 @@ def cell_flags(shared: list[str], own: list[str], train_flags: list[str]) -> lis
 def acting(flags: list[str], idle: dict[str, str]) -> list[str]:
     """flags, each with its value, less those named in `idle`."""
     return [token for name, group in flag_groups(flags) if name not in idle for token in group]
+
+
+def flag_groups(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """A train.py command line's flags, each with its value: ("lr", ["--lr", "0.1"]),
+    ("lr", ["--lr=0.1"]), ("one_step", ["--no-one_step"]); a token that is no flag's is left
+    out. Which flags take no value is train.py's (Config's switches)."""
+    switches = {f.name for f in dataclasses.fields(Config) if f.type is bool}
+    groups, i = [], 0
+    while i < len(argv):
+        if not argv[i].startswith("--"):
+            i += 1
+            continue
+        name = argv[i][2:].split("=")[0]
+        name = name[3:] if name.startswith("no-") else name
+        width = 1 if "=" in argv[i] or name in switches else 2
+        groups.append((name, argv[i:i + width]))
+        i += width
+    return groups
 
 
 # ----------------------------------------------------------------------------

@@ -275,24 +275,6 @@ def typed_flags(argv: list[str]) -> set[str]:
     return {n[3:] if n.startswith("no-") else n for n in names}
 
 
-def flag_groups(argv: list[str]) -> list[tuple[str, list[str]]]:
-    """A train.py command line's flags, each with its value: ("lr", ["--lr", "0.1"]),
-    ("lr", ["--lr=0.1"]), ("one_step", ["--no-one_step"]); a token that is no flag's is left
-    out. Which flags take no value is train.py's (Config's switches)."""
-    switches = {f.name for f in dataclasses.fields(Config) if f.type is bool}
-    groups, i = [], 0
-    while i < len(argv):
-        if not argv[i].startswith("--"):
-            i += 1
-            continue
-        name = argv[i][2:].split("=")[0]
-        name = name[3:] if name.startswith("no-") else name
-        width = 1 if "=" in argv[i] or name in switches else 2
-        groups.append((name, argv[i:i + width]))
-        i += width
-    return groups
-
-
 def resolve_resume(cfg: Config, typed: set[str] | None = None,
                    new_lr: tuple[str, ...] = NEW_LR) -> Config:
     """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
