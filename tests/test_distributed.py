@@ -7,6 +7,7 @@ import json
 import os
 import random
 import socket
+import sys
 
 import pytest
 import torch
@@ -32,6 +33,9 @@ def free_port() -> int:
 
 
 def worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
+    """One process of the group. A process whose work is done leaves as lab.machine.run_main
+    leaves under torchrun: without the interpreter's shutdown, where gloo's threads have aborted
+    a finished process (SIGABRT, "terminate called without an active exception")."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -44,6 +48,9 @@ def worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (an exception above is reported by torch.multiprocessing as before)
 
 
 def in_processes(world: int, fn, *args) -> None:
@@ -251,7 +258,6 @@ def test_torchrun_runs_train_py_with_two_processes(tmp_path):
     """docs/torchrun.md's command, on the tiny model: GRPO on Voting, and the central critic on
     Eval-Opt."""
     import subprocess
-    import sys
     from conftest import ROOT
     for flags in (["--workflow", "voting", "--sharing", "isolated"],
                   ["--workflow", "eval_opt", "--algo", "maac", "--critic", "central"]):
