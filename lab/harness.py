@@ -32,8 +32,8 @@ JUDGE_MEMORY = 1 << 30  # the judge's address space
 
 def encode(x, depth=0):
     """Plain data as JSON: numbers, strings, None and lists as they are; a tuple, set, frozenset,
-    dict, bytes, complex number or long int as {"<its type>": ...}; an iterator (a generator, a
-    map) as {"iter": [what it yields]}. Anything else is refused, a subclass of a builtin type too
+    dict, bytes, complex number, range or long int as {"<its type>": ...}; an iterator (a
+    generator, a map) as {"iter": [what it yields]}. Anything else is refused, a subclass of a builtin type too
     (its __eq__ could always say yes)."""
     t = type(x)
     if t is int and x.bit_length() > BIG_BITS:
@@ -49,6 +49,8 @@ def encode(x, depth=0):
             return {"bytes": x.decode("latin-1")}
         if t is complex:
             return {"complex": [x.real, x.imag]}
+        if t is range:
+            return {"range": [encode(x.start), encode(x.stop), encode(x.step)]}
         for name, kind in TAGGED.items():
             if t is kind:
                 return {name: [encode(v, depth + 1) for v in x]}
@@ -73,6 +75,10 @@ def decode(x, depth=0):
         if name == "complex" and type(v) is list and len(v) == 2 and all(
                 type(part) is float or type(part) is int for part in v):
             return complex(*v)
+        if name == "range" and type(v) is list and len(v) == 3:
+            parts = [decode(part, depth + 1) for part in v]
+            if all(type(part) is int for part in parts):
+                return range(*parts)
         if type(v) is list and (name in ("dict", "iter") or name in TAGGED):
             items = [decode(item, depth + 1) for item in v]
             if name == "iter":

@@ -295,9 +295,12 @@ def test_network_is_blocked():
     (Problem("big", "", "", kind="code", test_format="assert", entry_point="f",
              tests="assert f(10 ** 5000) == 10 ** 5000 + 1\nassert tuple(f(3)) == (0, 1, 2)\n"),
      "def f(n):\n    return n + 1 if n > 3 else (i for i in range(n))\n"),
+    (Problem("range", "", "", kind="code", test_format="assert", entry_point="f",
+             tests="assert f(3) == range(3)\nassert list(f(4))[-1] == 3\n"),
+     "def f(n):\n    return range(n)\n"),
 ], ids=["assert", "assert-with-prompt-helpers", "stdio-input", "stdio-buffer-exit", "stdio-open0",
         "call", "call-Solution", "assert-data",
-        "assert-long-int-and-generator"])
+        "assert-long-int-and-generator", "assert-range"])
 def test_correct_programs_score_one(problem, code):
     for isolate in (True, False):
         result = run_code(code, problem, timeout=5, isolate=isolate)
@@ -493,6 +496,8 @@ def test_plain_data_crosses_to_the_judge_as_it_was_and_nothing_else_does():
     big = -(10 ** 5000)  # past str()'s digits
     assert decode(json.loads(json.dumps(encode(big)))) == big
     assert list(decode(json.loads(json.dumps(encode(map(str, [1, 2])))))) == ["1", "2"]
+    steps = range(-3, 10 ** 4000, 7)  # bounds past str()'s digits too
+    assert decode(json.loads(json.dumps(encode(steps)))) == steps
     for unplain in (type("Liar", (), {"__eq__": lambda self, other: True})(),
                     [1, type("Int", (int,), {})(2)],  # a subclass can override __eq__
                     {"k": object()}, len, nested(DEPTH + 1)):
@@ -500,7 +505,8 @@ def test_plain_data_crosses_to_the_judge_as_it_was_and_nothing_else_does():
             encode(unplain)
     assert encode(nested(DEPTH)) == nested(DEPTH)
     for forged in ({"tuple": 1}, {"tuple": [], "set": []}, {"object": []}, {"dict": [[1]]},
-                   {"complex": ["1", 2]}, {"bytes": 3}, nested(DEPTH + 1)):
+                   {"complex": ["1", 2]}, {"bytes": 3}, {"range": [0, 1.5, 1]},
+                   {"range": [0, 3, 0]}, nested(DEPTH + 1)):
         with pytest.raises(ValueError):
             decode(forged)
 
