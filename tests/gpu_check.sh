@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU checks of docs/performance.md, in one run of at most about $BUDGET seconds (default
-# 540: one device call is at most 600) on one GPU. After the decoders' tests with CUDA visible,
+# 480: eight minutes) on one GPU. After the decoders' tests with CUDA visible,
 # the parts never measured on a GPU come first, so that a run cut short loses what is known
 # already: one decoding step alone (eager, and a CUDA graph's replay) by rows, three steps of
 # the GPU recipe on the embedded model with the diagnostics, the update profiled in bf16 and in
@@ -15,7 +15,7 @@
 #   bash tests/gpu_check.sh
 #   LOGS=/tmp/gpu TAR=$OUT/gpu.tgz bash tests/gpu_check.sh   # on a machine that returns few files
 LOGS=${LOGS:-gpu}
-BUDGET=${BUDGET:-540}
+BUDGET=${BUDGET:-480}
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYTHONPATH"
 PY=${PY:-python}
 set -o pipefail
