@@ -58,6 +58,9 @@ def check_settings(cfg: Config, typed: set[str] | None
     check_numbers(cfg)
     if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
         check_idle_flags(cfg, typed)
+        if cfg.warmup_steps > cfg.steps > 0:
+            raise SystemExit(f"--warmup_steps {cfg.warmup_steps}: more than the run's --steps "
+                             f"{cfg.steps}, so its learning rate would never reach --lr")
     if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs); use --credit final")

@@ -124,6 +124,7 @@ def test_a_misspelt_lora_target_is_refused():
     (dict(max_rounds=3), "--max_rounds counts eval_opt's generator turns"),
     (dict(minibatch_size=8), "--minibatch_size sizes the optimizer steps of --no-one_step and of "
                              "the warm-up; this run has neither"),
+    (dict(steps=3, warmup_steps=4), "--warmup_steps 4: more than the run's --steps 3"),
     (dict(seed=2 ** 64), "--seed 18446744073709551616: must be in"),
     (dict(seed=-1), "--seed -1: must be in"),
     (dict(lora_alpha=1e300), "--lora_alpha 1e+300: must be in"),
