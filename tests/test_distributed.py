@@ -1,13 +1,14 @@
 """Several processes, as torchrun runs them, on CPU with gloo: the 2-process update equals the
 1-process update on the same calls, and a 2-process training run completes and resumes exactly.
 
-Processes are started with torch.multiprocessing and meet through a TCP store on 127.0.0.1;
-torchrun sets the same environment variables."""
+Processes are started with torch.multiprocessing, with the environment variables torchrun
+sets, and meet through a file store in a fresh directory (a port picked in advance could be taken
+before the store binds it)."""
 import json
 import os
 import random
-import socket
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -26,20 +27,14 @@ import train
 from workflows import ROLES, run_workflow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
+def worker(rank: int, world: int, store: str, fn, args: tuple) -> None:
     """One process of the group. A process whose work is done leaves as lab.machine.run_main
     leaves under torchrun: without the interpreter's shutdown, where gloo's threads have aborted
     a finished process (SIGABRT, "terminate called without an active exception")."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(*args)
         if dist.is_initialized():  # (train.main tears its group down itself)
@@ -55,7 +50,8 @@ def worker(rank: int, world: int, port: int, fn, args: tuple) -> None:
 
 def in_processes(world: int, fn, *args) -> None:
     """Run fn(*args) in `world` fresh processes that form one process group."""
-    mp.spawn(worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(world, f"{d}/store", fn, args), nprocs=world, join=True)
 
 
 # ----------------------------------------------------------------------------
