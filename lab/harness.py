@@ -33,8 +33,8 @@ JUDGE_MEMORY = 1 << 30  # the judge's address space
 def encode(x, depth=0):
     """Plain data as JSON: numbers, strings, None and lists as they are; a tuple, set, frozenset,
     dict, bytes, complex number, range or long int as {"<its type>": ...}; an iterator (a
-    generator, a map) as {"iter": [what it yields]}. Anything else is refused, a subclass of a builtin type too
-    (its __eq__ could always say yes)."""
+    generator, a map) as {"iter": [what it yields]}. Anything else is refused, a subclass of a
+    builtin type too (its __eq__ could always say yes)."""
     t = type(x)
     if t is int and x.bit_length() > BIG_BITS:
         return {"int": format(x, "x")}

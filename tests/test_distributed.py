@@ -45,7 +45,7 @@ def worker(rank: int, world: int, store: str, fn, args: tuple) -> None:
             dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # (an exception above is reported by torch.multiprocessing as before)
+    os._exit(0)  # (an exception above propagates: torch.multiprocessing reports it)
 
 
 def in_processes(world: int, fn, *args) -> None:

@@ -500,7 +500,7 @@ def test_plain_data_crosses_to_the_judge_as_it_was_and_nothing_else_does():
     big = -(10 ** 5000)  # past str()'s digits
     assert decode(json.loads(json.dumps(encode(big)))) == big
     assert list(decode(json.loads(json.dumps(encode(map(str, [1, 2])))))) == ["1", "2"]
-    steps = range(-3, 10 ** 4000, 7)  # bounds past str()'s digits too
+    steps = range(-3, 10 ** 5000, 7)  # a bound past str()'s digits too
     assert decode(json.loads(json.dumps(encode(steps)))) == steps
     for unplain in (type("Liar", (), {"__eq__": lambda self, other: True})(),
                     [1, type("Int", (int,), {})(2)],  # a subclass can override __eq__
