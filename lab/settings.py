@@ -223,6 +223,12 @@ ONLY_UNDER = [
      "neither: drop it"),
     (("max_rounds",), lambda c: c.workflow == "eval_opt",
      "counts eval_opt's generator turns; this workflow has no rounds: drop it"),
+    (("eps_low", "eps_high"), lambda c: not c.one_step,
+     "clips the ratio of --no-one_step's later mini-batches; under --one_step every ratio is "
+     "exactly 1: drop it or give --no-one_step"),
+    (("ratio",), lambda c: not c.one_step or c.tis_cap > 0,
+     "chooses the ratio of --no-one_step's later mini-batches; under --one_step both are exactly "
+     "1 and give one gradient (without --tis_cap): drop it or give --no-one_step"),
     (("minibatch_size",), lambda c: not c.one_step or c.sft_warmup > 0,
      "sizes the optimizer steps of --no-one_step and of the warm-up; this run has neither: "
      "drop it"),

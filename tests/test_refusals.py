@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, directory_state
-from lab import launch
+from lab import launch, settings
 from lora import inject_lora
 from model import tiny_model
 import train
@@ -125,6 +125,8 @@ def test_a_misspelt_lora_target_is_refused():
     (dict(minibatch_size=8), "--minibatch_size sizes the optimizer steps of --no-one_step and of "
                              "the warm-up; this run has neither"),
     (dict(steps=3, warmup_steps=4), "--warmup_steps 4: more than the run's --steps 3"),
+    (dict(eps_high=0.4), "--eps_high clips the ratio of --no-one_step's later mini-batches"),
+    (dict(ratio="sequence"), "--ratio chooses the ratio of --no-one_step's later mini-batches"),
     (dict(seed=2 ** 64), "--seed 18446744073709551616: must be in"),
     (dict(seed=-1), "--seed -1: must be in"),
     (dict(lora_alpha=1e300), "--lora_alpha 1e+300: must be in"),
@@ -135,6 +137,15 @@ def test_contradictions_and_impossible_numbers_are_refused_before_any_file(kw, w
     with pytest.raises(SystemExit, match=re.escape(words)):
         run(tmp_path / "a", **kw)
     assert not os.path.exists(tmp_path / "a")
+
+
+def test_a_flag_is_idle_only_where_it_changes_nothing():
+    """--ratio acts under --one_step once --tis_cap weighs tokens apart; the clip and the
+    mini-batch size act under --no-one_step."""
+    idle = settings.idle_settings
+    assert "ratio" in idle(train.Config()) and "ratio" not in idle(train.Config(tis_cap=2.0))
+    free = idle(train.Config(one_step=False))
+    assert not {"ratio", "eps_low", "eps_high", "minibatch_size"} & set(free)
 
 
 def test_a_typed_critic_flag_without_maac_is_refused_even_at_its_default(tmp_path):
