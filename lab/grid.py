@@ -39,7 +39,7 @@ import time
 
 from diagnose import findings, report
 from lab.checkpoint import has_checkpoint
-from lab.launch import check_goes_on_from, check_settings, resolve_resume, typed_flags
+from lab.launch import check_goes_on_from, check_settings, run_config, typed_flags
 from lab.runs import load_run
 from lab.settings import Config, idle_settings, parse_config, with_task_tokens
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
@@ -286,7 +286,7 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
             cfg = with_task_tokens(parse_config(argv))
             every = {f.name for f in dataclasses.fields(Config)} - set(idle_settings(cfg))
             try:
-                resolve_resume(cfg, every, new_lr=())
+                run_config(cfg, every, new_lr=())  # (its checkpoint may have been let go)
             except SystemExit as e:
                 raise SystemExit(f"{run_dir} was trained with other settings "
                                  f"({str(e).removeprefix('--resume: ')}): "

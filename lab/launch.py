@@ -266,8 +266,9 @@ def step_line(cfg: Config, row: dict, eval_seconds: float, step_seconds: list[fl
 # --resume: the run's saved config, its newest checkpoint (TrainState.save writes it)
 # and its logs cut back to it
 
-# Flags that say where and how a run is executed, not what it is: --resume may change them.
-NOT_THE_RUN = ("out", "resume", "overwrite", "threads")
+# Flags that say where and how a run is executed, not what it is: --resume may change them
+# (a run started on a GPU goes on on a CPU with --device cpu).
+NOT_THE_RUN = ("out", "resume", "overwrite", "threads", "device")
 # And the learning rates, from the step it resumes at on (a run stopped by non-finite steps).
 NEW_LR = ("lr", "critic_lr")
 
@@ -280,21 +281,29 @@ def typed_flags(argv: list[str]) -> set[str]:
 
 def resolve_resume(cfg: Config, typed: set[str] | None = None,
                    new_lr: tuple[str, ...] = NEW_LR) -> Config:
-    """--resume takes the run's saved config; a flag that contradicts it is an error, whether it
-    was typed (`typed`, from the command line) or differs from its default, except the learning
-    rates in `new_lr`. The run lives wherever --out now points, however that path is spelled."""
+    """--resume takes the run's saved config (run_config), from its newest checkpoint on."""
+    saved = run_config(cfg, typed, new_lr)
+    if not has_checkpoint(cfg.out):
+        raise SystemExit(no_checkpoint(cfg.out))
+    return saved
+
+
+def run_config(cfg: Config, typed: set[str] | None = None,
+               new_lr: tuple[str, ...] = NEW_LR) -> Config:
+    """The saved config of the run in --out, as --resume takes it: a flag that contradicts it is
+    an error, whether it was typed (`typed`, from the command line) or differs from its default,
+    except the learning rates in `new_lr` and the machine (NOT_THE_RUN), which a typed flag
+    changes. The run lives wherever --out now points, however that path is spelled."""
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
         raise SystemExit(f"--resume: no run in {cfg.out}")
     try:
         saved = read_config(os.path.join(cfg.out, "config.json"))
     except SystemExit as e:
         raise SystemExit(f"--resume: {e}") from None
-    if not has_checkpoint(cfg.out):
-        raise SystemExit(no_checkpoint(cfg.out))
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
         chosen = f.name in typed if typed is not None else given != f.default
-        if f.name in new_lr and chosen:
+        if f.name in (*new_lr, "device") and chosen:
             saved = dataclasses.replace(saved, **{f.name: given})
         elif f.name not in NOT_THE_RUN and chosen and given != old:
             raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config "

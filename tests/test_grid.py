@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 
 import pytest
 
@@ -55,6 +56,10 @@ def test_a_finished_cell_trained_with_the_task_s_own_length_is_reused(tmp_path, 
     config = json.loads((tmp_path / "cell" / "config.json").read_text())
     assert config["workflow"] == "eval_opt"
     (tmp_path / "cell" / "config.json").write_text(json.dumps({**config, "n_agents": 2}))
+    grid.train_cells(str(tmp_path), [("cell", [*flags, "--steps", "1"])])
+    assert capsys.readouterr().out == f"{tmp_path / 'cell'}: already finished\n"
+    # nor does a finished cell's checkpoint, let go to save disk
+    shutil.rmtree(tmp_path / "cell" / "ckpt")
     grid.train_cells(str(tmp_path), [("cell", [*flags, "--steps", "1"])])
     assert capsys.readouterr().out == f"{tmp_path / 'cell'}: already finished\n"
 

@@ -274,6 +274,22 @@ def test_a_run_holding_an_idle_setting_still_resumes(finished, tmp_path):
         assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
 
 
+def test_a_run_started_on_a_gpu_resumes_on_the_cpu(finished, tmp_path):
+    """--device says where a run goes on, not what it is: a run saved with --device cuda, refused
+    on a machine without CUDA, resumes there with --device cpu."""
+    out = damaged(finished, tmp_path, "config.json", None)
+    with open(os.path.join(finished, "config.json")) as f:
+        config = {**json.load(f), "device": "cuda"}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: "):
+            train.main(train.Config(out=out, resume=True))
+    train.main(train.parse_config(["--out", out, "--resume", "--device", "cpu"]))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("content", [{}, [], {"step": 0, "metric": "eval/accuracy", "score": "high",
                                                 "evaluation": {"eval/accuracy": 0.5}}, "file"])
 def test_a_resume_drops_a_wrong_shaped_best_and_keeps_a_new_one(content, finished, tmp_path,
