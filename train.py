@@ -278,7 +278,7 @@ def begin(state: TrainState, tok, cfg: Config, train_set, held_out: dict, names:
     step to go on from and the metrics rows of the first and of the last evaluation."""
     if cfg.resume:  # the checkpoint fills the anchors in
         start, first, last = resume_run(cfg.out, state, references,
-                                        {k: getattr(cfg, k) for k in NEW_LR})
+                                        {k: getattr(cfg, k) for k in NEW_LR}, cfg.steps)
         log(f"resuming {cfg.out} at step {start}")
         return start, first, last
     if cfg.start_from:

@@ -312,14 +312,19 @@ def run_config(cfg: Config, typed: set[str] | None = None,
 
 
 def resume_run(out: str, state: TrainState, references: dict[str, str],
-               lrs: dict[str, float]) -> tuple[int, dict, dict]:
+               lrs: dict[str, float], steps: int) -> tuple[int, dict, dict]:
     """Load the newest checkpoint and cut the logs back to it; returns its step and the metrics
     rows of the first evaluation (step 0) and of the last one kept. `references`: adapter ->
     its frozen KL anchor, which the checkpoint fills in; `lrs`: the learning rates from now on
-    (NEW_LR), which config.json records."""
+    (NEW_LR), which config.json records; `steps`: the run's."""
     for name, ref in references.items():
         freeze_copy(state.model, name, ref)
     start = state.load(out)
+    with open(os.path.join(out, "config.json")) as f:
+        saved = json.load(f)
+    if start == steps and (new := [k for k, v in lrs.items() if saved[k] != v]):
+        raise SystemExit(f"--resume: {out} is finished (step {start} of {steps}): a new "
+                         f"--{new[0]} would train nothing")
     metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
     # every step writes its row before its checkpoint: the log holds steps 0 to `start`, each once
     kept = [row["step"] for row in read_jsonl(metrics_path) if row["step"] <= start]
@@ -335,9 +340,7 @@ def resume_run(out: str, state: TrainState, references: dict[str, str],
         truncate_jsonl(samples_path, start)
         # kept whatever its step: a peak past the checkpoint was evaluated all the same
         restore_best(out)
-        with open(os.path.join(out, "config.json")) as f:
-            write_whole(os.path.join(out, "config.json"),
-                        json.dumps({**json.load(f), **lrs}, indent=2))
+        write_whole(os.path.join(out, "config.json"), json.dumps({**saved, **lrs}, indent=2))
     barrier()
     evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
     if not evaluated or evaluated[0]["step"] != 0:

@@ -290,6 +290,17 @@ def test_a_run_started_on_a_gpu_resumes_on_the_cpu(finished, tmp_path):
         assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
 
 
+def test_a_new_learning_rate_for_a_finished_run_is_refused(finished, tmp_path):
+    """A finished run has no step left for it, and its config.json keeps the rate it trained with."""
+    out = str(tmp_path / "run")
+    shutil.copytree(finished, out)
+    train.main(train.Config(out=out, resume=True))  # steps 2 of 2
+    before = directory_state(out)
+    with pytest.raises(SystemExit, match=r"is finished \(step 2 of 2\): a new --lr would train "):
+        train.main(train.parse_config(["--out", out, "--resume", "--lr", "0.9"]))
+    assert directory_state(out) == before
+
+
 @pytest.mark.parametrize("content", [{}, [], {"step": 0, "metric": "eval/accuracy", "score": "high",
                                                 "evaluation": {"eval/accuracy": 0.5}}, "file"])
 def test_a_resume_drops_a_wrong_shaped_best_and_keeps_a_new_one(content, finished, tmp_path,
