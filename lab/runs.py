@@ -228,6 +228,7 @@ DERIVED = ("report.md", "probe.json", *(f"{name}.png" for name in (
     "accuracy", "reward", "grad_norm", "update_norm", "kappa", "coherence", "grad_share", "ppl",
     "chi2", "entropy", "adherence", "similarity", "length")))
 LOCK = ".lock"  # in --out, kept by --overwrite: it is not one of the run's files
+PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 held_locks: list[int] = []  # the lock file this process holds (one run at a time)
 
 
@@ -258,6 +259,8 @@ def take_lock(out: str) -> str:
         where = ("write in it" if parent == os.path.abspath(out)
                  else f"create a directory in {parent}")
         return f"--out {out}: cannot {where}"
+    if os.path.realpath(out) == os.path.realpath(PROJECT):  # every later runs/NAME inside it
+        return f"--out {out} is the project's own directory; choose one for the run (runs/NAME)"
     if os.path.isdir(os.path.join(out, LOCK)):
         return f"--out {out}: its {LOCK} is a directory, not a lock file; remove it"
     if home := enclosing_run(out):  # that run's next save or --overwrite would delete this one
@@ -316,9 +319,9 @@ def enclosing_run(out: str) -> str:
     return ""
 
 
-def run_below(out: str, depth: int = 3) -> str:
-    """A run directory at most `depth` levels below `out` (a grid's cells are two below its
-    --out), or ""."""
+def run_below(out: str, depth: int = 4) -> str:
+    """A run directory at most `depth` levels below `out` (a demo grid's cells are four below
+    runs/: runs/demo-NAME/NAME/seedS/CELL), or ""."""
     top = os.path.abspath(out).rstrip(os.sep).count(os.sep)
     for root, dirs, _ in os.walk(out):
         if root != out and holds_run(root):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, directory_state
-from lab import launch, settings
+from lab import launch, runs, settings
 from lora import inject_lora
 from model import tiny_model
 import train
@@ -50,8 +50,9 @@ def test_a_run_inside_another_runs_directory_is_refused(inside, tmp_path):
 
 
 def test_a_run_around_another_run_or_a_directory_that_cannot_be_made_is_refused(tmp_path):
-    """A run made around a grid's cell (two levels down) would keep that cell from resuming
-    (it would be inside a run): refused, as is an --out whose name is too long to make."""
+    """A run made around a grid's cell (two levels down, or four below runs/) would keep that
+    cell from resuming (it would be inside a run): refused, as is an --out whose name is too long
+    to make."""
     run(tmp_path / "grid" / "cell" / "seed0")
     before = directory_state(tmp_path / "grid")
     with pytest.raises(SystemExit, match="holds the run in .*seed0 below it; choose a directory"):
@@ -59,6 +60,17 @@ def test_a_run_around_another_run_or_a_directory_that_cannot_be_made_is_refused(
     assert directory_state(tmp_path / "grid") == before
     with pytest.raises(SystemExit, match=r"cannot be made \(File name too long\)"):
         run(tmp_path / ("x" * 300))
+    # a demo grid's cell, four levels below runs/
+    run(tmp_path / "runs" / "demo-d" / "d" / "seed0" / "cell")
+    with pytest.raises(SystemExit, match="holds the run in .*seed0/cell below it"):
+        run(tmp_path / "runs")
+
+
+def test_the_project_s_own_directory_is_no_run_s():
+    """--out . in a clone would put a run around every later runs/NAME (checked without making
+    anything: take_lock refuses before it writes)."""
+    assert runs.take_lock(ROOT) == f"--out {ROOT} is the project's own directory; choose one for " \
+                                   "the run (runs/NAME)"
 
 
 def test_a_directory_beside_a_run_or_below_a_non_run_is_free(tmp_path):
