@@ -175,7 +175,7 @@ def child(argv: list[str]) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         return child(sys.argv[2:])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--out", required=True, help="a directory for the runs and recording.json")
     parser.add_argument("--check", default="", help="a stored recording.json to compare with")
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
@@ -194,6 +194,7 @@ def main() -> None:
         parser.error("--out is empty: name a directory for the runs")
     if why := unusable(args.out):
         parser.error(f"--out {args.out}: {why}")
+    args.out = os.path.abspath(args.out)  # the runs' own working directory is the project's
     got = record(args.out, only)
     with open(os.path.join(args.out, "recording.json"), "w") as f:
         json.dump(got, f, indent=1, sort_keys=True)

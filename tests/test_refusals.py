@@ -380,6 +380,24 @@ def test_grid_refuses_seeds_that_would_repeat_a_cell(argv, words, capsys):
     assert stop.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_record_keeps_a_relative_out_where_it_was_given_and_refuses_an_abbreviation(
+        tmp_path, monkeypatch, capsys):
+    """The cases run with the project as their working directory: --out rec, given elsewhere, is
+    still the caller's rec."""
+    import record
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    monkeypatch.setattr(record, "record", lambda out, only: seen.append(out) or {})
+    monkeypatch.setattr(sys, "argv", ["record.py", "--out", "rec", "--only", "single-shared"])
+    (tmp_path / "rec").mkdir()
+    record.main()
+    assert seen == [str(tmp_path / "rec")] and (tmp_path / "rec" / "recording.json").exists()
+    monkeypatch.setattr(sys, "argv", ["record.py", "--ou", "rec2"])
+    with pytest.raises(SystemExit) as stop:
+        record.main()
+    assert stop.value.code == 2 and "--out" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("check, out, words", [
     ('{"a": ', "runs", "--check bad.json: cannot be read as JSON"),
     ("[]", "runs", "--check bad.json: is not a recording"),
