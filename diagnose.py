@@ -303,6 +303,16 @@ def findings(config: dict, rows: list[dict]) -> list[str]:
     return find_cliff(config, rows) + find_amplification(config, rows) + find_capture(config, rows)
 
 
+def nothing_found(rows: list[dict]) -> str:
+    """The findings' line where no detector fired: amplification and capture read the
+    diagnostics' per-role signals, which a run without them (--diag_every 0, or fewer steps)
+    never logged."""
+    if any(key.startswith("role/") for row in rows for key in row):
+        return "nothing detected"
+    return ("no accuracy cliff; amplification and capture not looked for: no step logged the "
+            "diagnostics' per-role signals (--diag_every)")
+
+
 # ----------------------------------------------------------------------------
 # Report: a table per run, the findings, and one plot per signal
 
@@ -378,7 +388,7 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
               "", "## Findings", ""]
     for name, (config, rows) in runs.items():
         found = findings(config, rows)
-        lines.append(f"- **{name}**: " + ("; ".join(found) if found else "nothing detected"))
+        lines.append(f"- **{name}**: " + ("; ".join(found) if found else nothing_found(rows)))
     lines += ["", f"Thresholds: falls beyond {FALL_Z:g} standard errors; cliff {CLIFF}; "
               f"spikes of the gradient norm {GRAD_SPIKE}x or perplexity {PPL_SPIKE}x "
               f"the median of the last {HISTORY} steps, "
