@@ -182,6 +182,11 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
                          "give batch sizes as 16,32,64") from None
     if any(b < 1 for b in batches):
         raise SystemExit(f"bench: --batches {args.batches}: every batch size must be at least 1")
+    if len(set(batches)) < len(batches):
+        raise SystemExit(f"bench: --batches {args.batches}: a batch size is given twice")
+    if "throughput" in skip and args.batches != make_parser().get_default("batches"):
+        raise SystemExit(f"bench: --batches sizes the throughput part, which --skip leaves out: "
+                         "drop one")
     check_device(args.device)
     folder = os.path.dirname(os.path.abspath(args.json))
     if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder)

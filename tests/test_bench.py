@@ -61,6 +61,9 @@ def test_a_process_started_from_a_big_one_reports_its_own_peak():
     (["--batches", "0"], "every batch size must be at least 1"),
     (["--batches", "-2"], "every batch size must be at least 1"),
     (["--batches", "abc"], "--batches 'abc': give batch sizes"),
+    (["--batches", "8,8"], "--batches 8,8: a batch size is given twice"),
+    (["--skip", "throughput", "--batches", "8"], "--batches sizes the throughput part, which "
+                                                 "--skip leaves out"),
     (["--json", "/no/such/dir/b.json"], "/no/such/dir is missing or read-only"),
 ])
 def test_bench_refuses_bad_flags_before_loading_a_model(flags, words, tmp_path, monkeypatch):
