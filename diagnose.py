@@ -439,10 +439,13 @@ def make_parser() -> argparse.ArgumentParser:
 def problem_counts(text: str | None) -> list[int]:
     """--probe_problems "4,8,16" as [4, 8, 16]; 4 where it is not given."""
     try:
-        return [int(n) for n in ("4" if text is None else text).split(",")]
+        counts = [int(n) for n in ("4" if text is None else text).split(",")]
     except ValueError:
         raise SystemExit(f"--probe_problems {text}: not whole numbers separated by commas "
                          "(4, or 4,8,16)") from None
+    if len(set(counts)) < len(counts):
+        raise SystemExit(f"--probe_problems {text}: a batch size is given twice")
+    return counts
 
 
 # The flags that act in one task only: (the flag, whether it acts, what it goes with)

@@ -415,6 +415,8 @@ def test_runs_of_one_name_are_refused_not_merged(tmp_path):
     (["--watch", "R", "Q", "--seed=3"], "--seed goes with --probe or --watch --sample only"),
     (["--probe", "R/ckpt", "--probe_problems", "4,,8"],
      "--probe_problems 4,,8: not whole numbers separated by commas"),
+    (["--probe", "R/ckpt", "--probe_problems", "4,4"],
+     "--probe_problems 4,4: a batch size is given twice"),
     (["R", "--out", ""], "--out is empty: name the directory for report.md"),
     (["--watch", "R", " "], "--watch RUN QUESTION: the question is empty"),
 ])
