@@ -130,6 +130,10 @@ def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
         print(f"--- prompt:\n{call.prompt}")
         print(f"--- output:\n{call.text}")
     print(f"\n=== final answer:\n{outcome.final}\n=== info: {outcome.info}")
+    if rollout.prompts_cut:  # (the prompts above are as the model read them)
+        print(f"=== {rollout.prompts_cut} prompt(s) longer than the model's context left room "
+              "for were cut to their head and tail: the question, or the texts before it, lost "
+              "their middle")
     return outcome.final
 
 

@@ -746,6 +746,10 @@ def test_watch_prints_every_call_of_a_trained_workflow(workflow, sharing, tmp_pa
         assert any(f": {slot} (adapter {adapter})" in line for line in stages), (slot, stages)
     assert printed.count("--- prompt:") == printed.count("--- output:") == len(stages)
     assert "What is 2 + 3?" in printed and f"=== final answer:\n{final}" in printed
+    if workflow == "single":  # a question past the model's context is cut, and said to be
+        assert "were cut to their head and tail" not in printed
+        probe.watch(out, "What is 2 + 3? " * 800)
+        assert "=== 1 prompt(s) longer than the model's context" in capsys.readouterr().out
 
 
 def test_watch_needs_a_checkpoint(tmp_path):
