@@ -58,6 +58,7 @@ def check_settings(cfg: Config, typed: set[str] | None
     check_numbers(cfg)
     if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
         check_idle_flags(cfg, typed)
+        warmup_roles(cfg)  # stops here on a bad --sft_roles (a resumed run's warm-up is behind it)
         if cfg.warmup_steps > cfg.steps > 0:
             raise SystemExit(f"--warmup_steps {cfg.warmup_steps}: more than the run's --steps "
                              f"{cfg.steps}, so its learning rate would never reach --lr")
@@ -67,7 +68,6 @@ def check_settings(cfg: Config, typed: set[str] | None
     cfg = with_task_tokens(cfg)  # resolved here once (a resumed run's config holds it)
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     update = update_settings(cfg)  # stops here on a bad --role_kl
-    warmup_roles(cfg)  # and here on a bad --sft_roles
     lora_targets(cfg)  # and on an empty or repeated layer name
     return cfg, update, critic_settings(cfg), start_config
 

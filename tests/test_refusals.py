@@ -281,7 +281,8 @@ def test_a_run_holding_an_idle_setting_still_resumes(finished, tmp_path):
     one started before that check may) resumes and finishes."""
     out = damaged(finished, tmp_path, "config.json", None)
     with open(os.path.join(finished, "config.json")) as f:
-        config = {**json.load(f), "max_rounds": 5}  # Voting has no rounds
+        # Voting has no rounds and no evaluator
+        config = {**json.load(f), "max_rounds": 5, "sft_roles": "generator,evaluator"}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f)
     train.main(train.Config(out=out, resume=True))
