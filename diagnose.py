@@ -303,14 +303,17 @@ def findings(config: dict, rows: list[dict]) -> list[str]:
     return find_cliff(config, rows) + find_amplification(config, rows) + find_capture(config, rows)
 
 
+DIAGNOSTICS = ("/grad_norm", "/grad_share", "/kappa", "/adherence")  # per role, diagnostics only
+
+
 def nothing_found(rows: list[dict]) -> str:
-    """The findings' line where no detector fired: amplification and capture read the
-    diagnostics' per-role signals, which a run without them (--diag_every 0, or fewer steps)
-    never logged."""
-    if any(key.startswith("role/") for row in rows for key in row):
+    """The findings' line where no detector fired. Without the diagnostics' pass (--diag_every 0,
+    or more than the run's steps) a run logs no role's gradient norm, share, kappa or adherence:
+    capture is then not looked for, and amplification only in the roles' perplexity."""
+    if any(key.startswith("role/") and key.endswith(DIAGNOSTICS) for row in rows for key in row):
         return "nothing detected"
-    return ("no accuracy cliff; amplification and capture not looked for: no step logged the "
-            "diagnostics' per-role signals (--diag_every)")
+    return ("nothing detected, but no step logged the diagnostics (--diag_every): capture was not "
+            "looked for, and amplification only in the roles' perplexity")
 
 
 # ----------------------------------------------------------------------------

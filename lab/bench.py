@@ -185,7 +185,7 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
     if len(set(batches)) < len(batches):
         raise SystemExit(f"bench: --batches {args.batches}: a batch size is given twice")
     if "throughput" in skip and args.batches != make_parser().get_default("batches"):
-        raise SystemExit(f"bench: --batches sizes the throughput part, which --skip leaves out: "
+        raise SystemExit("bench: --batches sizes the throughput part, which --skip leaves out: "
                          "drop one")
     check_device(args.device)
     folder = os.path.dirname(os.path.abspath(args.json))

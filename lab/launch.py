@@ -59,8 +59,10 @@ def check_settings(cfg: Config, typed: set[str] | None
     if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
         check_idle_flags(cfg, typed)
         warmup_roles(cfg)  # stops here on a bad --sft_roles (a resumed run's warm-up is behind it)
-        if cfg.warmup_steps > cfg.steps > 0:
-            raise SystemExit(f"--warmup_steps {cfg.warmup_steps}: more than the run's --steps "
+        chosen = ("warmup_steps" in typed if typed is not None
+                  else cfg.warmup_steps != Config.warmup_steps)  # (the default 1 of --steps 1)
+        if chosen and cfg.warmup_steps >= cfg.steps > 0:
+            raise SystemExit(f"--warmup_steps {cfg.warmup_steps}: not fewer than the run's --steps "
                              f"{cfg.steps}, so its learning rate would never reach --lr")
     if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "

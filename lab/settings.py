@@ -360,9 +360,9 @@ def critic_settings(cfg: Config) -> CriticSettings:
 
 
 def warmup_roles(cfg: Config) -> list[str]:
-    """The workflow's roles named in --sft_roles: an unknown, blank or repeated name is a
-    one-line error, and so is another workflow's role unless the list is the default (every
-    workflow's roles)."""
+    """The workflow's roles named in --sft_roles (another workflow's are passed over, as in the
+    default, every workflow's roles, and a grid's list for all its cells): an unknown, blank or
+    repeated name is a one-line error."""
     roles = [r.strip() for r in cfg.sft_roles.split(",")]
     if "" in roles or len(set(roles)) < len(roles):
         raise SystemExit(f"--sft_roles {cfg.sft_roles!r}: give distinct role names separated by "
@@ -372,9 +372,6 @@ def warmup_roles(cfg: Config) -> list[str]:
         if role not in known:
             raise SystemExit(f"--sft_roles: {role!r} is not a role "
                              f"(roles: {', '.join(sorted(known))})")
-        if role not in ROLES[cfg.workflow] and cfg.sft_roles != Config.sft_roles:
-            raise SystemExit(f"--sft_roles: {role} is not a role of {cfg.workflow} "
-                             f"({', '.join(ROLES[cfg.workflow])})")
     mine = [r for r in roles if r in ROLES[cfg.workflow]]
     if cfg.sft_warmup and not mine:
         raise SystemExit(f"--sft_roles: no role of {cfg.workflow} "

@@ -141,13 +141,15 @@ def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
     assert "role capture: generator holds 90%" in captured_line \
         and "evaluator drifts to it" in captured_line
     assert "- **healthy**: nothing detected" in text
-    # a run that never logged the diagnostics is not called healthy
+    # a run that never logged the diagnostics (its perplexities it logs every step) is not
+    # called healthy without a word
     blind = write_run(tmp_path / "blind", {"workflow": "eval_opt", "sharing": "shared"},
-                      [{k: v for k, v in r.items() if not k.startswith("role/")}
+                      [{k: v for k, v in r.items() if not k.endswith(diagnose.DIAGNOSTICS)}
                        for r in healthy_rows(["generator", "evaluator"])])
     blind_text = open(diagnose.report([blind], str(tmp_path / "out2"))).read()
-    assert ("- **blind**: no accuracy cliff; amplification and capture not looked for: no step "
-            "logged the diagnostics' per-role signals (--diag_every)") in blind_text
+    assert "role/generator/ppl" in open(f"{blind}/metrics.jsonl").read()
+    assert ("- **blind**: nothing detected, but no step logged the diagnostics (--diag_every): "
+            "capture was not looked for") in blind_text
     for name in ("accuracy", "grad_share", "adherence", "similarity", "ppl"):
         png = tmp_path / "out" / f"{name}.png"
         assert png.exists() and png.stat().st_size > 1000

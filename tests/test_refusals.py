@@ -66,11 +66,13 @@ def test_a_run_around_another_run_or_a_directory_that_cannot_be_made_is_refused(
         run(tmp_path / "runs")
 
 
-def test_the_project_s_own_directory_is_no_run_s():
-    """--out . in a clone would put a run around every later runs/NAME (checked without making
-    anything: take_lock refuses before it writes)."""
-    assert runs.take_lock(ROOT) == f"--out {ROOT} is the project's own directory; choose one for " \
-                                   "the run (runs/NAME)"
+def test_the_project_s_own_directory_is_no_run_s(tmp_path, monkeypatch):
+    """--out . in a clone would put a run around every later runs/NAME (checked on a stand-in for
+    the project, so that a failure leaves no lock in the real one)."""
+    assert os.path.samefile(runs.PROJECT, ROOT)
+    monkeypatch.setattr(runs, "PROJECT", str(tmp_path))
+    assert runs.take_lock(str(tmp_path)) == (f"--out {tmp_path} is the project's own directory; "
+                                             "choose one for the run (runs/NAME)")
 
 
 def test_a_directory_beside_a_run_or_below_a_non_run_is_free(tmp_path):
@@ -136,11 +138,10 @@ def test_a_misspelt_lora_target_is_refused():
     (dict(max_rounds=3), "--max_rounds counts eval_opt's generator turns"),
     (dict(minibatch_size=8), "--minibatch_size sizes the optimizer steps of --no-one_step and of "
                              "the warm-up; this run has neither"),
-    (dict(steps=3, warmup_steps=4), "--warmup_steps 4: more than the run's --steps 3"),
+    (dict(steps=3, warmup_steps=4), "--warmup_steps 4: not fewer than the run's --steps 3"),
+    (dict(steps=3, warmup_steps=3), "--warmup_steps 3: not fewer than the run's --steps 3"),
     (dict(eps_high=0.4), "--eps_high clips the ratio of --no-one_step's later mini-batches"),
     (dict(sft_warmup=1, sft_roles="generator,,generator"), "give distinct role names"),
-    (dict(sft_warmup=1, sft_roles="aggregator,evaluator"),
-     "--sft_roles: evaluator is not a role of voting (generator, aggregator)"),
     (dict(ratio="sequence"), "--ratio chooses the ratio of --no-one_step's later mini-batches"),
     (dict(seed=2 ** 64), "--seed 18446744073709551616: must be in"),
     (dict(seed=-1), "--seed -1: must be in"),
@@ -307,7 +308,8 @@ def test_a_run_started_on_a_gpu_resumes_on_the_cpu(finished, tmp_path):
 
 
 def test_a_new_learning_rate_for_a_finished_run_is_refused(finished, tmp_path):
-    """A finished run has no step left for it, and its config.json keeps the rate it trained with."""
+    """A finished run has no step left for it, and its config.json keeps the rate it trained
+    with."""
     out = str(tmp_path / "run")
     shutil.copytree(finished, out)
     train.main(train.Config(out=out, resume=True))  # steps 2 of 2

@@ -81,7 +81,7 @@ def survivors(marker: str) -> list[str]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if f"SANDBOX_RUN={marker}".encode() in environ or TAG in cmd:
+        if f"SANDBOX_RUN={marker}".encode() in environ or TAG in cmd.split():
             found.append(f"{pid} {cmd[:60]}")
     return found
 
