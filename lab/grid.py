@@ -39,7 +39,7 @@ import time
 
 from diagnose import findings, report
 from lab.checkpoint import has_checkpoint
-from lab.launch import check_goes_on_from, check_settings, run_config, typed_flags
+from lab.launch import check_goes_on_from, check_settings, flag_name, run_config, typed_flags
 from lab.runs import load_run
 from lab.settings import Config, idle_settings, parse_config, with_task_tokens
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
@@ -92,8 +92,7 @@ def flag_groups(argv: list[str]) -> list[tuple[str, list[str]]]:
         if not argv[i].startswith("--"):
             i += 1
             continue
-        name = argv[i][2:].split("=")[0]
-        name = name[3:] if name.startswith("no-") else name
+        name = flag_name(argv[i])
         width = 1 if "=" in argv[i] or name in switches else 2
         groups.append((name, argv[i:i + width]))
         i += width

@@ -31,9 +31,9 @@ from lab.machine import barrier, gpu_rngs, log, rank_and_world
 from lab.checkpoint import (TrainState, has_checkpoint, is_state, load_state, no_checkpoint,
                             read_best, restore_best, start_checkpoint)
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
-from lab.settings import (MAAC_ONLY, Config, check_idle_flags, check_numbers, critic_settings,
-                          idle_settings, lora_targets, read_config, update_settings,
-                          warmup_roles, with_task_tokens)
+from lab.settings import (MAAC_ONLY, Config, check_idle_flags, check_numbers, chosen,
+                          critic_settings, idle_settings, lora_targets, read_config,
+                          update_settings, warmup_roles, with_task_tokens)
 from lora import (adapter_for, adapter_parameters, freeze_copy, inject_lora, narrowest,
                   setup_adapters)
 from model import load_policy
@@ -59,9 +59,8 @@ def check_settings(cfg: Config, typed: set[str] | None
     if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
         check_idle_flags(cfg, typed)
         warmup_roles(cfg)  # stops here on a bad --sft_roles (a resumed run's warm-up is behind it)
-        chosen = ("warmup_steps" in typed if typed is not None
-                  else cfg.warmup_steps != Config.warmup_steps)  # (the default 1 of --steps 1)
-        if chosen and cfg.warmup_steps >= cfg.steps > 0:
+        # (the default warm-up of 1 passes with --steps 1)
+        if chosen(cfg, typed, "warmup_steps") and cfg.warmup_steps >= cfg.steps > 0:
             raise SystemExit(f"--warmup_steps {cfg.warmup_steps}: not fewer than the run's --steps "
                              f"{cfg.steps}, so its learning rate would never reach --lr")
     if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
@@ -275,10 +274,15 @@ NOT_THE_RUN = ("out", "resume", "overwrite", "threads", "device")
 NEW_LR = ("lr", "critic_lr")
 
 
+def flag_name(token: str) -> str:
+    """The setting a command-line flag names: --lr and --lr=0.1 name lr, --no-one_step one_step."""
+    name = token[2:].split("=")[0]
+    return name[3:] if name.startswith("no-") else name
+
+
 def typed_flags(argv: list[str]) -> set[str]:
     """The flags named on a command line, any tool's: --lr 0.1, --lr=0.1, --no-one_step."""
-    names = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
-    return {n[3:] if n.startswith("no-") else n for n in names}
+    return {flag_name(a) for a in argv if a.startswith("--")}
 
 
 def resolve_resume(cfg: Config, typed: set[str] | None = None,
@@ -293,9 +297,10 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None,
 def run_config(cfg: Config, typed: set[str] | None = None,
                new_lr: tuple[str, ...] = NEW_LR) -> Config:
     """The saved config of the run in --out, as --resume takes it: a flag that contradicts it is
-    an error, whether it was typed (`typed`, from the command line) or differs from its default,
-    except the learning rates in `new_lr` and the machine (NOT_THE_RUN), which a typed flag
-    changes. The run lives wherever --out now points, however that path is spelled."""
+    an error, whether it was typed (`typed`, from the command line) or differs from its default
+    (settings.chosen), except the learning rates in `new_lr` and --device, which a chosen flag
+    changes, and the rest of NOT_THE_RUN, this command's own. The run lives wherever --out now
+    points, however that path is spelled."""
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
         raise SystemExit(f"--resume: no run in {cfg.out}")
     try:
@@ -304,10 +309,11 @@ def run_config(cfg: Config, typed: set[str] | None = None,
         raise SystemExit(f"--resume: {e}") from None
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(saved, f.name)
-        chosen = f.name in typed if typed is not None else given != f.default
-        if f.name in (*new_lr, "device") and chosen:
+        if not chosen(cfg, typed, f.name):
+            continue
+        if f.name in (*new_lr, "device"):
             saved = dataclasses.replace(saved, **{f.name: given})
-        elif f.name not in NOT_THE_RUN and chosen and given != old:
+        elif f.name not in NOT_THE_RUN and given != old:
             raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config "
                              f"({old if old != '' else 'none'})")
     return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)

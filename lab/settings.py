@@ -240,12 +240,17 @@ def idle_settings(cfg: Config) -> dict[str, str]:
     return {name: why for flags, acts, why in ONLY_UNDER if not acts(cfg) for name in flags}
 
 
+def chosen(cfg: Config, typed: set[str] | None, name: str) -> bool:
+    """Whether setting `name` was given: named on the command line (`typed`), or, for a Config
+    built in Python (typed None), set apart from its default."""
+    return name in typed if typed is not None else getattr(cfg, name) != getattr(Config, name)
+
+
 def check_idle_flags(cfg: Config, typed: set[str] | None) -> None:
     """No setting given to a run where it would do nothing (ONLY_UNDER): a critic's to GRPO, a
     warm-up's to a run without one, a task's to another task, a workflow's to another workflow."""
-    defaults = Config()
     for name, why in idle_settings(cfg).items():
-        if name in typed if typed is not None else getattr(cfg, name) != getattr(defaults, name):
+        if chosen(cfg, typed, name):
             raise SystemExit(f"--{name} {why}")
 
 
