@@ -381,6 +381,7 @@ def sampler_record(micro: list[Call],
     log-probs under pi_rollout, and where a record is (greedy or hand-made calls have none), on
     the device."""
     T = max(max(len(c.completion_ids) for c in micro), 1)  # as rollout.pack lays them out
+    # (b, T) each
     logp, known = torch.zeros(len(micro), T), torch.zeros(len(micro), T, dtype=torch.bool)
     for i, c in enumerate(micro):
         if c.rollout_logp is not None:
@@ -395,10 +396,10 @@ def sampler_gap(old_logp: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor
     """The precision correction laid over the update: the tokens came from pi_rollout, as the
     sampler recorded it (sampler_record; where there is none, no gap). Returns the truncated
     importance weight (tis_weight; None where tis_cap is 0) and, with `measure`, the gap's
-    statistics. Neither asked (the default update): no record is made or read."""
+    statistics. `record` None (its caller makes one only under tis_cap or `measure`): no gap."""
     if record is None:
         return None, {}
-    logp, known = record
+    logp, known = record  # (b, T) each
     rollout_logp = torch.where(known, logp.to(old_logp.dtype), old_logp)  # (b, T)
     is_weight = tis_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else None
     return is_weight, mismatch_stats(old_logp, rollout_logp, mask) if measure else {}
@@ -414,6 +415,7 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     kl_coef = s.kl_coef.get(micro[0].role, 0.0)
     # to the device before the forward pass is queued: a host-to-device copy waits for the queue
     adv = torch.tensor([c.advantage for c in micro], device=model.device)  # (b,)
+    # two (b, T), or None: only the precision correction and the diagnostics read it
     record = sampler_record(micro, model.device) if s.tis_cap > 0 or measure else None
     with use_adapter(model, adapter):
         logp, mask, entropy = sequence_logprobs(model, micro, pad_id, s.temperature,

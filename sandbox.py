@@ -30,17 +30,19 @@ The harness is lab/harness.py. Each run gets a read-only copy of it next to its 
 directory (so the sandboxed process needs no read access to the project) and runs it as
 `python -I -S harness.py <report fd>`, with the code, the tests' inputs and a random nonce on
 stdin; the harness writes "<nonce> <tests passed>" to an inherited file after the last test
-returns, and the verdict needs that line and exit status 0. Expected outputs of stdin/stdout and
+returns, and a stdin/stdout or function-call problem's verdict needs that line and exit status
+0. Expected outputs of stdin/stdout and
 function-call tests never enter the sandbox: the trainer compares the outputs itself. So early
 exits, fake output, atexit or signal tricks earn nothing. Assert-style tests never enter it
 either: the same copy of the harness, run as `python -I harness.py judge` by the trainer's
 interpreter outside the sandbox, runs the prompt and the tests, and each call of the candidate's
 function there is a request over a pipe to the sandboxed program, which calls the function and
 replies with its result as JSON. The judge reads a reply as data only (builtin types: an object
-whose __eq__ always says yes cannot cross), and its exit status is the verdict; the program's
-interpreter holds neither the tests nor the judge's frames. Because the sandbox may run the
-harness with another interpreter (the system python3, when a fresh uid cannot read the
-trainer's), it keeps to the standard library and to Python 3.8 syntax.
+whose __eq__ always says yes cannot cross), and its exit status is the verdict (the program's
+own line is not read); the program's interpreter holds neither the tests nor the judge's
+frames. Because the sandbox may run the harness with another interpreter (the system python3,
+when a fresh uid cannot read the trainer's), it keeps to the standard library and to Python 3.8
+syntax.
 
 What is left: without namespaces the network is open, a program can leave files in every
 world-writable directory of the machine (/tmp, /var/tmp, /dev/shm, /run/lock...; as root, under its
@@ -218,7 +220,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
         # the judge's log is its own: the program's stdout is the file it could read or rewrite
         with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report, \
                 tempfile.TemporaryFile() as judged:
-            judge = None
+            judge = proc = None
             if fmt == "assert":
                 judge = _judge(problem, harness, top, judged, pipes)
                 job["requests"], job["replies"] = pipes
@@ -230,11 +232,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
                                         stderr=log, pass_fds=(report.fileno(), *pipes,
                                                               *job["answers"]),
                                         start_new_session=True)
-            except BaseException:
-                _stop(judge)
-                raise
-            _close_fds(pipes)  # the program's now: when it ends, the judge hears so
-            try:
+                _close_fds(pipes)  # the program's now: when it ends, the judge hears so
                 proc.communicate(json.dumps(job).encode(),
                                  timeout=max(0.0, deadline - time.monotonic()))
                 if judge is not None:

@@ -4,7 +4,8 @@ Each run of sandbox.run_code executes a read-only copy of this file alone, as
 `python -I -S harness.py <report fd>`, with nothing of the project beside it. It reads its job
 (code, the tests' inputs or the judge's pipes, nonce, limits, uid) from stdin, applies the limits,
 drops to the uid, runs the tests, then writes "<nonce> <tests passed>" to the report fd and exits 0.
-Any failure exits 1 with no such line. The same copy, run as
+Any failure exits 1 with no such line. (For an assert-style problem the verdict is the judge's
+exit status, and that line is not read.) The same copy, run as
 `python -I harness.py judge <requests fd> <replies fd>` by the trainer's interpreter outside the
 sandbox, is an assert-style problem's judge: it runs the tests and asks the sandboxed program
 (run_assert) for each call of the candidate's function, reading each reply as plain data only
@@ -86,13 +87,14 @@ def decode(x, depth=0):
             if name != "dict":
                 return TAGGED[name](items)
             if all(type(pair) is list and len(pair) == 2 for pair in items):
-                return {key: value for key, value in items}
+                return dict(items)
     raise ValueError("not plain data")
 
 
 def run_assert(job, report):
     """Serve an assert-style problem's judge: each request one call of the candidate's function,
-    each reply its result as plain data. The tests never enter the sandbox."""
+    each reply its result as plain data. The tests never enter the sandbox. Returns the calls
+    served (the line harness() reports, which the judge's verdict does not need)."""
     ns = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(job["setup"], "<setup>", "exec"), ns)  # the prompt: its imports and helpers
     exec(compile(job["code"], "<code>", "exec"), ns)
