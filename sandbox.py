@@ -15,7 +15,10 @@ The layers, strongest first:
     trainer's packages, caches and project (`hidden_trees`: an answer key may sit among them): it
     can write nowhere on the machine's filesystems, whatever directories they hold, and a test's
     answer leaves through a file the trainer opened for it; when its first process exits the
-    kernel kills everything inside, and its scratch space and shared memory are gone;
+    kernel kills everything inside, and its scratch space and shared memory are gone; where no
+    fresh uid drops its rights (a trainer that is not root), the program runs in a user namespace
+    nested in these, where the kernel has locked every mount: root there, it can neither unmount
+    its /tmp or /proc nor make a mount writable again;
   - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files,
     and RLIMIT_NPROC counts that run alone;
   - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory,

@@ -195,6 +195,23 @@ def private_scratch(size, uid, hidden):
         os.chown("/tmp/work", uid, uid)
     os.chdir("/tmp/work")
     os.environ["HOME"] = "/tmp/work"
+    if uid is None:  # no fresh uid to drop to: the program would be root in these namespaces
+        lock_mounts(libc)
+
+
+CLONE_NEWNS, CLONE_NEWUSER = 0x20000, 0x10000000
+
+
+def lock_mounts(libc):
+    """Enter a user and mount namespace nested in the run's own. The kernel locks every mount
+    copied into a namespace less privileged than the one that made it (mount_namespaces(7)): the
+    program, with every capability of the nested namespace, can neither remount a read-only mount
+    writable nor unmount the private /tmp or /proc to reach what they cover. No uid is mapped in
+    it (/proc is read-only by now): its files keep the uid they had, and its capabilities reach no
+    file (user_namespaces(7))."""
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+        import ctypes
+        raise OSError(ctypes.get_errno(), "cannot lock the sandbox's mounts")
 
 
 def harness(report):

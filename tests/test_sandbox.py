@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -622,3 +623,74 @@ def test_a_program_reads_none_of_the_trainers_trees_and_its_shared_memory_dies_w
     result = run_code(code, problem, timeout=TIMEOUT)
     assert result.passed, result
     assert shared_memory_segments() == before
+
+
+NOBODY = 65534
+# a trainer of its own: sandbox.py and the harness, copied where an ordinary user can read them
+AS_NOBODY = """import json, sys, types
+sys.path.insert(0, sys.argv[1])
+import sandbox
+problem = types.SimpleNamespace(tests='[{"input": "", "output": "held"}]', test_format="stdio",
+                                entry_point="", setup="")
+result = sandbox.run_code(sys.stdin.read(), problem, timeout=5.0)
+print(json.dumps([list(sandbox.sandbox().prefix), result.passed, result.reason, result.output]))
+"""
+# unmount what covers the machine, remount it writable, then write with the trainer's rights
+UNDO_MOUNTS = """import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = (ctypes.c_char_p,) * 3 + (ctypes.c_ulong, ctypes.c_char_p)
+for point in (b"/tmp", b"/proc"):
+    libc.umount2(point, 2)  # MNT_DETACH
+for point in (b"/", b"/tmp", b"{project}"):
+    libc.mount(None, point, None, 4128, None)  # MS_REMOUNT | MS_BIND: writable again
+wrote = False
+for path in ("{project}/sandbox.py", "/tmp/{leak}"):  # the second is its own scratch, if held
+    try:
+        with open(path, "a") as f:
+            f.write("# escaped\\n")
+        wrote = wrote or path.startswith("{project}")
+    except OSError:
+        pass
+# the machine's processes: the test's own pid, seen in a /proc that is not the sandbox's
+print("escaped" if wrote or os.path.exists("/proc/{tester}/cmdline") else "held")
+"""
+
+
+def test_a_program_cannot_undo_its_mounts_under_an_ordinary_trainer():
+    """Under a trainer that is not root the sandbox is a user namespace, in which the program
+    would be root: it must still be unable to unmount its private /tmp or /proc, remount the
+    machine writable, and write the trainer's files."""
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.path.exists(python):
+        pytest.skip("needs root to start a trainer as another user, and a system python3")
+    own_namespace = subprocess.run(["unshare", "--map-root-user", "true"], user=NOBODY,
+                                   group=NOBODY, extra_groups=[], capture_output=True)
+    if own_namespace.returncode != 0:
+        pytest.skip("an ordinary user cannot make a user namespace here: no namespaces to undo")
+    project = tempfile.mkdtemp(prefix="trainer-")
+    leak = f"leak-{secrets.token_hex(6)}"
+    try:
+        os.makedirs(os.path.join(project, "lab"))
+        shutil.copy(os.path.join(ROOT_DIR, "sandbox.py"), project)
+        shutil.copy(os.path.join(ROOT_DIR, "lab", "harness.py"), os.path.join(project, "lab"))
+        for root, dirs, files in os.walk(project):
+            for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+                os.chown(name, NOBODY, NOBODY)
+        with open(os.path.join(project, "sandbox.py"), "rb") as f:
+            before = f.read()
+        ran = subprocess.run([python, "-I", "-c", AS_NOBODY, project], user=NOBODY, group=NOBODY,
+                             extra_groups=[], cwd=project, capture_output=True, text=True,
+                             input=UNDO_MOUNTS.replace("{project}", project).replace("{leak}", leak)
+                             .replace("{tester}", str(os.getpid())),
+                             timeout=60)
+        assert ran.returncode == 0, ran.stderr
+        prefix, passed, reason, output = json.loads(ran.stdout)
+        assert "--map-root-user" in prefix, prefix  # namespaces, not a silent downgrade
+        with open(os.path.join(project, "sandbox.py"), "rb") as f:
+            assert f.read() == before
+        assert not os.path.exists(f"/tmp/{leak}")
+        assert passed, (reason, output)  # it ran, and every attempt failed
+    finally:
+        shutil.rmtree(project, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(f"/tmp/{leak}")
