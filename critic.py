@@ -53,9 +53,8 @@ import torch
 import torch.nn as nn
 
 from decode import forward_padded
-from lab.machine import my_share, sum_across, sum_gradients  # in one process: all, no sums
 from lora import add_adapter, use_adapter
-from rollout import Call, left_pad, token_batches
+from rollout import ONE_PROCESS, Call, left_pad, token_batches
 
 CRITICS = ("central", "decentral")
 PER = ("slot", "role")
@@ -105,7 +104,8 @@ def critic_values(model: nn.Module, head: ValueHead, adapter: str,
 
 @torch.no_grad()
 def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
-                   id_lists: list[list[int]], pad_id: int, batch_size: int = 16) -> torch.Tensor:
+                   id_lists: list[list[int]], pad_id: int, batch_size: int = 16,
+                   procs=ONE_PROCESS) -> torch.Tensor:
     """Values of every input under its own critic, without gradient: (calls,).
 
     Identical inputs of one critic (the central critic's co-acting agents) run once.
@@ -118,13 +118,13 @@ def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
         for i, k in enumerate(keys):
             if k == key:
                 rows[tuple(id_lists[i])].append(i)
-        inputs = my_share(list(rows))
+        inputs = procs.share(list(rows))
         for start in range(0, len(inputs), batch_size):
             batch = inputs[start:start + batch_size]
             v = critic_values(model, heads[key], key, [list(x) for x in batch], pad_id)  # (b,)
             for x, value in zip(batch, v.tolist()):
                 values[rows[x]] = value
-    return sum_across(values)
+    return procs.sum(values)
 
 
 # ----------------------------------------------------------------------------
@@ -362,11 +362,12 @@ class CriticBatch:
 
 
 def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[Call],
-                      s: CriticSettings) -> CriticBatch:
+                      s: CriticSettings, procs=ONE_PROCESS) -> CriticBatch:
     """Value every call's input with its critic, then set call.advantage by GAE."""
     keys, texts = critic_inputs(calls, s.critic, s.per)
     ids = encode(tok, texts, s.max_tokens)
-    values = predict_values(model, heads, keys, ids, tok.pad_token_id, s.predict_batch)  # (calls,)
+    values = predict_values(model, heads, keys, ids, tok.pad_token_id, s.predict_batch,
+                            procs)  # (calls,)
     rewards = [c.reward for c in calls] if s.own_rewards else None  # None: outcome_rewards
     adv, returns = call_advantages(calls, values, s.gamma, s.lam, rewards,
                                    cut_returns_zero=s.cut_returns_zero)  # (calls,), (calls,)
@@ -378,21 +379,23 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
 
 
 def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, optimizers: dict,
-                   rng: random.Random, pad_id: int, s: CriticSettings) -> dict[str, list[float]]:
+                   rng: random.Random, pad_id: int, s: CriticSettings,
+                   procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass of every critic over its own rows, in mini-batches (one step each)."""
     stats = defaultdict(list)
     for name in heads:
         rows = [i for i, k in enumerate(batch.keys) if k == name]
         rng.shuffle(rows)
         for k, v in update_critic(model, heads[name], name, batch, optimizers[name], rows,
-                                  pad_id, s).items():
+                                  pad_id, s, procs).items():
             stats[f"critic/{k}"] += v
     stats["critic/skipped_nonfinite"] = [sum(stats["critic/skipped_nonfinite"])]  # of all critics
     return stats
 
 
 def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
-                  order: list[int], pad_id: int, s: CriticSettings) -> dict[str, list[float]]:
+                  order: list[int], pad_id: int, s: CriticSettings,
+                  procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass of critic `name` over the rows `order` of the batch, in `s.steps` mini-batches
     whose sizes differ by at most one (as many as there are rows, where they are fewer). A
     mini-batch whose gradient (after the sum across processes) is not finite is not applied, and
@@ -406,7 +409,7 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
     for k in range(n):
         mb = order[k * len(order) // n:(k + 1) * len(order) // n]
         optimizer.zero_grad(set_to_none=False)
-        mine = my_share(mb)  # under torchrun: this process's rows; the gradients are summed below
+        mine = procs.share(mb)  # under torchrun: this process's rows; the gradients summed below
         for idx in token_batches([(len(ids[i]), 0) for i in mine], s.micro_batch_tokens):
             micro = [mine[j] for j in idx]
             # to the device before the forward pass is queued: a host-to-device copy waits for
@@ -418,7 +421,7 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
             (s.vf_coef * loss * len(micro) / len(mb)).backward()
             for stat, x in st.items():  # value_loss, and with a clip how often it held one back
                 stats[stat].append(x.item())
-        sum_gradients(params)
+        procs.sum_grads(params)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         if not torch.isfinite(total):  # a NaN or inf loss: the step would make the critic NaN
             nonfinite += 1

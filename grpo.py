@@ -62,9 +62,8 @@ from typing import Hashable, NamedTuple
 
 import torch
 
-from lab.machine import my_share, sum_gradients  # in one process: all the calls; no sum
 from lora import adapter_parameters, use_adapter
-from rollout import Call, micro_batches, old_logprobs, sequence_logprobs
+from rollout import ONE_PROCESS, Call, micro_batches, old_logprobs, sequence_logprobs
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 RATIO_LEVELS = ("token", "sequence")  # PPO's importance ratio per token, or GSPO's per sequence
@@ -291,8 +290,8 @@ class UpdateSettings:
 
 
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
-                  pad_id: int, s: UpdateSettings,
-                  ema: dict | None = None) -> dict[str, list[float]]:
+                  pad_id: int, s: UpdateSettings, ema: dict | None = None,
+                  procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
 
     Each role's part of a mini-batch is back-propagated with its own loss weight (loss_weight). A
@@ -303,10 +302,10 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     the step's gradients say of the roles (kappa, shares, noise) is measured apart, before the
     update (measure.gradient_signals).
 
-    Under torchrun every process passes the same calls and the same rng state; each back-propagates
-    its share of every role's calls (machine.my_share) with the whole mini-batch's denominators, and
-    the gradients are summed before the step, so all processes take the step one process would take
-    on the same calls (or all skip it).
+    Under torchrun (`procs`: lab.machine.PROCESSES) every process passes the same calls and the
+    same rng state; each back-propagates its share of every role's calls with the whole
+    mini-batch's denominators, and the gradients are summed before the step, so all processes take
+    the step one process would take on the same calls (or all skip it).
     """
     if s.damping > 0 and ema is None:
         raise ValueError("--damping needs `ema`, the adapter's gradient EMA kept across updates")
@@ -319,7 +318,7 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     batches = [calls[i:i + size] for i in range(0, len(calls), size)]
     t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
     old = old_logprobs(model, [c for mb in batches[1:]
-                               for _, mine in live_groups(mb, s, "role") for c in mine],
+                               for _, mine in live_groups(mb, s, "role", procs) for c in mine],
                        adapter, pad_id, s.temperature, s.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
@@ -329,13 +328,13 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
             empty += 1
             if s.skip_empty:  # AdamW would still move the adapter, on its momentum alone
                 continue
-        for role, mine in live_groups(mb, s, "role"):
+        for role, mine in live_groups(mb, s, "role", procs):
             weight = loss_weight(mb, role, s.balance)
             for micro in micro_batches(mine, s.micro_batch_tokens):
                 st = micro_loss_backward(model, adapter, micro, old, pad_id, s, weight)
                 for k, v in st.items():
                     stats[f"role/{role}/{k}"].append(v)
-        sum_gradients(params)
+        procs.sum_grads(params)
         total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         if not torch.isfinite(total):  # a NaN or inf in the loss reaches the gradient, and its norm
             nonfinite += 1  # not applied: one step would make the adapter and AdamW's moments NaN
@@ -358,11 +357,12 @@ def is_live(call: Call, s: UpdateSettings) -> bool:
     return call.advantage != 0 or s.kl_coef.get(call.role, 0) > 0
 
 
-def live_groups(mb: list[Call], s: UpdateSettings, by: str) -> list[tuple[str, list[Call]]]:
+def live_groups(mb: list[Call], s: UpdateSettings, by: str,
+                procs=ONE_PROCESS) -> list[tuple[str, list[Call]]]:
     """The mini-batch's calls with a gradient (an advantage, or a KL term), grouped by role or
     slot: (group, this process's share of the group's calls), every group that has any."""
     live = [c for c in mb if is_live(c, s)]
-    return [(group, my_share([c for c in live if getattr(c, by) == group]))
+    return [(group, procs.share([c for c in live if getattr(c, by) == group]))
             for group in sorted({getattr(c, by) for c in live})]
 
 

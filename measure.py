@@ -29,10 +29,9 @@ from collections import defaultdict
 import torch
 
 from grpo import UpdateSettings, flat_grad, live_groups, loss_weight, micro_loss_backward
-from lab.machine import sum_across
 from lora import adapter_parameters
 from reward import read_by, verdicts
-from rollout import Call, micro_batches
+from rollout import ONE_PROCESS, Call, micro_batches
 from workflows import adherence, parse_choice, similarity
 
 
@@ -99,8 +98,8 @@ def zero_gradients(params: list[torch.Tensor]) -> None:
             p.grad.zero_()
 
 
-def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int,
-                     s: UpdateSettings) -> dict[str, list[float]]:
+def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, s: UpdateSettings,
+                     procs=ONE_PROCESS) -> dict[str, list[float]]:
     """Paper A's signals of the adapter's gradient at the start of the step, before its update.
 
     Each slot's part of the step's on-policy loss (every call of the adapter, weighed as the
@@ -118,7 +117,7 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int,
     gradients are summed across processes, as in the update."""
     params = adapter_parameters(model, adapter)
     stats, slot_grads, halves, role_of = defaultdict(list), {}, [0, 0], {}
-    for slot, mine in live_groups(calls, s, "slot"):
+    for slot, mine in live_groups(calls, s, "slot", procs):
         role = role_of[slot] = next(c.role for c in calls if c.slot == slot)
         weight = loss_weight(calls, role, s.balance)
         for half in (0, 1):
@@ -131,7 +130,7 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int,
                     stats[f"slot/{slot}/{k}"].append(v)
                 for k in ("entropy", "mismatch_mean", "mismatch_max", "mismatch_kl"):
                     stats[f"role/{role}/{k}"].append(st[k])  # pooled over the role's slots
-            g = sum_across(flat_grad(params))  # (n_params,)
+            g = procs.sum(flat_grad(params))  # (n_params,)
             slot_grads[slot] = slot_grads.get(slot, 0) + g
             halves[half] = halves[half] + g
     zero_gradients(params)

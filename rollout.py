@@ -28,6 +28,7 @@ Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -35,6 +36,12 @@ import torch.nn.functional as F
 
 from decode import decode, forward_padded, graph_decode, graphable
 from lora import adapter_for, merged_adapter, use_adapter
+
+# The processes a pass is split between, as the algorithm sees them: here one, which takes every
+# item of a list (share), has nothing to add up (sum, sum_grads) and gathers only its own list.
+# Under torchrun train.py hands in lab.machine.PROCESSES, whose functions do the same across them.
+ONE_PROCESS = SimpleNamespace(share=lambda items: items, sum=lambda t: t,
+                              sum_grads=lambda params: None, gather=lambda items: items)
 
 # ----------------------------------------------------------------------------
 # Records and batching

@@ -62,10 +62,10 @@ from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_min
 # lab/: the run's plumbing. Under torchrun `block` splits the problems between the processes and
 # the gather_* calls join what each did; in one process `block` is every problem and a gather
 # hands back what it is given.
-from lab.machine import (block, catch_stop_signals, gather_episodes, gather_lists, gather_stats,
-                         gpu_rngs, join_processes, log, peak_memory_mb, pick_threads,
-                         pick_threads_again, rank_and_world, release_free_memory, run_main,
-                         stop_requested)
+from lab.machine import (PROCESSES, block, catch_stop_signals, gather_episodes, gather_lists,
+                         gather_stats, gpu_rngs, join_processes, log, peak_memory_mb,
+                         pick_threads, pick_threads_again, rank_and_world, release_free_memory,
+                         run_main, stop_requested)
 from lab.runs import (NONFINITE_STOP, episode_samples, leave_processes, start_logs, stop_run,
                       write_step)
 from lab.settings import Config, parse_config, warmup_roles
@@ -169,12 +169,12 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
         mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
         live = [c for c in mine if is_live(c, update)]
         if diag:
-            for k, v in gradient_signals(state.model, name, mine, tok.pad_token_id,
-                                         update).items():
+            for k, v in gradient_signals(state.model, name, mine, tok.pad_token_id, update,
+                                         PROCESSES).items():
                 stats[k] += v
             stats[f"time/diag/{name}"].append(time.time() - t_name)
         for k, v in policy_update(state.model, name, mine, state.optimizers[name], state.rng,
-                                  tok.pad_token_id, update, ema=state.emas[name]).items():
+                                  tok.pad_token_id, update, state.emas[name], PROCESSES).items():
             stats[k] += v
         state.schedulers[name].step()
         skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
@@ -190,7 +190,7 @@ def train_critics(state: TrainState, tok, step: int, critic_batch,
     learning-rate schedule; the critics' adapters are separate from the actors', so the order is
     free."""
     stats = update_critics(state.model, state.heads, critic_batch, state.optimizers, state.rng,
-                           tok.pad_token_id, critics)
+                           tok.pad_token_id, critics, PROCESSES)
     for name in state.heads:
         state.schedulers[name].step()
     if stats["critic/skipped_nonfinite"][0]:
@@ -265,7 +265,7 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
         c.completion_ids = tok(c.text, add_special_tokens=False).input_ids + [tok.eos_token_id]
     losses = supervised_steps(model, pairs, names, cfg.sharing, cfg.sft_warmup, cfg.minibatch_size,
                               cfg.sft_lr, rng, tok.pad_token_id, cfg.micro_batch_tokens,
-                              cfg.grad_clip, log)
+                              cfg.grad_clip, log, PROCESSES)
     return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
 
 
@@ -357,7 +357,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         if cfg.algo == "grpo":
             set_advantages(calls, problem_of, cfg.adv_group)
         else:
-            critic_batch = critic_advantages(model, tok, heads, calls, critics)
+            critic_batch = critic_advantages(model, tok, heads, calls, critics, PROCESSES)
         # a cut call keeps its place in its group's baseline, not its gradient
         if cfg.truncated == "mask":
             for c in calls:

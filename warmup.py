@@ -20,9 +20,8 @@ from typing import Callable
 
 import torch
 
-from lab.machine import gather_lists, my_share, sum_gradients
 from lora import adapter_for, adapter_parameters, use_adapter
-from rollout import Call, micro_batches, sequence_logprobs
+from rollout import ONE_PROCESS, Call, micro_batches, sequence_logprobs
 from workflows import SOLVERS
 
 # (problems, texts) -> 1.0 where a text solves its problem
@@ -105,7 +104,8 @@ def balanced_verdicts(replies: list, rng: random.Random) -> list:
 
 def supervised_steps(model, calls: list[Call], adapters: list[str], sharing: str, steps: int,
                      batch_size: int, lr: float, rng: random.Random, pad_id: int,
-                     micro_batch_tokens: int, grad_clip: float, log=print) -> list[float]:
+                     micro_batch_tokens: int, grad_clip: float, log=print,
+                     procs=ONE_PROCESS) -> list[float]:
     """`steps` steps, each on `batch_size` calls drawn from `calls` and one AdamW step (its own
     optimizer, learning rate `lr`) per adapter on the mean negative log-likelihood of its calls'
     completion tokens; returns each step's loss, the mean over the adapters."""
@@ -119,7 +119,7 @@ def supervised_steps(model, calls: list[Call], adapters: list[str], sharing: str
             batch = [c for c in mb if adapter_for(c.role, sharing) == name]
             if batch:
                 step_loss[name] = supervised_update(model, name, batch, optimizers[name], pad_id,
-                                                    micro_batch_tokens, grad_clip)
+                                                    micro_batch_tokens, grad_clip, procs)
         losses.append(sum(step_loss.values()) / len(step_loss))
         log(f"warm-up {i + 1}/{steps} | loss "
             + ", ".join(f"{k} {v:.3f}" for k, v in step_loss.items()))
@@ -127,19 +127,19 @@ def supervised_steps(model, calls: list[Call], adapters: list[str], sharing: str
 
 
 def supervised_update(model, adapter: str, batch: list[Call], optimizer, pad_id: int,
-                      micro_batch_tokens: int, grad_clip: float) -> float:
+                      micro_batch_tokens: int, grad_clip: float, procs=ONE_PROCESS) -> float:
     """One optimizer step on the mean negative log-likelihood of the batch's completion tokens;
     returns that loss (under torchrun each process back-propagates its share, gradients summed)."""
     params = adapter_parameters(model, adapter)
     optimizer.zero_grad(set_to_none=False)
     n_tokens, total = sum(len(c.completion_ids) for c in batch), 0.0
     with use_adapter(model, adapter):
-        for micro in micro_batches(my_share(batch), micro_batch_tokens):
+        for micro in micro_batches(procs.share(batch), micro_batch_tokens):
             logp, mask, _ = sequence_logprobs(model, micro, pad_id)  # (b, T)
             loss = -(logp * mask).sum() / n_tokens
             loss.backward()
             total += loss.item()
-    sum_gradients(params)
+    procs.sum_grads(params)
     torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
-    return sum(gather_lists([total]))
+    return sum(procs.gather([total]))

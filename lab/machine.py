@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -102,6 +103,11 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
         p.grad.copy_(flat[i:i + p.numel()].view_as(p))
         i += p.numel()
 
+
+# The processes as train.py hands them to the algorithm's passes (rollout.ONE_PROCESS's functions,
+# across the processes under torchrun; in one process each hands back what it is given)
+PROCESSES = SimpleNamespace(share=my_share, sum=sum_across, sum_grads=sum_gradients,
+                            gather=gather_lists)
 
 
 # ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from grpo import UpdateSettings, policy_update
 from lab import launch, machine, runs
-from lab.machine import rank_and_world
+from lab.machine import PROCESSES, rank_and_world
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
 from measure import gradient_signals
 from model import tiny_model
@@ -85,9 +85,9 @@ def updated_adapters(workflow: str, sharing: str, minibatch_size: int, out: str)
     for name in names:
         mine = [c for c in calls if adapter_for(c.role, sharing) == name]
         sgd = torch.optim.SGD(adapter_parameters(model, name), lr=0.5)
-        stats.update(gradient_signals(model, name, mine, tok.pad_token_id, settings))
+        stats.update(gradient_signals(model, name, mine, tok.pad_token_id, settings, PROCESSES))
         stats.update(policy_update(model, name, mine, sgd, random.Random(0),
-                                   tok.pad_token_id, settings))
+                                   tok.pad_token_id, settings, procs=PROCESSES))
     if rank_and_world()[0] == 0:
         torch.save({"start": start,
                     "weights": {n: [p.detach().clone() for p in adapter_parameters(model, n)]
@@ -231,9 +231,9 @@ def updated_critics(out: str) -> None:
     for c in rollout.calls:
         c.reward = float(c.episode % 2)
     s = CriticSettings(critic="central", steps=3, normalize_advantages=True)  # several mini-batches
-    batch = critic_advantages(model, tok, heads, rollout.calls, s)
+    batch = critic_advantages(model, tok, heads, rollout.calls, s, PROCESSES)
     sgd = {"critic": torch.optim.SGD(params, lr=0.5)}
-    update_critics(model, heads, batch, sgd, random.Random(0), tok.pad_token_id, s)
+    update_critics(model, heads, batch, sgd, random.Random(0), tok.pad_token_id, s, PROCESSES)
     if rank_and_world()[0] == 0:
         torch.save({"values": batch.values, "adv": [c.advantage for c in rollout.calls],
                     "weights": [p.detach().clone() for p in params]}, out)
