@@ -380,7 +380,7 @@ def report(run_dirs: list[str], out: str, names=run_name) -> str:
             raise SystemExit(f"{named[name]} and {d} are both named {name} in the report: "
                              "give runs whose directories' names differ")
         named[name] = d
-    runs = {name: load_run(d) for name, d in named.items()}  # name -> (config, rows)
+    runs = {name: load_run(d, ROLES) for name, d in named.items()}  # name -> (config, rows)
     writable(out, "report.md")
     table = [{"run": name, **summary(config, rows)} for name, (config, rows) in runs.items()]
     header = list(table[0])
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
         results = probe(args.probe, problem_counts(args.probe_problems), args.probe_credit,
                         args.seed)
         run_dir = os.path.dirname(os.path.normpath(args.probe))
-        write_probe(results, run_dir, multiplicity(load_run(run_dir)[0]), KAPPA_FRAC)
+        write_probe(results, run_dir, multiplicity(load_run(run_dir, ROLES)[0]), KAPPA_FRAC)
     elif args.runs:
         out = args.out or (args.runs[0] if len(args.runs) == 1 else os.path.commonpath(
             [os.path.abspath(r) for r in args.runs]))

@@ -48,17 +48,21 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
+import math
 from functools import partial
 
 import torch
 from tqdm import tqdm
 
-from critic import CriticSettings, critic_advantages, critic_metrics, update_critics
-from grpo import UpdateSettings, is_live, policy_update, set_advantages
+from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
+                    setup_critics, update_critics)
+from grpo import (AGG_MODES, BALANCE, RATIO_LEVELS, UpdateSettings, is_live, policy_update,
+                  set_advantages)
 from lab.checkpoint import TrainState
-from lab.launch import (NEW_LR, actors_and_critics, check_settings, estimate_minutes,
-                        evaluation_samples, is_eval_step, launch, load_problems, make_optimizers,
-                        resume_run, step_line, typed_flags)
+from lab.launch import (NEW_LR, check_settings, estimate_minutes, evaluation_samples,
+                        is_eval_step, launch, load_problems, resume_run, start_run, step_line,
+                        typed_flags)
 # lab/: the run's plumbing. Under torchrun `block` splits the problems between the processes and
 # the gather_* calls join what each did; in one process `block` is every problem and a gather
 # hands back what it is given.
@@ -68,18 +72,297 @@ from lab.machine import (PROCESSES, block, catch_stop_signals, gather_episodes, 
                          run_main, stop_requested)
 from lab.runs import (NONFINITE_STOP, episode_samples, leave_processes, start_logs, stop_run,
                       write_step)
-from lab.settings import Config, parse_config, warmup_roles
-from lora import adapter_for, freeze_copy
+from lab.settings import arg, in_bounds, parse_flags
+from lora import DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, setup_adapters
 from measure import gradient_signals, step_metrics
-from reward import credit_calls, cut_finals, score_batch
-from rollout import Call, Rollout
+from model import DTYPES
+from reward import CREDITS, TRUNCATED, credit_calls, cut_finals, score_batch
+from rollout import Call, Rollout, chat_text, context_length
+from sandbox import CODE_TIMEOUT
+from tasks import DEFAULT_LEVEL, TASKS
 from warmup import contract_replies, supervised_steps
-from workflows import SOLVERS, adherence, boxed_contents, role_of, run_workflow, slots
+from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, boxed_contents, every_prompt,
+                       role_of, run_workflow, slots)
 
 # A step in which no call of an adapter has a learning signal takes no optimizer step, and its
 # schedule moves on all the same: torch's warning about that order says nothing here.
 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 EVAL_BATCH = 32  # held-out problems an evaluation rolls out at once
+
+
+# ----------------------------------------------------------------------------
+# The settings: every flag, its default and its help (--help, --help-all); lab/settings.py
+# checks them, and what the algorithm's files read is made from them below
+
+
+@dataclass
+class Config:
+    # what to train
+    workflow: str = arg("eval_opt", "workflow topology", tuple(WORKFLOWS))
+    sharing: str = arg("shared", "one adapter for all roles, or one per role type",
+                       ("shared", "isolated"))
+    algo: str = arg("grpo", "group-relative advantages, or actor-critic with GAE", ("grpo", "maac"))
+    model: str = arg("smollm2", "smollm2 (embedded), tiny (random, for tests), or a HF id/path")
+    task: str = arg("arith", "problem set; dapo_math and deepcoder need the Hugging Face hub",
+                    tuple(TASKS))
+    level: int = arg(DEFAULT_LEVEL, "difficulty level of the arith task (1-5)")
+    code_workers: int = arg(2, "code tasks: sandboxed programs run in parallel", bounds="[1, inf)")
+    code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program",
+                              bounds="(0, inf)")
+    n_agents: int = arg(3, "generators in voting, workers in orch_workers", bounds="[1, inf)")
+    max_rounds: int = arg(2, "eval_opt: most generator turns per episode", bounds="[1, inf)")
+    # rollout
+    steps: int = arg(10, "training steps", bounds="[0, inf)")
+    problems_per_step: int = arg(8, "B: distinct problems per step", bounds="[1, inf)")
+    group_size: int = arg(4, "G: episodes per problem (the GRPO group)", bounds="[1, inf)")
+    max_new_tokens: int = arg(0, "completion length limit of every call; 0 = the task's: "
+                              "48 for math, 320 for code", bounds="[0, inf)")
+    temperature: float = arg(0.7, "sampling temperature of training rollouts", bounds="(0, inf)")
+    top_p: float = arg(1.0, "nucleus sampling of training rollouts", bounds="(0, 1]")
+    strict_answer: bool = arg(False, "score only a \\boxed{} answer (no last-number fallback)")
+    credit: str = arg("final", "each call's reward: final = the episode's answer, broadcast (the "
+                      "paper); own = a solver's own answer, an evaluator's verdict (math)", CREDITS)
+    truncated: str = arg("penalize", "a call cut by --max_new_tokens: penalize = reward 0, mask = "
+                         "no gradient; both score a cut final answer 0; "
+                         "keep = scored like any other", TRUNCATED)
+    # optimisation
+    lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)",
+                    bounds="(0, inf)")
+    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to --lr_floor",
+                            bounds="[0, inf)")
+    lr_floor: float = arg(0.1, "where the cosine decay ends, as a share of --lr; "
+                          "1 keeps it constant", bounds="[0, 1]")
+    sft_warmup: int = arg(6, "supervised steps before RL on replies that keep each role's contract "
+                          "(0 = none; README)", bounds="[0, inf)")
+    sft_lr: float = arg(1e-3, "AdamW learning rate of the supervised warm-up", bounds="(0, inf)")
+    sft_roles: str = arg("generator,evaluator,aggregator,orchestrator,worker,synthesizer",
+                         "roles the warm-up teaches, of those the workflow has")
+    weight_decay: float = arg(0.0, "AdamW weight decay", bounds="[0, inf)")
+    grad_clip: float = arg(1.0, "max gradient norm per optimizer step", bounds="(0, inf)")
+    one_step: bool = arg(True, "one optimizer step per adapter a step (--no-one_step: one per "
+                         "--minibatch_size)")
+    minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step, and per "
+                                  "warm-up step", bounds="[1, inf)")
+    micro_batch_tokens: int = arg(1024, "padded tokens a pass (memory only)",
+                                  bounds="[1, inf)")
+    eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
+    eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)", bounds="[0, inf)")
+    loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
+    ratio: str = arg("token", "importance ratio: per token (PPO, GRPO) or per sequence (GSPO); "
+                     "both are 1 under --one_step", RATIO_LEVELS)
+    adv_group: str = arg("slot", "GRPO groups: (problem, slot, stage) or (problem, role)",
+                         ("slot", "role"))
+    kl_coef: float = arg(0.0, "k3 KL to the base model, or to the warmed-up adapters after "
+                         "--sft_warmup; 0 = off, as the paper", bounds="[0, inf)")
+    # mitigations of Paper A's failure modes (docs/mechanisms.md)
+    balance: str = arg("none", "loss weight per role: role = equal roles (against capture), "
+                       "multiplicity = 1/N for N same-role slots (against amplification)", BALANCE)
+    damping: float = arg(0.0, "coherence damping: scale a step by 1 - damping * "
+                         "max(0, cos(g, EMA(g)))", bounds="[0, 1]")
+    role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
+    skip_empty: bool = arg(True, "no optimizer step on a mini-batch whose calls all have "
+                           "advantage 0 (AdamW would move on its momentum)")
+    tis_cap: float = arg(0.0, "truncated importance sampling: weight a token's loss by "
+                         "min(pi_old / pi_rollout, C); 0 = off", bounds="[0, inf)")
+    # actor-critic (--algo maac, critic.py)
+    critic: str = arg("central", "one critic over the joint history (CoLLM-CC) "
+                      "or one per agent (CoLLM-DC)", CRITICS)
+    critic_per: str = arg("slot", "decentral critics: one per agent slot or per role type", PER)
+    gamma: float = arg(1.0, "discount per agent turn", bounds="[0, 1]")
+    lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo",
+                     bounds="[0, 1]")
+    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)",
+                           bounds="(0, inf)")
+    critic_steps: int = arg(1, "optimizer steps of every critic per training step, its rows split "
+                            "evenly (a central critic takes as many as a decentral one; a critic "
+                            "with fewer rows, one a row)", bounds="[1, inf)")
+    vf_coef: float = arg(1.0, "value-loss coefficient (matters only against grad_clip)",
+                         bounds="[0, inf)")
+    value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)",
+                            bounds="[0, inf)")
+    norm_adv: bool = arg(False, "normalise actor-critic advantages over the batch")
+    critic_max_tokens: int = arg(768, "a critic reads the last N tokens of its input",
+                                 bounds="[1, inf)")
+    # LoRA
+    lora_r: int = arg(16, "LoRA rank (paper: 64)", bounds="[1, inf)")
+    lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r",
+                            bounds="(0, 1e6]")
+    lora_targets: str = arg(",".join(DEFAULT_TARGETS),
+                            "comma-separated names of the linear layers to adapt")
+    # evaluation, logging, checkpoints
+    eval_every: int = arg(0, "evaluate every E steps, and before and after training "
+                          "(0: only before and after)", bounds="[0, inf)")
+    diag_every: int = arg(1, "diagnostics every k steps (measure.py: the slots' gradients, "
+                          "per-role figures, adherence; 0: never)", bounds="[0, inf)")
+    eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)",
+                             bounds="[1, inf)")
+    val_problems: int = arg(0, "validation problems per evaluation, where a peak is chosen "
+                            "(0: none; lab/grid.py uses 48)", bounds="[0, inf)")
+    eval_sampling: str = arg("auto", "evaluation decoding: greedy, sample (at --temperature), or "
+                             "auto = sample for voting only", ("auto", "greedy", "sample"))
+    eval_samples: int = arg(1, "samples per held-out problem when evaluation samples",
+                            bounds="[1, inf)")
+    train_problems: int = arg(256, "size of the training pool", bounds="[1, inf)")
+    log_samples: int = arg(2, "episodes per step written to samples.jsonl", bounds="[0, inf)")
+    save_every: int = arg(1, "checkpoint every k steps and at the end: "
+                          "a killed run loses at most k steps", bounds="[1, inf)")
+    out: str = arg("runs/default", "run directory")
+    seed: int = arg(0, "seed of problems, sampling and adapters", bounds="[0, 4294967296)")
+    resume: bool = arg(False, "continue the run in --out from its last checkpoint")
+    start_from: str = arg("", "begin RL at the step 0 (warm-up, first evaluation) "
+                          "of the run in this directory (docs/runs.md)")
+    overwrite: bool = arg(False, "start over in an --out that already holds a run (deletes it)")
+    # machine
+    device: str = arg("auto", "auto, cpu or cuda")
+    dtype: str = arg("auto", "the frozen base weights: auto = bf16 on CUDA and on CPUs "
+                     "with native bf16, else fp32; adapters are fp32", DTYPES)
+    threads: int = arg(0, "CPU threads of torch; 0 = the free cores, chosen again every step",
+                       bounds="[0, inf)")
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    return parse_flags(Config, argv)
+
+
+def kl_coefs(cfg: Config) -> dict[str, float]:
+    """--kl_coef for every role of the workflow, overridden per role by --role_kl."""
+    coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
+    named = set()
+    for item in cfg.role_kl.split(",") if cfg.role_kl.strip() else []:
+        role, _, value = item.partition("=")
+        role = role.strip()
+        if not item.strip():
+            raise SystemExit(f"--role_kl {cfg.role_kl}: an empty item between commas")
+        if role not in coefs:
+            raise SystemExit(f"--role_kl: {role!r} is not a role of {cfg.workflow} "
+                             f"({', '.join(coefs)})")
+        if role in named:
+            raise SystemExit(f"--role_kl: {role} is given twice")
+        named.add(role)
+        try:
+            coefs[role] = float(value)
+        except ValueError:
+            raise SystemExit(f"--role_kl: {item!r} is not role=number") from None
+        # as --kl_coef: a negative, nan or inf is no anchor
+        if not in_bounds(coefs[role], "[0, inf)"):
+            raise SystemExit(f"--role_kl {item.strip()}: must be in [0, inf)")
+    return coefs
+
+
+def update_settings(cfg: Config) -> UpdateSettings:
+    """What grpo.policy_update reads, from the config (the same for every adapter). After a
+    warm-up, a KL term anchors each adapter to a frozen copy of itself, "<adapter>-ref"."""
+    kl = kl_coefs(cfg)
+    adapters = {adapter_for(role, cfg.sharing) for role in ROLES[cfg.workflow]}
+    anchored = cfg.sft_warmup > 0 and any(v > 0 for v in kl.values())
+    return UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
+                          one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
+                          eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
+                          ratio=cfg.ratio, kl_coef=kl, grad_clip=cfg.grad_clip,
+                          balance=cfg.balance, group_size=cfg.group_size,
+                          damping=cfg.damping, tis_cap=cfg.tis_cap, skip_empty=cfg.skip_empty,
+                          reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
+
+
+def critic_settings(cfg: Config) -> CriticSettings:
+    """What critic.py's critic_advantages and update_critics read, from the config."""
+    return CriticSettings(critic=cfg.critic, per=cfg.critic_per, max_tokens=cfg.critic_max_tokens,
+                          gamma=cfg.gamma, lam=cfg.lam, normalize_advantages=cfg.norm_adv,
+                          steps=cfg.critic_steps, micro_batch_tokens=cfg.micro_batch_tokens,
+                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None,
+                          grad_clip=cfg.grad_clip,
+                          cut_returns_zero=cfg.truncated == "penalize",
+                          own_rewards=cfg.credit == "own")
+
+
+def warmup_roles(cfg: Config) -> list[str]:
+    """The workflow's roles named in --sft_roles (another workflow's are passed over, as in the
+    default, every workflow's roles, and a grid's list for all its cells): an unknown, blank or
+    repeated name is a one-line error."""
+    roles = [r.strip() for r in cfg.sft_roles.split(",")]
+    if "" in roles or len(set(roles)) < len(roles):
+        raise SystemExit(f"--sft_roles {cfg.sft_roles!r}: give distinct role names separated by "
+                         "commas, e.g. generator,evaluator")
+    known = {r for rs in ROLES.values() for r in rs}
+    for role in roles:
+        if role not in known:
+            raise SystemExit(f"--sft_roles: {role!r} is not a role "
+                             f"(roles: {', '.join(sorted(known))})")
+    mine = [r for r in roles if r in ROLES[cfg.workflow]]
+    if cfg.sft_warmup and not mine:
+        raise SystemExit(f"--sft_roles: no role of {cfg.workflow} "
+                         f"({', '.join(ROLES[cfg.workflow])}) to warm up")
+    return mine
+
+
+# ----------------------------------------------------------------------------
+# The run's pieces: the context checked, the adapters and critics, their optimizers
+
+
+def check_context(model, tok, cfg: Config, problems: list) -> None:
+    """The lengths fit the model's context, before any generation: --critic_max_tokens, and
+    --max_new_tokens after the longest prompt the workflow builds for the longest problem with
+    the agents' texts left out (those are known at run time, and cut to fit then: Rollout)."""
+    context = context_length(model)
+    if context is None:
+        return
+    if cfg.algo == "maac" and cfg.critic_max_tokens > context:
+        raise SystemExit(f"--critic_max_tokens {cfg.critic_max_tokens}: more than the {context} "
+                         f"positions of model {cfg.model}; lower it to at most {context}")
+    sizes = [len(ids) for ids
+             in tok([p.question for p in problems], add_special_tokens=False).input_ids]
+    longest = problems[sizes.index(max(sizes))]
+    # Eval-Opt's prompts do not grow with its rounds: two hold each kind (first try, verdict,
+    # refinement)
+    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents,
+                         min(cfg.max_rounds, 2))
+    prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
+    if prompt + cfg.max_new_tokens > context:
+        fix = (f"lower --max_new_tokens to at most {context - prompt}" if prompt < context
+               else "choose a model with a longer context")
+        raise SystemExit(f"--max_new_tokens {cfg.max_new_tokens}: the longest prompt of "
+                         f"{cfg.workflow} on {cfg.task} takes {prompt} tokens, and model "
+                         f"{cfg.model} reads {context}; {fix}")
+
+
+def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
+    """The adapters RL trains (one shared, or one per role type) and, with --algo maac, the
+    critics: a fresh adapter and value head each."""
+    names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
+    if cfg.algo != "maac":
+        return names, {}
+    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
+            for s in slots(cfg.workflow, cfg.n_agents)}
+    # The critics' initial weights are drawn aside from the random numbers the run draws next,
+    # so an actor-critic run warms up and samples as the GRPO run of its seed does.
+    with torch.random.fork_rng(devices=gpu_rngs(model.device)):
+        return names, setup_critics(model, sorted(keys))
+
+
+def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, dict]:
+    """AdamW and the warmup-cosine schedule for every adapter, and for every critic
+    (its adapter and value head)."""
+    optimizers, schedulers = {}, {}
+    for name in names + list(heads):
+        params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads
+                                                    else [])
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = torch.zeros_like(p)  # kept: flat_grad and sum_gradients read every one
+        lr = cfg.critic_lr if name in heads else cfg.lr
+        optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+        schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
+            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps,
+                                      floor=cfg.lr_floor))
+    return optimizers, schedulers
+
+
+def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
+    """Linear warmup, then cosine decay to `floor` (1: constant); `step` = training steps taken."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min((step - warmup) / max(1, total - warmup), 1.0)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # ----------------------------------------------------------------------------
@@ -316,7 +599,10 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     """Train; `typed`: the flags given on the command line (None: those that differ from their
     defaults), which --resume checks against the run."""
     # ---- settings: everything is checked before a file or the model is touched
-    cfg, update, critics, start_config = check_settings(cfg, typed)
+    cfg, start_config = check_settings(cfg, typed)
+    if not cfg.resume:  # a resumed run's warm-up is behind it
+        warmup_roles(cfg)  # stops here on a bad --sft_roles
+    update, critics = update_settings(cfg), critic_settings(cfg)  # and on a bad --role_kl
     device = join_processes(cfg.device)
     rank, world = rank_and_world()
     torch.set_num_threads(pick_threads(cfg.threads, own_load=0.0))
@@ -324,7 +610,9 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
     # ---- data, model, run directory, adapters, optimizers
     train_set, held_out = load_problems(cfg, world)
-    model, tok = launch(cfg, device, rank, train_set + [p for ps in held_out.values() for p in ps])
+    model, tok, held = launch(cfg, device)
+    check_context(model, tok, cfg, train_set + [p for ps in held_out.values() for p in ps])
+    start_run(cfg, held, rank)
     names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
     state = TrainState(model, heads, optimizers, schedulers, rng, emas={name: {} for name in names})

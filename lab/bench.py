@@ -47,12 +47,13 @@ import torch
 
 from lab.machine import check_device, pick_threads
 from lab.runs import enclosing_run
-from lab.settings import TASK_TOKENS, Config
+from lab.settings import TASK_TOKENS
 from lab.timings import (generation, machine_limits, ratio, sharing, step_parts, throughput,
                          train_step, update_parts)
 from lora import add_adapter, inject_lora
 from model import load_policy, resolve_dtype
 from tasks import DEFAULT_LEVEL, load_task
+from train import Config
 from workflows import chat
 
 

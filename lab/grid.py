@@ -41,10 +41,12 @@ from diagnose import findings, report
 from lab.checkpoint import has_checkpoint
 from lab.launch import check_goes_on_from, check_settings, flag_name, run_config, typed_flags
 from lab.runs import load_run
-from lab.settings import Config, idle_settings, parse_config, with_task_tokens
+from lab.settings import idle_settings, with_task_tokens
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
                         seed_table, signal_numbers)
 from tasks import TASK_KIND
+from train import Config, parse_config
+from workflows import ROLES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 
@@ -264,7 +266,7 @@ def seed_of(run_dir: str) -> str:
 def finished(run_dir: str) -> bool:
     """A grid run counts as done when its log reaches the configured last step."""
     try:
-        config, rows = load_run(run_dir)
+        config, rows = load_run(run_dir, ROLES)
     except (SystemExit, OSError):
         return False
     return bool(rows) and rows[-1]["step"] == config["steps"] and "eval/accuracy" in rows[-1]
@@ -317,7 +319,7 @@ def reproduce(out: str, train_flags: list[str], seeds: list[int]) -> str:
     check_cells(cells, out, train_flags)
     run_dirs = train_cells(out, cells)
     path = report(run_dirs, out, names=lambda d: os.path.relpath(d, out))
-    by_cell = {f"{w}-{s}": {seed_of(d): load_run(d) for d in run_dirs
+    by_cell = {f"{w}-{s}": {seed_of(d): load_run(d, ROLES) for d in run_dirs
                             if os.path.basename(d) == f"{w}-{s}"}
                for w, s in GRID}
     lines = main_table(by_cell) + ["", "Paper A's findings at this scale:", ""] + claims(by_cell)
@@ -347,7 +349,8 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
                          f"answers, which only a math task scores (--task {task})")
     run_dirs = [d for d in train_cells(home, cells) if os.path.basename(d) in spec.cells]
     path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
-    by_cell = {cell: {seed_of(d): load_run(d) for d in run_dirs if os.path.basename(d) == cell}
+    by_cell = {cell: {seed_of(d): load_run(d, ROLES) for d in run_dirs
+                      if os.path.basename(d) == cell}
                for cell in spec.cells}  # cell -> seed -> (config, rows)
     lines, verdict = demo_table(by_cell) + [""] + seed_table(spec.signals[0], by_cell), []
     for cell, runs in by_cell.items() if spec.finding else ():  # a comparison asks no detector

@@ -1,12 +1,12 @@
-"""Launching a run, everything before its step 0: the settings checked (lab/settings.py's
-checks, a resumed run's own config, another run's start), the problems, the base model with
-its LoRA layers, the adapters RL trains and the critics, and an AdamW optimizer with its
-learning-rate schedule for each; the run's clock: its plan (the first line it logs), the steps
-it evaluates at, the time it has left; and a step 0 read back from a checkpoint, this run's
-(--resume) or another run's (--start_from). The warm-up, the first evaluation and the training
-loop are train.py's; the run directory is lab/runs.py's, the training state and its checkpoints
-lab/checkpoint.py's. The directory is locked first and written only once the model has loaded
-and the flags fit it, so a launch that fails leaves a run in --out as it was.
+"""Launching a run, everything before its step 0 that is not the algorithm's: the settings
+checked (lab/settings.py's checks, a resumed run's own config, another run's start), the
+problems, the base model with its LoRA layers; the run's clock: its plan (the first line it
+logs), the steps it evaluates at, the time it has left; and a step 0 read back from a checkpoint,
+this run's (--resume) or another run's (--start_from). The adapters, critics and optimizers, the
+warm-up, the first evaluation and the training loop are train.py's; the run directory is
+lab/runs.py's, the training state and its checkpoints lab/checkpoint.py's. The directory is
+locked first and written only once the model has loaded and the flags fit it, so a launch that
+fails leaves a run in --out as it was.
 
     python train.py --out runs/a --resume                   # on from its last checkpoint, exactly
     python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation
@@ -18,39 +18,29 @@ Exercised by: pytest tests/test_train.py (bad flags, the context check, the sche
 import dataclasses
 import glob
 import json
-import math
 import os
-from functools import partial
 
 import torch
 from safetensors.torch import load_file
 
-from critic import CriticSettings, critic_key, setup_critics
-from grpo import UpdateSettings
-from lab.machine import barrier, gpu_rngs, log, rank_and_world
+from lab.machine import barrier, log, rank_and_world
 from lab.checkpoint import (TrainState, has_checkpoint, is_state, load_state, no_checkpoint,
                             read_best, restore_best, start_checkpoint)
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
-from lab.settings import (MAAC_ONLY, Config, check_idle_flags, check_numbers, chosen,
-                          critic_settings, idle_settings, lora_targets, read_config,
-                          update_settings, warmup_roles, with_task_tokens)
-from lora import (adapter_for, adapter_parameters, freeze_copy, inject_lora, narrowest,
-                  setup_adapters)
+from lab.settings import (MAAC_ONLY, Settings, check_idle_flags, check_numbers, chosen,
+                          idle_settings, lora_targets, read_config, with_task_tokens)
+from lora import freeze_copy, inject_lora, narrowest
 from model import load_policy
-from rollout import chat_text, context_length
 from tasks import TASK_KIND, load_task
-from workflows import ROLES, every_prompt, role_of, slots
-
 
 
 # ----------------------------------------------------------------------------
 # The settings: checked before a file or the model is touched
 
 
-def check_settings(cfg: Config, typed: set[str] | None
-                   ) -> tuple[Config, UpdateSettings, CriticSettings, dict | None]:
-    """The run's config (a resumed run's own), what grpo.py and critic.py read from it, and with
-    --start_from the start's config, all checked before a file or the model is touched."""
+def check_settings(cfg: Settings, typed: set[str] | None) -> tuple[Settings, dict | None]:
+    """The run's config (a resumed run's own) and with --start_from the start's config, checked
+    before a file or the model is touched (train.py checks what the algorithm reads of them)."""
     if cfg.resume and cfg.overwrite:
         raise SystemExit("--resume continues the run in --out and --overwrite starts it over: "
                          "give one")
@@ -58,7 +48,6 @@ def check_settings(cfg: Config, typed: set[str] | None
     check_numbers(cfg)
     if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
         check_idle_flags(cfg, typed)
-        warmup_roles(cfg)  # stops here on a bad --sft_roles (a resumed run's warm-up is behind it)
         # (the default warm-up of 1 passes with --steps 1)
         if chosen(cfg, typed, "warmup_steps") and cfg.warmup_steps >= cfg.steps > 0:
             raise SystemExit(f"--warmup_steps {cfg.warmup_steps}: not fewer than the run's --steps "
@@ -68,16 +57,15 @@ def check_settings(cfg: Config, typed: set[str] | None
                          "(its answers are programs); use --credit final")
     cfg = with_task_tokens(cfg)  # resolved here once (a resumed run's config holds it)
     start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
-    update = update_settings(cfg)  # stops here on a bad --role_kl
-    lora_targets(cfg)  # and on an empty or repeated layer name
-    return cfg, update, critic_settings(cfg), start_config
+    lora_targets(cfg)  # stops here on an empty or repeated layer name
+    return cfg, start_config
 
 
 # ----------------------------------------------------------------------------
 # The problems, the model, the adapters and their optimizers
 
 
-def load_problems(cfg: Config, world: int) -> tuple[list, dict[str, list]]:
+def load_problems(cfg: Settings, world: int) -> tuple[list, dict[str, list]]:
     """The training pool and the held-out problems, {"eval": test, "val": val} (no "val" without
     --val_problems)."""
     if cfg.problems_per_step < world:
@@ -96,11 +84,11 @@ def load_problems(cfg: Config, world: int) -> tuple[list, dict[str, list]]:
     return train_set, held_out
 
 
-def launch(cfg: Config, device: str, rank: int, problems: list):
-    """The base model with LoRA layers on --lora_targets (no adapter yet) and its tokenizer. The
-    run directory is locked first (runs.lock_run), a new run's is checked, and it is written only
-    once the model has loaded and the flags fit it, so a failed launch leaves a run in --out as it
-    was."""
+def launch(cfg: Settings, device: str) -> tuple[object, object, list[str]]:
+    """The base model with LoRA layers on --lora_targets (no adapter yet), its tokenizer, and what
+    --out held before (check_run_dir). The run directory is locked first (runs.lock_run) and a new
+    run's is checked; start_run writes it only once the model has loaded and the flags fit it
+    (train.check_context), so a failed launch leaves a run in --out as it was."""
     lock_run(cfg.out)
     held = [] if cfg.resume else check_run_dir(cfg.out, cfg.overwrite)
     log(plan(cfg, device))
@@ -113,96 +101,33 @@ def launch(cfg: Config, device: str, rank: int, problems: list):
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
-    check_context(model, tok, cfg, problems)
+    return model, tok, held
+
+
+def start_run(cfg: Settings, held: list[str], rank: int) -> None:
+    """A new run's directory, written once the launch's checks have passed (rank 0's)."""
     if not cfg.resume and rank == 0:
         start_run_dir(cfg.out, held, dataclasses.asdict(cfg))
-    return model, tok
-
-
-def check_context(model, tok, cfg: Config, problems: list) -> None:
-    """The lengths fit the model's context, before any generation: --critic_max_tokens, and
-    --max_new_tokens after the longest prompt the workflow builds for the longest problem with
-    the agents' texts left out (those are known at run time, and cut to fit then: Rollout)."""
-    context = context_length(model)
-    if context is None:
-        return
-    if cfg.algo == "maac" and cfg.critic_max_tokens > context:
-        raise SystemExit(f"--critic_max_tokens {cfg.critic_max_tokens}: more than the {context} "
-                         f"positions of model {cfg.model}; lower it to at most {context}")
-    sizes = [len(ids) for ids
-             in tok([p.question for p in problems], add_special_tokens=False).input_ids]
-    longest = problems[sizes.index(max(sizes))]
-    # Eval-Opt's prompts do not grow with its rounds: two hold each kind (first try, verdict,
-    # refinement)
-    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents,
-                         min(cfg.max_rounds, 2))
-    prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
-    if prompt + cfg.max_new_tokens > context:
-        fix = (f"lower --max_new_tokens to at most {context - prompt}" if prompt < context
-               else "choose a model with a longer context")
-        raise SystemExit(f"--max_new_tokens {cfg.max_new_tokens}: the longest prompt of "
-                         f"{cfg.workflow} on {cfg.task} takes {prompt} tokens, and model "
-                         f"{cfg.model} reads {context}; {fix}")
-
-
-def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
-    """The adapters RL trains (one shared, or one per role type) and, with --algo maac, the
-    critics: a fresh adapter and value head each."""
-    names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
-    if cfg.algo != "maac":
-        return names, {}
-    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
-            for s in slots(cfg.workflow, cfg.n_agents)}
-    # The critics' initial weights are drawn aside from the random numbers the run draws next,
-    # so an actor-critic run warms up and samples as the GRPO run of its seed does.
-    with torch.random.fork_rng(devices=gpu_rngs(model.device)):
-        return names, setup_critics(model, sorted(keys))
-
-
-def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, dict]:
-    """AdamW and the warmup-cosine schedule for every adapter, and for every critic
-    (its adapter and value head)."""
-    optimizers, schedulers = {}, {}
-    for name in names + list(heads):
-        params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads
-                                                    else [])
-        for p in params:
-            p.requires_grad_(True)
-            p.grad = torch.zeros_like(p)  # kept: flat_grad and sum_gradients read every one
-        lr = cfg.critic_lr if name in heads else cfg.lr
-        optimizers[name] = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-        schedulers[name] = torch.optim.lr_scheduler.LambdaLR(
-            optimizers[name], partial(lr_factor, warmup=cfg.warmup_steps, total=cfg.steps,
-                                      floor=cfg.lr_floor))
-    return optimizers, schedulers
-
-
-def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
-    """Linear warmup, then cosine decay to `floor` (1: constant); `step` = training steps taken."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = min((step - warmup) / max(1, total - warmup), 1.0)
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # ----------------------------------------------------------------------------
 # The clock: what the run will do, and the time it has left
 
 
-def is_eval_step(cfg: Config, step: int) -> bool:
+def is_eval_step(cfg: Settings, step: int) -> bool:
     """Whether the workflow is evaluated after `step` (step 0 = before training): every
     --eval_every-th step and the last."""
     return step in (0, cfg.steps) or bool(cfg.eval_every and step % cfg.eval_every == 0)
 
 
-def evals_after(cfg: Config, step: int) -> int:
+def evals_after(cfg: Settings, step: int) -> int:
     """How many evaluations come after `step`, counted, not listed (a run may be long)."""
     every = cfg.eval_every and (cfg.steps // cfg.eval_every - step // cfg.eval_every)
     last = step < cfg.steps and not (cfg.eval_every and cfg.steps % cfg.eval_every == 0)
     return every + last
 
 
-def eval_steps_text(cfg: Config) -> str:
+def eval_steps_text(cfg: Settings) -> str:
     """The evaluated steps as the plan says them: all of them, or the first and the last few."""
     shown = [s for s in range(min(cfg.steps, 6 * max(cfg.eval_every, 1)) + 1)
              if is_eval_step(cfg, s)]
@@ -212,13 +137,13 @@ def eval_steps_text(cfg: Config) -> str:
     return f"{', '.join(map(str, shown[:4]))}, ..., {', '.join(map(str, last))}"
 
 
-def evaluation_samples(cfg: Config) -> bool:
+def evaluation_samples(cfg: Settings) -> bool:
     """Whether evaluation samples at the training temperature rather than decoding greedily."""
     return cfg.eval_sampling == "sample" or (cfg.eval_sampling == "auto"
                                              and cfg.workflow == "voting")
 
 
-def plan(cfg: Config, device: str) -> str:
+def plan(cfg: Settings, device: str) -> str:
     """The first line of a run: what it will do."""
     evals = eval_steps_text(cfg)
     threads = torch.get_num_threads()
@@ -237,7 +162,7 @@ def plan(cfg: Config, device: str) -> str:
             "Time: estimated after the step-0 evaluation.")
 
 
-def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float],
+def estimate_minutes(cfg: Settings, eval_seconds: float, step_seconds: list[float],
                      step: int) -> float:
     """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
     evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
@@ -251,7 +176,7 @@ def estimate_minutes(cfg: Config, eval_seconds: float, step_seconds: list[float]
     return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
 
 
-def step_line(cfg: Config, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
+def step_line(cfg: Settings, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
     """A training step's log line: its reward and seconds, its accuracy when it was evaluated,
     and the time left; `eval_seconds`: the last evaluation's."""
     step = row["step"]
@@ -285,8 +210,8 @@ def typed_flags(argv: list[str]) -> set[str]:
     return {flag_name(a) for a in argv if a.startswith("--")}
 
 
-def resolve_resume(cfg: Config, typed: set[str] | None = None,
-                   new_lr: tuple[str, ...] = NEW_LR) -> Config:
+def resolve_resume(cfg: Settings, typed: set[str] | None = None,
+                   new_lr: tuple[str, ...] = NEW_LR) -> Settings:
     """--resume takes the run's saved config (run_config), from its newest checkpoint on."""
     saved = run_config(cfg, typed, new_lr)
     if not has_checkpoint(cfg.out):
@@ -294,8 +219,8 @@ def resolve_resume(cfg: Config, typed: set[str] | None = None,
     return saved
 
 
-def run_config(cfg: Config, typed: set[str] | None = None,
-               new_lr: tuple[str, ...] = NEW_LR) -> Config:
+def run_config(cfg: Settings, typed: set[str] | None = None,
+               new_lr: tuple[str, ...] = NEW_LR) -> Settings:
     """The saved config of the run in --out, as --resume takes it: a flag that contradicts it is
     an error, whether it was typed (`typed`, from the command line) or differs from its default
     (settings.chosen), except the learning rates in `new_lr` and --device, which a chosen flag
@@ -304,7 +229,7 @@ def run_config(cfg: Config, typed: set[str] | None = None,
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
         raise SystemExit(f"--resume: no run in {cfg.out}")
     try:
-        saved = read_config(os.path.join(cfg.out, "config.json"))
+        saved = read_config(os.path.join(cfg.out, "config.json"), type(cfg))
     except SystemExit as e:
         raise SystemExit(f"--resume: {e}") from None
     for f in dataclasses.fields(cfg):
@@ -378,7 +303,7 @@ RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor
                "diag_every", "log_samples", "save_every", "algo", *MAAC_ONLY)
 
 
-def check_start(cfg: Config) -> dict:
+def check_start(cfg: Settings) -> dict:
     """--start_from: the start run's config, once it is known to differ from this run's in RL
     settings only and its checkpoint to be of step 0, or its best one."""
     where = cfg.start_from
@@ -397,7 +322,7 @@ def check_start(cfg: Config) -> dict:
         state = load_state(ckpt)
         for tensors in glob.glob(os.path.join(ckpt, "**", "*.safetensors"), recursive=True):
             load_file(tensors)  # a torn adapter stops the launch here, before a file is written
-        saved = read_config(os.path.join(run, "config.json"))
+        saved = read_config(os.path.join(run, "config.json"), type(cfg))
     except FileNotFoundError:
         raise SystemExit(f"--start_from {where}: no run with a checkpoint there "
                          "(train it with --steps 0)") from None
@@ -408,11 +333,11 @@ def check_start(cfg: Config) -> dict:
                          f"({type(e).__name__})") from None
     if not is_state(state):
         raise SystemExit(f"--start_from {where}: its state.pt is not a checkpoint's")
-    if saved.workflow not in ROLES or saved.sharing not in ("shared", "isolated"):
-        raise SystemExit(f"--start_from {where}: its config.json names no known workflow "
-                         "and sharing")
-    needed = sorted({adapter_for(role, saved.sharing) for role in ROLES[saved.workflow]})
-    missing = [n for n in needed
+    if unknown := [f.name for f in dataclasses.fields(saved) if f.metadata["choices"]
+                   and getattr(saved, f.name) not in f.metadata["choices"]]:
+        raise SystemExit(f"--start_from {where}: its config.json names no known {unknown[0]}")
+    # every adapter and critic it trained has an optimizer in state.pt, and must be there whole
+    missing = [n for n in sorted(state["optimizers"])
                if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]
     if missing:
         raise SystemExit(f"--start_from {where}: its checkpoint lacks the adapter(s) "
@@ -431,7 +356,7 @@ def check_start(cfg: Config) -> dict:
     return dataclasses.asdict(saved)
 
 
-def check_goes_on_from(cfg: Config, start: Config, where: str) -> None:
+def check_goes_on_from(cfg: Settings, start: Settings, where: str) -> None:
     """Can a run of `cfg` take its step 0 from a run of `start` (in `where`)? A setting that
     acted nowhere in the start (settings.ONLY_UNDER: --minibatch_size without a warm-up or
     mini-batch steps) did not shape it, and may differ as RL settings may."""

@@ -20,21 +20,22 @@ import torch
 from grpo import set_advantages
 from lab.checkpoint import read_best
 from lab.runs import load_run, writable
-from lab.settings import Config, check_numbers, lora_targets, read_config, update_settings
+from lab.settings import check_numbers, lora_targets, read_config
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from measure import gradient_signals
 from model import load_policy
 from rollout import Rollout
 from tasks import TASK_KIND, load_task
 import train
+from train import Config
 from workflows import ROLES, run_workflow
 
 
 def run_config(run_dir: str) -> Config:
     """A run's config.json as train.py's Config (settings.read_config: every setting there, none
     left to a default), its values checked as a launch checks them; and its log readable."""
-    load_run(run_dir)  # its errors name their own file
-    cfg = read_config(os.path.join(run_dir, "config.json"))
+    load_run(run_dir, ROLES)  # its errors name their own file
+    cfg = read_config(os.path.join(run_dir, "config.json"), train.Config)
     try:
         check_numbers(cfg)
     except SystemExit as e:
@@ -85,7 +86,7 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
                          "(the run's training pool)")
     _, model, tok, names = trained_model(ckpt)
     # every call in one batch, no mitigation: the raw gradients of the run's loss
-    settings = dataclasses.replace(update_settings(cfg), balance="none")
+    settings = dataclasses.replace(train.update_settings(cfg), balance="none")
     for problems in sizes:
         # seed 0: the pool's first problems; another seed, a sample of the pool
         picked = random.Random(seed).sample(range(len(pool)), problems) if seed else range(problems)

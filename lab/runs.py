@@ -30,8 +30,6 @@ import time
 import torch.distributed as dist
 
 from lab.machine import barrier, gather_lists, rank_and_world
-from rollout import Call
-from workflows import ROLES
 
 
 # ----------------------------------------------------------------------------
@@ -100,10 +98,11 @@ READ = {"workflow": str, "sharing": str, "algo": str, "n_agents": int, "steps": 
         "eval_problems": int, "val_problems": int}
 
 
-def load_run(run_dir: str) -> tuple[dict, list[dict]]:
+def load_run(run_dir: str, workflows: dict) -> tuple[dict, list[dict]]:
     """A run's config and its metrics rows (step 0 holds the accuracy before training). The
     settings the reports read (READ) must be in the config, each of its type (a lost one would
-    otherwise take a default: a Voting run read as Eval-Opt), and every metric a number."""
+    otherwise take a default: a Voting run read as Eval-Opt), its workflow one of `workflows`
+    (workflows.ROLES, which the reports pass), and every metric a number."""
     if not run_dir:
         raise SystemExit("a run directory's name is empty: name the run")
     for name in ("metrics.jsonl", "config.json"):
@@ -125,9 +124,9 @@ def load_run(run_dir: str) -> tuple[dict, list[dict]]:
         if type(config[name]) is not kind:
             raise SystemExit(f"{run_dir}/config.json: {name} is {json.dumps(config[name])}, not "
                              f"{'a string' if kind is str else 'a whole number'}")
-    if config["workflow"] not in ROLES:
+    if config["workflow"] not in workflows:
         raise SystemExit(f"{run_dir}/config.json: workflow {config['workflow']!r} is not one of "
-                         f"{', '.join(ROLES)}")
+                         f"{', '.join(workflows)}")
     rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
     if not rows:
         raise SystemExit(f"{run_dir}: metrics.jsonl is empty (the run has not logged a step yet)")
@@ -202,7 +201,7 @@ def close_tensorboard() -> None:
         tb_writers.popitem()[1].close()
 
 
-def episode_samples(step: int, calls: list[Call], outcomes, problems, rewards: list[float],
+def episode_samples(step: int, calls: list, outcomes, problems, rewards: list[float],
                     group_size: int, count: int) -> list[dict]:
     """Complete episodes for samples.jsonl, the first of each of the first `count` groups: every
     call's prompt and output, the outcome."""

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from diagnose import KAPPA_FRAC, multiplicity, peak_step, series
 from lab.launch import evaluation_samples
-from lab.settings import Config
+from train import Config
 from workflows import ROLES
 
 Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's (config, rows)

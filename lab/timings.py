@@ -20,12 +20,12 @@ import torch
 from decode import decode
 from grpo import UpdateSettings, policy_update
 from lab.machine import alternate, sync, timed
-from lab.settings import Config
 from lora import (LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora,
                   merged_adapter)
 from measure import gradient_signals
 from model import cpu_has_bf16, load_policy
 from rollout import Rollout, chat_text, old_logprobs
+from train import Config
 from workflows import chat, run_workflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is

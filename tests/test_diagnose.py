@@ -20,7 +20,7 @@ from measure import gradient_signals
 from rollout import Call, Rollout
 from tasks import Problem
 import train
-from workflows import adherence, role_of, run_workflow, similarity, slots
+from workflows import ROLES, adherence, role_of, run_workflow, similarity, slots
 
 # ----------------------------------------------------------------------------
 # The output signals
@@ -711,24 +711,24 @@ def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
 
 
 def test_role_kl_names_must_be_roles_of_the_workflow():
-    assert settings.kl_coefs(train.Config(workflow="voting", kl_coef=0.01,
+    assert train.kl_coefs(train.Config(workflow="voting", kl_coef=0.01,
                                           role_kl="aggregator=0.1")) == \
         {"generator": 0.01, "aggregator": 0.1}
     with pytest.raises(SystemExit, match="'evaluator' is not a role of voting"):
-        settings.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
+        train.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
     with pytest.raises(SystemExit, match="not role=number"):
-        settings.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
+        train.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
     # a blank item is refused, not skipped
     for blank in (",,", "aggregator=0.1,,generator=0.2", "aggregator=0.1,"):
         with pytest.raises(SystemExit, match=f"--role_kl {blank}: an empty item between commas"):
-            settings.kl_coefs(train.Config(workflow="voting", role_kl=blank))
-    assert settings.kl_coefs(train.Config(workflow="voting", role_kl=" ")) == \
+            train.kl_coefs(train.Config(workflow="voting", role_kl=blank))
+    assert train.kl_coefs(train.Config(workflow="voting", role_kl=" ")) == \
         {"generator": 0.0, "aggregator": 0.0}
     # checked as --kl_coef is, not taken for off or trained into NaN
     for value in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit,
                            match=re.escape(f"--role_kl aggregator={value}: must be in [0, inf)")):
-            settings.kl_coefs(train.Config(workflow="voting",
+            train.kl_coefs(train.Config(workflow="voting",
                                            role_kl=f"generator=0.1, aggregator={value}"))
 
 
@@ -769,7 +769,7 @@ def test_damaged_runs_are_one_line_errors_and_a_torn_last_line_is_dropped(tmp_pa
                             lora_r=4, out=out))
     with open(f"{out}/metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rew')  # killed while writing
-    config, rows = runs.load_run(out)
+    config, rows = runs.load_run(out, ROLES)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for name in ("shared/adapter_model.safetensors",):
         with open(f"{out}/ckpt/{name}", "r+b") as f:

@@ -9,6 +9,7 @@ import pytest
 
 from lab import grid, launch, runs, tables
 import train
+from workflows import ROLES
 
 TINY = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems", "2",
         "--problems_per_step", "2", "--group_size", "2", "--max_new_tokens", "6", "--lora_r", "4"]
@@ -121,15 +122,15 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
     spec = grid.DEMOS["capture"]
     for seed in (0, 1):
         for cell, flags in spec.cells.items():
-            config, rows = runs.load_run(f"{out}/capture/seed{seed}/{cell}")
+            config, rows = runs.load_run(f"{out}/capture/seed{seed}/{cell}", ROLES)
             assert (config["seed"], config["steps"], config["sft_warmup"]) == (seed, 2, 2)
             assert config["sharing"] == flags[flags.index("--sharing") + 1]
             assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
             # every cell of a seed goes on from one warm-up and step-0 evaluation under a
             # shared adapter
             assert config["start_from"] == f"{out}/capture/seed{seed}/start"
-            assert rows[0] == runs.load_run(config["start_from"])[1][0]
-        start, rows = runs.load_run(f"{out}/capture/seed{seed}/start")
+            assert rows[0] == runs.load_run(config["start_from"], ROLES)[1][0]
+        start, rows = runs.load_run(f"{out}/capture/seed{seed}/start", ROLES)
         assert (start["sharing"], start["steps"], [r["step"] for r in rows]) == ("shared", 0, [0])
     report = open(f"{out}/capture/report.md").read()
     assert report.startswith("# Demo: capture")
@@ -141,7 +142,7 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
     assert "![demo.png](demo.png)" in report and os.path.exists(f"{out}/capture/demo.png")
     for seed in (0, 1):  # the seed table: the aggregator's adherence at every RL step of each cell
         cells = [[r["role/aggregator/adherence"]
-                  for r in runs.load_run(f"{out}/capture/seed{seed}/{cell}")[1]
+                  for r in runs.load_run(f"{out}/capture/seed{seed}/{cell}", ROLES)[1]
                   if "role/aggregator/adherence" in r] for cell in spec.cells]
         assert all(len(adh) == 2 for adh in cells)
         assert f"| {seed} | " + " | ".join(", ".join(f"{v:.2f}" for v in adh)
@@ -254,7 +255,7 @@ def test_reproduce_trains_every_cell_for_every_seed_and_tables_them(tmp_path, ca
     grid.main(["--reproduce", "--seeds", "0,1", "--out", out, *TINY])
     for seed in (0, 1):
         for workflow, sharing in grid.GRID:
-            config, rows = runs.load_run(f"{out}/seed{seed}/{workflow}-{sharing}")
+            config, rows = runs.load_run(f"{out}/seed{seed}/{workflow}-{sharing}", ROLES)
             assert (config["workflow"], config["sharing"], config["seed"]) == \
                 (workflow, sharing, seed)
             # TINY overrides GRID_FLAGS

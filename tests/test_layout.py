@@ -8,15 +8,14 @@ from conftest import ROOT
 # A file may import only files of a lower layer (README, "The files"), named as imported.
 LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0, "model": 0,
           "decode": 0, "lab.harness": 0,
-          "rollout": 1, "reward": 1,
-          "grpo": 2, "critic": 2, "lab.runs": 2, "warmup": 2,
-          "lab.checkpoint": 3, "lab.settings": 3, "measure": 3,
-          "lab.launch": 4, "lab.timings": 4,
-          "train": 5,
-          "lab.bench": 6, "lab.probe": 6,
-          "diagnose": 7, "lab.course": 7,
-          "lab.tables": 8,
-          "lab.grid": 9}
+          "rollout": 1, "reward": 1, "lab.runs": 1, "lab.settings": 1,
+          "grpo": 2, "critic": 2, "warmup": 2, "lab.checkpoint": 2,
+          "measure": 3, "lab.launch": 3,
+          "train": 4,
+          "lab.timings": 5, "lab.probe": 5,
+          "lab.bench": 6, "diagnose": 6,
+          "lab.course": 7, "lab.tables": 7,
+          "lab.grid": 8}
 
 
 def project_imports(source: str) -> set[str]:

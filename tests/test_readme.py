@@ -167,7 +167,7 @@ def test_the_prepared_gpu_check_s_commands_pass_a_launch_s_checks(tmp_path, monk
     would refuse shows here, before the model loads (a GPU faked as present)."""
     import torch
     from lab.launch import check_settings, load_problems, typed_flags
-    from lab.settings import Config
+    from train import Config
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     commands = gpu_check_commands(str(tmp_path))

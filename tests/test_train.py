@@ -224,14 +224,14 @@ def test_a_step_writes_no_twin_and_nothing_constant():
 
 
 def test_learning_rate_schedule_by_hand():
-    assert launch.lr_factor(0, warmup=1, total=12) == pytest.approx(0.5)
-    assert launch.lr_factor(1, warmup=1, total=12) == pytest.approx(1.0)
-    assert launch.lr_factor(12, warmup=1, total=12) == pytest.approx(0.1)
-    assert launch.lr_factor(0, warmup=0, total=4) == pytest.approx(1.0)
-    assert launch.lr_factor(2, warmup=0, total=4) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert launch.lr_factor(2, warmup=0, total=4, floor=0.0) == pytest.approx(0.5)
+    assert train.lr_factor(0, warmup=1, total=12) == pytest.approx(0.5)
+    assert train.lr_factor(1, warmup=1, total=12) == pytest.approx(1.0)
+    assert train.lr_factor(12, warmup=1, total=12) == pytest.approx(0.1)
+    assert train.lr_factor(0, warmup=0, total=4) == pytest.approx(1.0)
+    assert train.lr_factor(2, warmup=0, total=4) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert train.lr_factor(2, warmup=0, total=4, floor=0.0) == pytest.approx(0.5)
     # --lr_floor 1
-    assert [launch.lr_factor(s, warmup=0, total=4, floor=1.0) for s in range(6)] == [1.0] * 6
+    assert [train.lr_factor(s, warmup=0, total=4, floor=1.0) for s in range(6)] == [1.0] * 6
 
 
 def test_isolated_roles_take_optimizer_steps_in_proportion_to_their_calls(tmp_path):
@@ -388,7 +388,7 @@ def test_intervals_by_hand():
 
 def test_a_list_flag_names_each_item_once_before_the_model_loads():
     with pytest.raises(SystemExit, match="^--role_kl: aggregator is given twice$"):
-        settings.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=0.1,aggregator=0.5"))
+        train.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=0.1,aggregator=0.5"))
     for targets in ("q_proj,,v_proj", "", "q_proj, q_proj"):
         with pytest.raises(SystemExit, match="give distinct layer names separated by commas"):
             launch.check_settings(train.Config(lora_targets=targets), None)
@@ -722,7 +722,7 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     pool = load_task("arith", "train", 4, 2, 0)
     torch.manual_seed(0)
     train.warm_up(model, tok, cfg, pool, names)
-    update = settings.update_settings(cfg)
+    update = train.update_settings(cfg)
     assert update.reference == {"shared": "shared-ref"}
     sampling = torch.get_rng_state()
     freeze_copy(model, "shared", "shared-ref")
@@ -1075,7 +1075,7 @@ def test_non_finite_steps_are_not_applied_and_three_in_a_row_stop_the_run(tmp_pa
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     # each step logs the rate it trained at: the schedule from step 0 on, scaled to the new peak
     assert [r["lr"] for r in rows[1:]] == pytest.approx(
-        [1e-4 * launch.lr_factor(s, warmup=1, total=4) for s in range(4)])
+        [1e-4 * train.lr_factor(s, warmup=1, total=4) for s in range(4)])
     assert not any(v for r in rows for k, v in r.items() if k.endswith("skipped_nonfinite"))
     assert json.load(open(f"{out}/config.json"))["lr"] == 1e-4
 
@@ -1097,7 +1097,7 @@ def test_lengths_that_do_not_fit_the_model_stop_before_it_generates(tmp_path, mo
                                               str(stop.value)).groups())
     assert prompt + most == 2048
     model, tok = load_policy("tiny")  # the largest length it names fits
-    launch.check_context(model, tok, small_config(out, max_new_tokens=most),
+    train.check_context(model, tok, small_config(out, max_new_tokens=most),
                          load_task("arith", "test", 3, 2, 0))
 
 
