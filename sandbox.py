@@ -35,7 +35,8 @@ directory (so the sandboxed process needs no read access to the project) and run
 stdin; the harness writes "<nonce> <tests passed>" to an inherited file after the last test
 returns, and a stdin/stdout or function-call problem's verdict needs that line and exit status
 0. Expected outputs of stdin/stdout and
-function-call tests never enter the sandbox: the trainer compares the outputs itself. So early
+function-call tests never enter the sandbox: the trainer compares the outputs itself (token by
+token or value by value: an integer answer exactly, a float one to 1e-6). So early
 exits, fake output, atexit or signal tricks earn nothing. Assert-style tests never enter it
 either: the same copy of the harness, run as `python -I harness.py judge` by the trainer's
 interpreter outside the sandbox, runs the prompt and the tests, and each call of the candidate's
@@ -65,6 +66,7 @@ import functools
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -331,26 +333,52 @@ def _verdict(status: int, report: bytes, nonce: str, cases: list[dict], answers:
     return "passed"
 
 
-def _close(a: float | str, b: float | str) -> bool:
-    """Numbers, or strings that parse as numbers, within 1e-6 (relative above 1)."""
-    with suppress(ValueError):
-        return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
-    return False
+# plain decimal numbers, ASCII digits only: Python's int() and float() also read "1_000", "inf",
+# "nan" and other scripts' digits, which no judge takes for a number
+INTEGER = re.compile(r"([+-]?)0*([0-9]+)")  # group 2: the digits without leading zeros
+DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _close(got: float, want: float) -> bool:
+    """Within 1e-6 of the expected float (relative above 1)."""
+    return abs(got - want) <= 1e-6 * max(1.0, abs(want))
+
+
+def _integer(token: str) -> tuple[bool, str] | None:
+    """An integer literal's value as (negative, digits), else None: compared as text because
+    int() refuses more than 4300 digits."""
+    m = INTEGER.fullmatch(token)
+    return m and (m[1] == "-" and m[2] != "0", m[2])
+
+
+def _same_token(got: str, want: str) -> bool:
+    """The same text; or, where the answer is an integer, an integer of its value ("007" for 7,
+    never 1e3 or 1000.0 for 1000: a modular answer must be exact); or, where the answer is a
+    decimal float ("0.5", "1e-3"), a decimal number within 1e-6 of it."""
+    if got == want:
+        return True
+    if INTEGER.fullmatch(want):
+        return _integer(got) == _integer(want)
+    return (DECIMAL.fullmatch(want) is not None and DECIMAL.fullmatch(got) is not None
+            and _close(float(got), float(want)))
 
 
 def _same_output(got: str, want: str) -> bool:
-    """Judge-style: the same tokens, whatever the spaces and line breaks; numbers to 1e-6."""
+    """Judge-style: the same tokens, whatever the spaces and line breaks (_same_token)."""
     g, w = got.split(), want.split()
-    return len(g) == len(w) and all(a == b or _close(a, b) for a, b in zip(g, w))
+    return len(g) == len(w) and all(map(_same_token, g, w))
 
 
 def _same_value(got: object, want: object) -> bool:
-    """Equal JSON values, floats to 1e-6 (a returned tuple arrives as a list)."""
-    if isinstance(got, float) or isinstance(want, float):
-        return all(isinstance(x, (int, float)) for x in (got, want)) and _close(got, want)
-    if isinstance(got, list) and isinstance(want, list):
+    """Equal JSON values of the same type (a returned tuple arrives as a list; True is not 1),
+    except that an expected float takes an int or float within 1e-6."""
+    if type(want) is float:
+        return type(got) in (int, float) and _close(got, want)
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, list):
         return len(got) == len(want) and all(map(_same_value, got, want))
-    if isinstance(got, dict) and isinstance(want, dict):
+    if isinstance(want, dict):
         return got.keys() == want.keys() and all(_same_value(got[k], want[k]) for k in want)
     return got == want
 
