@@ -2,7 +2,8 @@
 
 Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens
 (B, T), pad after each row's eos, with log pi_rollout of each (B, T) (None when
-greedy). Positions count real tokens only, so a left-padded row is positioned
+greedy). A row ends at any of the end tokens it is given: Qwen3 ends a reply
+with <|im_end|> or <|endoftext|>, both in its generation_config (`end_tokens`). Positions count real tokens only, so a left-padded row is positioned
 as it would be alone, and each distinct prompt (a GRPO group's samples share
 one) is prefilled once, its cache rows copied to every row that asked for it.
 
@@ -33,6 +34,7 @@ real query sees a pad, so real tokens' outputs do not change.
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """
 import math
+from collections.abc import Collection
 
 import torch
 from transformers import DynamicCache
@@ -91,6 +93,23 @@ def sample_next(logits: torch.Tensor, temperature: float,
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def end_tokens(model, tok) -> int | list[int]:
+    """The ids that end a reply: the tokenizer's eos, and those of the model's generation_config
+    (an id or a list; Qwen3's lists <|im_end|> and <|endoftext|>). One id where they agree, else
+    a list, the tokenizer's first."""
+    ids = [tok.eos_token_id]
+    listed = model.generation_config.eos_token_id
+    for i in [listed] if isinstance(listed, int) else listed or []:
+        if i not in ids:
+            ids.append(i)
+    return ids[0] if len(ids) == 1 else ids
+
+
+def as_ids(eos_id: int | Collection[int]) -> list[int]:
+    """One end token or several, as a list."""
+    return [eos_id] if isinstance(eos_id, int) else list(eos_id)
+
+
 def check_length(max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -119,10 +138,12 @@ def prefill(model, ids: torch.Tensor,
 
 
 @torch.no_grad()
-def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eos_id: int,
-           pad_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False):
+def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
+           eos_id: int | Collection[int], pad_id: int, temperature: float = 1.0,
+           top_p: float = 1.0, greedy: bool = False):
     """Generate up to max_new_tokens after left-padded prompts ids/attn (B, P): the new
-    tokens (B, T), pad after each row's eos, and log pi_rollout of each (B, T), None when greedy.
+    tokens (B, T), pad after each row's eos (the first of its end tokens eos_id, one id or
+    several), and log pi_rollout of each (B, T), None when greedy.
 
     The loop `model.generate` runs, without its general machinery: one forward over the
     prompts fills the KV cache, then one forward per token over the last token only, for
@@ -130,6 +151,7 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eo
     """
     check_length(max_new_tokens)
     B, device = ids.shape[0], ids.device
+    ends = torch.tensor(as_ids(eos_id), device=device)  # (E,)
     cache, logits, copy = prefill(model, ids, attn)
     for layer in cache.layers:
         layer.batch_select_indices(copy)
@@ -147,7 +169,7 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eo
             logps[live, t] = logp
         token = token.masked_fill(done, pad_id)  # (L,) a finished row only pads
         tokens[live, t] = token
-        done |= token == eos_id
+        done |= torch.isin(token, ends)
         if t == max_new_tokens - 1 or done.all():
             break
         # Finished rows leave the batch, their cache rows with them, once they are an eighth of
@@ -294,13 +316,14 @@ def capture(step: StaticStep):
 
 
 @torch.no_grad()
-def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eos_id: int,
-                 pad_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                 use_graph: bool = True):
+def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
+                 eos_id: int | Collection[int], pad_id: int, temperature: float = 1.0,
+                 top_p: float = 1.0, greedy: bool = False, use_graph: bool = True):
     """`decode`'s contract over a static cache of P + max_new_tokens columns, each step one
     replay of a CUDA graph (use_graph=False runs the same step eagerly: the CPU's tests)."""
     check_length(max_new_tokens)
     (B, P), device = ids.shape, ids.device
+    ends = torch.tensor(as_ids(eos_id), device=device)  # (E,)
     cache, logits, copy = prefill(model, ids, attn)
     step = StaticStep(model, cache, copy, attn.bool(), P + max_new_tokens)
     del cache
@@ -319,7 +342,7 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
             logps[:, t] = logp
         token = token.masked_fill(done, pad_id)  # (B,) a finished row only pads
         tokens[:, t] = token
-        done |= token == eos_id
+        done |= torch.isin(token, ends)
         if t == max_new_tokens - 1 or (t % CHECK_EVERY == CHECK_EVERY - 1 and done.all()):
             break
         step.token.copy_(token)
@@ -331,8 +354,9 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
             logits = step()
         else:
             graph.replay()
-    # Rows all done before a check wrote only pad since: cut after the last eos, as `decode` stops.
+    # Rows all done before a check wrote only pad since: cut after the last row's eos (its first
+    # end token; the pad may be an end token too), as `decode` stops.
     T = t + 1
     if bool(done.all()):
-        T = int((tokens == eos_id).long().argmax(-1).max()) + 1
+        T = int(torch.isin(tokens, ends).long().argmax(-1).max()) + 1
     return tokens[:, :T], None if greedy else logps[:, :T]

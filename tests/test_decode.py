@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import decode as decode_module
-from decode import (decode, forward_padded, graph_decode, padded_causal_mask, rms_norm,
-                    sample_next)
+from decode import (decode, end_tokens, forward_padded, graph_decode, padded_causal_mask,
+                    rms_norm, sample_next)
 from lora import inject_lora, lora_layers, merged_adapter, setup_adapters, use_adapter
 from rollout import Call, chat_text, left_pad, sequence_logprobs
 
@@ -93,6 +93,31 @@ def test_the_static_step_writes_generates_greedy_tokens(tiny):
         dynamic, _ = decode(model, ids, attn, 24, stop, tok.pad_token_id, greedy=True)
         assert logp is None
         assert static.tolist() == out.tolist() == dynamic.tolist()
+
+
+def test_a_second_end_token_stops_a_row(tiny):
+    """Given two end tokens (Qwen3 ends a reply with <|im_end|> or <|endoftext|>), a row ends at
+    whichever it writes first, pad after: both decoders write generate's tokens for the same
+    list, and a row that wrote only the second is done (the batch stops before its budget)."""
+    model, tok = tiny
+    ids, attn = prompts(tok, ["What is 1 + 2?", "x", "Name three colours, then stop."])
+    free, _ = decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True)
+    # the random model never says eos: a token that each row writes stands in for the second
+    second = next(t for t in free[0, 2:].tolist() if all(t in row for row in free.tolist()))
+    ends = [tok.eos_token_id, second]
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=24, do_sample=False,
+                         eos_token_id=ends, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    dynamic, _ = decode(model, ids, attn, 24, ends, tok.pad_token_id, greedy=True)
+    static, _ = graph_decode(model, ids, attn, 24, ends, tok.pad_token_id, greedy=True,
+                             use_graph=False)
+    assert dynamic.tolist() == static.tolist() == out.tolist()
+    assert dynamic.shape[1] < 24 and (dynamic == second).any(-1).all()
+    for row in dynamic.tolist():
+        j = row.index(second)
+        assert set(row[j + 1:]) <= {tok.pad_token_id}
+    assert end_tokens(model, tok) == tok.eos_token_id  # the tiny model names no other
+    model.generation_config.eos_token_id = [tok.eos_token_id, second]
+    assert end_tokens(model, tok) == [tok.eos_token_id, second]
 
 
 def test_the_static_step_records_the_log_probs_a_scoring_pass_gives(tiny):
