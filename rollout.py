@@ -34,7 +34,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from decode import as_ids, decode, end_tokens, forward_padded, graph_decode, graphable
+from decode import (as_ids, decode, end_tokens, forward_padded, graph_decode,
+                    static_refusal)
 from lora import adapter_for, merged_adapter, use_adapter
 
 # ----------------------------------------------------------------------------
@@ -235,9 +236,10 @@ class Rollout:
         self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
         adapter = adapter_for(role, self.sharing)
-        # On a GPU each token is a replay of one CUDA graph (where the model's rotary table is
-        # fixed); on a CPU, host calls cost little.
-        use_graph = model.device.type == "cuda" and graphable(model)
+        # On a GPU each token is a replay of one CUDA graph (where the static step serves the
+        # model: decode.static_refusal); on a CPU, host calls cost little.
+        use_graph = (model.device.type == "cuda"
+                     and static_refusal(model, ids.shape[1] + self.max_new_tokens) is None)
         decoder = self.decoder or (graph_decode if use_graph else decode)
         eos = end_tokens(model, tok)  # one id, or several where the model names more (Qwen3)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
