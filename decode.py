@@ -126,21 +126,18 @@ def sample_next(logits: torch.Tensor, temperature: float,
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def end_tokens(model, tok) -> int | list[int]:
-    """The ids that end a reply: the tokenizer's eos, and those of the model's generation_config
-    (an id or a list; Qwen3's lists <|im_end|> and <|endoftext|>). One id where they agree, else
-    a list, the tokenizer's first."""
-    ids = [tok.eos_token_id]
-    listed = model.generation_config.eos_token_id
-    for i in [listed] if isinstance(listed, int) else listed or []:
-        if i not in ids:
-            ids.append(i)
-    return ids[0] if len(ids) == 1 else ids
-
-
 def as_ids(eos_id: int | Collection[int]) -> list[int]:
     """One end token or several, as a list."""
     return [eos_id] if isinstance(eos_id, int) else list(eos_id)
+
+
+def end_tokens(model, tok) -> int | list[int]:
+    """The ids that end a reply: the tokenizer's eos, and those of the model's generation_config
+    (None, an id or a list; Qwen3's lists <|im_end|> and <|endoftext|>). One id where they agree,
+    else a list, the tokenizer's first."""
+    listed = model.generation_config.eos_token_id
+    ids = list(dict.fromkeys([tok.eos_token_id] + ([] if listed is None else as_ids(listed))))
+    return ids[0] if len(ids) == 1 else ids
 
 
 def check_length(max_new_tokens: int) -> None:
@@ -309,7 +306,8 @@ def decoder_plan(model) -> str:
     if why is not None:
         return f"plain loop ({why})"
     window = getattr(model.config, "sliding_window", None)
-    return "static graph" if window is None else f"static graph (to its {window}-token window)"
+    return ("static graph" if window is None else
+            f"static graph (plain loop past its {window}-token sliding window)")
 
 
 class StaticStep:

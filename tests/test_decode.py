@@ -1,6 +1,7 @@
-"""decode.py: the mask that keeps pad queries out of NaN, the sampler's draws, and the GPU's
-static-cache step (run eagerly here) against the CPU's decoder, transformers' generate and a
-scoring pass."""
+"""decode.py: the mask that keeps pad queries out of NaN, the sampler's draws, rows ended by any
+of several end tokens, and the GPU's static-cache step (run eagerly here) against the CPU's
+decoder, transformers' generate and a scoring pass, on the model families it serves; the others
+are refused by name and by its check against the model's forward pass."""
 import itertools
 import warnings
 
