@@ -2,9 +2,12 @@
 
 Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens
 (B, T), pad after each row's eos, with log pi_rollout of each (B, T) (None when
-greedy). Positions count real tokens only, so a left-padded row is positioned
-as it would be alone, and each distinct prompt (a GRPO group's samples share
-one) is prefilled once, its cache rows copied to every row that asked for it.
+greedy). A row's eos is the first of the end tokens it is given: Qwen3 ends a
+reply with <|im_end|> or <|endoftext|>, both in its generation_config
+(`end_tokens`). Positions count real tokens only, so a left-padded row is
+positioned as it would be alone, and each distinct prompt (a GRPO group's
+samples share one) is prefilled once, its cache rows copied to every row that
+asked for it.
 
 - `decode` (the CPU's): a cache that grows by one column a token, and rows
   that leave the batch once they wrote their eos. Every operation is a host
@@ -21,6 +24,19 @@ one) is prefilled once, its cache rows copied to every row that asked for it.
   tens to hundreds of replays (tests/gpu_check.sh times the capture, its
   warm-up included).
 
+Which models the static step decodes. `StaticStep` writes a decoder layer out by
+hand, and a family whose layer differs would decode other tokens without an
+error (SmolLM3's layers without rotary, Granite's multipliers) or fail inside the
+step (Gemma, Gemma2, OLMo2, Phi3). So it serves the families it is written and
+tested for (STATIC_FAMILIES: Llama, Mistral, Qwen2, Qwen3; Llama 3 and YaRN rotary
+scaling included), and checks itself once per model, dtype and device: one step
+on a short probe against the model's own forward pass, within the dtype's
+rounding (`check_static_step`). Every other model, a rotary table that changes
+with the length, and a stage longer than a sliding window go to `decode`: the
+rollout asks `static_refusal` which decoder to run, `decoder_plan` says which in
+a run's plan line, and `graph_decode` refuses such a model rather than decode it
+wrong.
+
 Padding and NaN. In a left-padded batch a pad column's query may attend to
 nothing: every key before it is padding. CUDA's fused attention kernels can
 give such a row NaN (or NaN in its backward pass) where the CPU's give zeros
@@ -33,11 +49,30 @@ real query sees a pad, so real tokens' outputs do not change.
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """
 import math
+import warnings
+import weakref
+from collections.abc import Collection
 
 import torch
 from transformers import DynamicCache
 
 CHECK_EVERY = 8  # tokens between the GPU decoder's questions "are all rows done?"
+
+# The model types whose decoder layer `StaticStep` writes out, each tested on a tiny random model
+# (tests/test_decode.py): Llama's (Mistral's is the same; Qwen2 adds biases to q, k and v, which
+# its projections carry; Qwen3 normalises each head's query and key). Every other family decodes
+# with `decode`: Gemma, Gemma2, Granite, SmolLM3, OLMo2 and Phi3 differ in ways the step does
+# not write (scaled embeddings, multipliers, layers without rotary, other norms, fused weights).
+STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+PROBE_TOKENS = 8  # the prompt length of the static step's check against the model's forward
+# How far the checked step's logits may stand from the forward pass's, as a fraction of their
+# range. Rounding alone, measured on a CPU: under 1e-6 in fp32; in bf16 0.007 (a random
+# Qwen3-0.6B), 0.011 (SmolLM2-135M), 0.015 (the tiny test models). A layer the step does not
+# write, in the tiny test models: 0.36 (SmolLM3's layers without rotary, rotated), 3.8
+# (Granite's multipliers ignored). A GPU's bf16 kernels round otherwise, not yet measured: a
+# check that fails there costs speed (the plain loop, with a warning), never tokens.
+FP32_TOLERANCE, HALF_TOLERANCE = 1e-4, 5e-2
+CHECKED = weakref.WeakKeyDictionary()  # model -> {(dtype, device): static_refusal's check}
 
 
 def padded_causal_mask(attn: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
@@ -91,6 +126,20 @@ def sample_next(logits: torch.Tensor, temperature: float,
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def as_ids(eos_id: int | Collection[int]) -> list[int]:
+    """One end token or several, as a list."""
+    return [eos_id] if isinstance(eos_id, int) else list(eos_id)
+
+
+def end_tokens(model, tok) -> int | list[int]:
+    """The ids that end a reply: the tokenizer's eos, and those of the model's generation_config
+    (None, an id or a list; Qwen3's lists <|im_end|> and <|endoftext|>). One id where they agree,
+    else a list, the tokenizer's first."""
+    listed = model.generation_config.eos_token_id
+    ids = list(dict.fromkeys([tok.eos_token_id] + ([] if listed is None else as_ids(listed))))
+    return ids[0] if len(ids) == 1 else ids
+
+
 def check_length(max_new_tokens: int) -> None:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -119,10 +168,12 @@ def prefill(model, ids: torch.Tensor,
 
 
 @torch.no_grad()
-def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eos_id: int,
-           pad_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False):
+def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
+           eos_id: int | Collection[int], pad_id: int, temperature: float = 1.0,
+           top_p: float = 1.0, greedy: bool = False):
     """Generate up to max_new_tokens after left-padded prompts ids/attn (B, P): the new
-    tokens (B, T), pad after each row's eos, and log pi_rollout of each (B, T), None when greedy.
+    tokens (B, T), pad after each row's eos (the first of its end tokens eos_id, one id or
+    several), and log pi_rollout of each (B, T), None when greedy.
 
     The loop `model.generate` runs, without its general machinery: one forward over the
     prompts fills the KV cache, then one forward per token over the last token only, for
@@ -130,6 +181,7 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eo
     """
     check_length(max_new_tokens)
     B, device = ids.shape[0], ids.device
+    ends = torch.tensor(as_ids(eos_id), device=device)  # (E,)
     cache, logits, copy = prefill(model, ids, attn)
     for layer in cache.layers:
         layer.batch_select_indices(copy)
@@ -147,7 +199,7 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eo
             logps[live, t] = logp
         token = token.masked_fill(done, pad_id)  # (L,) a finished row only pads
         tokens[live, t] = token
-        done |= token == eos_id
+        done |= torch.isin(token, ends)
         if t == max_new_tokens - 1 or done.all():
             break
         # Finished rows leave the batch, their cache rows with them, once they are an eighth of
@@ -192,10 +244,76 @@ def graphable(model) -> bool:
     return getattr(model.model.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope")
 
 
+def static_refusal(model, columns: int | None = None) -> str | None:
+    """Why `StaticStep` cannot decode `model` (a stage of `columns` prompt and new tokens), or
+    None where it can: the model's family is one the step writes out, its rotary table is fixed,
+    a sliding window (if any) spans the stage, and the step's logits are the model's own
+    (`check_static_step`, run once per model, dtype and device)."""
+    family = model.config.model_type
+    if family not in STATIC_FAMILIES:
+        return f"the static step does not write {family} layers"
+    if not graphable(model):
+        return (f"rope_type {model.model.rotary_emb.rope_type!r} cannot be captured in a CUDA "
+                "graph")
+    window = getattr(model.config, "sliding_window", None)
+    if columns is not None and window is not None and columns > window:
+        return f"{columns} columns outgrow the {window}-token sliding window"
+    verdicts = CHECKED.setdefault(model, {})
+    key = (model.dtype, model.device)
+    if key not in verdicts:
+        verdicts[key] = check_static_step(model)
+        if verdicts[key] is not None:
+            warnings.warn(f"{family} model: {verdicts[key]}; it decodes with the plain loop")
+    return verdicts[key]
+
+
+@torch.no_grad()
+def check_static_step(model) -> str | None:
+    """One step of `StaticStep` on a probe (two prompts, one left-padded) against the model's own
+    forward pass over the same tokens: None where the logits agree to rounding, else how far
+    apart they stand. The step is the model's arithmetic written out by hand; a layer that
+    differs in a way it does not write (a multiplier, a layer without rotary) shows from the
+    first token, and one whose modules it does not find raises."""
+    P, device = PROBE_TOKENS, model.device
+    ids = (torch.arange(2 * P, device=device).view(2, P) * 37 + 11) % model.config.vocab_size
+    attn = torch.ones_like(ids)
+    attn[1, :3] = 0  # (2, P): the second row left-padded
+    cache, logits, copy = prefill(model, ids, attn)
+    token = logits[copy].argmax(-1)  # (2,)
+    try:
+        step = StaticStep(model, cache, copy, attn.bool(), P + 1)
+        step.token.copy_(token)
+        step.position.copy_(attn.sum(-1, keepdim=True))  # (2, 1) the new token's position
+        step.column.fill_(P)
+        static = step()  # (2, V)
+    except (AttributeError, RuntimeError, TypeError, ValueError) as e:
+        return f"the static step fails on it ({type(e).__name__}: {e})"
+    ids, attn = torch.cat([ids, token[:, None]], -1), torch.cat([attn, attn[:, -1:]], -1)
+    plain = forward_padded(model, ids, attn, logits_to_keep=1).logits[:, -1].float()  # (2, V)
+    spread = plain.amax(-1) - plain.amin(-1)  # (2,)
+    gap = float(((static - plain).abs().amax(-1) / spread).max())
+    tolerance = FP32_TOLERANCE if model.dtype == torch.float32 else HALF_TOLERANCE
+    if not gap <= tolerance:  # NaN included
+        return (f"the static step's logits stand {gap:.2g} of their range from the model's "
+                f"forward pass (tolerance {tolerance:g})")
+    return None
+
+
+def decoder_plan(model) -> str:
+    """The decoder that a stage of `model` runs (rollout.py's choice), for a run's plan line:
+    "static graph", or "plain loop (why)"."""
+    why = "no GPU" if model.device.type != "cuda" else static_refusal(model)
+    if why is not None:
+        return f"plain loop ({why})"
+    window = getattr(model.config, "sliding_window", None)
+    return ("static graph" if window is None else
+            f"static graph (plain loop past its {window}-token sliding window)")
+
+
 class StaticStep:
-    """One decoding step of a Llama- or Qwen3-style model over a static KV cache of B rows and
-    S columns: every tensor it reads or writes has a fixed address, so the step can be captured
-    as a CUDA graph. It calls the model's own modules (embedding, projections, MLP, rotary
+    """One decoding step of a Llama-style model (STATIC_FAMILIES) over a static KV cache of B
+    rows and S columns: every tensor it reads or writes has a fixed address, so the step can be
+    captured as a CUDA graph. It calls the model's own modules (embedding, projections, MLP, rotary
     table, output layer) and reads its norms' weights and epsilons, so a merged adapter is in
     its weights as in the model's.
 
@@ -211,9 +329,6 @@ class StaticStep:
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        if not graphable(model):
-            raise ValueError(f"rope_type {inner.rotary_emb.rope_type!r} cannot be captured in a "
-                             "CUDA graph: decode such a model with `decode`")
         # the prefill's keys and values of each distinct prompt (U, Hkv, P, d), copied to each of
         # its rows in caches of S columns; a layer's prefill cache is let go once copied, so the
         # two caches are never whole side by side
@@ -294,13 +409,18 @@ def capture(step: StaticStep):
 
 
 @torch.no_grad()
-def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int, eos_id: int,
-                 pad_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                 use_graph: bool = True):
+def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
+                 eos_id: int | Collection[int], pad_id: int, temperature: float = 1.0,
+                 top_p: float = 1.0, greedy: bool = False, use_graph: bool = True):
     """`decode`'s contract over a static cache of P + max_new_tokens columns, each step one
-    replay of a CUDA graph (use_graph=False runs the same step eagerly: the CPU's tests)."""
+    replay of a CUDA graph (use_graph=False runs the same step eagerly: the CPU's tests). A model
+    that the static step cannot decode (`static_refusal`) is refused, never decoded wrong."""
     check_length(max_new_tokens)
     (B, P), device = ids.shape, ids.device
+    why = static_refusal(model, P + max_new_tokens)
+    if why is not None:
+        raise ValueError(f"graph_decode cannot decode this model: {why}; decode it with `decode`")
+    ends = torch.tensor(as_ids(eos_id), device=device)  # (E,)
     cache, logits, copy = prefill(model, ids, attn)
     step = StaticStep(model, cache, copy, attn.bool(), P + max_new_tokens)
     del cache
@@ -319,7 +439,7 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
             logps[:, t] = logp
         token = token.masked_fill(done, pad_id)  # (B,) a finished row only pads
         tokens[:, t] = token
-        done |= token == eos_id
+        done |= torch.isin(token, ends)
         if t == max_new_tokens - 1 or (t % CHECK_EVERY == CHECK_EVERY - 1 and done.all()):
             break
         step.token.copy_(token)
@@ -331,8 +451,9 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
             logits = step()
         else:
             graph.replay()
-    # Rows all done before a check wrote only pad since: cut after the last eos, as `decode` stops.
+    # Rows all done before a check wrote only pad since: cut after the last row's eos (its first
+    # end token; the pad may be an end token too), as `decode` stops.
     T = t + 1
     if bool(done.all()):
-        T = int((tokens == eos_id).long().argmax(-1).max()) + 1
+        T = int(torch.isin(tokens, ends).long().argmax(-1).max()) + 1
     return tokens[:, :T], None if greedy else logps[:, :T]

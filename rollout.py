@@ -27,6 +27,7 @@ can, optionally, correct for it with truncated importance sampling (grpo.py).
 Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable
@@ -34,7 +35,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from decode import decode, forward_padded, graph_decode, graphable
+from decode import (as_ids, decode, end_tokens, forward_padded, graph_decode,
+                    static_refusal)
 from lora import adapter_for, merged_adapter, use_adapter
 
 # The processes a pass is split between, as the algorithm sees them: here one, which takes every
@@ -56,7 +58,8 @@ class Call:
     turn: int                # the stage that made it: Rollout's n-th generation (Eval-Opt: 0
                              # generator, 1 evaluator, 2 refine)
     prompt_ids: list[int]    # (P_i,) without padding
-    completion_ids: list[int]  # (T_i,) up to and including the first eos (none if truncated)
+    completion_ids: list[int]  # (T_i,) up to and including the first end token (none if
+                               # truncated)
     prompt: str
     text: str                # completion decoded without special tokens
     truncated: bool = False  # stopped by max_new_tokens before its eos: an unfinished answer
@@ -90,9 +93,12 @@ def fit_prompt(ids: list[int], room: int) -> list[int]:
     return ids[:head] + ids[len(ids) - (room - head):]
 
 
-def cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
-    """Keep tokens up to and including the first eos (pad may equal eos, so never mask by pad)."""
-    return ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
+def cut_at_eos(ids: list[int], eos_id: int | Collection[int]) -> list[int]:
+    """Keep tokens up to and including the first eos, or the first of several end tokens (pad
+    may equal eos, so never mask by pad)."""
+    ends = set(as_ids(eos_id))
+    first = next((j for j, token in enumerate(ids) if token in ends), None)
+    return ids if first is None else ids[: first + 1]
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
@@ -237,22 +243,23 @@ class Rollout:
         self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
         adapter = adapter_for(role, self.sharing)
-        # On a GPU each token is a replay of one CUDA graph (where the model's rotary table is
-        # fixed); on a CPU, host calls cost little.
-        use_graph = model.device.type == "cuda" and graphable(model)
+        # On a GPU each token is a replay of one CUDA graph (where the static step serves the
+        # model: decode.static_refusal); on a CPU, host calls cost little.
+        use_graph = (model.device.type == "cuda"
+                     and static_refusal(model, ids.shape[1] + self.max_new_tokens) is None)
         decoder = self.decoder or (graph_decode if use_graph else decode)
+        eos = end_tokens(model, tok)  # one id, or several where the model names more (Qwen3)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
-            new, sampled = decoder(model, ids, attn, self.max_new_tokens, tok.eos_token_id,
-                                   tok.pad_token_id, self.temperature, self.top_p,
-                                   self.greedy)  # (B, T) each
+            new, sampled = decoder(model, ids, attn, self.max_new_tokens, eos, tok.pad_token_id,
+                                   self.temperature, self.top_p, self.greedy)  # (B, T) each
         new, sampled = new.cpu(), (None if sampled is None else sampled.cpu())
         texts = []
         for i in range(len(chats)):
             prompt_ids = list(fitted[i])  # the row as left_pad got it, read from the host
-            completion = cut_at_eos(new[i].tolist(), tok.eos_token_id)
+            completion = cut_at_eos(new[i].tolist(), eos)
             text = tok.decode(completion, skip_special_tokens=True)
             texts.append(text)
-            truncated = completion[-1:] != [tok.eos_token_id]
+            truncated = completion[-1] not in as_ids(eos)
             logp = None if sampled is None else sampled[i, : len(completion)]
             self.calls.append(Call(episodes[i], role, slots[i], self.stages, prompt_ids, completion,
                                    prompts[i], text, truncated=truncated, rollout_logp=logp))

@@ -1,14 +1,16 @@
-"""decode.py: the mask that keeps pad queries out of NaN, the sampler's draws, and the GPU's
-static-cache step (run eagerly here) against the CPU's decoder, transformers' generate and a
-scoring pass."""
+"""decode.py: the mask that keeps pad queries out of NaN, the sampler's draws, rows ended by any
+of several end tokens, and the GPU's static-cache step (run eagerly here) against the CPU's
+decoder, transformers' generate and a scoring pass, on the model families it serves; the others
+are refused by name and by its check against the model's forward pass."""
 import itertools
+import warnings
 
 import pytest
 import torch
 
 import decode as decode_module
-from decode import (decode, forward_padded, graph_decode, padded_causal_mask, rms_norm,
-                    sample_next)
+from decode import (decode, end_tokens, forward_padded, graph_decode, padded_causal_mask,
+                    rms_norm, sample_next)
 from lora import inject_lora, lora_layers, merged_adapter, setup_adapters, use_adapter
 from rollout import Call, chat_text, left_pad, sequence_logprobs
 
@@ -95,6 +97,31 @@ def test_the_static_step_writes_generates_greedy_tokens(tiny):
         assert static.tolist() == out.tolist() == dynamic.tolist()
 
 
+def test_a_second_end_token_stops_a_row(tiny):
+    """Given two end tokens (Qwen3 ends a reply with <|im_end|> or <|endoftext|>), a row ends at
+    whichever it writes first, pad after: both decoders write generate's tokens for the same
+    list, and a row that wrote only the second is done (the batch stops before its budget)."""
+    model, tok = tiny
+    ids, attn = prompts(tok, ["What is 1 + 2?", "x", "Name three colours, then stop."])
+    free, _ = decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True)
+    # the random model never says eos: a token that each row writes stands in for the second
+    second = next(t for t in free[0, 2:].tolist() if all(t in row for row in free.tolist()))
+    ends = [tok.eos_token_id, second]
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=24, do_sample=False,
+                         eos_token_id=ends, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    dynamic, _ = decode(model, ids, attn, 24, ends, tok.pad_token_id, greedy=True)
+    static, _ = graph_decode(model, ids, attn, 24, ends, tok.pad_token_id, greedy=True,
+                             use_graph=False)
+    assert dynamic.tolist() == static.tolist() == out.tolist()
+    assert dynamic.shape[1] < 24 and (dynamic == second).any(-1).all()
+    for row in dynamic.tolist():
+        j = row.index(second)
+        assert set(row[j + 1:]) <= {tok.pad_token_id}
+    assert end_tokens(model, tok) == tok.eos_token_id  # the tiny model names no other
+    model.generation_config.eos_token_id = [tok.eos_token_id, second]
+    assert end_tokens(model, tok) == [tok.eos_token_id, second]
+
+
 def test_the_static_step_records_the_log_probs_a_scoring_pass_gives(tiny):
     """Sampled through the static step under a merged adapter: each recorded log-prob equals a
     forward pass's over prompt and completion (fp32), token by token."""
@@ -177,6 +204,112 @@ def test_a_rotary_table_that_changes_with_the_length_is_refused_by_the_static_st
     with pytest.raises(ValueError, match="rope_type 'dynamic' cannot be captured"):
         graph_decode(model, ids, attn, 4, -1, tok.pad_token_id, use_graph=False)
     assert not decode_module.graphable(model)  # the rollout decodes it with `decode` on a GPU too
+
+
+# Tiny random models of Hugging Face families (config class, settings beyond TINY_SHAPE): the
+# static step writes out the first five; the rest differ in ways it does not write.
+TINY_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.4)
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "llama3-rope": ("LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
+    "qwen3-yarn": ("Qwen3Config", dict(max_position_embeddings=2048, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=512))),
+    "qwen2": ("Qwen2Config", {}),  # biases on q, k and v, drawn below
+    "mistral": ("MistralConfig", {}),
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2)),  # every 2nd layer unrotated
+    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                      attention_multiplier=1 / 128, logits_scaling=8.0)),
+    "gemma": ("GemmaConfig", {}),
+    "gemma2": ("Gemma2Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "phi3": ("Phi3Config", {}),
+}
+STATIC = ("llama", "llama3-rope", "qwen3-yarn", "qwen2", "mistral")
+# left-padded rows of token ids, one asked twice (one shared prefill)
+FAMILY_ROWS = [[5, 9, 33, 47, 8], [17, 3], [5, 9, 33, 47, 8], [60, 61, 62, 70, 90, 100, 4]]
+
+
+def family_model(family: str, **settings):
+    """A tiny random model of `family` (FAMILIES), in eval mode; skipped where this transformers
+    lacks its config class."""
+    import transformers
+    name, own = FAMILIES[family]
+    config_class = getattr(transformers, name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config_class(**TINY_SHAPE | own | settings)).eval()
+    for name, bias in model.named_parameters():  # zero at initialisation: make them count
+        if name.endswith("bias"):
+            torch.nn.init.normal_(bias, std=0.4)
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_takes_the_static_step_only_where_it_writes_decode_s_tokens(family):
+    """Each family's greedy tokens through the static step (run eagerly) are `decode`'s; a family
+    the step does not write out is refused by name, so that the rollout decodes it with the plain
+    loop, and graph_decode, called anyway, says so instead of writing other tokens."""
+    model = family_model(family)
+    ids, attn = left_pad(FAMILY_ROWS, 0)
+    dynamic, _ = decode(model, ids, attn, 12, -1, 0, greedy=True)
+    why = decode_module.static_refusal(model, ids.shape[1] + 12)
+    if family in STATIC:
+        assert why is None
+        static, _ = graph_decode(model, ids, attn, 12, -1, 0, greedy=True, use_graph=False)
+        assert static.tolist() == dynamic.tolist()
+        assert all(len(set(row)) > 2 for row in static.tolist())  # not one token over and over
+    else:
+        assert why == f"the static step does not write {model.config.model_type} layers"
+        with pytest.raises(ValueError, match="decode it with `decode`"):
+            graph_decode(model, ids, attn, 12, -1, 0, greedy=True, use_graph=False)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in STATIC])
+def test_the_self_check_alone_refuses_each_family_the_step_does_not_write(family, monkeypatch):
+    """With the family list out of the way, the static step's check against the model's forward
+    pass still refuses each: SmolLM3 and Granite, which it would decode wrong without an error,
+    by their logits; Gemma, Gemma2, OLMo2 and Phi3 by the error the step raises. The refusal is
+    said once, as a warning, and graph_decode declines the model."""
+    model = family_model(family)
+    monkeypatch.setattr(decode_module, "STATIC_FAMILIES", tuple(FAMILIES))
+    with pytest.warns(UserWarning, match="it decodes with the plain loop"):
+        why = decode_module.static_refusal(model)
+    wrong = "step's logits stand" if family in ("smollm3", "granite") else "step fails on it"
+    assert why.startswith(f"the static {wrong}"), why
+    ids, attn = left_pad(FAMILY_ROWS, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the verdict is remembered: no second warning, no check
+        with pytest.raises(ValueError, match="decode it with `decode`"):
+            graph_decode(model, ids, attn, 12, -1, 0, greedy=True, use_graph=False)
+
+
+def test_a_stage_longer_than_the_sliding_window_is_left_to_the_plain_loop():
+    """Mistral attends over a sliding window, the static step over the whole cache: the same
+    while a stage's columns fit the window, refused once they outgrow it."""
+    model = family_model("mistral", sliding_window=16)
+    ids, attn = left_pad(FAMILY_ROWS, 0)  # 7 columns
+    assert decode_module.static_refusal(model, 7 + 9) is None
+    static, _ = graph_decode(model, ids, attn, 9, -1, 0, greedy=True, use_graph=False)
+    assert static.tolist() == decode(model, ids, attn, 9, -1, 0, greedy=True)[0].tolist()
+    assert "outgrow the 16-token sliding window" in decode_module.static_refusal(model, 7 + 10)
+    with pytest.raises(ValueError, match="outgrow the 16-token sliding window"):
+        graph_decode(model, ids, attn, 10, -1, 0, greedy=True, use_graph=False)
+
+
+def test_the_plan_line_names_the_decoder(tiny):
+    model, _ = tiny
+    assert decode_module.decoder_plan(model) == "plain loop (no GPU)"
+    if torch.cuda.is_available():
+        assert decode_module.decoder_plan(model.cuda()) == "static graph"
+        gemma = family_model("gemma").cuda()
+        assert decode_module.decoder_plan(gemma) == ("plain loop (the static step does not "
+                                                     "write gemma layers)")
 
 
 def test_the_sampler_draws_from_the_softmax_and_its_nucleus():

@@ -104,6 +104,22 @@ def test_recorded_completions_end_at_their_first_eos(tiny):
         assert c.prompt_ids == rollout.tok(c.prompt, add_special_tokens=False).input_ids
 
 
+def test_a_reply_ends_at_any_end_token_the_model_names(tiny):
+    """A model whose generation_config lists a second end token (as Qwen3's lists <|endoftext|>
+    beside <|im_end|>): the rollout's completion ends at it, finished, not truncated."""
+    model, tok = tiny
+    rollout = make_rollout(tiny, sharing="shared", workflow="single", greedy=True)
+    run_workflow("single", ["What is 1 + 2?"], rollout)
+    free = rollout.calls[0].completion_ids  # greedy: 12 tokens, no eos from the random model
+    assert len(free) == 12 and rollout.calls[0].truncated
+    second = free[3]
+    model.generation_config.eos_token_id = [tok.eos_token_id, second]
+    run_workflow("single", ["What is 1 + 2?"], rollout)
+    ended = rollout.calls[1]
+    assert ended.completion_ids == free[: free.index(second) + 1] and not ended.truncated
+    assert cut_at_eos([5, 6, 7, 2, 7], eos_id=[2, 7]) == [5, 6, 7]
+
+
 def direct_logprobs(model, call: Call) -> torch.Tensor:
     """Log-probs of one unpadded sequence, computed the plain way."""
     ids = torch.tensor([call.prompt_ids + call.completion_ids])
