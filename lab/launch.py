@@ -29,6 +29,7 @@ from lab.checkpoint import (TrainState, has_checkpoint, is_state, load_state, no
 from lab.runs import check_run_dir, lock_run, read_jsonl, start_run_dir, write_whole
 from lab.settings import (MAAC_ONLY, Settings, check_idle_flags, check_numbers, chosen,
                           idle_settings, lora_targets, read_config, with_task_tokens)
+from decode import decoder_plan
 from lora import freeze_copy, inject_lora, narrowest
 from model import load_policy
 from tasks import TASK_KIND, load_task
@@ -101,6 +102,7 @@ def launch(cfg: Settings, device: str) -> tuple[object, object, list[str]]:
         inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
+    log(f"decoding: {decoder_plan(model)}")  # the static graph, or the plain loop and why
     return model, tok, held
 
 
