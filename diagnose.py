@@ -41,9 +41,9 @@ import matplotlib
 matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from lab.launch import typed_flags
+from lab.settings import typed_flags
 from lab.probe import probe, watch, write_probe
-from lab.runs import load_run, writable
+from lab.files import load_run, writable
 from workflows import ROLES, role_of, slots
 
 # Thresholds of the detectors: choices of this project (Paper A gives none). Raise FALL_Z or
@@ -84,7 +84,7 @@ PLOTS = {
 
 
 # ----------------------------------------------------------------------------
-# Reading runs (runs.load_run reads a run directory)
+# Reading runs (files.load_run reads a run directory)
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:

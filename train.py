@@ -35,7 +35,7 @@ split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
 The flags (`Config`, `--help-all`) are lab/settings.py's; what comes before step 0 (the
 settings checked, problems, model, optimizers) and the clock lab/launch.py's, the training state
-and its checkpoints lab/checkpoint.py's, the run on disk lab/runs.py's, the machine (processes,
+and its checkpoints lab/checkpoint.py's, the run on disk lab/files.py's, the machine (processes,
 threads, signals) lab/machine.py's.
 
 Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU (an hour on
@@ -53,29 +53,24 @@ import math
 from functools import partial
 
 import torch
-from tqdm import tqdm
 
 from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
                     setup_critics, update_critics)
+from decode import decoder_plan
 from grpo import (AGG_MODES, BALANCE, RATIO_LEVELS, UpdateSettings, is_live, policy_update,
                   set_advantages)
+# lab/: the run's plumbing, behind the loop: `Run` holds the run on disk and on its machine; the
+# settings' checks; under torchrun `block` splits the held-out problems between the processes and
+# a gather joins what each did (in one process, every problem, and what it is given)
 from lab.checkpoint import TrainState
-from lab.launch import (NEW_LR, check_settings, estimate_minutes, evaluation_samples,
-                        is_eval_step, launch, load_problems, resume_run, start_run, step_line,
-                        typed_flags)
-# lab/: the run's plumbing. Under torchrun `block` splits the problems between the processes and
-# the gather_* calls join what each did; in one process `block` is every problem and a gather
-# hands back what it is given.
 from lab.machine import (PROCESSES, block, catch_stop_signals, gather_episodes, gather_lists,
-                         gather_stats, gpu_rngs, join_processes, log, peak_memory_mb,
-                         pick_threads, pick_threads_again, rank_and_world, release_free_memory,
-                         run_main, stop_requested)
-from lab.runs import (NONFINITE_STOP, episode_samples, leave_processes, start_logs, stop_run,
-                      write_step)
-from lab.settings import arg, in_bounds, parse_flags
-from lora import DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, setup_adapters
+                         gpu_rngs, log, run_main)
+from lab.run import Run, estimate_minutes, evaluation_samples
+from lab.settings import arg, in_bounds, lora_targets, parse_flags, typed_flags
+from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora,
+                  narrowest, setup_adapters)
 from measure import gradient_signals, step_metrics
-from model import DTYPES
+from model import DTYPES, load_policy
 from reward import CREDITS, TRUNCATED, credit_calls, cut_finals, score_batch
 from rollout import Call, Rollout, chat_text, context_length
 from sandbox import CODE_TIMEOUT
@@ -296,7 +291,24 @@ def warmup_roles(cfg: Config) -> list[str]:
 
 
 # ----------------------------------------------------------------------------
-# The run's pieces: the context checked, the adapters and critics, their optimizers
+# The model and what RL trains on it: the context checked, the adapters and critics,
+# their optimizers
+
+
+def load_model(cfg: Config, device: str):
+    """The base model (model.py) with LoRA layers on --lora_targets, no adapter yet (lora.py), and
+    its tokenizer; the decoder its stages run is logged (decode.decoder_plan)."""
+    model, tok = load_policy(cfg.model, device, cfg.dtype)
+    side = narrowest(model, lora_targets(cfg))
+    if side is not None and cfg.lora_r > side:  # B A could not have that rank
+        raise SystemExit(f"--lora_r {cfg.lora_r}: more than {side}, the smaller side of the "
+                         f"narrowest adapted layer of {cfg.model}; give at most {side}")
+    try:
+        inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
+    except ValueError as e:
+        raise SystemExit(f"--lora_targets: {e}") from None
+    log(f"decoding: {decoder_plan(model)}")  # the static graph, or the plain loop and why
+    return model, tok
 
 
 def check_context(model, tok, cfg: Config, problems: list) -> None:
@@ -366,10 +378,56 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 
 
 # ----------------------------------------------------------------------------
-# Pieces of one step
+# One RL step (the algorithm box)
 
 
-def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
+def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
+            update: UpdateSettings, critics: CriticSettings, procs) -> tuple[dict, tuple]:
+    """One training step, steps 1-7 of this file's docstring. Returns its metrics row and its
+    episodes (calls, outcomes, problems, rewards) for the logs. `procs`: the processes under
+    torchrun (lab.machine.PROCESSES: each rolls out its block of the problems, then all hold
+    every episode, and the updates split their passes and sum their gradients)."""
+    t0 = time.time()
+    # 1-3. problems, rollout, rewards
+    picked = state.rng.sample(range(len(train_set)), cfg.problems_per_step)
+    problem_of = [picked[i] for i in procs.block(len(picked)) for _ in range(cfg.group_size)]
+    rollout, outcomes, rewards = run_episodes(state.model, tok, cfg,
+                                              [train_set[i] for i in problem_of],
+                                              greedy=False, label=f"step {step} rollout")
+    calls, outcomes, rewards, problem_of = procs.episodes(rollout.calls, outcomes, rewards,
+                                                          problem_of)
+    t1 = time.time()
+    # 4. advantages: group-relative (GRPO) or from the critics (GAE)
+    if cfg.algo == "grpo":
+        set_advantages(calls, problem_of, cfg.adv_group)
+    else:
+        critic_batch = critic_advantages(state.model, tok, state.heads, calls, critics, procs)
+    if cfg.truncated == "mask":  # a cut call keeps its place in its group's baseline, not its grad
+        for c in calls:
+            c.advantage = 0.0 if c.truncated else c.advantage
+    advs = torch.tensor([c.advantage for c in calls])  # (calls,)
+    # 5-6. old log-probs and the update, adapter by adapter (the diagnostics' pass first, when due)
+    names = [n for n in state.optimizers if n not in state.heads]  # the adapters RL trains
+    lr = state.optimizers[names[0]].param_groups[0]["lr"]  # the rate this step trains at
+    diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
+    stats = update_adapters(state, tok, cfg, step, calls, names, update, diag)
+    # 7. maac: the critics
+    if cfg.algo == "maac":
+        stats.update(train_critics(state, tok, step, critic_batch, critics))
+    stats = procs.stats(stats)
+    # the step's metrics
+    row = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
+           "adv/zero_frac": (advs == 0).sum().item() / len(advs),
+           "adv/std": advs.std(correction=0).item(), "lr": lr,
+           "contract/truncated_prompts": sum(procs.gather([rollout.prompts_cut])),
+           "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
+    if cfg.algo == "maac":
+        row.update(critic_metrics(calls, critic_batch))
+    episodes = (calls, outcomes, [train_set[i] for i in problem_of], rewards)
+    return without_repeats(row, cfg), episodes
+
+
+def run_episodes(model, tok, cfg: Config, problems, greedy: bool,
                  label: str = "rollout") -> tuple[Rollout, list, list[float]]:
     """Run the workflow once per problem; return the recorder, outcomes and rewards.
     Each finished stage is logged, prefixed by `label`."""
@@ -386,58 +444,6 @@ def rollout_step(model, tok, cfg: Config, problems, greedy: bool,
         rewards = [0.0 if c else r for r, c in zip(rewards, cut)]
     credit_calls(rollout.calls, problems, rewards, cfg.credit, cfg.truncated, cfg.strict_answer)
     return rollout, outcomes, rewards
-
-
-def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[str, float]:
-    """Accuracy of the whole workflow on held-out problems (eval/: the test split; val/: the
-    validation split, where a peak or a checkpoint is chosen), and on the test split what changed
-    besides the answers (docs/runs.md). Greedy, except where --eval_sampling samples (Voting: greedy
-    generators would give one answer three times), each problem --eval_samples times. Sampling
-    draws from a generator of its own, so an evaluation never moves the training's."""
-    sample = evaluation_samples(cfg)
-    repeats = cfg.eval_samples if sample else 1
-    # under torchrun, a block
-    mine = [p for i in block(len(problems)) for p in [problems[i]] * repeats]
-    seen = defaultdict(list)
-    with torch.random.fork_rng(devices=gpu_rngs(model.device)):
-        torch.manual_seed(cfg.seed + 7919)
-        for i in range(0, len(mine), EVAL_BATCH):
-            label = f"{prefix} problems {i + 1}-{min(i + EVAL_BATCH, len(mine))}/{len(mine)}"
-            rollout, outcomes, r = rollout_step(model, tok, cfg, mine[i:i + EVAL_BATCH],
-                                                greedy=not sample, label=label)
-            seen["reward"] += r
-            seen["boxed"] += [bool(boxed_contents(o.final)) for o in outcomes]
-            # episode -> the score of its first solving call's own answer (calls come stage by
-            # stage)
-            first = {}
-            for c in rollout.calls:
-                if c.solved is not None:
-                    first.setdefault(c.episode, c.solved)
-                if c.role in SOLVERS:
-                    seen["len"].append(len(c.completion_ids))
-                seen["truncated"].append(c.truncated)
-                seen[f"{c.role}/adherence"].append(adherence(c.role, c.text, cfg.n_agents))
-            seen["first_answer"] += list(first.values())
-    parts = gather_lists([dict(seen)])  # one gather: every process's lists, in rank order
-    seen = {k: [x for part in parts for x in part.get(k, [])]
-            for k in sorted({k for part in parts for k in part})}
-    per_problem = [sum(seen["reward"][i:i + repeats]) / repeats
-                   for i in range(0, len(seen["reward"]), repeats)]
-    mean = sum(per_problem) / len(per_problem)
-    m = {f"{prefix}/accuracy": mean,
-         f"{prefix}/accuracy_se": (sum((x - mean) ** 2 for x in per_problem)
-                                   / max(1, len(per_problem) - 1) / len(per_problem)) ** 0.5}
-    if prefix == "eval":
-        m.update({f"eval/{k}": sum(v) / len(v) for k, v in seen.items()
-                  if k != "reward" and v and None not in v})
-    return m
-
-
-def evaluations(model, tok, cfg: Config, held_out: dict[str, list]) -> dict[str, float]:
-    """One evaluation point: the test split (eval/...) and, where --val_problems, the val split
-    (val/...)."""
-    return {k: v for prefix, problems in held_out.items()
-            for k, v in evaluate(model, tok, cfg, problems, prefix).items()}
 
 
 def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call],
@@ -482,7 +488,7 @@ def train_critics(state: TrainState, tok, step: int, critic_batch,
     return stats
 
 
-def written(m: dict[str, float], cfg: Config) -> dict[str, float]:
+def without_repeats(m: dict[str, float], cfg: Config) -> dict[str, float]:
     """The step's metrics less those that repeat another key or cannot move in this run: the slot/
     keys of a role with one slot (Eval-Opt's slots are its roles: its role/ keys hold the same
     numbers); under --one_step, where every ratio is 1, the policy ratio's statistics; and with
@@ -512,9 +518,64 @@ def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------
-# Step 0: a resumed run's checkpoint, another run's step 0 (--start_from), or the supervised
-# warm-up (--sft_warmup: every role learns replies that keep its contract, warmup.contract_replies,
-# so that RL has a contract to keep or to lose) and the first evaluation
+# Evaluation on held-out problems
+
+
+def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[str, float]:
+    """Accuracy of the whole workflow on held-out problems (eval/: the test split; val/: the
+    validation split, where a peak or a checkpoint is chosen), and on the test split what changed
+    besides the answers (docs/runs.md). Greedy, except where --eval_sampling samples (Voting: greedy
+    generators would give one answer three times), each problem --eval_samples times. Sampling
+    draws from a generator of its own, so an evaluation never moves the training's."""
+    sample = evaluation_samples(cfg)
+    repeats = cfg.eval_samples if sample else 1
+    # under torchrun, a block
+    mine = [p for i in block(len(problems)) for p in [problems[i]] * repeats]
+    seen = defaultdict(list)
+    with torch.random.fork_rng(devices=gpu_rngs(model.device)):
+        torch.manual_seed(cfg.seed + 7919)
+        for i in range(0, len(mine), EVAL_BATCH):
+            label = f"{prefix} problems {i + 1}-{min(i + EVAL_BATCH, len(mine))}/{len(mine)}"
+            rollout, outcomes, r = run_episodes(model, tok, cfg, mine[i:i + EVAL_BATCH],
+                                                greedy=not sample, label=label)
+            seen["reward"] += r
+            seen["boxed"] += [bool(boxed_contents(o.final)) for o in outcomes]
+            # episode -> the score of its first solving call's own answer (calls come stage by
+            # stage)
+            first = {}
+            for c in rollout.calls:
+                if c.solved is not None:
+                    first.setdefault(c.episode, c.solved)
+                if c.role in SOLVERS:
+                    seen["len"].append(len(c.completion_ids))
+                seen["truncated"].append(c.truncated)
+                seen[f"{c.role}/adherence"].append(adherence(c.role, c.text, cfg.n_agents))
+            seen["first_answer"] += list(first.values())
+    parts = gather_lists([dict(seen)])  # one gather: every process's lists, in rank order
+    seen = {k: [x for part in parts for x in part.get(k, [])]
+            for k in sorted({k for part in parts for k in part})}
+    per_problem = [sum(seen["reward"][i:i + repeats]) / repeats
+                   for i in range(0, len(seen["reward"]), repeats)]
+    mean = sum(per_problem) / len(per_problem)
+    m = {f"{prefix}/accuracy": mean,
+         f"{prefix}/accuracy_se": (sum((x - mean) ** 2 for x in per_problem)
+                                   / max(1, len(per_problem) - 1) / len(per_problem)) ** 0.5}
+    if prefix == "eval":
+        m.update({f"eval/{k}": sum(v) / len(v) for k, v in seen.items()
+                  if k != "reward" and v and None not in v})
+    return m
+
+
+def evaluations(model, tok, cfg: Config, held_out: dict[str, list]) -> dict[str, float]:
+    """One evaluation point: the test split (eval/...) and, where --val_problems, the val split
+    (val/...)."""
+    return {k: v for prefix, problems in held_out.items()
+            for k, v in evaluate(model, tok, cfg, problems, prefix).items()}
+
+
+# ----------------------------------------------------------------------------
+# Step 0: a supervised warm-up (every role learns replies that keep its contract,
+# warmup.contract_replies, so that RL has a contract to keep or to lose), or another run's step 0
 
 
 def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, float]:
@@ -530,7 +591,7 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)
     picked = rng.sample(range(len(train_set)), min(len(train_set), n))
     mine = [picked[i] for i in block(len(picked))]
-    rollout, outcomes, rewards = rollout_step(model, tok, cfg, [train_set[i] for i in mine],
+    rollout, outcomes, rewards = run_episodes(model, tok, cfg, [train_set[i] for i in mine],
                                               greedy=False, label="warm-up rollout")
     calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, mine)
     score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers,
@@ -552,20 +613,14 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
 
 
-def begin(state: TrainState, tok, cfg: Config, train_set, held_out: dict, names: list[str],
-          start_config: dict | None, references: dict[str, str]) -> tuple[int, dict, dict]:
-    """Step 0. A resumed run goes on from its newest checkpoint. A new run takes another run's
-    step 0 (--start_from), or warms up (--sft_warmup) and evaluates before training, and saves
-    it: a run stopped after step 0 resumes without its warm-up, and others can start from it.
-    The KL anchors (`references`) are frozen copies of the policy RL starts from. Returns the
-    step to go on from and the metrics rows of the first and of the last evaluation."""
-    if cfg.resume:  # the checkpoint fills the anchors in
-        start, first, last = resume_run(cfg.out, state, references,
-                                        {k: getattr(cfg, k) for k in NEW_LR}, cfg.steps)
-        log(f"resuming {cfg.out} at step {start}")
-        return start, first, last
+def step_zero(state: TrainState, tok, cfg: Config, train_set: list, held_out: dict,
+              references: dict[str, str], run: Run) -> dict:
+    """Step 0 of a new run: another run's step 0 (--start_from), or the warm-up (--sft_warmup)
+    and the first evaluation; the KL anchors (`references`) then copy the policy RL starts from.
+    Returns the step's metrics row."""
+    names = [n for n in state.optimizers if n not in state.heads]
     if cfg.start_from:
-        first = state.load_start(cfg.start_from, cfg.sharing, start_config)
+        first = state.load_start(cfg.start_from, cfg.sharing, run.start_config)
     else:
         first = warm_up(state.model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
     for name, ref in references.items():
@@ -573,133 +628,59 @@ def begin(state: TrainState, tok, cfg: Config, train_set, held_out: dict, names:
     if cfg.start_from:
         log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of "
             f"{cfg.start_from}")
-    else:
-        log(f"evaluating on {' and '.join(f'{len(v)} {k}' for k, v in held_out.items())} "
-            "held-out problems ...")
-        t_eval = time.time()
-        scores = evaluations(state.model, tok, cfg, held_out)
-        eval_seconds = time.time() - t_eval
-        log(f"step 0/{cfg.steps} | eval/accuracy {scores['eval/accuracy']:.3f} | "
-            f"{eval_seconds:.0f}s | the whole run: about "
-            f"{estimate_minutes(cfg, eval_seconds, [], 0):.0f} min")
-        first = {"step": 0, **scores, **first, "time/eval": eval_seconds}
-    start_logs(cfg.out, first)
-    # the best first: a run stopped between the two has no checkpoint to resume and starts over,
-    # where the other order would resume without step 0's best
-    state.keep_best(cfg.out, first)
-    state.save(cfg.out, 0)
-    return 0, first, first
+        return first
+    log(f"evaluating on {' and '.join(f'{len(v)} {k}' for k, v in held_out.items())} "
+        "held-out problems ...")
+    t_eval = time.time()
+    scores = evaluations(state.model, tok, cfg, held_out)
+    seconds = time.time() - t_eval
+    log(f"step 0/{cfg.steps} | eval/accuracy {scores['eval/accuracy']:.3f} | {seconds:.0f}s | "
+        f"the whole run: about {estimate_minutes(cfg, seconds, [], 0):.0f} min")
+    return {"step": 0, **scores, **first, "time/eval": seconds}
 
 
 # ----------------------------------------------------------------------------
-# Main: the settings, step 0, then the training loop (steps 1-8 of the docstring)
+# Main: the settings, step 0, then the training loop
 
 
 def main(cfg: Config, typed: set[str] | None = None) -> dict:
     """Train; `typed`: the flags given on the command line (None: those that differ from their
     defaults), which --resume checks against the run."""
-    # ---- settings: everything is checked before a file or the model is touched
-    cfg, start_config = check_settings(cfg, typed)
+    run = Run(cfg, typed)  # lab/run.py: the settings checked, the processes joined, the threads
+    cfg = run.cfg  # a resumed run's own settings
     if not cfg.resume:  # a resumed run's warm-up is behind it
         warmup_roles(cfg)  # stops here on a bad --sft_roles
     update, critics = update_settings(cfg), critic_settings(cfg)  # and on a bad --role_kl
-    device = join_processes(cfg.device)
-    rank, world = rank_and_world()
-    torch.set_num_threads(pick_threads(cfg.threads, own_load=0.0))
     torch.manual_seed(cfg.seed)  # the same adapters in every process
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
-    # ---- data, model, run directory, adapters, optimizers
-    train_set, held_out = load_problems(cfg, world)
-    model, tok, held = launch(cfg, device)
+    # ---- the problems, the model, the adapters and critics with their optimizers
+    train_set, held_out = run.problems()
+    run.open()  # the run's directory locked, its plan logged
+    model, tok = load_model(cfg, run.device)
     check_context(model, tok, cfg, train_set + [p for ps in held_out.values() for p in ps])
-    start_run(cfg, held, rank)
+    run.write_config()
     names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
     state = TrainState(model, heads, optimizers, schedulers, rng, emas={name: {} for name in names})
-    if world > 1:
-        torch.manual_seed(cfg.seed + 1000 * rank)  # each process samples its own episodes
+    if run.world > 1:
+        torch.manual_seed(cfg.seed + 1000 * run.rank)  # each process samples its own episodes
     # ---- step 0: a resumed run's checkpoint, or a new run's start and its first evaluation
-    start, first, last = begin(state, tok, cfg, train_set, held_out, names, start_config,
-                               update.reference)
-
-    step_seconds = []  # training time of each step, evaluation excluded: for the estimate
-    cpu_before = time.process_time()
-    # the last checkpoint's step; steps in a row with a mini-batch not applied
-    saved, nonfinite = start, 0
-    if start < cfg.steps and (stop := stop_requested()):  # Ctrl-C or SIGTERM before the first step
-        stop_run(cfg.out, start, saved, stop)
-    for step in tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps,
-                     desc="train", file=sys.stderr, disable=None if rank == 0 else True):
-        t0 = time.time()
-        # 1-3. problems, rollout, rewards (under torchrun: this process's block of the problems,
-        # then everyone's episodes)
-        picked = rng.sample(range(len(train_set)), cfg.problems_per_step)
-        problem_of = [picked[i] for i in block(len(picked)) for _ in range(cfg.group_size)]
-        rollout, outcomes, rewards = rollout_step(model, tok, cfg,
-                                                  [train_set[i] for i in problem_of],
-                                                  greedy=False, label=f"step {step} rollout")
-        calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards,
-                                                               problem_of)
-        t1 = time.time()
-        # 4. advantages: group-relative (GRPO) or from the critics (GAE)
-        if cfg.algo == "grpo":
-            set_advantages(calls, problem_of, cfg.adv_group)
-        else:
-            critic_batch = critic_advantages(model, tok, heads, calls, critics, PROCESSES)
-        # a cut call keeps its place in its group's baseline, not its gradient
-        if cfg.truncated == "mask":
-            for c in calls:
-                c.advantage = 0.0 if c.truncated else c.advantage
-        advs = torch.tensor([c.advantage for c in calls])  # (calls,)
-        # 5-7. old log-probs and the update, adapter by adapter; maac: then the critics
-        diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
-        lr = optimizers[names[0]].param_groups[0]["lr"]  # the rate this step trains at
-        stats = update_adapters(state, tok, cfg, step, calls, names, update, diag)
-        if cfg.algo == "maac":
-            stats.update(train_critics(state, tok, step, critic_batch, critics))
-        stats = gather_stats(stats)
-        # what the backward pass freed, before the evaluation and the next rollout
-        release_free_memory()
-        # 8. logs, evaluation, checkpoint
-        m = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
-             "adv/zero_frac": (advs == 0).sum().item() / len(advs),
-             "adv/std": advs.std(correction=0).item(),
-             "lr": lr,
-             "contract/truncated_prompts": sum(gather_lists([rollout.prompts_cut])),
-             "time/rollout": t1 - t0, "time/update": time.time() - t1, **update_means(stats)}
-        if cfg.algo == "maac":
-            m.update(critic_metrics(calls, critic_batch))
-        step_seconds.append(time.time() - t0)
-        if is_eval_step(cfg, step):
+    if cfg.resume:
+        for name, ref in update.reference.items():  # KL anchors the checkpoint fills in
+            freeze_copy(model, name, ref)
+        run.resume(state)
+    else:
+        run.begin(state, step_zero(state, tok, cfg, train_set, held_out, update.reference, run))
+    # ---- the training loop
+    for step in run.steps():
+        row, episodes = rl_step(step, state, tok, cfg, train_set, update, critics, run.procs)
+        if run.evaluate_due(step):
             t_eval = time.time()
-            m.update(evaluations(model, tok, cfg, held_out))
-            m["time/eval"] = time.time() - t_eval
-            state.keep_best(cfg.out, m)  # out/best: the peak so far
-            last = m
-        m["time/step"] = time.time() - t0
-        m["mem/peak_mb"] = max(gather_lists([peak_memory_mb(device)]))  # the largest process's
-        problems = [train_set[i] for i in problem_of]
-        write_step(cfg.out, written(m, cfg),
-                   episode_samples(step, calls, outcomes, problems, rewards, cfg.group_size,
-                                   cfg.log_samples))
-        log(step_line(cfg, m, last.get("time/eval", 0.0), step_seconds))
-        # a step with a mini-batch not applied writes no checkpoint: the last one is from before
-        # the trouble
-        nonfinite = nonfinite + 1 if any(v for k, v in m.items()
-                                         if k.endswith("skipped_nonfinite")) else 0
-        stop = stop_requested() if step < cfg.steps else 0  # Ctrl-C or SIGTERM, in any process
-        if not nonfinite and (step % cfg.save_every == 0 or step == cfg.steps or stop):
-            state.save(cfg.out, step)
-            saved = step
-        if stop or nonfinite == NONFINITE_STOP:
-            stop_run(cfg.out, step, saved, stop)
-        cpu_before = pick_threads_again(cfg.threads, t0, cpu_before)  # for the next step
-
-    before, after = first["eval/accuracy"], last["eval/accuracy"]
-    log(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): "
-        f"before {before:.3f} -> after {after:.3f}  [{len(held_out['eval'])} test problems]")
-    leave_processes()
-    return {"before": before, "after": after}
+            row.update(evaluations(model, tok, cfg, held_out))
+            row["time/eval"] = time.time() - t_eval
+        run.log(row, episodes)
+        run.save(state, row)  # newest and best; stops the run after a signal
+    return run.close()
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import tempfile
 import torch
 
 from lab.machine import check_device, pick_threads
-from lab.runs import enclosing_run
+from lab.files import enclosing_run
 from lab.settings import TASK_TOKENS
 from lab.timings import (generation, machine_limits, ratio, sharing, step_parts, throughput,
                          train_step, update_parts)

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lab.machine import barrier, gather_lists, log, rank_and_world
-from lab.runs import fsync, read_jsonl
+from lab.files import fsync, read_jsonl
 from lora import adapter_names, load_adapter_state, load_adapters, save_adapters
 
 BEST_OF = ("val/accuracy", "eval/accuracy")  # the best step is chosen on val; on test without val
@@ -145,7 +145,7 @@ class TrainState:
 
     def load_start(self, where: str, sharing: str, saved: dict) -> dict:
         """--start_from: the start's adapters (a shared one copied into each role's), critics and
-        random number states; `saved`: its config (launch.check_start). Returns its step-0
+        random number states; `saved`: its config (settings.check_start). Returns its step-0
         metrics, or the best checkpoint's evaluation as this run's step 0."""
         run, path = start_checkpoint(where)
         state = load_state(path)

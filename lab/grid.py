@@ -25,7 +25,7 @@ trains, and a flag that would set what tells the cells apart (--workflow in the 
 --algo in the critics demo, --seed) is refused: a bad grid stops at once, not hours in.
 
 It sits on top of the project: it imports diagnose.py (the report and the detectors), the
-tables and train.py's settings and checks (lab/settings.py, lab/launch.py), runs train.py in a
+tables and train.py's settings and checks (lab/settings.py), runs train.py in a
 subprocess per cell, and nothing imports it.
 
 Exercised by: pytest tests/test_grid.py
@@ -39,9 +39,9 @@ import time
 
 from diagnose import findings, report
 from lab.checkpoint import has_checkpoint
-from lab.launch import check_goes_on_from, check_settings, flag_name, run_config, typed_flags
-from lab.runs import load_run
-from lab.settings import idle_settings, with_task_tokens
+from lab.files import load_run
+from lab.settings import (check_goes_on_from, check_settings, flag_name, idle_settings, run_config,
+                          typed_flags, with_task_tokens)
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
                         seed_table, signal_numbers)
 from tasks import TASK_KIND

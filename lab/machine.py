@@ -12,7 +12,7 @@ its matrix product), chosen again after every step; the peak memory logged is th
 accelerator's or the process's own. Ctrl-C (SIGINT) and SIGTERM, what a cluster sends before
 it pre-empts a job, only set a flag: the training loop reads it at the end of every step,
 where under torchrun the processes agree on it, so that all of them stop after the same step
-(lab/runs.py's stop_run ends the run).
+(lab/files.py's stop_run ends the run).
 
 Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py,
 tests/test_bench.py
@@ -104,12 +104,6 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
         i += p.numel()
 
 
-# The processes as train.py hands them to the algorithm's passes (rollout.ONE_PROCESS's functions,
-# across the processes under torchrun; in one process each hands back what it is given)
-PROCESSES = SimpleNamespace(share=my_share, sum=sum_across, sum_grads=sum_gradients,
-                            gather=gather_lists)
-
-
 # ----------------------------------------------------------------------------
 # Processes (joining, exchanging a step's episodes and statistics), threads, memory
 
@@ -190,6 +184,14 @@ def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
         for k, v in part.items():
             joined[k] += v
     return joined
+
+
+# The processes as train.py hands them to the algorithm's passes (rollout.ONE_PROCESS's share, sum,
+# sum_grads and gather, across the processes under torchrun; in one process each hands back what
+# it is given) and to its training step (block, episodes, stats)
+PROCESSES = SimpleNamespace(share=my_share, sum=sum_across, sum_grads=sum_gradients,
+                            gather=gather_lists, block=block, episodes=gather_episodes,
+                            stats=gather_stats)
 
 
 def running_threads() -> int:

@@ -19,7 +19,7 @@ import torch
 
 from grpo import set_advantages
 from lab.checkpoint import read_best
-from lab.runs import load_run, writable
+from lab.files import load_run, writable
 from lab.settings import check_numbers, lora_targets, read_config
 from lora import adapter_for, adapter_parameters, inject_lora, load_adapters, setup_adapters
 from measure import gradient_signals

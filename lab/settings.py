@@ -1,8 +1,8 @@
 """A run's settings as the command line and the checks see them: train.py's `Config` (every flag
 with its default, its --help line, its choices and its bounds, each field made by `arg`) read
 from the command line (`parse_flags`), the checks a launch makes before a file or the model is
-touched (lab/launch.check_settings runs them), and a run's config.json read back whole
-(`read_config`: --resume, --start_from, the probe). The settings are read by field name: the
+touched (`check_settings`, with a resumed run's own config and another run's start), and a run's
+config.json read back whole (`read_config`: --resume, --start_from, the probe). The settings are read by field name: the
 run knows no algorithm, and train.py turns them into the arguments the algorithm takes.
 
     python train.py --help          # the flags a first week changes
@@ -12,12 +12,18 @@ Exercised by: pytest tests/test_train.py (bad flags, --help), tests/test_refusal
 """
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import sys
 from dataclasses import field
 from typing import Any
 
+from safetensors.torch import load_file
+
+from lab.checkpoint import (has_checkpoint, is_state, load_state, no_checkpoint, read_best,
+                            start_checkpoint)
+from lab.files import read_jsonl
 from tasks import TASK_KIND
 
 # train.py's Config, as the run sees it: settings read by field name (the run imports nothing of
@@ -47,7 +53,7 @@ SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation
 
 def parse_flags(config: type, argv: list[str] | None = None) -> Settings:
     """A Config from the command line (`config`: the class, train.py's Config)."""
-    # no abbreviations: --resume checks the flags typed, by their full names (launch.typed_flags);
+    # no abbreviations: --resume checks the flags typed, by their full names (typed_flags);
     # --work voting, taken for --workflow, would escape that check
     # --help shows the TUTORIAL flags' help only; --help-all every flag's
     every = "--help-all" in (sys.argv[1:] if argv is None else argv)
@@ -195,3 +201,168 @@ def lora_targets(cfg: Settings) -> tuple[str, ...]:
         raise SystemExit(f"--lora_targets {cfg.lora_targets!r}: give distinct layer names "
                          "separated by commas, e.g. q_proj,v_proj")
     return names
+
+
+# ----------------------------------------------------------------------------
+# The settings: checked before a file or the model is touched
+
+
+def check_settings(cfg: Settings, typed: set[str] | None) -> tuple[Settings, dict | None]:
+    """The run's config (a resumed run's own) and with --start_from the start's config, checked
+    before a file or the model is touched (train.py checks what the algorithm reads of them)."""
+    if cfg.resume and cfg.overwrite:
+        raise SystemExit("--resume continues the run in --out and --overwrite starts it over: "
+                         "give one")
+    cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
+    check_numbers(cfg)
+    if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
+        check_idle_flags(cfg, typed)
+        # (the default warm-up of 1 passes with --steps 1)
+        if chosen(cfg, typed, "warmup_steps") and cfg.warmup_steps >= cfg.steps > 0:
+            raise SystemExit(f"--warmup_steps {cfg.warmup_steps}: not fewer than the run's --steps "
+                             f"{cfg.steps}, so its learning rate would never reach --lr")
+    if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
+        raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
+                         "(its answers are programs); use --credit final")
+    cfg = with_task_tokens(cfg)  # resolved here once (a resumed run's config holds it)
+    start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
+    lora_targets(cfg)  # stops here on an empty or repeated layer name
+    return cfg, start_config
+
+
+# ----------------------------------------------------------------------------
+# --resume: the run's own config
+
+# Flags that say where and how a run is executed, not what it is: --resume may change them
+# (a run started on a GPU goes on on a CPU with --device cpu).
+NOT_THE_RUN = ("out", "resume", "overwrite", "threads", "device")
+# And the learning rates, from the step it resumes at on (a run stopped by non-finite steps).
+NEW_LR = ("lr", "critic_lr")
+
+
+def flag_name(token: str) -> str:
+    """The setting a command-line flag names: --lr and --lr=0.1 name lr, --no-one_step one_step."""
+    name = token[2:].split("=")[0]
+    return name[3:] if name.startswith("no-") else name
+
+
+def typed_flags(argv: list[str]) -> set[str]:
+    """The flags named on a command line, any tool's: --lr 0.1, --lr=0.1, --no-one_step."""
+    return {flag_name(a) for a in argv if a.startswith("--")}
+
+
+def resolve_resume(cfg: Settings, typed: set[str] | None = None,
+                   new_lr: tuple[str, ...] = NEW_LR) -> Settings:
+    """--resume takes the run's saved config (run_config), from its newest checkpoint on."""
+    saved = run_config(cfg, typed, new_lr)
+    if not has_checkpoint(cfg.out):
+        raise SystemExit(no_checkpoint(cfg.out))
+    return saved
+
+
+def run_config(cfg: Settings, typed: set[str] | None = None,
+               new_lr: tuple[str, ...] = NEW_LR) -> Settings:
+    """The saved config of the run in --out, as --resume takes it: a flag that contradicts it is
+    an error, whether it was typed (`typed`, from the command line) or differs from its default
+    (settings.chosen), except the learning rates in `new_lr` and --device, which a chosen flag
+    changes, and the rest of NOT_THE_RUN, this command's own. The run lives wherever --out now
+    points, however that path is spelled."""
+    if not os.path.exists(os.path.join(cfg.out, "config.json")):
+        raise SystemExit(f"--resume: no run in {cfg.out}")
+    try:
+        saved = read_config(os.path.join(cfg.out, "config.json"), type(cfg))
+    except SystemExit as e:
+        raise SystemExit(f"--resume: {e}") from None
+    for f in dataclasses.fields(cfg):
+        given, old = getattr(cfg, f.name), getattr(saved, f.name)
+        if not chosen(cfg, typed, f.name):
+            continue
+        if f.name in (*new_lr, "device"):
+            saved = dataclasses.replace(saved, **{f.name: given})
+        elif f.name not in NOT_THE_RUN and given != old:
+            raise SystemExit(f"--resume: --{f.name} {given} differs from the run's config "
+                             f"({old if old != '' else 'none'})")
+    return dataclasses.replace(saved, resume=True, out=cfg.out, threads=cfg.threads)
+
+
+# ----------------------------------------------------------------------------
+# --start_from
+
+# Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
+# them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
+# random numbers they leave, and must match (--truncated among them: it decides whether a cut
+# final answer scores in the step-0 evaluation; --grad_clip: the warm-up's steps clip too). The
+# critics' settings are RL settings: a critic the start lacks begins fresh, as every critic
+# begins RL.
+RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay",
+               "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef",
+               "role_kl", "balance", "one_step", "damping", "credit", "eval_every",
+               "diag_every", "log_samples", "save_every", "algo", *MAAC_ONLY)
+
+
+def check_start(cfg: Settings) -> dict:
+    """--start_from: the start run's config, once it is known to differ from this run's in RL
+    settings only and its checkpoint to be of step 0, or its best one."""
+    where = cfg.start_from
+    if os.path.exists(where) and not os.path.isdir(where):
+        raise SystemExit(f"--start_from {where}: not a directory "
+                         "(a run's, or its best checkpoint's)")
+    run, ckpt = start_checkpoint(where)
+    # --overwrite would delete it before it is read
+    if os.path.realpath(run) == os.path.realpath(cfg.out):
+        raise SystemExit(f"--start_from {where} is this run's own --out; "
+                         "start it in another directory")
+    if os.path.exists(os.path.join(ckpt, "best.json")) and read_best(ckpt) is None:
+        raise SystemExit(f"--start_from {where}: its best.json is not a best checkpoint's "
+                         "(an integer step, a metric, a score and an evaluation)")
+    try:
+        state = load_state(ckpt)
+        for tensors in glob.glob(os.path.join(ckpt, "**", "*.safetensors"), recursive=True):
+            load_file(tensors)  # a torn adapter stops the launch here, before a file is written
+        saved = read_config(os.path.join(run, "config.json"), type(cfg))
+    except FileNotFoundError:
+        raise SystemExit(f"--start_from {where}: no run with a checkpoint there "
+                         "(train it with --steps 0)") from None
+    except SystemExit as e:  # its config.json, named
+        raise SystemExit(f"--start_from {where}: {e}") from None
+    except Exception as e:  # a torn or foreign file: say so in one line
+        raise SystemExit(f"--start_from {where}: its run cannot be read "
+                         f"({type(e).__name__})") from None
+    if not is_state(state):
+        raise SystemExit(f"--start_from {where}: its state.pt is not a checkpoint's")
+    if unknown := [f.name for f in dataclasses.fields(saved) if f.metadata["choices"]
+                   and getattr(saved, f.name) not in f.metadata["choices"]]:
+        raise SystemExit(f"--start_from {where}: its config.json names no known {unknown[0]}")
+    # every adapter and critic it trained has an optimizer in state.pt, and must be there whole
+    missing = [n for n in sorted(state["optimizers"])
+               if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]
+    if missing:
+        raise SystemExit(f"--start_from {where}: its checkpoint lacks the adapter(s) "
+                         f"{', '.join(missing)}")
+    if read_best(ckpt) is None:  # the step-0 row this run begins its log with
+        rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
+        if not rows or rows[0]["step"] != 0 or "eval/accuracy" not in rows[0]:
+            raise SystemExit(f"--start_from {where}: its metrics.jsonl lacks the evaluation "
+                             "of step 0")
+    # a best checkpoint: RL goes on from its step
+    if state["step"] != 0 and read_best(ckpt) is None:
+        raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
+                         "(train the start with --steps 0, or start from its best checkpoint, "
+                         f"{where}/best)")
+    check_goes_on_from(cfg, saved, where)
+    return dataclasses.asdict(saved)
+
+
+def check_goes_on_from(cfg: Settings, start: Settings, where: str) -> None:
+    """Can a run of `cfg` take its step 0 from a run of `start` (in `where`)? A setting that
+    acted nowhere in the start (settings.ONLY_UNDER: --minibatch_size without a warm-up or
+    mini-batch steps) did not shape it, and may differ as RL settings may."""
+    idle = idle_settings(start)
+    for f in dataclasses.fields(cfg):
+        given, old = getattr(cfg, f.name), getattr(start, f.name)
+        if f.name not in NOT_THE_RUN + RL_SETTINGS and f.name not in idle and given != old:
+            raise SystemExit(f"--start_from {where}: --{f.name} {given} differs from the start's "
+                             f"({old}); only RL settings may differ")
+    if start.sharing == "isolated" and cfg.sharing == "shared":
+        raise SystemExit(f"--start_from {where}: a start with one adapter per role cannot "
+                         "become one shared adapter")

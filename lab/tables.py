@@ -20,7 +20,7 @@ matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 from diagnose import KAPPA_FRAC, multiplicity, peak_step, series
-from lab.launch import evaluation_samples
+from lab.run import evaluation_samples
 from train import Config
 from workflows import ROLES
 

@@ -162,14 +162,14 @@ def child(argv: list[str]) -> None:
     """train.py's command line on problems whose answer is always 7: the tiny model's random replies
     are right often enough that rewards vary and every update path moves the adapters."""
     sys.path.insert(0, ROOT)
-    from lab import launch, machine
+    from lab import machine, run, settings
     import train
     from tasks import Problem
     problems = [Problem(f"seven-{i}", f"Question {i}: reply with the number 7.", "7")
                 for i in range(16)]
-    launch.load_task = lambda *args: problems
+    run.load_task = lambda *args: problems
     machine.catch_stop_signals()
-    machine.run_main(lambda: train.main(train.parse_config(argv), typed=launch.typed_flags(argv)))
+    machine.run_main(lambda: train.main(train.parse_config(argv), typed=settings.typed_flags(argv)))
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from lab import bench, runs
+from lab import bench, files
 
 
 def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, capsys):
@@ -74,7 +74,7 @@ def test_bench_refuses_bad_flags_before_loading_a_model(flags, words, tmp_path, 
         bench.main(["--model", "tiny", "--json", str(tmp_path)])
     # a run's own file (its config.json, its log) is not replaced by the figures
     (tmp_path / "run" / "ckpt").mkdir(parents=True)
-    (tmp_path / "run" / "config.json").write_text(json.dumps(dict.fromkeys(runs.READ, 1)))
+    (tmp_path / "run" / "config.json").write_text(json.dumps(dict.fromkeys(files.READ, 1)))
     for name in ("config.json", "metrics.jsonl", "ckpt/b.json"):
         with pytest.raises(SystemExit, match="is inside the run in .*run; name a file outside"):
             bench.main(["--model", "tiny", "--json", str(tmp_path / "run" / name)])

@@ -14,7 +14,8 @@ import torch
 from conftest import make_read_only
 import diagnose
 from grpo import UpdateSettings, damped_step, loss_weight, set_advantages
-from lab import launch, probe, runs, settings
+from lab import probe, files, settings
+from lab import run as lab_run
 from lora import add_adapter, adapter_parameters, inject_lora
 from measure import gradient_signals
 from rollout import Call, Rollout
@@ -155,7 +156,7 @@ def test_report_names_the_injected_cliff_and_capture_and_writes_plots(tmp_path):
         assert png.exists() and png.stat().st_size > 1000
         assert f"]({name}.png)" in text
     # what --overwrite of a run clears beside it: every plot diagnose.py can draw, and no other
-    assert {f"{name}.png" for name in diagnose.PLOTS} == set(runs.DERIVED) - {"report.md",
+    assert {f"{name}.png" for name in diagnose.PLOTS} == set(files.DERIVED) - {"report.md",
                                                                               "probe.json"}
 
 
@@ -632,7 +633,7 @@ def test_isolated_generator_moves_further_than_a_single_agent_and_one_step_evens
                                                                                     monkeypatch):
     """Same data and learning rate: Voting's generator adapter gets three slots' calls, so three
     times the optimizer steps and a larger update than the single agent's; --one_step removes it."""
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
     monkeypatch.setattr(train, "score_batch", odd_length_wins)  # reward contrast in every group
     norms = {}
     for name, kw in [("single", dict(workflow="single", one_step=False)),
@@ -677,7 +678,7 @@ def test_a_run_is_read_back_with_its_lora_targets_as_train_py_read_them(tmp_path
 
 
 def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
     monkeypatch.setattr(train, "score_batch", odd_length_wins)
     out = str(tmp_path / "run")
     train.main(train.Config(model="tiny", workflow="voting", sharing="shared", steps=1,
@@ -769,7 +770,7 @@ def test_damaged_runs_are_one_line_errors_and_a_torn_last_line_is_dropped(tmp_pa
                             lora_r=4, out=out))
     with open(f"{out}/metrics.jsonl", "a") as f:
         f.write('{"step": 3, "rew')  # killed while writing
-    config, rows = runs.load_run(out, ROLES)
+    config, rows = files.load_run(out, ROLES)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for name in ("shared/adapter_model.safetensors",):
         with open(f"{out}/ckpt/{name}", "r+b") as f:

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from grpo import UpdateSettings, policy_update
-from lab import launch, machine, runs
+from lab import machine, files
+from lab import run as lab_run
 from lab.machine import PROCESSES, rank_and_world
 from lora import adapter_for, adapter_parameters, inject_lora, setup_adapters
 from measure import gradient_signals
@@ -131,7 +132,7 @@ def odd_length_wins(problems, texts, **settings) -> list[float]:
 
 def run(out: str, resume: bool = False, dies_at_call: int = 0, **kw) -> None:
     """train.main on the toy task (rewards that vary); dies_at_call: raise in that rollout."""
-    launch.load_task = lambda *args: TOY
+    lab_run.load_task = lambda *args: TOY
     train.score_batch = odd_length_wins
     if dies_at_call:
         real, seen = train.rollout_step, []
@@ -151,7 +152,7 @@ def run(out: str, resume: bool = False, dies_at_call: int = 0, **kw) -> None:
 
 def rows(out: str) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))}
-            for r in runs.read_jsonl(f"{out}/metrics.jsonl")]
+            for r in files.read_jsonl(f"{out}/metrics.jsonl")]
 
 
 def test_two_process_run_logs_like_one_and_resumes_exactly(tmp_path):
@@ -185,7 +186,7 @@ def stop_and_lock(out: str) -> None:
     machine.requested[:] = [signal.SIGTERM] if rank == 1 else []
     seen = [machine.stop_requested()]
     try:
-        runs.lock_run(out)
+        files.lock_run(out)
     except SystemExit as e:
         seen.append(str(e))
     with open(f"{out}.{rank}", "w") as f:
@@ -194,11 +195,11 @@ def stop_and_lock(out: str) -> None:
 
 def test_processes_agree_to_stop_and_that_a_held_run_directory_is_held(tmp_path):
     out = str(tmp_path / "run")
-    runs.lock_run(out)  # this process holds it
+    files.lock_run(out)  # this process holds it
     try:
         in_processes(2, stop_and_lock, out)
     finally:
-        runs.unlock_run()
+        files.unlock_run()
     for rank in (0, 1):
         with open(f"{out}.{rank}") as f:
             assert json.load(f) == [15, f"--out {out} is in use by another run "
@@ -267,7 +268,7 @@ def test_torchrun_runs_train_py_with_two_processes(tmp_path):
             env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.count("held-out accuracy of") == 1  # rank 0 alone logs
-        metrics = runs.read_jsonl(f"{out}/metrics.jsonl")
+        metrics = files.read_jsonl(f"{out}/metrics.jsonl")
         assert [r["step"] for r in metrics] == [0, 1, 2]
         assert metrics[-1]["role/generator/calls"] >= 3 * 2  # both processes' episodes
     done = subprocess.run(  # a process without a problem is refused, in one line per process

@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from lab import grid, launch, runs, tables
+from lab import files, grid, settings, tables
+from lab import run as lab_run
 import train
 from workflows import ROLES
 
@@ -96,7 +97,7 @@ def test_a_flag_reaches_only_the_cells_where_it_acts():
     everywhere reaches every cell, and --minibatch_size acts in a warm-up too."""
     flags = ["--n_agents", "2", "--max_rounds=3", "--lr", "1e-3", "--minibatch_size", "8"]
     for name, cell in grid.grid_cells(flags, [0]):
-        c, typed = train.parse_config(cell), launch.typed_flags(cell)
+        c, typed = train.parse_config(cell), settings.typed_flags(cell)
         assert ("n_agents" in typed, "max_rounds" in typed) == (c.workflow == "voting",
                                                                 c.workflow == "eval_opt"), name
         assert (c.lr, c.minibatch_size) == (1e-3, 8)
@@ -122,15 +123,15 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
     spec = grid.DEMOS["capture"]
     for seed in (0, 1):
         for cell, flags in spec.cells.items():
-            config, rows = runs.load_run(f"{out}/capture/seed{seed}/{cell}", ROLES)
+            config, rows = files.load_run(f"{out}/capture/seed{seed}/{cell}", ROLES)
             assert (config["seed"], config["steps"], config["sft_warmup"]) == (seed, 2, 2)
             assert config["sharing"] == flags[flags.index("--sharing") + 1]
             assert "sft/loss/first" in rows[0] and rows[-1]["step"] == 2
             # every cell of a seed goes on from one warm-up and step-0 evaluation under a
             # shared adapter
             assert config["start_from"] == f"{out}/capture/seed{seed}/start"
-            assert rows[0] == runs.load_run(config["start_from"], ROLES)[1][0]
-        start, rows = runs.load_run(f"{out}/capture/seed{seed}/start", ROLES)
+            assert rows[0] == files.load_run(config["start_from"], ROLES)[1][0]
+        start, rows = files.load_run(f"{out}/capture/seed{seed}/start", ROLES)
         assert (start["sharing"], start["steps"], [r["step"] for r in rows]) == ("shared", 0, [0])
     report = open(f"{out}/capture/report.md").read()
     assert report.startswith("# Demo: capture")
@@ -142,7 +143,7 @@ def test_demo_trains_its_cells_for_every_seed_and_reports_them(tmp_path, capsys)
     assert "![demo.png](demo.png)" in report and os.path.exists(f"{out}/capture/demo.png")
     for seed in (0, 1):  # the seed table: the aggregator's adherence at every RL step of each cell
         cells = [[r["role/aggregator/adherence"]
-                  for r in runs.load_run(f"{out}/capture/seed{seed}/{cell}", ROLES)[1]
+                  for r in files.load_run(f"{out}/capture/seed{seed}/{cell}", ROLES)[1]
                   if "role/aggregator/adherence" in r] for cell in spec.cells]
         assert all(len(adh) == 2 for adh in cells)
         assert f"| {seed} | " + " | ".join(", ".join(f"{v:.2f}" for v in adh)
@@ -255,7 +256,7 @@ def test_reproduce_trains_every_cell_for_every_seed_and_tables_them(tmp_path, ca
     grid.main(["--reproduce", "--seeds", "0,1", "--out", out, *TINY])
     for seed in (0, 1):
         for workflow, sharing in grid.GRID:
-            config, rows = runs.load_run(f"{out}/seed{seed}/{workflow}-{sharing}", ROLES)
+            config, rows = files.load_run(f"{out}/seed{seed}/{workflow}-{sharing}", ROLES)
             assert (config["workflow"], config["sharing"], config["seed"]) == \
                 (workflow, sharing, seed)
             # TINY overrides GRID_FLAGS

@@ -8,19 +8,20 @@ from conftest import ROOT
 # A file may import only files of a lower layer (README, "The files"), named as imported.
 LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0, "model": 0,
           "decode": 0, "lab.harness": 0,
-          "rollout": 1, "reward": 1, "lab.runs": 1, "lab.settings": 1,
+          "rollout": 1, "reward": 1, "lab.files": 1,
           "grpo": 2, "critic": 2, "warmup": 2, "lab.checkpoint": 2,
-          "measure": 3, "lab.launch": 3,
-          "train": 4,
-          "lab.timings": 5, "lab.probe": 5,
-          "lab.bench": 6, "diagnose": 6,
-          "lab.course": 7, "lab.tables": 7,
-          "lab.grid": 8}
+          "measure": 3, "lab.settings": 3,
+          "lab.run": 4,
+          "train": 5,
+          "lab.timings": 6, "lab.probe": 6,
+          "lab.bench": 7, "diagnose": 7,
+          "lab.course": 8, "lab.tables": 8,
+          "lab.grid": 9}
 
 
 def project_imports(source: str) -> set[str]:
     """The project files that a source imports, wherever the import statement stands:
-    `import lora`, `from lora import x`, `from lab import runs` and `from lab.runs import x`."""
+    `import lora`, `from lora import x`, `from lab import files` and `from lab.files import x`."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -56,9 +57,9 @@ def test_a_lazy_import_inside_a_function_counts():
 
 
 def test_a_file_in_lab_counts_however_it_is_imported():
-    source = ("from lab import runs, machine\nfrom lab.launch import check_settings\n"
+    source = ("from lab import files, machine\nfrom lab.run import Run\n"
               "import lab.grid\n")
-    assert project_imports(source) == {"lab.runs", "lab.machine", "lab.launch", "lab.grid"}
+    assert project_imports(source) == {"lab.files", "lab.machine", "lab.run", "lab.grid"}
 
 
 

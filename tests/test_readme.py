@@ -166,7 +166,8 @@ def test_the_prepared_gpu_check_s_commands_pass_a_launch_s_checks(tmp_path, monk
     """The script runs only where a GPU is lent: a flag it passes that train.py or lab.bench
     would refuse shows here, before the model loads (a GPU faked as present)."""
     import torch
-    from lab.launch import check_settings, load_problems, typed_flags
+    from lab.run import load_problems
+    from lab.settings import check_settings, typed_flags
     from train import Config
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

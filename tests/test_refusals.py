@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import ROOT, directory_state
-from lab import launch, runs, settings
+from lab import files, settings
+from lab import run as lab_run
 from lora import inject_lora
 from model import tiny_model
 import train
@@ -69,9 +70,9 @@ def test_a_run_around_another_run_or_a_directory_that_cannot_be_made_is_refused(
 def test_the_project_s_own_directory_is_no_run_s(tmp_path, monkeypatch):
     """--out . in a clone would put a run around every later runs/NAME (checked on a stand-in for
     the project, so that a failure leaves no lock in the real one)."""
-    assert os.path.samefile(runs.PROJECT, ROOT)
-    monkeypatch.setattr(runs, "PROJECT", str(tmp_path))
-    assert runs.take_lock(str(tmp_path)) == (f"--out {tmp_path} is the project's own directory; "
+    assert os.path.samefile(files.PROJECT, ROOT)
+    monkeypatch.setattr(files, "PROJECT", str(tmp_path))
+    assert files.take_lock(str(tmp_path)) == (f"--out {tmp_path} is the project's own directory; "
                                              "choose one for the run (runs/NAME)")
 
 
@@ -149,7 +150,7 @@ def test_a_misspelt_lora_target_is_refused():
 ])
 def test_contradictions_and_impossible_numbers_are_refused_before_any_file(kw, words, tmp_path,
                                                                            monkeypatch):
-    monkeypatch.setattr(launch, "load_policy", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(train, "load_policy", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match=re.escape(words)):
         run(tmp_path / "a", **kw)
     assert not os.path.exists(tmp_path / "a")
@@ -167,7 +168,7 @@ def test_a_flag_is_idle_only_where_it_changes_nothing():
 def test_a_typed_critic_flag_without_maac_is_refused_even_at_its_default(tmp_path):
     argv = ["--model", "tiny", "--critic", "central", "--out", str(tmp_path / "a")]
     with pytest.raises(SystemExit, match="--critic sets the critics"):
-        train.main(train.parse_config(argv), typed=launch.typed_flags(argv))
+        train.main(train.parse_config(argv), typed=settings.typed_flags(argv))
 
 
 # ----------------------------------------------------------------------------- damaged files, named

@@ -482,7 +482,7 @@ def test_training_goes_on_when_generated_code_misbehaves(tmp_path, monkeypatch):
     correct program per group is the only reward, so the policy still gets a gradient."""
     import dataclasses
 
-    from lab import launch
+    from lab import run as lab_run
     import train
     fence = "```python\n{}\n```"
     programs = [fence.format(code) for code in (
@@ -499,7 +499,7 @@ def test_training_goes_on_when_generated_code_misbehaves(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "run_workflow", hostile_finals)
     problems = [dataclasses.replace(ADD, id=f"add{i}", question="Write add(a, b).")
                 for i in range(8)]
-    monkeypatch.setattr(launch, "load_task", lambda name, split, n, *args: problems[:n])
+    monkeypatch.setattr(lab_run, "load_task", lambda name, split, n, *args: problems[:n])
     out = str(tmp_path / "run")
     train.main(train.Config(model="tiny", task="humaneval", workflow="single", steps=2,
                             problems_per_step=2, group_size=len(programs), max_new_tokens=8,

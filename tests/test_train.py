@@ -21,7 +21,8 @@ from conftest import ROOT, directory_state, make_read_only
 import diagnose
 import grpo
 from grpo import policy_update
-from lab import checkpoint, launch, machine, probe, runs, settings
+from lab import checkpoint, machine, probe, files, settings
+from lab import run as lab_run
 from lab.checkpoint import TrainState
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
 from model import load_policy, tiny_model
@@ -134,7 +135,7 @@ def killed_in_step_3(cfg: train.Config, monkeypatch, dies_at_call: int = 5) -> N
                                   dict(algo="maac", critic="central", sharing="shared",
                                        workflow="eval_opt", critic_lr=1e-2, seed=1)])
 def test_interrupted_then_resumed_run_matches_uninterrupted(algo, tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, **algo)
     train.main(small_config(str(tmp_path / "straight"), **toy))
 
@@ -164,13 +165,13 @@ def test_resume_rejects_a_contradicting_flag(tmp_path):
         train.main(train.Config(out=out, resume=True, start_from="elsewhere"))
     # typed, even when it is the default: this voting/isolated run is not eval_opt/shared
     argv = ["--out", out, "--resume", "--workflow", "eval_opt", "--sharing=shared"]
-    assert launch.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
+    assert settings.typed_flags(argv) == {"out", "resume", "workflow", "sharing"}
     with pytest.raises(SystemExit, match="--workflow eval_opt differs from the run's config"):
-        train.main(train.parse_config(argv), typed=launch.typed_flags(argv))
+        train.main(train.parse_config(argv), typed=settings.typed_flags(argv))
     argv = ["--out", out, "--resume", "--workflow", "voting", "--no-one_step", "--threads", "1"]
-    assert launch.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
+    assert settings.typed_flags(argv) == {"out", "resume", "workflow", "one_step", "threads"}
     # agrees with the run: resumes
-    train.main(train.parse_config(argv), typed=launch.typed_flags(argv))
+    train.main(train.parse_config(argv), typed=settings.typed_flags(argv))
 
 
 def test_an_abbreviated_flag_is_refused_so_that_resume_sees_every_flag(tmp_path, capsys):
@@ -191,7 +192,7 @@ def test_grpo_learns_a_toy_task(tmp_path, monkeypatch):
     The toy task always has the answer 7; the random tiny model says a number whose last
     digit group is 7 a few percent of the time.
     """
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
     cfg = train.Config(model="tiny", workflow="single", steps=25, problems_per_step=4, group_size=8,
                        max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2,
                        warmup_steps=0, lora_r=8, minibatch_size=64, eval_problems=4, save_every=100,
@@ -373,7 +374,7 @@ def test_own_credit_pays_each_call_for_its_own_part():
 def test_bad_numbers_stop_before_any_model_work(flags, words, tmp_path, monkeypatch):
     def no_model(*args):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(launch, "load_policy", no_model)
+    monkeypatch.setattr(train, "load_policy", no_model)
     with pytest.raises(SystemExit, match=re.escape(words)):
         train.main(train.parse_config(["--model", "tiny", *flags, "--out", str(tmp_path / "run")]))
     assert not os.path.exists(tmp_path / "run")
@@ -391,7 +392,7 @@ def test_a_list_flag_names_each_item_once_before_the_model_loads():
         train.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=0.1,aggregator=0.5"))
     for targets in ("q_proj,,v_proj", "", "q_proj, q_proj"):
         with pytest.raises(SystemExit, match="give distinct layer names separated by commas"):
-            launch.check_settings(train.Config(lora_targets=targets), None)
+            settings.check_settings(train.Config(lora_targets=targets), None)
     assert settings.lora_targets(train.Config(lora_targets="q_proj, v_proj")) == ("q_proj",
                                                                                  "v_proj")
 
@@ -487,15 +488,15 @@ def test_the_evaluated_steps_are_every_eval_every_th_and_the_last_however_long_t
     for steps, every in itertools.product(range(31), range(9)):
         cfg = train.Config(steps=steps, eval_every=every)
         listed = [0] + [s for s in range(1, steps + 1) if (every and s % every == 0) or s == steps]
-        assert [s for s in range(steps + 1) if launch.is_eval_step(cfg, s)] == listed
-        assert [launch.evals_after(cfg, s) for s in range(steps + 1)] == \
+        assert [s for s in range(steps + 1) if lab_run.is_eval_step(cfg, s)] == listed
+        assert [lab_run.evals_after(cfg, s) for s in range(steps + 1)] == \
             [sum(e > s for e in listed) for s in range(steps + 1)]
         if len(listed) <= 7:
-            assert launch.eval_steps_text(cfg) == ", ".join(map(str, listed))
+            assert lab_run.eval_steps_text(cfg) == ", ".join(map(str, listed))
     long = train.Config(steps=10 ** 9, eval_every=5)
     started = time.time()
-    assert launch.eval_steps_text(long) == "0, 5, 10, 15, ..., 999999990, 999999995, 1000000000"
-    assert launch.evals_after(long, 0) == 2 * 10 ** 8 and time.time() - started < 1
+    assert lab_run.eval_steps_text(long) == "0, 5, 10, 15, ..., 999999990, 999999995, 1000000000"
+    assert lab_run.evals_after(long, 0) == 2 * 10 ** 8 and time.time() - started < 1
 
 
 def test_a_redirected_log_shows_progress(tmp_path):
@@ -538,7 +539,7 @@ def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tm
                                                                               capsys):
     """Killed between the two renames of a save: ckpt.old (step 1) and ckpt.tmp (step 2, whole)
     are on disk, ckpt is not; and the log's last line was cut in half."""
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
     toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, save_every=1)
     train.main(small_config(str(tmp_path / "straight"), **toy))
     out, older = str(tmp_path / "run"), str(tmp_path / "older")
@@ -601,7 +602,7 @@ def test_resume_says_what_to_do_with_a_run_that_has_no_checkpoint_or_a_damaged_o
     killed_in_step_3(small_config(out), monkeypatch, dies_at_call=1)  # in the step-0 evaluation
     with monkeypatch.context() as m, pytest.raises(
             SystemExit, match="stopped before its first one.*without --resume, with --overwrite"):
-        m.setattr(launch, "load_policy", lambda *a: pytest.fail("the model loaded first"))
+        m.setattr(train, "load_policy", lambda *a: pytest.fail("the model loaded first"))
         train.main(train.Config(out=out, resume=True))
     killed_in_step_3(small_config(out, overwrite=True), monkeypatch, dies_at_call=2)  # in step 1
     # from the checkpoint after the step-0 evaluation
@@ -753,7 +754,7 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
 
 
 def test_a_resumed_run_keeps_its_warmed_up_kl_anchor(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared",
                sft_warmup=2, sft_lr=1e-2, role_kl="aggregator=0.5",
                seed=3)  # a seed whose first steps see rewards
@@ -782,7 +783,7 @@ def test_a_run_started_from_another_runs_step_0_matches_one_that_warmed_up_itsel
                                                                                   monkeypatch):
     """--start_from: a run that takes its warm-up and step-0 evaluation from a --steps 0 run, and
     differs from it in an RL setting (--balance), logs what the same run does on its own."""
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, sharing="shared",
                sft_warmup=2, sft_lr=1e-2, role_kl="aggregator=0.5",
                seed=3)  # a seed whose first steps see rewards
@@ -923,7 +924,7 @@ TOY_RUN = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, ev
 def test_a_run_through_a_cliff_keeps_its_peaks_adapters(val, tmp_path, monkeypatch):
     """Accuracy rises then falls: out/best holds the adapters of the peak's step, byte for byte,
     beside the newest checkpoint, chosen on val where the run has a val split (else on test)."""
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     test, peak = [0.2, 0.5, 0.9, 0.4, 0.1], 2
     if val:  # test peaks at step 2, val at step 3: val decides
         scripted_evaluations(monkeypatch, test, val=[0.1, 0.3, 0.5, 0.7, 0.2])
@@ -947,7 +948,7 @@ def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeyp
     """Killed in step 3 (checkpoint of step 2, best of step 1): --resume keeps the same best, and
     the uninterrupted run's; a torn best.tmp beside it changes nothing; a damaged best is dropped
     with a line, never stopping the resume, and the next evaluation keeps a new one."""
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
     config = dict(save_every=2, **TOY_RUN)
     scripted_evaluations(monkeypatch, [0.2, 0.9, 0.5, 0.4, 0.3])
     train.main(small_config(str(tmp_path / "straight"), **config))
@@ -978,7 +979,7 @@ def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeyp
 
 
 def test_start_from_and_watch_take_a_runs_best_checkpoint(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
     scripted_evaluations(monkeypatch, [0.2, 0.9, 0.5])
     source = str(tmp_path / "source")
     train.main(small_config(source, steps=2, save_every=1, **TOY_RUN))
@@ -1025,7 +1026,7 @@ def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
     once, naming that process, and touches nothing: a new run, --overwrite, --resume."""
     out = str(tmp_path / "run")
     train.main(small_config(out, steps=1))
-    hold = ("import sys; from lab import runs; runs.lock_run(sys.argv[1]); "
+    hold = ("import sys; from lab import runs; files.lock_run(sys.argv[1]); "
             "print('held', flush=True); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", hold, out], cwd=ROOT, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=ENV)
@@ -1049,7 +1050,7 @@ def test_non_finite_steps_are_not_applied_and_three_in_a_row_stop_the_run(tmp_pa
                                                                           capsys):
     """Every mini-batch's loss is NaN: nothing is applied, each step says so, the third stops the
     run with the checkpoint from before the trouble, and --resume --lr goes on from there."""
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
     real = grpo.aggregate
     monkeypatch.setattr(grpo, "aggregate", lambda *args, **kw: real(*args, **kw) * float("nan"))
     out = str(tmp_path / "run")
@@ -1103,7 +1104,7 @@ def test_lengths_that_do_not_fit_the_model_stop_before_it_generates(tmp_path, mo
 
 def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(tmp_path,
                                                                                monkeypatch, capsys):
-    monkeypatch.setattr(launch, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
+    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     # step 3 is saved all the same
     toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, save_every=2)
     train.main(small_config(str(tmp_path / "straight"), **toy))
@@ -1186,16 +1187,16 @@ def test_tensorboard_holds_every_number_of_metrics_jsonl_and_every_logged_episod
     assert sorted(texts) == ["episodes/0", "episodes/1"] and len(episodes) == 6
     for k, episode in enumerate(episodes):
         step, text = texts[f"episodes/{k % 2}"][k // 2]
-        assert step == episode["step"] and text == runs.transcript(episode)
+        assert step == episode["step"] and text == files.transcript(episode)
         assert f"**{episode['problem']}**" in text and f"    {episode['question']}" in text
         for i, call in enumerate(episode["calls"], 1):
             assert f"**{i}. {call['slot']}** ({call['role']}, turn {call['turn']})" in text
             assert f"advantage **{call['advantage']:+.3f}**" in text \
-                and runs.code_block(call["output"], 600) in text
+                and files.code_block(call["output"], 600) in text
     # 900 characters
     long = {**episodes[0], "calls": [{**episodes[0]["calls"][0], "output": "```x\n" + "7" * 895}]}
     # a fence, indented
-    assert "\n    ```x\n    " + "7" * 595 + " [... 300 more characters]\n" in runs.transcript(long)
+    assert "\n    ```x\n    " + "7" * 595 + " [... 300 more characters]\n" in files.transcript(long)
 
 
 def test_tensorboard_after_a_resume_keeps_one_value_per_step(tmp_path):
@@ -1204,16 +1205,16 @@ def test_tensorboard_after_a_resume_keeps_one_value_per_step(tmp_path):
     episode = {"problem": "p", "episode": 0, "question": "q", "answer": "7", "final": "7",
                "calls": []}
     for step in range(4):
-        runs.tensorboard_row(out, {"step": step, "reward/mean": float(step)},
+        files.tensorboard_row(out, {"step": step, "reward/mean": float(step)},
                              [{**episode, "reward": step}])
-    runs.close_tensorboard()
+    files.close_tensorboard()
     # TensorBoard reads a run's event files in name order, and a name starts with the second it
     # was opened in (then a counter, which sorts "10" before "9"): a resume opens a later second.
     time.sleep(1.1)
     for step in (2, 3):  # resumed from the checkpoint of step 1
-        runs.tensorboard_row(out, {"step": step, "reward/mean": 10.0 + step},
+        files.tensorboard_row(out, {"step": step, "reward/mean": 10.0 + step},
                              [{**episode, "reward": 10 + step}])
-    runs.close_tensorboard()
+    files.close_tensorboard()
     assert tensorboard_scalars(out)["reward/mean"] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
     texts = tensorboard_texts(out)["episodes/0"]
     assert [step for step, _ in texts] == [0, 1, 2, 3] and "reward **13**" in texts[-1][1]
@@ -1266,10 +1267,10 @@ def test_voting_is_evaluated_on_candidates_that_can_differ(tmp_path, monkeypatch
     train.evaluate(model, tok, cfg, problems)
     assert seen[-1][0] is True  # the other workflows stay greedy
     voting = train.Config(model="tiny", workflow="voting", eval_samples=2)
-    assert "sampled evaluation on 96 held-out problems x 2 samples" in launch.plan(voting, "cpu")
+    assert "sampled evaluation on 96 held-out problems x 2 samples" in lab_run.plan(voting, "cpu")
     assert "greedy evaluation on 96 held-out problems (--eval_samples 2 unused: greedy answers " \
-        "once) at" in launch.plan(cfg, "cpu")
-    assert "greedy evaluation on 96 held-out problems at" in launch.plan(
+        "once) at" in lab_run.plan(cfg, "cpu")
+    assert "greedy evaluation on 96 held-out problems at" in lab_run.plan(
         dataclasses.replace(cfg, eval_samples=1), "cpu")
 
 
@@ -1315,9 +1316,9 @@ def test_the_time_left_before_any_step_counts_every_episode_of_an_evaluation():
     test and val problems, each sample of them: 112 s over 64 + 48 problems is 1 s an episode,
     a step of 32 episodes 48 s with its update, and 10 steps and 5 evaluations are left."""
     cfg = train.Config(steps=10, eval_every=2, eval_problems=64, val_problems=48)
-    assert launch.estimate_minutes(cfg, 112.0, [], 0) == pytest.approx((10 * 48 + 5 * 112) / 60)
+    assert lab_run.estimate_minutes(cfg, 112.0, [], 0) == pytest.approx((10 * 48 + 5 * 112) / 60)
     sampled = dataclasses.replace(cfg, workflow="voting", eval_samples=2)  # 224 episodes
-    assert launch.estimate_minutes(sampled, 224.0, [], 0) == pytest.approx((480 + 5 * 224) / 60)
+    assert lab_run.estimate_minutes(sampled, 224.0, [], 0) == pytest.approx((480 + 5 * 224) / 60)
 
 
 def test_the_orchestrators_warm_up_plans_vary_from_episode_to_episode():

@@ -1,7 +1,7 @@
-"""A run on disk: its directory and its lock, config.json, the metrics and samples logs and their
-TensorBoard copy; how it ends, early or not (its checkpoints: lab/checkpoint.py; --resume and
---start_from: lab/launch.py; the machine it runs on: lab/machine.py; the rules in full:
-docs/runs.md).
+"""A run's files on disk: its directory and its lock, config.json, the metrics and samples logs
+and their TensorBoard copy, and a finished run read back for the reports (`load_run`). The run
+object that writes them is lab/run.py's; its checkpoints lab/checkpoint.py's; the rules in full:
+docs/runs.md.
 
     python train.py --out runs/a              # config.json, metrics.jsonl, samples.jsonl, tb/,
                                                 ckpt/, best/
@@ -11,25 +11,17 @@ A directory that holds a run is never overwritten implicitly, and a launch that 
 as it was. A kill at any moment leaves whole files: logs are appended a line at a time (a torn
 last line is dropped when read back), config.json is written through a rename, a checkpoint as a
 directory swapped in whole (lab/checkpoint.py). One launch at a time: a run holds its directory
-with an OS lock. A run ends early, with one line that says how to go on, after a stop signal
-(lab/machine.py) or after steps whose loss or gradient was not finite. Under torchrun only rank
-0 writes.
+with an OS lock. Under torchrun only rank 0 writes.
 
-Exercised by: pytest tests/test_train.py (damaged runs, the lock, stopping early),
-tests/test_distributed.py
+Exercised by: pytest tests/test_train.py (damaged runs, the lock), tests/test_distributed.py
 """
 import fcntl
 import json
 import os
-import shlex
 import shutil
-import signal
-import sys
 import time
 
-import torch.distributed as dist
-
-from lab.machine import barrier, gather_lists, rank_and_world
+from lab.machine import gather_lists, rank_and_world
 
 
 # ----------------------------------------------------------------------------
@@ -384,42 +376,3 @@ def start_logs(out: str, first: dict) -> None:
         open(path, "w").close()
     append_jsonl(metrics_path, [first])
     tensorboard_row(out, first)
-
-
-# ----------------------------------------------------------------------------
-# The end of a run: its directory let go, its process group left; stopping early, after a
-# signal (lab/machine.py) or after steps that could not be applied
-
-# training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
-NONFINITE_STOP = 3
-
-
-def leave_processes() -> None:
-    """The run is over: let its directory go, and under torchrun leave the process group once
-    every process is done with it (gloo aborts a process whose group is torn down while another
-    still uses it)."""
-    close_tensorboard()
-    unlock_run()
-    if rank_and_world()[1] > 1:
-        barrier()
-        dist.destroy_process_group()
-
-
-def stop_run(out: str, step: int, saved: int, signum: int) -> None:
-    """End the run after `step`, its checkpoint of step `saved` kept, with one line that says how
-    to go on: after a signal (`signum`; exit status 128 + signum), or after NONFINITE_STOP steps
-    in a row with a mini-batch not applied (signum 0; exit status 1)."""
-    rank, world = rank_and_world()
-    launcher = f"torchrun --nproc_per_node {world}" if world > 1 else "python"
-    resume = f"{launcher} train.py --resume --out {shlex.quote(out)}"
-    leave_processes()
-    if signum:
-        if rank == 0:
-            print(f"stopped by {signal.Signals(signum).name} after step {step}, "
-                  f"the checkpoint of step {saved} kept; to go on: {resume}",
-                  file=sys.stderr, flush=True)
-        raise SystemExit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
-    raise SystemExit(1 if rank else f"step {step}: {NONFINITE_STOP} steps in a row with a "
-                     f"non-finite loss or gradient (those mini-batches were not applied); "
-                     f"the last good checkpoint is step {saved} in {out}/ckpt; to go on from it "
-                     f"with a lower learning rate: {resume} --lr <lower>")

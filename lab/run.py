@@ -1,0 +1,342 @@
+"""A training run as the loop sees it: one object (`Run`) that holds everything about the run on
+disk and on its machine, so that train.py's loop makes a few calls a step and reads as the
+algorithm. Opened, it has checked the settings (lab/settings.py: a resumed run's own, another
+run's start), joined torchrun's processes, picked torch's threads, locked its directory and logged
+its plan; then, a step at a time, it says which step comes next and whether it is evaluated, logs
+the step's row and episodes (metrics.jsonl, samples.jsonl, TensorBoard), keeps the newest and the
+best checkpoint (lab/checkpoint.py) and stops the run after a signal or after steps that could not
+be applied; its clock estimates the time left. The directory is written only once the model has
+loaded and the flags fit it (`write_config`), so a launch that fails leaves --out as it was.
+
+    python train.py --out runs/a --resume                   # on from its last checkpoint, exactly
+    python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation
+    python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that runs start from
+
+Exercised by: pytest tests/test_train.py (bad flags, resume, --start_from, damaged checkpoints,
+the clock, stopping early), tests/test_distributed.py
+"""
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from lab.checkpoint import TrainState, restore_best
+from lab.files import (check_run_dir, close_tensorboard, episode_samples, lock_run, read_jsonl,
+                       start_logs, start_run_dir, unlock_run, write_step, write_whole)
+from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
+                         pick_threads_again, rank_and_world, release_free_memory, stop_requested)
+from lab.settings import NEW_LR, Settings, check_settings
+from tasks import load_task
+
+
+class Run:
+    """One run of train.py: its settings, processes, directory, logs, checkpoints and clock."""
+
+    def __init__(self, cfg: Settings, typed: set[str] | None = None):
+        """Check the settings (a resumed run's own from its config.json), join torchrun's
+        processes and pick the threads; nothing is written yet."""
+        self.cfg, self.start_config = check_settings(cfg, typed)
+        self.device = join_processes(self.cfg.device)
+        self.rank, self.world = rank_and_world()
+        self.procs = PROCESSES  # what the algorithm's passes exchange (rollout.ONE_PROCESS)
+        torch.set_num_threads(pick_threads(self.cfg.threads, own_load=0.0))
+        self.step_seconds: list[float] = []  # training time of each step, evaluation excluded
+        self.first = self.last = {}  # the metrics rows of the first and the latest evaluation
+        self.saved = self.nonfinite = 0  # the newest checkpoint's step; non-finite steps in a row
+
+    def open(self) -> None:
+        """Lock the run's directory (files.lock_run) and check what a new run finds there
+        (files.check_run_dir: a run is never overwritten implicitly); log the plan."""
+        lock_run(self.cfg.out)
+        self.held = [] if self.cfg.resume else check_run_dir(self.cfg.out, self.cfg.overwrite)
+        log(plan(self.cfg, self.device))
+
+    def write_config(self) -> None:
+        """A new run's directory: the old run's files gone (--overwrite), config.json written."""
+        if not self.cfg.resume and self.rank == 0:
+            start_run_dir(self.cfg.out, self.held, dataclasses.asdict(self.cfg))
+
+    def problems(self) -> tuple[list, dict[str, list]]:
+        """The training pool and the held-out problems (load_problems)."""
+        train_set, held_out = load_problems(self.cfg, self.world)
+        self.tested = len(held_out["eval"])  # what the last line reports (a task may hold fewer)
+        return train_set, held_out
+
+    # ---- step 0
+
+    def resume(self, state: TrainState) -> None:
+        """Go on from the newest checkpoint, the logs cut back to it (resume_run)."""
+        cfg = self.cfg
+        self.saved, self.first, self.last = resume_run(cfg.out, state,
+                                                       {k: getattr(cfg, k) for k in NEW_LR},
+                                                       cfg.steps)
+        log(f"resuming {cfg.out} at step {self.saved}")
+
+    def begin(self, state: TrainState, first: dict) -> None:
+        """A new run's step 0 (`first`: its metrics row) logged, kept as the best so far and
+        saved: a run stopped after it resumes without its warm-up, and others can start from it."""
+        self.first = self.last = first
+        start_logs(self.cfg.out, first)
+        # the best first: a run stopped between the two has no checkpoint to resume and starts
+        # over, where the other order would resume without step 0's best
+        state.keep_best(self.cfg.out, first)
+        state.save(self.cfg.out, 0)
+
+    # ---- the training steps
+
+    def steps(self):
+        """The steps to train, each timed from here (`t0`), with a progress bar; torch's threads
+        chosen again after each; a stop signal before the first ends the run at once."""
+        cfg = self.cfg
+        if self.saved < cfg.steps and (stop := stop_requested()):
+            stop_run(cfg.out, self.saved, self.saved, stop)
+        cpu_before = time.process_time()
+        for step in tqdm(range(self.saved + 1, cfg.steps + 1), initial=self.saved,
+                         total=cfg.steps, desc="train", file=sys.stderr,
+                         disable=None if self.rank == 0 else True):
+            self.t0 = time.time()
+            release_free_memory()  # what the last update freed, before this rollout
+            yield step
+            cpu_before = pick_threads_again(cfg.threads, self.t0, cpu_before)
+
+    def evaluate_due(self, step: int) -> bool:
+        """Whether the workflow is evaluated after `step` (is_eval_step); the memory the update
+        freed goes back first."""
+        due = is_eval_step(self.cfg, step)
+        if due:
+            release_free_memory()
+        return due
+
+    def log(self, row: dict, episodes: tuple) -> None:
+        """A step's metrics row (time/step and the largest process's peak memory added) and its
+        first episodes (`episodes`: calls, outcomes, problems, rewards) in the logs, and its line."""
+        cfg = self.cfg
+        row["time/step"] = time.time() - self.t0
+        row["mem/peak_mb"] = max(self.procs.gather([peak_memory_mb(self.device)]))
+        self.step_seconds.append(row["time/step"] - row.get("time/eval", 0.0))
+        if "time/eval" in row:
+            self.last = row
+        calls, outcomes, problems, rewards = episodes
+        samples = episode_samples(row["step"], calls, outcomes, problems, rewards,
+                                  cfg.group_size, cfg.log_samples)
+        write_step(cfg.out, row, samples)
+        log(step_line(cfg, row, self.last.get("time/eval", 0.0), self.step_seconds))
+
+    def save(self, state: TrainState, row: dict) -> None:
+        """After a step's row is logged: out/best when its evaluation beats the best so far, the
+        newest checkpoint every --save_every steps and at the end; then the run stops after a
+        signal, or after NONFINITE_STOP steps in a row with a mini-batch not applied (a step with
+        one writes no checkpoint: the last one is from before the trouble)."""
+        cfg, step = self.cfg, row["step"]
+        if "time/eval" in row:
+            state.keep_best(cfg.out, row)  # out/best: the peak so far
+        self.nonfinite = self.nonfinite + 1 if any(
+            v for k, v in row.items() if k.endswith("skipped_nonfinite")) else 0
+        stop = stop_requested() if step < cfg.steps else 0  # Ctrl-C or SIGTERM, in any process
+        if not self.nonfinite and (step % cfg.save_every == 0 or step == cfg.steps or stop):
+            state.save(cfg.out, step)
+            self.saved = step
+        if stop or self.nonfinite == NONFINITE_STOP:
+            stop_run(cfg.out, step, self.saved, stop)
+
+    def close(self) -> dict:
+        """The run's last line, held-out accuracy before and after; the directory let go."""
+        cfg = self.cfg
+        before, after = self.first["eval/accuracy"], self.last["eval/accuracy"]
+        log(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): before {before:.3f} -> after "
+            f"{after:.3f}  [{self.tested} test problems]")
+        leave_processes()
+        return {"before": before, "after": after}
+
+
+# ----------------------------------------------------------------------------
+# The problems
+
+
+def load_problems(cfg: Settings, world: int) -> tuple[list, dict[str, list]]:
+    """The training pool and the held-out problems, {"eval": test, "val": val} (no "val" without
+    --val_problems)."""
+    if cfg.problems_per_step < world:
+        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than "
+                         f"the {world} processes; every process needs at least one")
+    try:
+        train_set = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed)
+        held_out = {"eval": load_task(cfg.task, "test", cfg.eval_problems, cfg.level, cfg.seed)}
+        if cfg.val_problems:
+            held_out["val"] = load_task(cfg.task, "val", cfg.val_problems, cfg.level, cfg.seed)
+    except ValueError as e:
+        raise SystemExit(f"task {cfg.task}: {e}") from None
+    if cfg.problems_per_step > len(train_set):
+        raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} "
+                         f"training pool holds {len(train_set)} problems")
+    return train_set, held_out
+
+
+# ----------------------------------------------------------------------------
+# The clock: what the run will do, and the time it has left
+
+
+def is_eval_step(cfg: Settings, step: int) -> bool:
+    """Whether the workflow is evaluated after `step` (step 0 = before training): every
+    --eval_every-th step and the last."""
+    return step in (0, cfg.steps) or bool(cfg.eval_every and step % cfg.eval_every == 0)
+
+
+def evals_after(cfg: Settings, step: int) -> int:
+    """How many evaluations come after `step`, counted, not listed (a run may be long)."""
+    every = cfg.eval_every and (cfg.steps // cfg.eval_every - step // cfg.eval_every)
+    last = step < cfg.steps and not (cfg.eval_every and cfg.steps % cfg.eval_every == 0)
+    return every + last
+
+
+def eval_steps_text(cfg: Settings) -> str:
+    """The evaluated steps as the plan says them: all of them, or the first and the last few."""
+    shown = [s for s in range(min(cfg.steps, 6 * max(cfg.eval_every, 1)) + 1)
+             if is_eval_step(cfg, s)]
+    if evals_after(cfg, 0) + 1 <= 7:
+        return ", ".join(map(str, sorted({*shown, cfg.steps})))
+    last = [s for s in range(cfg.steps - 2 * cfg.eval_every, cfg.steps + 1) if is_eval_step(cfg, s)]
+    return f"{', '.join(map(str, shown[:4]))}, ..., {', '.join(map(str, last))}"
+
+
+def evaluation_samples(cfg: Settings) -> bool:
+    """Whether evaluation samples at the training temperature rather than decoding greedily."""
+    return cfg.eval_sampling == "sample" or (cfg.eval_sampling == "auto"
+                                             and cfg.workflow == "voting")
+
+
+def plan(cfg: Settings, device: str) -> str:
+    """The first line of a run: what it will do."""
+    evals = eval_steps_text(cfg)
+    threads = torch.get_num_threads()
+    adapters = "one shared adapter" if cfg.sharing == "shared" else "one adapter per role"
+    sampled = evaluation_samples(cfg)
+    samples = ""
+    if cfg.eval_samples > 1:  # said, not silently dropped, where a greedy evaluation answers once
+        samples = (f" x {cfg.eval_samples} samples" if sampled
+                   else f" (--eval_samples {cfg.eval_samples} unused: greedy answers once)")
+    return (f"{cfg.workflow} with {adapters}, {cfg.algo}, model {cfg.model} on {device} "
+            f"({threads} thread{'s' * (threads > 1)}), task {cfg.task}: "
+            f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; "
+            f"{'sampled' if sampled else 'greedy'} evaluation on "
+            f"{cfg.eval_problems} held-out problems{samples} at steps {evals}; a checkpoint every "
+            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
+            "Time: estimated after the step-0 evaluation.")
+
+
+def estimate_minutes(cfg: Settings, eval_seconds: float, step_seconds: list[float],
+                     step: int) -> float:
+    """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
+    evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
+    plus the evaluations still to come."""
+    episodes = (cfg.eval_problems + cfg.val_problems) * (cfg.eval_samples
+                                                         if evaluation_samples(cfg) else 1)
+    per_episode = eval_seconds / episodes  # an evaluation's: test and val, each sample
+    step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
+                 else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
+    evals_left = evals_after(cfg, step)
+    return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
+
+
+def step_line(cfg: Settings, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
+    """A training step's log line: its reward and seconds, its accuracy when it was evaluated,
+    and the time left; `eval_seconds`: the last evaluation's."""
+    step = row["step"]
+    line = f"step {step}/{cfg.steps} | reward {row['reward/mean']:.3f} | {row['time/step']:.1f}s"
+    if "eval/accuracy" in row:
+        line += f" | eval/accuracy {row['eval/accuracy']:.3f}"
+    if step < cfg.steps:
+        line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
+    return line
+
+
+# ----------------------------------------------------------------------------
+# --resume: the newest checkpoint (TrainState.save writes it) and the logs cut back to it
+
+
+def resume_run(out: str, state: TrainState, lrs: dict[str, float],
+               steps: int) -> tuple[int, dict, dict]:
+    """Load the newest checkpoint (the KL anchors' too, made before it) and cut the logs back to
+    it; returns its step and the metrics rows of the first evaluation (step 0) and of the last one
+    kept. `lrs`: the learning rates from now on (NEW_LR), which config.json records; `steps`: the
+    run's."""
+    start = state.load(out)
+    with open(os.path.join(out, "config.json")) as f:
+        saved = json.load(f)
+    if start == steps and (new := [k for k, v in lrs.items() if saved[k] != v]):
+        raise SystemExit(f"--resume: {out} is finished (step {start} of {steps}): a new "
+                         f"--{new[0]} would train nothing")
+    metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
+    # every step writes its row before its checkpoint: the log holds steps 0 to `start`, each once
+    kept = [row["step"] for row in read_jsonl(metrics_path) if row["step"] <= start]
+    if kept != list(range(start + 1)):
+        first = next(i for i, s in enumerate(kept + [None]) if s != i)
+        what = (f"step {first}'s row is missing or out of place" if first <= start
+                else f"step {kept[first]}'s row is there twice")
+        raise SystemExit(f"--resume: {metrics_path} does not hold steps 0 to {start} once each, "
+                         f"as the checkpoint of step {start} does ({what}: a torn, lost or "
+                         "repeated line); start the run again with --overwrite")
+    if rank_and_world()[0] == 0:
+        truncate_jsonl(metrics_path, start)
+        truncate_jsonl(samples_path, start)
+        # kept whatever its step: a peak past the checkpoint was evaluated all the same
+        restore_best(out)
+        write_whole(os.path.join(out, "config.json"), json.dumps({**saved, **lrs}, indent=2))
+    barrier()
+    evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
+    if not evaluated or evaluated[0]["step"] != 0:
+        raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training (step 0)")
+    return start, evaluated[0], evaluated[-1]
+
+
+def truncate_jsonl(path: str, last_step: int) -> list[dict]:
+    """Drop log lines written after the checkpoint we resume from; return the rows kept."""
+    keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
+    write_whole(path, "".join(json.dumps(row) + "\n" for row in keep))
+    return keep
+
+
+# ----------------------------------------------------------------------------
+# The end of a run: its directory let go, its process group left; stopping early, after a
+# signal (lab/machine.py) or after steps that could not be applied
+
+# training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
+NONFINITE_STOP = 3
+
+
+def leave_processes() -> None:
+    """The run is over: let its directory go, and under torchrun leave the process group once
+    every process is done with it (gloo aborts a process whose group is torn down while another
+    still uses it)."""
+    close_tensorboard()
+    unlock_run()
+    if rank_and_world()[1] > 1:
+        barrier()
+        dist.destroy_process_group()
+
+
+def stop_run(out: str, step: int, saved: int, signum: int) -> None:
+    """End the run after `step`, its checkpoint of step `saved` kept, with one line that says how
+    to go on: after a signal (`signum`; exit status 128 + signum), or after NONFINITE_STOP steps
+    in a row with a mini-batch not applied (signum 0; exit status 1)."""
+    rank, world = rank_and_world()
+    launcher = f"torchrun --nproc_per_node {world}" if world > 1 else "python"
+    resume = f"{launcher} train.py --resume --out {shlex.quote(out)}"
+    leave_processes()
+    if signum:
+        if rank == 0:
+            print(f"stopped by {signal.Signals(signum).name} after step {step}, "
+                  f"the checkpoint of step {saved} kept; to go on: {resume}",
+                  file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
+    raise SystemExit(1 if rank else f"step {step}: {NONFINITE_STOP} steps in a row with a "
+                     f"non-finite loss or gradient (those mini-batches were not applied); "
+                     f"the last good checkpoint is step {saved} in {out}/ckpt; to go on from it "
+                     f"with a lower learning rate: {resume} --lr <lower>")
