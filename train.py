@@ -33,10 +33,9 @@ each process rolls out its block of the step's B problems, every process then
 holds all the episodes, and each mini-batch's forward and backward passes are
 split between the processes, whose gradients are summed before the step: every
 process takes the step one process would take. Only rank 0 writes the run's files.
-The flags (`Config`, `--help-all`) are lab/settings.py's; what comes before step 0 (the
-settings checked, problems, model, optimizers) and the clock lab/launch.py's, the training state
-and its checkpoints lab/checkpoint.py's, the run on disk lab/files.py's, the machine (processes,
-threads, signals) lab/machine.py's.
+The run itself, on disk and on its machine (its settings checked, directory, logs, checkpoints,
+resume, threads, signals, clock), is one object of lab/run.py that the loop calls a few times a
+step; the loop hands the algorithm's passes its processes (`procs`) and nothing else of it.
 
 Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU (an hour on
 one without bf16, the README; a 135M model, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16,
@@ -268,6 +267,14 @@ def critic_settings(cfg: Config) -> CriticSettings:
                           grad_clip=cfg.grad_clip,
                           cut_returns_zero=cfg.truncated == "penalize",
                           own_rewards=cfg.credit == "own")
+
+
+def algorithm_settings(cfg: Config) -> tuple[UpdateSettings, CriticSettings]:
+    """What grpo.py and critic.py read, checked with the roles the warm-up teaches (a one-line
+    error on a bad --role_kl or --sft_roles) before a file or the model is touched."""
+    if not cfg.resume:  # a resumed run's warm-up is behind it
+        warmup_roles(cfg)
+    return update_settings(cfg), critic_settings(cfg)
 
 
 def warmup_roles(cfg: Config) -> list[str]:
@@ -648,9 +655,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     defaults), which --resume checks against the run."""
     run = Run(cfg, typed)  # lab/run.py: the settings checked, the processes joined, the threads
     cfg = run.cfg  # a resumed run's own settings
-    if not cfg.resume:  # a resumed run's warm-up is behind it
-        warmup_roles(cfg)  # stops here on a bad --sft_roles
-    update, critics = update_settings(cfg), critic_settings(cfg)  # and on a bad --role_kl
+    update, critics = algorithm_settings(cfg)
     torch.manual_seed(cfg.seed)  # the same adapters in every process
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
     # ---- the problems, the model, the adapters and critics with their optimizers

@@ -417,7 +417,7 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
 def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3,
                  max_rounds: int = 2) -> list[Chat]:
     """Every prompt workflow `name` builds for `question` when the agents write nothing: what
-    can be known of its prompts before a run (lab.launch.check_context checks them against the
+    can be known of its prompts before a run (train.check_context checks them against the
     model's context)."""
     chats: list[Chat] = []
     run_workflow(name, [question], partial(silent_agents, chats), kind, n_agents, max_rounds)

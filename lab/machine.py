@@ -12,7 +12,7 @@ its matrix product), chosen again after every step; the peak memory logged is th
 accelerator's or the process's own. Ctrl-C (SIGINT) and SIGTERM, what a cluster sends before
 it pre-empts a job, only set a flag: the training loop reads it at the end of every step,
 where under torchrun the processes agree on it, so that all of them stop after the same step
-(lab/files.py's stop_run ends the run).
+(lab/run.py's stop_run ends the run).
 
 Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py,
 tests/test_bench.py

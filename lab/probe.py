@@ -93,7 +93,7 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
         # samples the run did not train on, the same every time
         torch.manual_seed(cfg.seed + 1 + seed)
         problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
-        rollout, _, rewards = train.rollout_step(model, tok, cfg,
+        rollout, _, rewards = train.run_episodes(model, tok, cfg,
                                                  [pool[picked[i]] for i in problem_of],
                                                  greedy=False)
         set_advantages(rollout.calls, problem_of, cfg.adv_group)

@@ -135,14 +135,14 @@ def run(out: str, resume: bool = False, dies_at_call: int = 0, **kw) -> None:
     lab_run.load_task = lambda *args: TOY
     train.score_batch = odd_length_wins
     if dies_at_call:
-        real, seen = train.rollout_step, []
+        real, seen = train.run_episodes, []
 
         def dies(*args, **kwargs):
             seen.append(1)
             if len(seen) == dies_at_call:
                 raise RuntimeError("killed")
             return real(*args, **kwargs)
-        train.rollout_step = dies
+        train.run_episodes = dies
     cfg = dict(model="tiny", workflow="voting", sharing="isolated", steps=4, problems_per_step=3,
                group_size=2, eval_problems=3, max_new_tokens=6, temperature=1.0, lr=1e-2, lora_r=4,
                eval_every=2, save_every=2, sft_warmup=0, truncated="keep",

@@ -118,17 +118,17 @@ TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i
 def killed_in_step_3(cfg: train.Config, monkeypatch, dies_at_call: int = 5) -> None:
     """Run `cfg` and kill it in its third step, after the checkpoint of step 2 (eval_every 2);
     with dies_at_call=3, in its second step."""
-    real_rollout, calls = train.rollout_step, []
+    real_rollout, calls = train.run_episodes, []
 
     def dies_in_step_3(*args, **kw):
         calls.append(1)
         if len(calls) == dies_at_call:  # evaluation, step 1, step 2 and its evaluation; step 3 dies
             raise KeyboardInterrupt
         return real_rollout(*args, **kw)
-    monkeypatch.setattr(train, "rollout_step", dies_in_step_3)
+    monkeypatch.setattr(train, "run_episodes", dies_in_step_3)
     with pytest.raises(KeyboardInterrupt):
         train.main(cfg)
-    monkeypatch.setattr(train, "rollout_step", real_rollout)
+    monkeypatch.setattr(train, "run_episodes", real_rollout)
 
 
 @pytest.mark.parametrize("algo", [dict(algo="grpo", damping=0.5),
@@ -212,16 +212,16 @@ def test_a_step_writes_no_twin_and_nothing_constant():
     # a critic's value clip: --critic_steps, not --one_step, decides whether its values move
     critic = {"critic/clip_frac": 0.25}
     eval_opt = {**role, **critic, "slot/generator/len": 5.0}
-    assert train.written(eval_opt, train.Config(workflow="eval_opt", critic_steps=2)) == \
+    assert train.without_repeats(eval_opt, train.Config(workflow="eval_opt", critic_steps=2)) == \
         {"role/generator/len": 5.0, "role/generator/pg_loss": 0.5, **critic}
-    assert train.written(eval_opt, train.Config(workflow="eval_opt")) == \
+    assert train.without_repeats(eval_opt, train.Config(workflow="eval_opt")) == \
         {"role/generator/len": 5.0, "role/generator/pg_loss": 0.5}
     generators = {f"slot/generator{i}/len": 5.0 for i in range(2)}
     voting = {**role, **generators, "slot/aggregator/len": 5.0}
-    assert train.written(voting, train.Config(workflow="voting", n_agents=2, one_step=False)) == \
+    assert train.without_repeats(voting, train.Config(workflow="voting", n_agents=2, one_step=False)) == \
         {**role, **generators}
     alone = {**role, "slot/generator0/len": 5.0}  # one generator: its slot is the role
-    assert train.written(alone, train.Config(workflow="voting", n_agents=1, one_step=False)) == role
+    assert train.without_repeats(alone, train.Config(workflow="voting", n_agents=1, one_step=False)) == role
 
 
 def test_learning_rate_schedule_by_hand():
@@ -651,7 +651,7 @@ def test_sft_warmup_lowers_its_loss_and_teaches_the_aggregator_its_contract(shar
     torch.manual_seed(0)
     metrics = train.warm_up(model, tok, cfg, pool, names)
     assert metrics["sft/loss/last"] < 0.2 * metrics["sft/loss/first"], metrics
-    rollout, outcomes, rewards = train.rollout_step(model, tok, cfg, pool, greedy=False)
+    rollout, outcomes, rewards = train.run_episodes(model, tok, cfg, pool, greedy=False)
     after = step_metrics(rollout.calls, rewards, outcomes, cfg.n_agents, diag=True)
     assert (metrics["sft/adherence/aggregator"] <= 0.25
             and after["role/aggregator/adherence"] >= 0.75), (
@@ -730,7 +730,7 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     assert torch.equal(torch.get_rng_state(), sampling)  # the same episodes as without the anchor
     reference = [p.detach().clone() for p in adapter_parameters(model, "shared-ref")]
     assert not any(p.requires_grad for p in adapter_parameters(model, "shared-ref"))
-    rollout, _, _ = train.rollout_step(model, tok, cfg, pool, greedy=False)
+    rollout, _, _ = train.run_episodes(model, tok, cfg, pool, greedy=False)
     agg = [dataclasses.replace(c, advantage=(-1.0) ** i) for i, c in enumerate(rollout.calls)
            if c.role == "aggregator"]
     kl = {}
@@ -1026,7 +1026,7 @@ def test_a_run_directory_is_held_by_one_launch_at_a_time(tmp_path):
     once, naming that process, and touches nothing: a new run, --overwrite, --resume."""
     out = str(tmp_path / "run")
     train.main(small_config(out, steps=1))
-    hold = ("import sys; from lab import runs; files.lock_run(sys.argv[1]); "
+    hold = ("import sys; from lab import files; files.lock_run(sys.argv[1]); "
             "print('held', flush=True); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", hold, out], cwd=ROOT, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=ENV)
@@ -1109,14 +1109,14 @@ def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(t
     toy = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, save_every=2)
     train.main(small_config(str(tmp_path / "straight"), **toy))
     monkeypatch.setattr(machine, "requested", [])
-    real_rollout, calls = train.rollout_step, []
+    real_rollout, calls = train.run_episodes, []
 
     def signalled_in_step_3(*args, **kw):
         calls.append(1)
         if len(calls) == 5:  # evaluation, step 1, step 2 and its evaluation; step 3
             machine.ask_to_stop(signal.SIGTERM)
         return real_rollout(*args, **kw)
-    monkeypatch.setattr(train, "rollout_step", signalled_in_step_3)
+    monkeypatch.setattr(train, "run_episodes", signalled_in_step_3)
     out = str(tmp_path / "resumed")
     with pytest.raises(SystemExit) as stop:
         train.main(small_config(out, **toy))
@@ -1124,7 +1124,7 @@ def test_sigterm_in_a_step_finishes_it_and_the_run_resumes_as_if_never_stopped(t
     assert (f"stopped by SIGTERM after step 3, the checkpoint of step 3 kept; to go on: "
             f"python train.py --resume --out {out}") in capsys.readouterr().err
     assert torch.load(f"{out}/ckpt/state.pt", weights_only=False)["step"] == 3
-    monkeypatch.setattr(train, "rollout_step", real_rollout)
+    monkeypatch.setattr(train, "run_episodes", real_rollout)
     monkeypatch.setattr(machine, "requested", [])
     train.main(train.Config(out=out, resume=True))
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
@@ -1248,8 +1248,8 @@ def test_voting_is_evaluated_on_candidates_that_can_differ(tmp_path, monkeypatch
         rollout, outcomes, rewards = rollout_step(*args, greedy=greedy, **kw)
         seen.append((greedy, rollout.calls))
         return rollout, outcomes, rewards
-    rollout_step = train.rollout_step
-    monkeypatch.setattr(train, "rollout_step", recording)
+    rollout_step = train.run_episodes
+    monkeypatch.setattr(train, "run_episodes", recording)
     problems = load_task("arith", "test", 4, 2, 0)
     for sampling, greedy in (("auto", False), ("greedy", True)):
         cfg = train.Config(model="tiny", workflow="voting", max_new_tokens=6,
@@ -1281,12 +1281,12 @@ def test_an_evaluation_s_accuracy_and_standard_error_by_hand(monkeypatch):
     model, tok = load_policy("tiny")
     inject_lora(model, 4, 8.0, ("q_proj", "v_proj"))
     setup_adapters(model, ROLES["voting"], "shared")
-    real = train.rollout_step
+    real = train.run_episodes
     def fixed_rewards(*args, **kw):
         rollout, outcomes, rewards = real(*args, **kw)
         assert len(rewards) == 8  # one batch: each problem's two episodes side by side
         return rollout, outcomes, [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
-    monkeypatch.setattr(train, "rollout_step", fixed_rewards)
+    monkeypatch.setattr(train, "run_episodes", fixed_rewards)
     cfg = train.Config(model="tiny", workflow="voting", max_new_tokens=4, eval_samples=2)
     m = train.evaluate(model, tok, cfg, load_task("arith", "test", 4, 2, 0))
     assert m["eval/accuracy"] == 0.5
