@@ -327,29 +327,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 # One training step of the critics (train.py calls these three)
 
 
-@dataclass
-class CriticSettings:
-    """Everything the critics read besides the model, the calls and their optimizers."""
-    critic: str = "central"          # one of CRITICS
-    per: str = "slot"                # decentral critics: one per slot or per role type (PER)
-    max_tokens: int = 768            # a critic reads the last max_tokens of its input
-    gamma: float = 1.0               # discount per agent turn
-    lam: float = 0.95                # GAE lambda
-    normalize_advantages: bool = False  # (A - mean) / std over the batch
-    predict_batch: int = 8           # inputs per forward pass when predicting values
-    steps: int = 1                   # optimizer steps of each critic per training step, over
-                                     # its rows split evenly: a central critic reading N times the
-                                     # rows of a decentral one takes no more steps (AdamW's step
-                                     # size is the same)
-    micro_batch_tokens: int = 1024   # padded tokens per forward pass (memory only)
-    vf_coef: float = 1.0             # value-loss coefficient
-    value_clip: float | None = None  # PPO-style clip of each value's move (None = off)
-    grad_clip: float = 1.0           # max gradient norm per optimizer step
-    cut_returns_zero: bool = False   # --truncated penalize: a call cut by the length limit
-                                     # returns 0
-    own_rewards: bool = False        # --credit own: each call's own reward at its own turn
-                                     # (GAE adds the agent's later rewards to an earlier turn's
-                                     # return); else the outcome on each agent's last turn
+PREDICT_BATCH = 8  # inputs per forward pass when predicting values
 
 
 @dataclass
@@ -362,16 +340,19 @@ class CriticBatch:
 
 
 def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[Call],
-                      s: CriticSettings, procs=ONE_PROCESS) -> CriticBatch:
+                      cfg, procs=ONE_PROCESS) -> CriticBatch:
     """Value every call's input with its critic, then set call.advantage by GAE."""
-    keys, texts = critic_inputs(calls, s.critic, s.per)
-    ids = encode(tok, texts, s.max_tokens)
-    values = predict_values(model, heads, keys, ids, tok.pad_token_id, s.predict_batch,
+    keys, texts = critic_inputs(calls, cfg.critic, cfg.critic_per)
+    ids = encode(tok, texts, cfg.critic_max_tokens)
+    values = predict_values(model, heads, keys, ids, tok.pad_token_id, PREDICT_BATCH,
                             procs)  # (calls,)
-    rewards = [c.reward for c in calls] if s.own_rewards else None  # None: outcome_rewards
-    adv, returns = call_advantages(calls, values, s.gamma, s.lam, rewards,
-                                   cut_returns_zero=s.cut_returns_zero)  # (calls,), (calls,)
-    if s.normalize_advantages:
+    # --credit own: each call's own reward at its own turn (GAE adds the agent's later rewards to an
+    # earlier turn's return); else (None) the outcome on each agent's last turn
+    rewards = [c.reward for c in calls] if cfg.credit == "own" else None
+    # --truncated penalize: a call cut by the length limit returns 0
+    adv, returns = call_advantages(calls, values, cfg.gamma, cfg.lam, rewards,
+                                   cut_returns_zero=cfg.truncated == "penalize")  # (calls,) each
+    if cfg.norm_adv:
         adv = normalize(adv)
     for call, a in zip(calls, adv.tolist()):
         call.advantage = a
@@ -379,7 +360,7 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
 
 
 def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, optimizers: dict,
-                   rng: random.Random, pad_id: int, s: CriticSettings,
+                   rng: random.Random, pad_id: int, cfg,
                    procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass of every critic over its own rows, in mini-batches (one step each)."""
     stats = defaultdict(list)
@@ -387,16 +368,16 @@ def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, o
         rows = [i for i, k in enumerate(batch.keys) if k == name]
         rng.shuffle(rows)
         for k, v in update_critic(model, heads[name], name, batch, optimizers[name], rows,
-                                  pad_id, s, procs).items():
+                                  pad_id, cfg, procs).items():
             stats[f"critic/{k}"] += v
     stats["critic/skipped_nonfinite"] = [sum(stats["critic/skipped_nonfinite"])]  # of all critics
     return stats
 
 
 def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
-                  order: list[int], pad_id: int, s: CriticSettings,
+                  order: list[int], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass of critic `name` over the rows `order` of the batch, in `s.steps` mini-batches
+    """One pass of critic `name` over the rows `order` of the batch, in cfg.critic_steps mini-batches
     whose sizes differ by at most one (as many as there are rows, where they are fewer). A
     mini-batch whose gradient (after the sum across processes) is not finite is not applied, and
     counted."""
@@ -405,24 +386,24 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
     ids, old_values, returns = batch.ids, batch.values, batch.returns
     stats = defaultdict(list)
     nonfinite = 0
-    n = min(s.steps, len(order))  # 10 rows in 3 steps: 3, 3 and 4 rows
+    n = min(cfg.critic_steps, len(order))  # 10 rows in 3 steps: 3, 3 and 4 rows
     for k in range(n):
         mb = order[k * len(order) // n:(k + 1) * len(order) // n]
         optimizer.zero_grad(set_to_none=False)
         mine = procs.share(mb)  # under torchrun: this process's rows; the gradients summed below
-        for idx in token_batches([(len(ids[i]), 0) for i in mine], s.micro_batch_tokens):
+        for idx in token_batches([(len(ids[i]), 0) for i in mine], cfg.micro_batch_tokens):
             micro = [mine[j] for j in idx]
             # to the device before the forward pass is queued: a host-to-device copy waits for
             # the queue
             v_old, v_target = old_values[micro].to(device), returns[micro].to(device)  # (b,) each
             v = critic_values(model, head, name, [ids[i] for i in micro], pad_id)  # (b,)
-            loss, st = value_loss(v, v_old, v_target, s.value_clip)
+            loss, st = value_loss(v, v_old, v_target, cfg.value_clip or None)
             # micro-batches of one mini-batch add up to its mean loss
-            (s.vf_coef * loss * len(micro) / len(mb)).backward()
+            (cfg.vf_coef * loss * len(micro) / len(mb)).backward()
             for stat, x in st.items():  # value_loss, and with a clip how often it held one back
                 stats[stat].append(x.item())
         procs.sum_grads(params)
-        total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+        total = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         if not torch.isfinite(total):  # a NaN or inf loss: the step would make the critic NaN
             nonfinite += 1
             continue

@@ -57,13 +57,13 @@ Exercised by: pytest tests/test_grpo.py
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple
 
 import torch
 
 from lora import adapter_parameters, use_adapter
 from rollout import ONE_PROCESS, Call, micro_batches, old_logprobs, sequence_logprobs
+from workflows import ROLES
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 RATIO_LEVELS = ("token", "sequence")  # PPO's importance ratio per token, or GSPO's per sequence
@@ -262,35 +262,40 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
     return factor
 
 
-@dataclass
-class UpdateSettings:
-    """Everything one policy update, and the diagnostics' pass before it (measure.py), read
-    besides the model and the calls (train.py's Config)."""
-    temperature: float = 1.0         # the sampler's (train.py passes --temperature to both)
-    minibatch_size: int = 16         # calls per optimizer step
-    one_step: bool = False           # one optimizer step over all of the adapter's calls
-                                     # (train.py's default: --one_step)
-    micro_batch_tokens: int = 1024   # padded tokens per forward pass (memory only)
-    eps_low: float = 0.2             # the clip range of the ratio: [1 - eps_low, 1 + eps_high]
-    eps_high: float = 0.28
-    agg: str = "seq-mean-token-mean"  # loss aggregation, one of AGG_MODES
-    # importance ratio per token or per sequence (GSPO), RATIO_LEVELS
-    ratio: str = "token"
-    # KL anchor weight per role (0 if absent)
-    kl_coef: dict[str, float] = field(default_factory=dict)
-    # adapter -> its frozen reference (absent: the base model)
-    reference: dict[str, str] = field(default_factory=dict)
-    grad_clip: float = 1.0           # max gradient norm per optimizer step
-    balance: str = "none"            # role weights, one of BALANCE (loss_weight)
-    damping: float = 0.0             # coherence damping, 0 = off (damped_step)
-    tis_cap: float = 0.0             # truncated importance sampling cap C, 0 = off (tis_weight)
-    skip_empty: bool = True          # no optimizer step on a mini-batch without a live call
-    # episodes per problem, consecutive: a problem stays in one half of the diagnostics' grad_noise
-    group_size: int = 1
+def kl_coefs(cfg) -> dict[str, float]:
+    """The KL anchor's weight of every role of the workflow: cfg.kl_coef, overridden per role by
+    cfg.role_kl ("aggregator=0.05,evaluator=0"); a ValueError names what is wrong with it."""
+    coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
+    named = set()
+    for item in cfg.role_kl.split(",") if cfg.role_kl.strip() else []:
+        role, _, value = item.partition("=")
+        role = role.strip()
+        if not item.strip():
+            raise ValueError(f"--role_kl {cfg.role_kl}: an empty item between commas")
+        if role not in coefs:
+            raise ValueError(f"--role_kl: {role!r} is not a role of {cfg.workflow} "
+                             f"({', '.join(coefs)})")
+        if role in named:
+            raise ValueError(f"--role_kl: {role} is given twice")
+        named.add(role)
+        try:
+            coefs[role] = float(value)
+        except ValueError:
+            raise ValueError(f"--role_kl: {item!r} is not role=number") from None
+        if not 0 <= coefs[role] < float("inf"):  # as --kl_coef: a negative, nan or inf is no anchor
+            raise ValueError(f"--role_kl {item.strip()}: must be in [0, inf)")
+    return coefs
+
+
+def reference_of(cfg, adapter: str) -> str | None:
+    """The adapter a KL term anchors `adapter` to: after a warm-up, a frozen copy of itself,
+    "<adapter>-ref" (train.py makes it); without one, None, the base model."""
+    anchored = cfg.sft_warmup > 0 and any(v > 0 for v in kl_coefs(cfg).values())
+    return f"{adapter}-ref" if anchored else None
 
 
 def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
-                  pad_id: int, s: UpdateSettings, ema: dict | None = None,
+                  pad_id: int, cfg, ema: dict | None = None,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
 
@@ -307,42 +312,43 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     mini-batch's denominators, and the gradients are summed before the step, so all processes take
     the step one process would take on the same calls (or all skip it).
     """
-    if s.damping > 0 and ema is None:
+    kl = kl_coefs(cfg)
+    if cfg.damping > 0 and ema is None:
         raise ValueError("--damping needs `ema`, the adapter's gradient EMA kept across updates")
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)
     calls = calls[:]
     rng.shuffle(calls)
-    size = max(1, len(calls)) if s.one_step else s.minibatch_size
+    size = max(1, len(calls)) if cfg.one_step else cfg.minibatch_size
     batches = [calls[i:i + size] for i in range(0, len(calls), size)]
     t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
     old = old_logprobs(model, [c for mb in batches[1:]
-                               for _, mine in live_groups(mb, s, "role", procs) for c in mine],
-                       adapter, pad_id, s.temperature, s.micro_batch_tokens)  # id(call) -> (T_i,)
+                               for _, mine in live_groups(mb, kl, "role", procs) for c in mine],
+                       adapter, pad_id, cfg.temperature, cfg.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
     for mb in batches:
         optimizer.zero_grad(set_to_none=False)
-        if not any(is_live(c, s) for c in mb):
+        if not any(has_signal(c, kl) for c in mb):
             empty += 1
-            if s.skip_empty:  # AdamW would still move the adapter, on its momentum alone
+            if cfg.skip_empty:  # AdamW would still move the adapter, on its momentum alone
                 continue
-        for role, mine in live_groups(mb, s, "role", procs):
-            weight = loss_weight(mb, role, s.balance)
-            for micro in micro_batches(mine, s.micro_batch_tokens):
-                st = micro_loss_backward(model, adapter, micro, old, pad_id, s, weight)
+        for role, mine in live_groups(mb, kl, "role", procs):
+            weight = loss_weight(mb, role, cfg.balance)
+            for micro in micro_batches(mine, cfg.micro_batch_tokens):
+                st = micro_loss_backward(model, adapter, micro, old, pad_id, cfg, weight)
                 for k, v in st.items():
                     stats[f"role/{role}/{k}"].append(v)
         procs.sum_grads(params)
-        total = torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+        total = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         if not torch.isfinite(total):  # a NaN or inf in the loss reaches the gradient, and its norm
             nonfinite += 1  # not applied: one step would make the adapter and AdamW's moments NaN
             continue
         stats[f"adapter/{adapter}/grad_norm"].append(total.item())
-        if s.damping > 0:
+        if cfg.damping > 0:
             stats[f"adapter/{adapter}/damping"].append(
-                damped_step(optimizer, params, ema, s.damping))
+                damped_step(optimizer, params, ema, cfg.damping))
         else:
             optimizer.step()
     stats[f"adapter/{adapter}/empty_batches"].append(empty)
@@ -352,16 +358,16 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     return stats
 
 
-def is_live(call: Call, s: UpdateSettings) -> bool:
-    """Whether a call has a gradient: an advantage, or a KL term."""
-    return call.advantage != 0 or s.kl_coef.get(call.role, 0) > 0
+def has_signal(call: Call, kl: dict[str, float]) -> bool:
+    """Whether a call has a gradient: an advantage, or a KL term (`kl`: kl_coefs)."""
+    return call.advantage != 0 or kl.get(call.role, 0) > 0
 
 
-def live_groups(mb: list[Call], s: UpdateSettings, by: str,
+def live_groups(mb: list[Call], kl: dict[str, float], by: str,
                 procs=ONE_PROCESS) -> list[tuple[str, list[Call]]]:
     """The mini-batch's calls with a gradient (an advantage, or a KL term), grouped by role or
     slot: (group, this process's share of the group's calls), every group that has any."""
-    live = [c for c in mb if is_live(c, s)]
+    live = [c for c in mb if has_signal(c, kl)]
     return [(group, procs.share([c for c in live if getattr(c, by) == group]))
             for group in sorted({getattr(c, by) for c in live})]
 
@@ -406,31 +412,31 @@ def sampler_gap(old_logp: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor
 
 
 def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, torch.Tensor],
-                        pad_id: int, s: UpdateSettings, weight: LossWeight,
+                        pad_id: int, cfg, weight: LossWeight,
                         measure: bool = False) -> dict[str, float]:
     """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its
     weighted loss, return its statistics. `old`: pi_old of the calls of the mini-batches
     after the first step (old_logprobs); the first mini-batch's calls are on-policy. With
     `measure` (the diagnostics' pass) also the tokens' entropy and the sampler's gap."""
-    kl_coef = s.kl_coef.get(micro[0].role, 0.0)
+    kl_coef = kl_coefs(cfg).get(micro[0].role, 0.0)
     # to the device before the forward pass is queued: a host-to-device copy waits for the queue
     adv = torch.tensor([c.advantage for c in micro], device=model.device)  # (b,)
     # two (b, T), or None: only the precision correction and the diagnostics read it
-    record = sampler_record(micro, model.device) if s.tis_cap > 0 or measure else None
+    record = sampler_record(micro, model.device) if cfg.tis_cap > 0 or measure else None
     with use_adapter(model, adapter):
-        logp, mask, entropy = sequence_logprobs(model, micro, pad_id, s.temperature,
+        logp, mask, entropy = sequence_logprobs(model, micro, pad_id, cfg.temperature,
                                                 with_entropy=measure)  # (b, T) each
     ref_logp = None
     if kl_coef > 0:
-        with torch.no_grad(), use_adapter(model, s.reference.get(adapter)):  # None: the base model
-            ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, s.temperature)
+        with torch.no_grad(), use_adapter(model, reference_of(cfg, adapter)):  # None: the base
+            ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, cfg.temperature)
     old_logp = logp.detach()  # (b, T) pi_old on-policy: the policy itself, so every ratio is 1
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
-    is_weight, gap = sampler_gap(old_logp, record, mask, s.tis_cap, measure)
-    per_token, st = policy_loss(logp, old_logp, adv, mask, s.eps_low, s.eps_high, ref_logp, kl_coef,
-                                is_weight, s.ratio)
-    loss = aggregate(per_token, mask, s.agg, weight.num_seqs, weight.num_tokens)
+    is_weight, gap = sampler_gap(old_logp, record, mask, cfg.tis_cap, measure)
+    per_token, st = policy_loss(logp, old_logp, adv, mask, cfg.eps_low, cfg.eps_high, ref_logp, kl_coef,
+                                is_weight, cfg.ratio)
+    loss = aggregate(per_token, mask, cfg.loss_agg, weight.num_seqs, weight.num_tokens)
     (weight.scale * loss).backward()
     if measure:
         st.update(gap, entropy=masked_mean(entropy, mask))

@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import torch
 
-from grpo import UpdateSettings, flat_grad, live_groups, loss_weight, micro_loss_backward
+from grpo import flat_grad, kl_coefs, live_groups, loss_weight, micro_loss_backward
 from lora import adapter_parameters
 from reward import read_by, verdicts
 from rollout import ONE_PROCESS, Call, micro_batches
@@ -98,7 +98,7 @@ def zero_gradients(params: list[torch.Tensor]) -> None:
             p.grad.zero_()
 
 
-def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, s: UpdateSettings,
+def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
                      procs=ONE_PROCESS) -> dict[str, list[float]]:
     """Paper A's signals of the adapter's gradient at the start of the step, before its update.
 
@@ -117,14 +117,14 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, s: Upd
     gradients are summed across processes, as in the update."""
     params = adapter_parameters(model, adapter)
     stats, slot_grads, halves, role_of = defaultdict(list), {}, [0, 0], {}
-    for slot, mine in live_groups(calls, s, "slot", procs):
+    for slot, mine in live_groups(calls, kl_coefs(cfg), "slot", procs):
         role = role_of[slot] = next(c.role for c in calls if c.slot == slot)
-        weight = loss_weight(calls, role, s.balance)
+        weight = loss_weight(calls, role, cfg.balance)
         for half in (0, 1):
             zero_gradients(params)
-            part = [c for c in mine if c.episode // s.group_size % 2 == half]
-            for micro in micro_batches(part, s.micro_batch_tokens):
-                st = micro_loss_backward(model, adapter, micro, {}, pad_id, s, weight,
+            part = [c for c in mine if c.episode // cfg.group_size % 2 == half]
+            for micro in micro_batches(part, cfg.micro_batch_tokens):
+                st = micro_loss_backward(model, adapter, micro, {}, pad_id, cfg, weight,
                                          measure=True)
                 for k, v in st.items():
                     stats[f"slot/{slot}/{k}"].append(v)
@@ -136,7 +136,7 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, s: Upd
     zero_gradients(params)
     for k, v in gradient_stats(slot_grads, role_of).items():
         stats[k].append(v)
-    problems = {c.episode // s.group_size for c in calls}
+    problems = {c.episode // cfg.group_size for c in calls}
     sizes = [sum(p % 2 == half for p in problems) for half in (0, 1)]  # problems in each half
     if torch.is_tensor(halves[0]) and min(sizes) > 0 and (halves[0] + halves[1]).norm() > 0:
         stats[f"adapter/{adapter}/grad_noise"].append(gradient_noise(*halves, *sizes))

@@ -53,11 +53,11 @@ from functools import partial
 
 import torch
 
-from critic import (CRITICS, PER, CriticSettings, critic_advantages, critic_key, critic_metrics,
-                    setup_critics, update_critics)
+from critic import (CRITICS, PER, critic_advantages, critic_key, critic_metrics, setup_critics,
+                    update_critics)
 from decode import decoder_plan
-from grpo import (AGG_MODES, BALANCE, RATIO_LEVELS, UpdateSettings, is_live, policy_update,
-                  set_advantages)
+from grpo import (AGG_MODES, BALANCE, RATIO_LEVELS, has_signal, kl_coefs, policy_update,
+                  reference_of, set_advantages)
 # lab/: the run's plumbing, behind the loop: `Run` holds the run on disk and on its machine; the
 # settings' checks; under torchrun `block` splits the held-out problems between the processes and
 # a gather joins what each did (in one process, every problem, and what it is given)
@@ -65,7 +65,7 @@ from lab.checkpoint import TrainState
 from lab.machine import (PROCESSES, block, catch_stop_signals, gather_episodes, gather_lists,
                          gpu_rngs, log, run_main)
 from lab.run import Run, estimate_minutes, evaluation_samples
-from lab.settings import arg, in_bounds, lora_targets, parse_flags, typed_flags
+from lab.settings import arg, lora_targets, parse_flags, typed_flags
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora,
                   narrowest, setup_adapters)
 from measure import gradient_signals, step_metrics
@@ -218,63 +218,16 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return parse_flags(Config, argv)
 
 
-def kl_coefs(cfg: Config) -> dict[str, float]:
-    """--kl_coef for every role of the workflow, overridden per role by --role_kl."""
-    coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
-    named = set()
-    for item in cfg.role_kl.split(",") if cfg.role_kl.strip() else []:
-        role, _, value = item.partition("=")
-        role = role.strip()
-        if not item.strip():
-            raise SystemExit(f"--role_kl {cfg.role_kl}: an empty item between commas")
-        if role not in coefs:
-            raise SystemExit(f"--role_kl: {role!r} is not a role of {cfg.workflow} "
-                             f"({', '.join(coefs)})")
-        if role in named:
-            raise SystemExit(f"--role_kl: {role} is given twice")
-        named.add(role)
-        try:
-            coefs[role] = float(value)
-        except ValueError:
-            raise SystemExit(f"--role_kl: {item!r} is not role=number") from None
-        # as --kl_coef: a negative, nan or inf is no anchor
-        if not in_bounds(coefs[role], "[0, inf)"):
-            raise SystemExit(f"--role_kl {item.strip()}: must be in [0, inf)")
-    return coefs
-
-
-def update_settings(cfg: Config) -> UpdateSettings:
-    """What grpo.policy_update reads, from the config (the same for every adapter). After a
-    warm-up, a KL term anchors each adapter to a frozen copy of itself, "<adapter>-ref"."""
-    kl = kl_coefs(cfg)
-    adapters = {adapter_for(role, cfg.sharing) for role in ROLES[cfg.workflow]}
-    anchored = cfg.sft_warmup > 0 and any(v > 0 for v in kl.values())
-    return UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
-                          one_step=cfg.one_step, micro_batch_tokens=cfg.micro_batch_tokens,
-                          eps_low=cfg.eps_low, eps_high=cfg.eps_high, agg=cfg.loss_agg,
-                          ratio=cfg.ratio, kl_coef=kl, grad_clip=cfg.grad_clip,
-                          balance=cfg.balance, group_size=cfg.group_size,
-                          damping=cfg.damping, tis_cap=cfg.tis_cap, skip_empty=cfg.skip_empty,
-                          reference={a: f"{a}-ref" for a in sorted(adapters)} if anchored else {})
-
-
-def critic_settings(cfg: Config) -> CriticSettings:
-    """What critic.py's critic_advantages and update_critics read, from the config."""
-    return CriticSettings(critic=cfg.critic, per=cfg.critic_per, max_tokens=cfg.critic_max_tokens,
-                          gamma=cfg.gamma, lam=cfg.lam, normalize_advantages=cfg.norm_adv,
-                          steps=cfg.critic_steps, micro_batch_tokens=cfg.micro_batch_tokens,
-                          vf_coef=cfg.vf_coef, value_clip=cfg.value_clip or None,
-                          grad_clip=cfg.grad_clip,
-                          cut_returns_zero=cfg.truncated == "penalize",
-                          own_rewards=cfg.credit == "own")
-
-
-def algorithm_settings(cfg: Config) -> tuple[UpdateSettings, CriticSettings]:
-    """What grpo.py and critic.py read, checked with the roles the warm-up teaches (a one-line
-    error on a bad --role_kl or --sft_roles) before a file or the model is touched."""
+def check_algorithm_settings(cfg: Config) -> None:
+    """The settings lab/settings.py cannot check without the algorithm: the roles of --role_kl
+    (grpo.kl_coefs) and of --sft_roles, a one-line error before a file or the model is
+    touched."""
+    try:
+        kl_coefs(cfg)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if not cfg.resume:  # a resumed run's warm-up is behind it
         warmup_roles(cfg)
-    return update_settings(cfg), critic_settings(cfg)
 
 
 def warmup_roles(cfg: Config) -> list[str]:
@@ -358,6 +311,14 @@ def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
         return names, setup_critics(model, sorted(keys))
 
 
+def make_anchors(model, cfg: Config, names: list[str]) -> None:
+    """The KL anchors of a run with a warm-up and a KL term: a frozen copy of each adapter RL
+    trains, as it stands now (grpo.reference_of names them)."""
+    for name in names:
+        if ref := reference_of(cfg, name):
+            freeze_copy(model, name, ref)
+
+
 def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, dict]:
     """AdamW and the warmup-cosine schedule for every adapter, and for every critic
     (its adapter and value head)."""
@@ -389,7 +350,7 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 
 
 def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
-            update: UpdateSettings, critics: CriticSettings, procs) -> tuple[dict, tuple]:
+            procs) -> tuple[dict, tuple]:
     """One training step, steps 1-7 of this file's docstring. Returns its metrics row and its
     episodes (calls, outcomes, problems, rewards) for the logs. `procs`: the processes under
     torchrun (lab.machine.PROCESSES: each rolls out its block of the problems, then all hold
@@ -408,7 +369,7 @@ def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
     if cfg.algo == "grpo":
         set_advantages(calls, problem_of, cfg.adv_group)
     else:
-        critic_batch = critic_advantages(state.model, tok, state.heads, calls, critics, procs)
+        critic_batch = critic_advantages(state.model, tok, state.heads, calls, cfg, procs)
     if cfg.truncated == "mask":  # a cut call keeps its place in its group's baseline, not its grad
         for c in calls:
             c.advantage = 0.0 if c.truncated else c.advantage
@@ -417,10 +378,10 @@ def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
     names = [n for n in state.optimizers if n not in state.heads]  # the adapters RL trains
     lr = state.optimizers[names[0]].param_groups[0]["lr"]  # the rate this step trains at
     diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
-    stats = update_adapters(state, tok, cfg, step, calls, names, update, diag)
+    stats = update_adapters(state, tok, cfg, step, calls, names, diag)
     # 7. maac: the critics
     if cfg.algo == "maac":
-        stats.update(train_critics(state, tok, step, critic_batch, critics))
+        stats.update(train_critics(state, tok, cfg, step, critic_batch))
     stats = procs.stats(stats)
     # the step's metrics
     row = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
@@ -454,7 +415,7 @@ def run_episodes(model, tok, cfg: Config, problems, greedy: bool,
 
 
 def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call],
-                    names: list[str], update: UpdateSettings, diag: bool) -> dict[str, list[float]]:
+                    names: list[str], diag: bool) -> dict[str, list[float]]:
     """Steps 5-6 of a training step for each adapter RL trains: with `diag`, the signals of its
     gradient before it moves (measure.gradient_signals); its calls' old log-probs and its update
     (grpo.policy_update), then its learning-rate schedule; returns the statistics, a list each
@@ -463,14 +424,14 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
     for name in names:
         t_name = time.time()
         mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
-        live = [c for c in mine if is_live(c, update)]
+        live = [c for c in mine if has_signal(c, kl_coefs(cfg))]
         if diag:
-            for k, v in gradient_signals(state.model, name, mine, tok.pad_token_id, update,
+            for k, v in gradient_signals(state.model, name, mine, tok.pad_token_id, cfg,
                                          PROCESSES).items():
                 stats[k] += v
             stats[f"time/diag/{name}"].append(time.time() - t_name)
         for k, v in policy_update(state.model, name, mine, state.optimizers[name], state.rng,
-                                  tok.pad_token_id, update, state.emas[name], PROCESSES).items():
+                                  tok.pad_token_id, cfg, state.emas[name], PROCESSES).items():
             stats[k] += v
         state.schedulers[name].step()
         skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
@@ -480,13 +441,13 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
     return stats
 
 
-def train_critics(state: TrainState, tok, step: int, critic_batch,
-                  critics: CriticSettings) -> dict[str, list[float]]:
+def train_critics(state: TrainState, tok, cfg: Config, step: int,
+                  critic_batch) -> dict[str, list[float]]:
     """Step 7 (maac): one pass of each critic over its inputs (critic.update_critics), then its
     learning-rate schedule; the critics' adapters are separate from the actors', so the order is
     free."""
     stats = update_critics(state.model, state.heads, critic_batch, state.optimizers, state.rng,
-                           tok.pad_token_id, critics, PROCESSES)
+                           tok.pad_token_id, cfg, PROCESSES)
     for name in state.heads:
         state.schedulers[name].step()
     if stats["critic/skipped_nonfinite"][0]:
@@ -621,17 +582,16 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
 
 
 def step_zero(state: TrainState, tok, cfg: Config, train_set: list, held_out: dict,
-              references: dict[str, str], run: Run) -> dict:
+              run: Run) -> dict:
     """Step 0 of a new run: another run's step 0 (--start_from), or the warm-up (--sft_warmup)
-    and the first evaluation; the KL anchors (`references`) then copy the policy RL starts from.
+    and the first evaluation; the KL anchors then copy the policy RL starts from (make_anchors).
     Returns the step's metrics row."""
     names = [n for n in state.optimizers if n not in state.heads]
     if cfg.start_from:
         first = state.load_start(cfg.start_from, cfg.sharing, run.start_config)
     else:
         first = warm_up(state.model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
-    for name, ref in references.items():
-        freeze_copy(state.model, name, ref)
+    make_anchors(state.model, cfg, names)
     if cfg.start_from:
         log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of "
             f"{cfg.start_from}")
@@ -655,7 +615,7 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     defaults), which --resume checks against the run."""
     run = Run(cfg, typed)  # lab/run.py: the settings checked, the processes joined, the threads
     cfg = run.cfg  # a resumed run's own settings
-    update, critics = algorithm_settings(cfg)
+    check_algorithm_settings(cfg)
     torch.manual_seed(cfg.seed)  # the same adapters in every process
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
     # ---- the problems, the model, the adapters and critics with their optimizers
@@ -671,14 +631,13 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
         torch.manual_seed(cfg.seed + 1000 * run.rank)  # each process samples its own episodes
     # ---- step 0: a resumed run's checkpoint, or a new run's start and its first evaluation
     if cfg.resume:
-        for name, ref in update.reference.items():  # KL anchors the checkpoint fills in
-            freeze_copy(model, name, ref)
+        make_anchors(model, cfg, names)  # the checkpoint fills them in
         run.resume(state)
     else:
-        run.begin(state, step_zero(state, tok, cfg, train_set, held_out, update.reference, run))
+        run.begin(state, step_zero(state, tok, cfg, train_set, held_out, run))
     # ---- the training loop
     for step in run.steps():
-        row, episodes = rl_step(step, state, tok, cfg, train_set, update, critics, run.procs)
+        row, episodes = rl_step(step, state, tok, cfg, train_set, run.procs)
         if run.evaluate_due(step):
             t_eval = time.time()
             row.update(evaluations(model, tok, cfg, held_out))

@@ -45,7 +45,7 @@ from lab.settings import (check_goes_on_from, check_settings, flag_name, idle_se
 from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
                         seed_table, signal_numbers)
 from tasks import TASK_KIND
-from train import Config, algorithm_settings, parse_config
+from train import Config, check_algorithm_settings, parse_config
 from workflows import ROLES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
@@ -240,7 +240,7 @@ def check_cells(cells: list[tuple[str, list[str]]], home: str,
         cfg = parse_config(argv)
         try:
             alone = dataclasses.replace(cfg, start_from="", resume=False)  # no file read yet
-            algorithm_settings(check_settings(alone, typed_flags(argv))[0])
+            check_algorithm_settings(check_settings(alone, typed_flags(argv))[0])
             if cfg.start_from:
                 start = os.path.relpath(cfg.start_from, home)
                 check_goes_on_from(cfg, configs[start], start)

@@ -86,7 +86,7 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
                          "(the run's training pool)")
     _, model, tok, names = trained_model(ckpt)
     # every call in one batch, no mitigation: the raw gradients of the run's loss
-    settings = dataclasses.replace(train.update_settings(cfg), balance="none")
+    settings = dataclasses.replace(cfg, balance="none")
     for problems in sizes:
         # seed 0: the pool's first problems; another seed, a sample of the pool
         picked = random.Random(seed).sample(range(len(pool)), problems) if seed else range(problems)

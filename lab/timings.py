@@ -7,6 +7,7 @@ its figures as a dict; lab/bench.py says how they are timed and prints them.
 Exercised by: pytest tests/test_bench.py
 """
 import json
+import dataclasses
 import os
 import random
 import statistics
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from decode import decode
-from grpo import UpdateSettings, policy_update
+from grpo import policy_update
 from lab.machine import alternate, sync, timed
 from lora import (LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora,
                   merged_adapter)
@@ -135,8 +136,8 @@ def update_parts(model, tok, device: str, calls, cfg: Config, repeats: int) -> d
         p.requires_grad_(True)
         p.grad = torch.zeros_like(p)
     frozen = torch.optim.SGD(params, lr=0.0)  # measure the work, keep the adapter a no-op
-    settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=len(calls),
-                              micro_batch_tokens=cfg.micro_batch_tokens)
+    # one mini-batch of every call, each alone in its group
+    settings = dataclasses.replace(cfg, one_step=False, minibatch_size=len(calls), group_size=1)
 
     def parts(calls):  # each part over `calls`, a thunk for alternate
         return {"old_logp": lambda: old_logprobs(model, calls, "shared", tok.pad_token_id,
@@ -174,8 +175,7 @@ def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats:
             p.requires_grad_(True)
             p.grad = torch.zeros_like(p)
         optimizers[name] = torch.optim.AdamW(params, lr=0.0)
-    settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=cfg.minibatch_size,
-                              micro_batch_tokens=cfg.micro_batch_tokens)
+    settings = dataclasses.replace(cfg, one_step=False, group_size=1)  # mini-batch steps
 
     def update(mode: str, calls: list):
         def run():
@@ -275,8 +275,7 @@ def throughput(args, device: str, questions: list[str], cfg: Config, batches: li
         c.advantage = 1.0 if i % 2 else -1.0
     # every position's forward
     trained = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
-    settings = UpdateSettings(temperature=cfg.temperature, minibatch_size=len(calls),
-                              micro_batch_tokens=cfg.micro_batch_tokens)
+    settings = dataclasses.replace(cfg, one_step=False, minibatch_size=len(calls))
     runs = {}
     for d in dtypes:
         params = adapter_parameters(models[d], "shared")

@@ -45,3 +45,17 @@ def tiny():
     model, tok = tiny_model()
     tok.padding_side = "left"
     return model.eval(), tok
+
+
+def update_config(**changes):
+    """train.py's Config as the unit tests of an update read it: one optimizer step per
+    --minibatch_size calls, each call a group of its own, sampled at temperature 1."""
+    import train
+    return train.Config(**{"temperature": 1.0, "one_step": False, "group_size": 1, **changes})
+
+
+def critic_config(**changes):
+    """train.py's Config as the unit tests of the critics read it: --algo maac, a call cut by the
+    length limit scored like any other."""
+    import train
+    return train.Config(**{"algo": "maac", "truncated": "keep", **changes})

@@ -3,9 +3,11 @@ import math
 import random
 
 import pytest
+
+from conftest import critic_config
 import torch
 
-from critic import (CriticBatch, CriticSettings, ValueHead, call_advantages, critic_advantages,
+from critic import (CriticBatch, ValueHead, call_advantages, critic_advantages,
                     critic_inputs, critic_key, critic_metrics, critic_values, encode,
                     explained_variance, gae, joint_history, local_observation, normalize,
                     outcome_rewards, predict_values, setup_critics, unseen, update_critic,
@@ -104,8 +106,8 @@ def test_own_credit_pays_every_turn_its_own_reward(tiny):
         calls = eval_opt_calls()
         calls[0].reward, calls[2].reward = 0.0, 1.0  # the refine wrong, the first answer right
         critic_advantages(model, tok, heads, calls,
-                          CriticSettings(critic="decentral", per="role", lam=0.0,
-                                         own_rewards=own))
+                          critic_config(critic="decentral", critic_per="role", lam=0.0,
+                                         credit="own" if own else "final"))
         assert [c.advantage for c in calls] == [0.0, 0.0, first, 1.0, 0.0]
 
 
@@ -169,14 +171,14 @@ def test_a_critic_pass_reads_each_row_once_and_its_micro_batches_add_up_to_the_m
         return w * torch.tensor([float(ids[0]) for ids in id_lists])
     monkeypatch.setattr(critic, "critic_values", stand_in)
     batch = CriticBatch(["critic"] * 3, [[1], [2], [3]], torch.zeros(3), torch.zeros(3))
-    settings = CriticSettings(micro_batch_tokens=2, grad_clip=100.0)
+    settings = critic_config(micro_batch_tokens=2, grad_clip=100.0)
     update_critic(None, None, "critic", batch, torch.optim.SGD([w], lr=0.0), [0, 1, 2], 0,
                   settings)
     assert read == [[1, 2], [3]] and w.grad.item() == pytest.approx(14 / 3)
     read.clear()
     ten = CriticBatch(["critic"] * 10, [[i] for i in range(10)], torch.zeros(10), torch.zeros(10))
     update_critic(None, None, "critic", ten, torch.optim.SGD([w], lr=0.0), list(range(10)), 0,
-                  CriticSettings(steps=3))
+                  critic_config(critic_steps=3))
     assert read == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
 
 
@@ -379,7 +381,7 @@ def test_a_critic_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
             p.grad = torch.zeros_like(p)
     ids, returns = toy_batch(tok, random.Random(0), 8)
     batch = CriticBatch(["critic-a", "critic-b"] * 4, ids, torch.zeros(8), returns)
-    s = CriticSettings(steps=2)
+    s = critic_config(critic_steps=2)
     before = {k: [p.detach().clone() for p in ps] for k, ps in params.items()}
     hook = heads["critic-a"].out.weight.register_hook(lambda g: g * float("nan"))
     stats = update_critics(model, heads, batch, optimizers, random.Random(0), tok.pad_token_id, s)
@@ -408,7 +410,7 @@ def test_every_critic_takes_the_same_steps_unless_it_has_fewer_rows(tiny, steps,
     keys = ["central"] * 12 + ["critic-generator0"] * 4
     stats = update_critics(model, heads, CriticBatch(keys, ids, torch.zeros(16), returns),
                            optimizers, random.Random(0), tok.pad_token_id,
-                           CriticSettings(steps=steps))
+                           critic_config(critic_steps=steps))
     assert len(stats["critic/grad_norm"]) == sum(taken)
     assert [o.state[o.param_groups[0]["params"][0]]["step"].item()
             for o in optimizers.values()] == taken
@@ -428,7 +430,7 @@ def test_the_value_clip_logs_how_often_it_held_a_value_back(tiny):
     batch = CriticBatch(["critic"] * 8, ids, torch.zeros(8), returns)
     for clip, logged in ((None, False), (1e-4, True)):
         stats = update_critics(model, heads, batch, {"critic": optimizer}, random.Random(0),
-                               tok.pad_token_id, CriticSettings(steps=2, value_clip=clip))
+                               tok.pad_token_id, critic_config(critic_steps=2, value_clip=clip))
         assert ("critic/clip_frac" in stats) == logged
     # two steps at lr 0.1 have moved every value past 1e-4 from the rollout's 0
     assert stats["critic/clip_frac"] == [1.0, 1.0]

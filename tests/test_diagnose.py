@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_read_only
+from conftest import make_read_only, update_config
 import diagnose
-from grpo import UpdateSettings, damped_step, loss_weight, set_advantages
+from grpo import damped_step, kl_coefs, loss_weight, set_advantages
 from lab import probe, files, settings
 from lab import run as lab_run
 from lora import add_adapter, adapter_parameters, inject_lora
@@ -572,7 +572,7 @@ def voting_calls(tiny, episodes: int, reward_of, seed: int = 0) -> list[Call]:
 def measure(tiny, calls: list[Call], adapter: str, balance: str = "none") -> dict[str, float]:
     """Per-slot gradient statistics of all `calls` in one batch, without moving the adapter."""
     model, tok = tiny
-    settings = UpdateSettings(temperature=1.0, one_step=True, micro_batch_tokens=4096,
+    settings = update_config(one_step=True, micro_batch_tokens=4096,
                               balance=balance)
     stats = gradient_signals(model, adapter, calls, tok.pad_token_id, settings)
     return {k: v[0] for k, v in stats.items() if len(v) == 1}
@@ -712,24 +712,24 @@ def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
 
 
 def test_role_kl_names_must_be_roles_of_the_workflow():
-    assert train.kl_coefs(train.Config(workflow="voting", kl_coef=0.01,
+    assert kl_coefs(train.Config(workflow="voting", kl_coef=0.01,
                                           role_kl="aggregator=0.1")) == \
         {"generator": 0.01, "aggregator": 0.1}
-    with pytest.raises(SystemExit, match="'evaluator' is not a role of voting"):
-        train.kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
-    with pytest.raises(SystemExit, match="not role=number"):
-        train.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
+    with pytest.raises(ValueError, match="'evaluator' is not a role of voting"):
+        kl_coefs(train.Config(workflow="voting", role_kl="evaluator=0.1"))
+    with pytest.raises(ValueError, match="not role=number"):
+        kl_coefs(train.Config(workflow="voting", role_kl="aggregator=lots"))
     # a blank item is refused, not skipped
     for blank in (",,", "aggregator=0.1,,generator=0.2", "aggregator=0.1,"):
-        with pytest.raises(SystemExit, match=f"--role_kl {blank}: an empty item between commas"):
-            train.kl_coefs(train.Config(workflow="voting", role_kl=blank))
-    assert train.kl_coefs(train.Config(workflow="voting", role_kl=" ")) == \
+        with pytest.raises(ValueError, match=f"--role_kl {blank}: an empty item between commas"):
+            kl_coefs(train.Config(workflow="voting", role_kl=blank))
+    assert kl_coefs(train.Config(workflow="voting", role_kl=" ")) == \
         {"generator": 0.0, "aggregator": 0.0}
     # checked as --kl_coef is, not taken for off or trained into NaN
     for value in ("-1", "nan", "inf"):
-        with pytest.raises(SystemExit,
+        with pytest.raises(ValueError,
                            match=re.escape(f"--role_kl aggregator={value}: must be in [0, inf)")):
-            train.kl_coefs(train.Config(workflow="voting",
+            kl_coefs(train.Config(workflow="voting",
                                            role_kl=f"generator=0.1, aggregator={value}"))
 
 

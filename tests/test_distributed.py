@@ -11,11 +11,13 @@ import sys
 import tempfile
 
 import pytest
+
+from conftest import update_config, critic_config
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from grpo import UpdateSettings, policy_update
+from grpo import policy_update
 from lab import machine, files
 from lab import run as lab_run
 from lab.machine import PROCESSES, rank_and_world
@@ -80,7 +82,7 @@ def updated_adapters(workflow: str, sharing: str, minibatch_size: int, out: str)
     # some calls without signal, so slots hold 0, 1 or more live calls
     for i, c in enumerate(calls):
         c.advantage = [1.0, -0.5, 0.0, 2.0, 0.0][i % 5]
-    settings = UpdateSettings(temperature=1.0, minibatch_size=minibatch_size, grad_clip=0.5)
+    settings = update_config(minibatch_size=minibatch_size, grad_clip=0.5)
     start = {n: [p.detach().clone() for p in adapter_parameters(model, n)] for n in names}
     stats = {}
     for name in names:
@@ -213,7 +215,7 @@ def test_processes_agree_to_stop_and_that_a_held_run_directory_is_held(tmp_path)
 def updated_critics(out: str) -> None:
     """Values, GAE advantages and one critic update of 4 Eval-Opt episodes (central critic);
     rank 0 saves the values, advantages and the critic's weights."""
-    from critic import CriticSettings, critic_advantages, setup_critics, update_critics
+    from critic import critic_advantages, setup_critics, update_critics
     torch.manual_seed(0)
     model, tok = tiny_model()
     tok.padding_side = "left"
@@ -231,7 +233,7 @@ def updated_critics(out: str) -> None:
     run_workflow("eval_opt", ["What is 1 + 2?", "What is 3 + 4?"] * 2, rollout, n_agents=3)
     for c in rollout.calls:
         c.reward = float(c.episode % 2)
-    s = CriticSettings(critic="central", steps=3, normalize_advantages=True)  # several mini-batches
+    s = critic_config(critic="central", critic_steps=3, norm_adv=True)  # several mini-batches
     batch = critic_advantages(model, tok, heads, rollout.calls, s, PROCESSES)
     sgd = {"critic": torch.optim.SGD(params, lr=0.5)}
     update_critics(model, heads, batch, sgd, random.Random(0), tok.pad_token_id, s, PROCESSES)

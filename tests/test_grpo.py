@@ -5,9 +5,11 @@ import random
 import statistics
 
 import pytest
+
+from conftest import update_config
 import torch
 
-from grpo import (UpdateSettings, aggregate, group_advantages, masked_mean, mismatch_stats,
+from grpo import (aggregate, group_advantages, masked_mean, mismatch_stats,
                   overlay, policy_loss, policy_update, read_stats, sampler_gap, sampler_record,
                   set_advantages, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
@@ -275,7 +277,7 @@ def updated(tiny, calls: list[Call], minibatch_size: int) -> list[torch.Tensor]:
     model, tok = tiny
     params = adapter_parameters(model, "generator")
     start = [p.detach().clone() for p in params]
-    settings = UpdateSettings(temperature=1.0, minibatch_size=minibatch_size)
+    settings = update_config(minibatch_size=minibatch_size)
     policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5), random.Random(0),
                   tok.pad_token_id, settings)
     after = [p.detach().clone() for p in params]
@@ -339,7 +341,7 @@ def test_the_gradient_noise_is_read_off_two_halves_of_the_problems(tiny):
     # 6 episodes x 3 generators; with group_size 2, problems 0 and 2 (episodes 0, 1, 4, 5) in half 0
     calls = sampled_calls(tiny)
     model, tok = tiny
-    settings = UpdateSettings(temperature=1.0, one_step=True, group_size=2, grad_clip=1e9)
+    settings = update_config(one_step=True, group_size=2, grad_clip=1e9)
 
     # the gradient norm of an update on part alone
     def norm(part: list[Call]) -> tuple[float, dict]:
@@ -368,7 +370,7 @@ def test_the_gradient_signals_move_nothing_and_add_up_to_the_updates_gradient(ti
     model, tok = tiny
     params = adapter_parameters(model, "generator")
     start = [p.detach().clone() for p in params]
-    settings = UpdateSettings(temperature=1.0, one_step=True, group_size=2, grad_clip=1e9)
+    settings = update_config(one_step=True, group_size=2, grad_clip=1e9)
 
     def update(measured_first: bool) -> tuple[list[torch.Tensor], dict, dict]:
         with torch.no_grad():
@@ -431,7 +433,7 @@ def test_no_optimizer_step_on_a_mini_batch_without_a_live_call(tiny):
     for skip in (True, False):
         start = [p.detach().clone() for p in params]
         opt = torch.optim.AdamW(params, lr=0.01)
-        settings = UpdateSettings(temperature=1.0, minibatch_size=len(calls), skip_empty=skip)
+        settings = update_config(minibatch_size=len(calls), skip_empty=skip)
         policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
         after_live = [p.detach().clone() for p in params]
         dead = [dataclasses.replace(c, advantage=0.0) for c in calls]
@@ -458,13 +460,13 @@ def test_the_diagnostics_measure_the_sampler_gap_and_the_plain_update_never_read
     shifted = [dataclasses.replace(c, rollout_logp=c.rollout_logp - 0.5) for c in calls]
     params = adapter_parameters(model, "generator")
 
-    def gradient(calls: list[Call], settings: UpdateSettings) -> torch.Tensor:
+    def gradient(calls: list[Call], settings) -> torch.Tensor:
         stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.0),
                               random.Random(0), tok.pad_token_id, settings)
         assert not [k for k in stats if "mismatch" in k]  # the update logs no gap
         return torch.cat([p.grad.reshape(-1) for p in params]).clone()
 
-    plain = UpdateSettings(temperature=1.0, minibatch_size=len(calls))
+    plain = update_config(minibatch_size=len(calls))
     assert torch.equal(gradient(calls, plain), gradient(shifted, plain))
     tis = dataclasses.replace(plain, tis_cap=2.0)
     assert not torch.allclose(gradient(calls, tis), gradient(shifted, tis))
@@ -483,7 +485,7 @@ def test_a_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
     model, tok = tiny
     params = adapter_parameters(model, "generator")
     opt = torch.optim.AdamW(params, lr=0.01)
-    settings = UpdateSettings(temperature=1.0, minibatch_size=len(calls))
+    settings = update_config(minibatch_size=len(calls))
     # momentum
     policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
     weights = [p.detach().clone() for p in params]
@@ -511,7 +513,7 @@ def test_the_clip_acts_only_after_the_first_mini_batch_step(tiny, one_step):
     calls = sampled_calls(tiny)  # 18 generator calls
     model, tok = tiny
     params = adapter_parameters(model, "generator")
-    settings = UpdateSettings(temperature=1.0, minibatch_size=4, one_step=one_step)
+    settings = update_config(minibatch_size=4, one_step=one_step)
     stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5),
                           random.Random(0), tok.pad_token_id, settings)
     clipped = stats["role/generator/clip_frac"]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, directory_state, make_read_only
 import diagnose
 import grpo
-from grpo import policy_update
+from grpo import policy_update, reference_of
 from lab import checkpoint, machine, probe, files, settings
 from lab import run as lab_run
 from lab.checkpoint import TrainState
@@ -389,7 +389,8 @@ def test_intervals_by_hand():
 
 def test_a_list_flag_names_each_item_once_before_the_model_loads():
     with pytest.raises(SystemExit, match="^--role_kl: aggregator is given twice$"):
-        train.kl_coefs(train.Config(workflow="voting", role_kl="aggregator=0.1,aggregator=0.5"))
+        train.check_algorithm_settings(train.Config(workflow="voting",
+                                                    role_kl="aggregator=0.1,aggregator=0.5"))
     for targets in ("q_proj,,v_proj", "", "q_proj, q_proj"):
         with pytest.raises(SystemExit, match="give distinct layer names separated by commas"):
             settings.check_settings(train.Config(lora_targets=targets), None)
@@ -723,8 +724,7 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     pool = load_task("arith", "train", 4, 2, 0)
     torch.manual_seed(0)
     train.warm_up(model, tok, cfg, pool, names)
-    update = train.update_settings(cfg)
-    assert update.reference == {"shared": "shared-ref"}
+    assert reference_of(cfg, "shared") == "shared-ref"
     sampling = torch.get_rng_state()
     freeze_copy(model, "shared", "shared-ref")
     assert torch.equal(torch.get_rng_state(), sampling)  # the same episodes as without the anchor
@@ -734,7 +734,8 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     agg = [dataclasses.replace(c, advantage=(-1.0) ** i) for i, c in enumerate(rollout.calls)
            if c.role == "aggregator"]
     kl = {}
-    for label, s in [("base", dataclasses.replace(update, reference={})), ("warmed-up", update)]:
+    # without a warm-up the anchor is the base model
+    for label, s in [("base", dataclasses.replace(cfg, sft_warmup=0)), ("warmed-up", cfg)]:
         optimizer = torch.optim.AdamW(adapter_parameters(model, "shared"), lr=1e-2)
         state = [p.detach().clone() for p in adapter_parameters(model, "shared")]
         stats = policy_update(model, "shared", agg, optimizer, random.Random(0),
