@@ -390,9 +390,9 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
     for k in range(n):
         mb = order[k * len(order) // n:(k + 1) * len(order) // n]
         optimizer.zero_grad(set_to_none=False)
-        mine = procs.share(mb)  # under torchrun: this process's rows; the gradients summed below
-        for idx in token_batches([(len(ids[i]), 0) for i in mine], cfg.micro_batch_tokens):
-            micro = [mine[j] for j in idx]
+        rows = procs.share(mb)  # under torchrun: this process's rows; the gradients summed below
+        for idx in token_batches([(len(ids[i]), 0) for i in rows], cfg.micro_batch_tokens):
+            micro = [rows[j] for j in idx]
             # to the device before the forward pass is queued: a host-to-device copy waits for
             # the queue
             v_old, v_target = old_values[micro].to(device), returns[micro].to(device)  # (b,) each

@@ -227,13 +227,13 @@ def loss_weight(mb: list[Call], role: str, balance: str) -> LossWeight:
           scale of an adapter's whole loss mostly cancels: it acts through the
           gradient clip and against other roles sharing the adapter.
     """
-    mine = [c for c in mb if c.role == role] if balance == "role" else mb
+    counted = [c for c in mb if c.role == role] if balance == "role" else mb
     scale = 1.0
     if balance == "role":
         scale = 1 / len({c.role for c in mb})
     elif balance == "multiplicity":
         scale = 1 / len({c.slot for c in mb if c.role == role})
-    return LossWeight(scale, len(mine), sum(len(c.completion_ids) for c in mine))
+    return LossWeight(scale, len(counted), sum(len(c.completion_ids) for c in counted))
 
 
 def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float,
@@ -324,7 +324,7 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     batches = [calls[i:i + size] for i in range(0, len(calls), size)]
     t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
     old = old_logprobs(model, [c for mb in batches[1:]
-                               for _, mine in live_groups(mb, kl, "role", procs) for c in mine],
+                               for _, share in live_groups(mb, kl, "role", procs) for c in share],
                        adapter, pad_id, cfg.temperature, cfg.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
@@ -334,9 +334,9 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
             empty += 1
             if cfg.skip_empty:  # AdamW would still move the adapter, on its momentum alone
                 continue
-        for role, mine in live_groups(mb, kl, "role", procs):
+        for role, share in live_groups(mb, kl, "role", procs):
             weight = loss_weight(mb, role, cfg.balance)
-            for micro in micro_batches(mine, cfg.micro_batch_tokens):
+            for micro in micro_batches(share, cfg.micro_batch_tokens):
                 st = micro_loss_backward(model, adapter, micro, old, pad_id, cfg, weight)
                 for k, v in st.items():
                     stats[f"role/{role}/{k}"].append(v)

@@ -117,12 +117,12 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
     gradients are summed across processes, as in the update."""
     params = adapter_parameters(model, adapter)
     stats, slot_grads, halves, role_of = defaultdict(list), {}, [0, 0], {}
-    for slot, mine in live_groups(calls, kl_coefs(cfg), "slot", procs):
+    for slot, share in live_groups(calls, kl_coefs(cfg), "slot", procs):
         role = role_of[slot] = next(c.role for c in calls if c.slot == slot)
         weight = loss_weight(calls, role, cfg.balance)
         for half in (0, 1):
             zero_gradients(params)
-            part = [c for c in mine if c.episode // cfg.group_size % 2 == half]
+            part = [c for c in share if c.episode // cfg.group_size % 2 == half]
             for micro in micro_batches(part, cfg.micro_batch_tokens):
                 st = micro_loss_backward(model, adapter, micro, {}, pad_id, cfg, weight,
                                          measure=True)

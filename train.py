@@ -243,11 +243,11 @@ def warmup_roles(cfg: Config) -> list[str]:
         if role not in known:
             raise SystemExit(f"--sft_roles: {role!r} is not a role "
                              f"(roles: {', '.join(sorted(known))})")
-    mine = [r for r in roles if r in ROLES[cfg.workflow]]
-    if cfg.sft_warmup and not mine:
+    taught = [r for r in roles if r in ROLES[cfg.workflow]]
+    if cfg.sft_warmup and not taught:
         raise SystemExit(f"--sft_roles: no role of {cfg.workflow} "
                          f"({', '.join(ROLES[cfg.workflow])}) to warm up")
-    return mine
+    return taught
 
 
 # ----------------------------------------------------------------------------
@@ -420,22 +420,22 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
     gradient before it moves (measure.gradient_signals); its calls' old log-probs and its update
     (grpo.policy_update), then its learning-rate schedule; returns the statistics, a list each
     (update_means)."""
-    stats = defaultdict(list)
+    stats, kl = defaultdict(list), kl_coefs(cfg)
     for name in names:
         t_name = time.time()
-        mine = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
-        live = [c for c in mine if has_signal(c, kl_coefs(cfg))]
+        own = [c for c in calls if adapter_for(c.role, cfg.sharing) == name]
+        live = [c for c in own if has_signal(c, kl)]
         if diag:
-            for k, v in gradient_signals(state.model, name, mine, tok.pad_token_id, cfg,
+            for k, v in gradient_signals(state.model, name, own, tok.pad_token_id, cfg,
                                          PROCESSES).items():
                 stats[k] += v
             stats[f"time/diag/{name}"].append(time.time() - t_name)
-        for k, v in policy_update(state.model, name, mine, state.optimizers[name], state.rng,
+        for k, v in policy_update(state.model, name, own, state.optimizers[name], state.rng,
                                   tok.pad_token_id, cfg, state.emas[name], PROCESSES).items():
             stats[k] += v
         state.schedulers[name].step()
         skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
-        log(f"step {step} update | {name}: {len(live)} of {len(mine)} calls with signal, "
+        log(f"step {step} update | {name}: {len(live)} of {len(own)} calls with signal, "
             f"{time.time() - t_name:.0f}s" + (f", {skipped} mini-batch(es) not applied: loss or "
                                                "gradient not finite" if skipped else ""))
     return stats
@@ -498,13 +498,13 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[st
     sample = evaluation_samples(cfg)
     repeats = cfg.eval_samples if sample else 1
     # under torchrun, a block
-    mine = [p for i in block(len(problems)) for p in [problems[i]] * repeats]
+    local = [p for i in block(len(problems)) for p in [problems[i]] * repeats]
     seen = defaultdict(list)
     with torch.random.fork_rng(devices=gpu_rngs(model.device)):
         torch.manual_seed(cfg.seed + 7919)
-        for i in range(0, len(mine), EVAL_BATCH):
-            label = f"{prefix} problems {i + 1}-{min(i + EVAL_BATCH, len(mine))}/{len(mine)}"
-            rollout, outcomes, r = run_episodes(model, tok, cfg, mine[i:i + EVAL_BATCH],
+        for i in range(0, len(local), EVAL_BATCH):
+            label = f"{prefix} problems {i + 1}-{min(i + EVAL_BATCH, len(local))}/{len(local)}"
+            rollout, outcomes, r = run_episodes(model, tok, cfg, local[i:i + EVAL_BATCH],
                                                 greedy=not sample, label=label)
             seen["reward"] += r
             seen["boxed"] += [bool(boxed_contents(o.final)) for o in outcomes]
@@ -558,10 +558,10 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     # at least a mini-batch's worth
     n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)
     picked = rng.sample(range(len(train_set)), min(len(train_set), n))
-    mine = [picked[i] for i in block(len(picked))]
-    rollout, outcomes, rewards = run_episodes(model, tok, cfg, [train_set[i] for i in mine],
+    local = [picked[i] for i in block(len(picked))]
+    rollout, outcomes, rewards = run_episodes(model, tok, cfg, [train_set[i] for i in local],
                                               greedy=False, label="warm-up rollout")
-    calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, mine)
+    calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, local)
     score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers,
                     timeout=cfg.code_timeout)
     pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
