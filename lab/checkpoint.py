@@ -23,6 +23,7 @@ tests/test_distributed.py
 import glob
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -138,6 +139,8 @@ class TrainState:
                               for name, ema in state["emas"].items()})
         except Exception as e:  # a truncated, foreign or wrong-shaped file: say so in one line
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            if isinstance(e, pickle.UnpicklingError):  # weights_only refused what could run code
+                first = "it holds objects besides tensors and plain data, which are not loaded"
             raise SystemExit(f"--resume: the checkpoint in {path} cannot be read "
                              f"({type(e).__name__}: {first}); start the run over with "
                              "--overwrite") from None
@@ -166,7 +169,8 @@ class TrainState:
 def load_state(ckpt: str) -> dict:
     """A checkpoint's state.pt, its tensors on the CPU (a GPU run's too: an optimizer moves its
     state to its parameters' device as it loads it)."""
-    return torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+    # tensors and plain data only: a pickled object in a run someone hands over runs no code
+    return torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True)
 
 
 def is_state(state) -> bool:

@@ -39,10 +39,25 @@ def fsync(*paths: str) -> None:
             os.close(fd)
 
 
+def open_here(path: str, flags: int) -> int:
+    """os.open for writing in a run directory, never through a link: a symbolic link planted in
+    the directory (its .lock, config.json.tmp, a log) is a one-line error, not a write to whatever
+    it names (O_NOFOLLOW)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise SystemExit(f"{path} is a symbolic link; a run writes only its own files: "
+                             "remove it") from None
+        raise
+
+
 def write_whole(path: str, text: str) -> None:
     """Write a file through a rename, on the disk first: a kill or a power loss leaves the old or
-    the new."""
-    with open(path + ".tmp", "w") as f:
+    the new. The rename replaces a link at `path` itself, and the temporary file is made anew."""
+    if os.path.lexists(path + ".tmp"):  # left by a kill, or planted
+        os.remove(path + ".tmp")
+    with os.fdopen(open_here(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
         f.write(text)
     fsync(path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -51,7 +66,7 @@ def write_whole(path: str, text: str) -> None:
 def append_jsonl(path: str, rows: list[dict]) -> None:
     """Rows at the end of a log, on the disk when it returns: a step's row is there before its
     checkpoint names the step (a power loss would otherwise keep the checkpoint, not the row)."""
-    with open(path, "a") as f:
+    with os.fdopen(open_here(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
         f.flush()
@@ -271,7 +286,9 @@ def take_lock(out: str) -> str:
     except OSError as e:  # a name too long, a read-only file system
         return f"--out {out} cannot be made ({e.strerror})"
     # not inherited by children
-    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    if os.path.islink(os.path.join(out, LOCK)):
+        return f"--out {out}: its {LOCK} is a symbolic link, not a lock file; remove it"
+    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -373,6 +390,6 @@ def start_logs(out: str, first: dict) -> None:
         return
     metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
     for path in (metrics_path, samples_path):
-        open(path, "w").close()
+        os.close(open_here(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
     append_jsonl(metrics_path, [first])
     tensorboard_row(out, first)

@@ -429,3 +429,55 @@ def test_record_refuses_a_bad_check_or_out_before_training(check, out, words, tm
     with pytest.raises(SystemExit) as stop:
         record.main()
     assert stop.value.code == 2 and words in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- files and links
+
+def test_a_link_in_the_run_directory_is_never_written_through(tmp_path):
+    """A symbolic link where the run writes (its .lock, config.json's temporary file) is refused
+    or replaced, never followed: the file it names keeps its bytes, even when the launch is then
+    refused for another reason."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    os.symlink(target, out / ".lock")
+    with pytest.raises(SystemExit, match=r"its \.lock is a symbolic link"):
+        run(out, lora_targets="nosuch")
+    os.remove(out / ".lock")
+    os.symlink(target, out / "config.json.tmp")  # a new run writes config.json through it
+    run(out)
+    assert target.read_text() == "keep me\n"
+    assert not os.path.islink(out / "config.json.tmp") and os.path.isfile(out / "config.json")
+    os.remove(out / "metrics.jsonl")  # a log replaced by a link is refused as it is appended to
+    os.symlink(target, out / "metrics.jsonl")
+    with pytest.raises(SystemExit, match="metrics.jsonl is a symbolic link"):
+        files.append_jsonl(str(out / "metrics.jsonl"), [{"step": 9}])
+    assert target.read_text() == "keep me\n"
+
+
+class RunsCode:
+    """A pickled object that would run a command when unpickled."""
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.mark.parametrize("how", ["resume", "start_from"])
+def test_a_checkpoint_that_would_run_code_is_refused_unread(how, tmp_path):
+    """A state.pt that holds a pickled object besides tensors and plain data (a run someone hands
+    over) is refused in one line by --resume and --start_from; the object never runs."""
+    start, proof = tmp_path / "start", tmp_path / "it-ran"
+    run(start, steps=0 if how == "start_from" else 1)
+    state = torch.load(start / "ckpt" / "state.pt", weights_only=True)
+    state["py_rng"] = RunsCode(str(proof))
+    torch.save(state, start / "ckpt" / "state.pt")
+    words = ("cannot be read" if how == "resume" else "its run cannot be read")
+    with pytest.raises(SystemExit, match=words):
+        if how == "resume":
+            train.main(train.Config(out=str(start), resume=True))
+        else:
+            run(tmp_path / "b", start_from=str(start))
+    assert not proof.exists()
