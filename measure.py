@@ -1,8 +1,9 @@
 """What a step measures besides its loss: the papers' signals, in one room.
 
-Every --diag_every steps (default 1: every step) train.py calls, per adapter and before its
-update, `gradient_signals`, and over the step's calls `step_metrics` with `diag` on; the other
-steps log the reward, the update's own figures and the clock only.
+Every step train.py logs `step_metrics` over the step's calls (string and list work, no pass of
+the model). Every --diag_every steps (default 10: the default run's last step; it costs about
+one update, docs/performance.md) it also calls, per adapter and before its update,
+`gradient_signals`.
 
 Gradients (Paper A, Zeng et al. 2026, arXiv 2605.24202). N same-role slots that read the same
 prompt and the same broadcast reward push one adapter in one direction: kappa = |sum_i g_i| /
@@ -177,19 +178,16 @@ def role_jobs(calls: list) -> dict[str, float]:
     return m
 
 
-def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int,
-                 diag: bool) -> dict[str, float]:
-    """A step's figures, from its calls and the episodes' outcomes and rewards: the mean reward,
-    the share of episodes where a role broke its answer format and the share of calls the length
-    limit cut; with `diag`, per role and per slot the reward, length, calls, token share and the
-    solvers' own answers, the roles' jobs, which rule decided each final answer, each role's
-    adherence to its contract and how alike the roles' outputs are (role capture shows in
-    outputs)."""
+def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int) -> dict[str, float]:
+    """A step's figures, from its calls and the episodes' outcomes and rewards (no pass of the
+    model: every step logs them): the mean reward, the share of episodes where a role broke its
+    answer format and the share of calls the length limit cut; per role and per slot the reward,
+    length, calls, token share and the solvers' own answers, the roles' jobs, which rule decided
+    each final answer, each role's adherence to its contract and how alike the roles' outputs are
+    (role capture shows in outputs)."""
     m = {"reward/mean": sum(rewards) / len(rewards),
          "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes),
          "contract/truncated": sum(c.truncated for c in calls) / len(calls)}
-    if not diag:
-        return m
     all_tokens = sum(len(c.completion_ids) for c in calls)
     for key in ("role", "slot"):
         groups = defaultdict(list)

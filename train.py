@@ -15,8 +15,8 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   4. group-relative advantages per (problem, slot, stage) (grpo.py),
      or with --algo maac the critics' values and GAE (critic.py);
   5. old log-probs: the first mini-batch's own, a separate pass for the later ones;
-     every --diag_every steps first the diagnostics' pass, which measures each slot's
-     gradient and moves nothing (measure.py);
+     every --diag_every steps (default 10: the default run's last) first the diagnostics'
+     pass, which measures each slot's gradient and moves nothing (measure.py);
   6. update, adapter by adapter (one shared adapter, or one per role type): one
      optimizer step over all of its calls with a gradient (--one_step, the default);
      with --no-one_step, as in the paper, one step per mini-batch of a fixed size,
@@ -186,8 +186,9 @@ class Config:
     # evaluation, logging, checkpoints
     eval_every: int = arg(0, "evaluate every E steps, and before and after training "
                           "(0: only before and after)", bounds="[0, inf)")
-    diag_every: int = arg(1, "diagnostics every k steps (measure.py: the slots' gradients, "
-                          "per-role figures, adherence; 0: never)", bounds="[0, inf)")
+    diag_every: int = arg(10, "the diagnostics' gradient pass every k steps (measure.py: each "
+                          "slot's gradient, kappa, shares, noise; it costs about an update; "
+                          "0: never)", bounds="[0, inf)")
     eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)",
                              bounds="[1, inf)")
     val_problems: int = arg(0, "validation problems per evaluation, where a peak is chosen "
@@ -378,13 +379,13 @@ def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
     names = [n for n in state.optimizers if n not in state.heads]  # the adapters RL trains
     lr = state.optimizers[names[0]].param_groups[0]["lr"]  # the rate this step trains at
     diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
-    stats = update_adapters(state, tok, cfg, step, calls, names, diag)
+    stats = update_adapters(state, tok, cfg, step, calls, names, diag, procs)
     # 7. maac: the critics
     if cfg.algo == "maac":
-        stats.update(train_critics(state, tok, cfg, step, critic_batch))
+        stats.update(train_critics(state, tok, cfg, step, critic_batch, procs))
     stats = procs.stats(stats)
     # the step's metrics
-    row = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents, diag),
+    row = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents),
            "adv/zero_frac": (advs == 0).sum().item() / len(advs),
            "adv/std": advs.std(correction=0).item(), "lr": lr,
            "contract/truncated_prompts": sum(procs.gather([rollout.prompts_cut])),
@@ -415,7 +416,7 @@ def run_episodes(model, tok, cfg: Config, problems, greedy: bool,
 
 
 def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call],
-                    names: list[str], diag: bool) -> dict[str, list[float]]:
+                    names: list[str], diag: bool, procs) -> dict[str, list[float]]:
     """Steps 5-6 of a training step for each adapter RL trains: with `diag`, the signals of its
     gradient before it moves (measure.gradient_signals); its calls' old log-probs and its update
     (grpo.policy_update), then its learning-rate schedule; returns the statistics, a list each
@@ -427,11 +428,11 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
         live = [c for c in own if has_signal(c, kl)]
         if diag:
             for k, v in gradient_signals(state.model, name, own, tok.pad_token_id, cfg,
-                                         PROCESSES).items():
+                                         procs).items():
                 stats[k] += v
             stats[f"time/diag/{name}"].append(time.time() - t_name)
         for k, v in policy_update(state.model, name, own, state.optimizers[name], state.rng,
-                                  tok.pad_token_id, cfg, state.emas[name], PROCESSES).items():
+                                  tok.pad_token_id, cfg, state.emas[name], procs).items():
             stats[k] += v
         state.schedulers[name].step()
         skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
@@ -441,13 +442,13 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
     return stats
 
 
-def train_critics(state: TrainState, tok, cfg: Config, step: int,
-                  critic_batch) -> dict[str, list[float]]:
+def train_critics(state: TrainState, tok, cfg: Config, step: int, critic_batch,
+                  procs) -> dict[str, list[float]]:
     """Step 7 (maac): one pass of each critic over its inputs (critic.update_critics), then its
     learning-rate schedule; the critics' adapters are separate from the actors', so the order is
     free."""
     stats = update_critics(state.model, state.heads, critic_batch, state.optimizers, state.rng,
-                           tok.pad_token_id, cfg, PROCESSES)
+                           tok.pad_token_id, cfg, procs)
     for name in state.heads:
         state.schedulers[name].step()
     if stats["critic/skipped_nonfinite"][0]:
@@ -566,7 +567,7 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
                     timeout=cfg.code_timeout)
     pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
                              warmup_roles(cfg))
-    before = step_metrics(calls, rewards, outcomes, cfg.n_agents, diag=True)
+    before = step_metrics(calls, rewards, outcomes, cfg.n_agents)
     m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items()
          if k.endswith("/adherence")}
     if not pairs:  # no solution the verifier accepts and no judging role: nothing to teach

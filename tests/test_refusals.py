@@ -180,7 +180,7 @@ def finished(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("stopped") / "run"
     answers = iter([0, signal.SIGTERM])  # before step 1: go on; after it: stop
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train, "stop_requested", lambda: next(answers))
+        patch.setattr(lab_run, "stop_requested", lambda: next(answers))
         with pytest.raises(SystemExit):
             run(out, steps=2)
     return str(out)

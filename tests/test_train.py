@@ -653,7 +653,7 @@ def test_sft_warmup_lowers_its_loss_and_teaches_the_aggregator_its_contract(shar
     metrics = train.warm_up(model, tok, cfg, pool, names)
     assert metrics["sft/loss/last"] < 0.2 * metrics["sft/loss/first"], metrics
     rollout, outcomes, rewards = train.run_episodes(model, tok, cfg, pool, greedy=False)
-    after = step_metrics(rollout.calls, rewards, outcomes, cfg.n_agents, diag=True)
+    after = step_metrics(rollout.calls, rewards, outcomes, cfg.n_agents)
     assert (metrics["sft/adherence/aggregator"] <= 0.25
             and after["role/aggregator/adherence"] >= 0.75), (
         metrics, [c.text for c in rollout.calls if c.role == "aggregator"])
