@@ -146,8 +146,8 @@ def joint_history(episode_calls: list[Call], turn: int) -> str:
     """The central critic's input at one joint step: all prompts and outputs before
     `turn`, then the prompts at `turn`, each block labelled with its agent slot(s)."""
     blocks = []
-    for t in sorted({c.turn for c in episode_calls if c.turn <= turn}):
-        stage = [c for c in episode_calls if c.turn == t]
+    for t in sorted({c.stage for c in episode_calls if c.stage <= turn}):
+        stage = [c for c in episode_calls if c.stage == t]
         seen_by = defaultdict(list)  # prompt -> slots that saw it (dicts keep stage order)
         for c in stage:
             seen_by[c.prompt].append(c.slot)
@@ -178,7 +178,7 @@ def unseen(calls: list[Call]) -> list[float | None]:
         by_episode[c.episode].append(c)
     shares = []
     for c in calls:
-        lines = (LIST_MARK.sub("", line).strip() for d in by_episode[c.episode] if d.turn < c.turn
+        lines = (LIST_MARK.sub("", line).strip() for d in by_episode[c.episode] if d.stage < c.stage
                  for line in d.text.splitlines())
         said = [line for line in lines if line]
         total = sum(map(len, said))
@@ -197,9 +197,9 @@ def critic_inputs(calls: list[Call], critic: str, per: str = "slot") -> tuple[li
         by_episode[c.episode].append(c)
     history = {}  # (episode, turn) -> text: co-acting agents share one joint step
     for c in calls:
-        if (c.episode, c.turn) not in history:
-            history[(c.episode, c.turn)] = joint_history(by_episode[c.episode], c.turn)
-    return keys, [history[(c.episode, c.turn)] for c in calls]
+        if (c.episode, c.stage) not in history:
+            history[(c.episode, c.stage)] = joint_history(by_episode[c.episode], c.stage)
+    return keys, [history[(c.episode, c.stage)] for c in calls]
 
 
 def encode(tok, texts: list[str], max_tokens: int) -> list[list[int]]:
@@ -237,7 +237,7 @@ def agent_turns(calls: list[Call]) -> list[list[int]]:
     by_agent = defaultdict(list)
     for i, c in enumerate(calls):
         by_agent[(c.episode, c.slot)].append(i)
-    return [sorted(idx, key=lambda i: calls[i].turn) for idx in by_agent.values()]
+    return [sorted(idx, key=lambda i: calls[i].stage) for idx in by_agent.values()]
 
 
 def outcome_rewards(calls: list[Call]) -> list[float]:
@@ -377,7 +377,7 @@ def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, o
 def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
                   order: list[int], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass of critic `name` over the rows `order` of the batch, in cfg.critic_steps mini-batches
+    """One pass of critic `name` over the rows `order` of the batch, in cfg.critic_steps batches
     whose sizes differ by at most one (as many as there are rows, where they are fewer). A
     mini-batch whose gradient (after the sum across processes) is not finite is not applied, and
     counted."""

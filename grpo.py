@@ -97,7 +97,7 @@ def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> None:
     """Group-relative advantages on every call, grouped by (problem, slot, stage) or by
     (problem, role)."""
     if by == "slot":
-        keys = [(problem_of[c.episode], c.slot, c.turn) for c in calls]
+        keys = [(problem_of[c.episode], c.slot, c.stage) for c in calls]
     else:
         keys = [(problem_of[c.episode], c.role) for c in calls]
     adv = group_advantages(torch.tensor([c.reward for c in calls]), keys)
@@ -325,7 +325,8 @@ def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random
     t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
     old = old_logprobs(model, [c for mb in batches[1:]
                                for _, share in live_groups(mb, kl, "role", procs) for c in share],
-                       adapter, pad_id, cfg.temperature, cfg.micro_batch_tokens)  # id(call) -> (T_i,)
+                       adapter, pad_id, cfg.temperature,
+                       cfg.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
     for mb in batches:
@@ -434,8 +435,8 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
     is_weight, gap = sampler_gap(old_logp, record, mask, cfg.tis_cap, measure)
-    per_token, st = policy_loss(logp, old_logp, adv, mask, cfg.eps_low, cfg.eps_high, ref_logp, kl_coef,
-                                is_weight, cfg.ratio)
+    per_token, st = policy_loss(logp, old_logp, adv, mask, cfg.eps_low, cfg.eps_high, ref_logp,
+                                kl_coef, is_weight, cfg.ratio)
     loss = aggregate(per_token, mask, cfg.loss_agg, weight.num_seqs, weight.num_tokens)
     (weight.scale * loss).backward()
     if measure:

@@ -149,7 +149,7 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
 
 
 def role_jobs(calls: list) -> dict[str, float]:
-    """Whether each supervisory role does its job, beyond its format (math: needs `solved`).
+    """Whether each supervisory role does its job, beyond its format (math: needs `own_score`).
 
     evaluator: verdict_acc, how often its verdict agrees with the verifier, against verdict_base,
       the same for a constant evaluator that always says Incorrect (the share of wrong solutions);
@@ -158,22 +158,22 @@ def role_jobs(calls: list) -> dict[str, float]:
     aggregator and synthesizer: skill, the reward of the answer it chose or wrote minus the mean of
       the candidates it read (0: no better than a random pick)."""
     m, skill = {}, defaultdict(list)
-    judged = [(c, read[0].solved) for c, read in read_by(calls) if c.role == "evaluator"]
+    judged = [(c, read[0].own_score) for c, read in read_by(calls) if c.role == "evaluator"]
     if judged:
         m["role/evaluator/verdict_acc"] = sum(right for _, right in verdicts(calls)) / len(judged)
         m["role/evaluator/verdict_base"] = sum(s != 1.0 for _, s in judged) / len(judged)
-    after = {(c.episode, c.turn): c.solved for c in calls if c.solved is not None}
-    refined = [(s, after[c.episode, c.turn + 1]) for c, s in judged
-               if (c.episode, c.turn + 1) in after]
+    after = {(c.episode, c.stage): c.own_score for c in calls if c.own_score is not None}
+    refined = [(s, after[c.episode, c.stage + 1]) for c, s in judged
+               if (c.episode, c.stage + 1) in after]
     if refined:
         m["refine/fixed"] = sum(a < b for a, b in refined) / len(refined)
         m["refine/broken"] = sum(a > b for a, b in refined) / len(refined)
     for c, read in read_by(calls):
-        mean = sum(r.solved for r in read) / len(read)
+        mean = sum(r.own_score for r in read) / len(read)
         if c.role == "aggregator":
-            skill[c.role].append(read[parse_choice(c.text, len(read))[0] - 1].solved - mean)
+            skill[c.role].append(read[parse_choice(c.text, len(read))[0] - 1].own_score - mean)
         elif c.role == "synthesizer":
-            skill[c.role].append(c.solved - mean)
+            skill[c.role].append(c.own_score - mean)
     m.update({f"role/{role}/skill": sum(v) / len(v) for role, v in skill.items()})
     return m
 
@@ -199,7 +199,7 @@ def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int) -> 
             m[f"{key}/{name}/len"] = tokens / len(cs)
             m[f"{key}/{name}/calls"] = len(cs)
             m[f"{key}/{name}/token_share"] = tokens / all_tokens
-            solved = [c.solved for c in cs if c.solved is not None]
+            solved = [c.own_score for c in cs if c.own_score is not None]
             if solved:
                 m[f"{key}/{name}/solved"] = sum(solved) / len(solved)
     m.update(role_jobs(calls))  # does each supervisory role do its job, beyond its format?

@@ -357,20 +357,20 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
       (Yu et al. 2025, Sec. 3.4) instead adds a penalty that grows over the last tokens before the
       limit to -1 past it, on top of a +-1 correctness reward, or masks cut samples out of the loss
       (overlong filtering, "mask" here, acting in the update). Unless "keep", a cut call's own
-      answer (`solved`) is no answer either, and rollout scores an episode whose final answer was
+      answer (`own_score`) is no answer either, and rollout scores an episode whose final answer was
       cut as 0 (cut_finals), in training and evaluation alike.
-    On math every solving call's own answer is also scored, into `solved`: what the later roles did
-    to it (role_jobs), and own credit."""
+    On math every solving call's own answer is also scored, into `own_score`: what the later roles
+    did to it (role_jobs), and own credit."""
     for c in calls:
         c.reward = rewards[c.episode]
     if problems[0].kind == "math":
         solvers = [c for c in calls if c.role in SOLVERS]
         for c, r in zip(solvers, score_batch([problems[c.episode] for c in solvers],
                                              [c.text for c in solvers], strict=strict)):
-            c.solved = 0.0 if c.truncated and truncated != "keep" else r
+            c.own_score = 0.0 if c.truncated and truncated != "keep" else r
     if credit == "own":
         for c in calls:
-            c.reward = c.solved if c.solved is not None else c.reward
+            c.reward = c.own_score if c.own_score is not None else c.reward
         for c, right in verdicts(calls):
             c.reward = float(right)
     if truncated == "penalize":
@@ -390,15 +390,15 @@ def read_by(calls: list) -> list[tuple]:
     solving calls of its episode one stage before it, in slot order."""
     made = {}
     for c in calls:
-        if c.solved is not None:
-            made.setdefault((c.episode, c.turn), []).append(c)
-    return [(c, made[c.episode, c.turn - 1]) for c in calls
+        if c.own_score is not None:
+            made.setdefault((c.episode, c.stage), []).append(c)
+    return [(c, made[c.episode, c.stage - 1]) for c in calls
             if c.role in ("evaluator", "aggregator", "synthesizer")
-            and (c.episode, c.turn - 1) in made]
+            and (c.episode, c.stage - 1) in made]
 
 
 def verdicts(calls: list) -> list[tuple]:
     """Each evaluator call that read a scored solution, and whether its verdict agrees with the
     verifier on that solution."""
-    return [(c, parse_verdict(c.text)[0] == (read[0].solved == 1.0))
+    return [(c, parse_verdict(c.text)[0] == (read[0].own_score == 1.0))
             for c, read in read_by(calls) if c.role == "evaluator"]

@@ -55,7 +55,7 @@ class Call:
     episode: int             # index of the episode in the batch
     role: str                # role type, e.g. "generator"
     slot: str                # agent slot, e.g. "generator1"
-    turn: int                # the stage that made it: Rollout's n-th generation (Eval-Opt: 0
+    stage: int               # the stage that made it: Rollout's n-th generation (Eval-Opt: 0
                              # generator, 1 evaluator, 2 refine)
     prompt_ids: list[int]    # (P_i,) without padding
     completion_ids: list[int]  # (T_i,) up to and including the first end token (none if
@@ -65,8 +65,8 @@ class Call:
     truncated: bool = False  # stopped by max_new_tokens before its eos: an unfinished answer
     reward: float = 0.0      # the episode's outcome, broadcast to every call
                              # (--credit own: the call's own part)
-    solved: float | None = None  # the score of a solving call's own answer, as a final
-                                 # answer's would be
+    own_score: float | None = None  # the score of a solving call's own answer, as a final
+                                    # answer's would be
     advantage: float = 0.0
     rollout_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,) as sampled;
                                                                           # None when greedy
@@ -224,7 +224,7 @@ class Rollout:
             max_new_tokens, temperature, top_p, greedy)
         self.progress = progress  # told of every finished stage: a stage can take minutes on a CPU
         self.calls: list[Call] = []
-        self.stages = 0  # one per generate call; also the `turn` of its calls
+        self.stages = 0  # one per generate call; also the `stage` of its calls
         # a prompt longer than the room left for it is cut (fit_prompt)
         context = context_length(model)
         self.room = None if context is None else context - max_new_tokens

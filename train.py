@@ -513,8 +513,8 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[st
             # stage)
             first = {}
             for c in rollout.calls:
-                if c.solved is not None:
-                    first.setdefault(c.episode, c.solved)
+                if c.own_score is not None:
+                    first.setdefault(c.episode, c.own_score)
                 if c.role in SOLVERS:
                     seen["len"].append(len(c.completion_ids))
                 seen["truncated"].append(c.truncated)

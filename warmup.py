@@ -47,12 +47,12 @@ def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int,
     """Warm-up pairs of the given roles: copies of a rollout's calls (rollout.Call records) with
     the same prompt and a reply (its text; the trainer sets the token ids) that keeps the
     role's contract. `problems`: each episode's problem; `score`: the verifier (reward.py)."""
-    solutions = {(c.episode, c.turn): [] for c in calls}  # generator outputs by episode and stage
+    solutions = {(c.episode, c.stage): [] for c in calls}  # generator outputs by episode and stage
     for c in calls:  # in slot order within each episode, as the workflow made them
         if c.role == "generator":
-            solutions[c.episode, c.turn].append(c.text)
+            solutions[c.episode, c.stage].append(c.text)
     judged = [c for c in calls if c.role in ("aggregator", "evaluator")]
-    read = [solutions[c.episode, c.turn - 1] for c in judged]  # what each judge saw
+    read = [solutions[c.episode, c.stage - 1] for c in judged]  # what each judge saw
     flat = [(c.episode, text) for c, texts in zip(judged, read) for text in texts]
     scores = iter(score([problems[e] for e, _ in flat], [t for _, t in flat]))
     replies = []
@@ -74,15 +74,15 @@ def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int,
     # adapter, without them the other roles' replies would teach the solvers to answer \boxed{k} too
     solvers = [c for c in calls if c.role in SOLVERS]
     accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
-    right = {(c.episode, c.slot, c.turn): c.text for c, ok in zip(solvers, accepted)
+    right = {(c.episode, c.slot, c.stage): c.text for c, ok in zip(solvers, accepted)
              if ok == 1.0 and not c.truncated}
-    replies += [dataclasses.replace(c) for c in solvers if (c.episode, c.slot, c.turn) in right]
+    replies += [dataclasses.replace(c) for c in solvers if (c.episode, c.slot, c.stage) in right]
     # Eval-Opt's refine of a right answer keeps it (the generator's turn before sits two stages
     # back, the verdict between): without it, on a shared adapter the refine copies the format of
     # the verdict it has just read, \boxed{Incorrect}, instead of writing a solution
-    replies += [dataclasses.replace(c, text=right[c.episode, c.slot, c.turn - 2]) for c in solvers
-                if c.role == "generator" and (c.episode, c.slot, c.turn) not in right
-                and (c.episode, c.slot, c.turn - 2) in right]
+    replies += [dataclasses.replace(c, text=right[c.episode, c.slot, c.stage - 2]) for c in solvers
+                if c.role == "generator" and (c.episode, c.slot, c.stage) not in right
+                and (c.episode, c.slot, c.stage - 2) in right]
     return [c for c in replies if c.role in roles]
 
 

@@ -45,7 +45,7 @@ def open_here(path: str, flags: int) -> int:
     it names (O_NOFOLLOW)."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
+    except OSError:
         if os.path.islink(path):
             raise SystemExit(f"{path} is a symbolic link; a run writes only its own files: "
                              "remove it") from None
@@ -192,7 +192,8 @@ def transcript(episode: dict, limit: int = 600) -> str:
              code_block(episode["question"], limit), "expected:",
              code_block(episode["answer"], limit)]
     for i, c in enumerate(episode["calls"], 1):
-        lines += [f"**{i}. {c['slot']}** ({c['role']}, turn {c['turn']}): reward {c['reward']:g}, "
+        lines += [f"**{i}. {c['slot']}** ({c['role']}, stage {c['stage']}): "
+                  f"reward {c['reward']:g}, "
                   f"advantage **{c['advantage']:+.3f}**", code_block(c["output"], limit)]
     return "\n\n".join(lines + ["**final answer:**", code_block(episode["final"], limit)])
 
@@ -217,7 +218,8 @@ def episode_samples(step: int, calls: list, outcomes, problems, rewards: list[fl
         rows.append({"step": step, "episode": e, "problem": problems[e].id,
                      "question": problems[e].question, "answer": problems[e].answer,
                      "final": outcomes[e].final, "reward": rewards[e], "info": outcomes[e].info,
-                     "calls": [{"role": c.role, "slot": c.slot, "turn": c.turn, "prompt": c.prompt,
+                     "calls": [{"role": c.role, "slot": c.slot, "stage": c.stage,
+                                "prompt": c.prompt,
                                 "output": c.text, "reward": c.reward, "advantage": c.advantage}
                                for c in calls if c.episode == e]})
     return rows

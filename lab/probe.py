@@ -126,7 +126,7 @@ def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
     kept = f" (step {best['step']}, {best['metric']} {best['score']:.3f})" if best else ""
     print(f"{cfg.workflow}, {cfg.sharing} adapters, from {ckpt}{kept}; {decoding}")
     for call in rollout.calls:
-        print(f"\n=== stage {call.turn + 1}: {call.slot} "
+        print(f"\n=== stage {call.stage + 1}: {call.slot} "
               f"(adapter {adapter_for(call.role, cfg.sharing)})")
         print(f"--- prompt:\n{call.prompt}")
         print(f"--- output:\n{call.text}")

@@ -116,7 +116,8 @@ class Run:
 
     def log(self, row: dict, episodes: tuple) -> None:
         """A step's metrics row (time/step and the largest process's peak memory added) and its
-        first episodes (`episodes`: calls, outcomes, problems, rewards) in the logs, and its line."""
+        first episodes (`episodes`: calls, outcomes, problems, rewards) in the logs, and its
+        line."""
         cfg = self.cfg
         row["time/step"] = time.time() - self.t0
         row["mem/peak_mb"] = max(self.procs.gather([peak_memory_mb(self.device)]))

@@ -2,8 +2,8 @@
 with its default, its --help line, its choices and its bounds, each field made by `arg`) read
 from the command line (`parse_flags`), the checks a launch makes before a file or the model is
 touched (`check_settings`, with a resumed run's own config and another run's start), and a run's
-config.json read back whole (`read_config`: --resume, --start_from, the probe). The settings are read by field name: the
-run knows no algorithm, and train.py turns them into the arguments the algorithm takes.
+config.json read back whole (`read_config`: --resume, --start_from, the probe). The settings are
+read by field name: the run knows no algorithm.
 
     python train.py --help          # the flags a first week changes
     python train.py --help-all      # every flag, in groups

@@ -504,7 +504,7 @@ def test_a_read_only_run_is_diagnosed_and_probed_only_where_it_can_be_written(tm
 
 
 def call(role: str, slot: str, tokens: int) -> Call:
-    return Call(episode=0, role=role, slot=slot, turn=0, prompt_ids=[1],
+    return Call(episode=0, role=role, slot=slot, stage=0, prompt_ids=[1],
                 completion_ids=[2] * tokens, prompt="", text="")
 
 

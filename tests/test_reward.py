@@ -576,7 +576,7 @@ def test_credit_broadcasts_the_outcome_or_pays_each_call_its_own():
     problems, calls = _voting_episodes()
     credit_calls(calls, problems, [0.0, 1.0], "final", "keep")
     assert [c.reward for c in calls] == [0.0] * 3 + [1.0] * 3 + [0.0, 1.0]
-    assert [c.solved for c in calls] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, None, None]
+    assert [c.own_score for c in calls] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, None, None]
     credit_calls(calls, problems, [0.0, 1.0], "own", "keep")
     # the aggregator keeps the outcome
     assert [c.reward for c in calls] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
@@ -587,11 +587,11 @@ def test_a_truncated_call_earns_nothing_under_penalize_only():
     calls[5].truncated = calls[7].truncated = True
     credit_calls(calls, problems, [0.0, 1.0], "final", "penalize")
     assert [c.reward for c in calls] == [0.0] * 3 + [1.0, 1.0, 0.0, 0.0, 0.0]
-    assert calls[5].solved == 0.0  # a cut answer is no answer, though its number is right
+    assert calls[5].own_score == 0.0  # a cut answer is no answer, though its number is right
     for kept in ("keep", "mask"):  # mask acts in the update, on the advantage
         credit_calls(calls, problems, [0.0, 1.0], "final", kept)
         assert [c.reward for c in calls] == [0.0] * 3 + [1.0] * 3 + [0.0, 1.0]
-        assert calls[5].solved == (1.0 if kept == "keep" else 0.0)
+        assert calls[5].own_score == (1.0 if kept == "keep" else 0.0)
 
 
 def test_an_episode_whose_final_answer_was_cut_is_found():

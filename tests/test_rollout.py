@@ -44,7 +44,7 @@ def test_one_decode_per_stage_whatever_the_slots(tiny, monkeypatch):
     run_workflow("voting", ["What is 1 + 2?", "What is 3 + 4?"], rollout, n_agents=3)
     assert sizes == [6, 2]  # 2 episodes x 3 generators, then 2 aggregators
     assert [c.slot for c in rollout.calls[:3]] == ["generator0", "generator1", "generator2"]
-    assert {c.turn for c in rollout.calls if c.role == "aggregator"} == {1}
+    assert {c.stage for c in rollout.calls if c.role == "aggregator"} == {1}
 
 
 def test_greedy_decode_gives_generates_tokens(tiny):

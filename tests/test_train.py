@@ -706,7 +706,7 @@ def test_warm_up_verdicts_are_balanced_and_unfinished_solutions_are_not_taught()
               Call(1, "generator", "generator", 2, [1], [1], "", "\\boxed{5}")]
     replies = contract_replies(calls, [problem] * 3, score_batch, 3, random.Random(0),
                                ["generator"])
-    assert sorted((c.episode, c.turn, c.text) for c in replies) == [
+    assert sorted((c.episode, c.stage, c.text) for c in replies) == [
         (0, 0, "\\boxed{5}"), (0, 2, "\\boxed{5}"), (1, 2, "\\boxed{5}")]
 
 
@@ -1191,7 +1191,7 @@ def test_tensorboard_holds_every_number_of_metrics_jsonl_and_every_logged_episod
         assert step == episode["step"] and text == files.transcript(episode)
         assert f"**{episode['problem']}**" in text and f"    {episode['question']}" in text
         for i, call in enumerate(episode["calls"], 1):
-            assert f"**{i}. {call['slot']}** ({call['role']}, turn {call['turn']})" in text
+            assert f"**{i}. {call['slot']}** ({call['role']}, stage {call['stage']})" in text
             assert f"advantage **{call['advantage']:+.3f}**" in text \
                 and files.code_block(call["output"], 600) in text
     # 900 characters
