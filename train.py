@@ -61,7 +61,7 @@ from grpo import (AGG_MODES, BALANCE, RATIO_LEVELS, has_signal, kl_coefs, policy
 # lab/: the run's plumbing, behind the loop: `Run` holds the run on disk and on its machine; the
 # settings' checks; under torchrun `block` splits the held-out problems between the processes and
 # a gather joins what each did (in one process, every problem, and what it is given)
-from lab.checkpoint import TrainState
+from lab.checkpoint import TrainState, read_best
 from lab.machine import (PROCESSES, block, catch_stop_signals, gather_episodes, gather_lists,
                          gpu_rngs, log, run_main)
 from lab.run import Run, estimate_minutes, evaluation_samples
@@ -191,8 +191,8 @@ class Config:
                           "0: never)", bounds="[0, inf)")
     eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)",
                              bounds="[1, inf)")
-    val_problems: int = arg(0, "validation problems per evaluation, where a peak is chosen "
-                            "(0: none; lab/grid.py uses 48)", bounds="[0, inf)")
+    val_problems: int = arg(48, "validation problems per evaluation, where best/ and a peak are "
+                            "chosen (0: none, and no best checkpoint)", bounds="[0, inf)")
     eval_sampling: str = arg("auto", "evaluation decoding: greedy, sample (at --temperature), or "
                              "auto = sample for voting only", ("auto", "greedy", "sample"))
     eval_samples: int = arg(1, "samples per held-out problem when evaluation samples",
@@ -594,8 +594,11 @@ def step_zero(state: TrainState, tok, cfg: Config, train_set: list, held_out: di
         first = warm_up(state.model, tok, cfg, train_set, names) if cfg.sft_warmup else {}
     make_anchors(state.model, cfg, names)
     if cfg.start_from:
+        best = read_best(cfg.start_from)  # a best checkpoint says where it was chosen
+        kept = (f", its best checkpoint (step {best['step']}, {best['metric']} "
+                f"{best['score']:.3f})" if best else ", its step 0")
         log(f"step 0/{cfg.steps} | eval/accuracy {first['eval/accuracy']:.3f} | the start of "
-            f"{cfg.start_from}")
+            f"{cfg.start_from}{kept}")
         return first
     log(f"evaluating on {' and '.join(f'{len(v)} {k}' for k, v in held_out.items())} "
         "held-out problems ...")

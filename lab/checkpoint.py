@@ -35,7 +35,8 @@ from lab.machine import barrier, gather_lists, log, rank_and_world
 from lab.files import fsync, read_jsonl
 from lora import adapter_names, load_adapter_state, load_adapters, save_adapters
 
-BEST_OF = ("val/accuracy", "eval/accuracy")  # the best step is chosen on val; on test without val
+# the best step is chosen on the validation split; never on test (a run without val keeps none)
+BEST_METRIC = "val/accuracy"
 # what TrainState.save writes in state.pt
 STATE_KEYS = ("step", "optimizers", "schedulers", "torch_rngs", "cuda_rngs", "py_rng", "emas")
 
@@ -93,13 +94,16 @@ class TrainState:
         shutil.rmtree(final + ".old", ignore_errors=True)
 
     def keep_best(self, out: str, row: dict) -> None:
-        """After an evaluation (`row`): a checkpoint of its own, out/best, when it beats the best
-        so far (BEST_OF; of equal scores the earliest stays), with best.json: its step, metric,
-        score and evaluation. Paper A's cliffs come late: the peak outlives the newest
-        checkpoints' rotation."""
-        metric = next(k for k in BEST_OF if k in row)
+        """After an evaluation (`row`): a checkpoint of its own, out/best, when its validation
+        accuracy (BEST_METRIC) beats the best so far (of equal scores the earliest stays), with
+        best.json: its step, metric, score and evaluation. Paper A's cliffs come late: the peak
+        outlives the newest checkpoints' rotation. A run without a validation split keeps none:
+        a peak chosen on the test split would make its test score an optimistic one."""
+        metric = BEST_METRIC
+        if metric not in row:
+            return
         best = read_best(os.path.join(out, "best"))
-        better = best is None or best["metric"] != metric or row[metric] > best["score"]
+        better = best is None or row[metric] > best["score"]
         if gather_lists([better])[0]:  # rank 0's answer, which reads the run; every process saves
             evaluation = {k: v for k, v in row.items() if k.startswith(("eval/", "val/"))}
             self.save(out, row["step"], best={"step": row["step"], "metric": metric,
@@ -202,7 +206,7 @@ def read_best(ckpt: str) -> dict | None:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     whole = (isinstance(best, dict) and type(best.get("step")) is int
-             and best.get("metric") in BEST_OF and type(best.get("score")) in (int, float)
+             and best.get("metric") == BEST_METRIC and type(best.get("score")) in (int, float)
              and isinstance(best.get("evaluation"), dict)
              and isinstance(best["evaluation"].get("eval/accuracy"), (int, float)))
     return best if whole else None

@@ -228,8 +228,10 @@ def plan(cfg: Settings, device: str) -> str:
             f"{cfg.steps} steps of {cfg.problems_per_step} problems x {cfg.group_size} episodes; "
             f"{'sampled' if sampled else 'greedy'} evaluation on "
             f"{cfg.eval_problems} held-out problems{samples} at steps {evals}; a checkpoint every "
-            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}. "
-            "Time: estimated after the step-0 evaluation.")
+            f"{cfg.save_every} step{'s' * (cfg.save_every > 1)} in {cfg.out}, "
+            + (f"and best/ chosen on {cfg.val_problems} validation problems. " if cfg.val_problems
+               else "and no best/: no validation split to choose it on (--val_problems 0). ")
+            + "Time: estimated after the step-0 evaluation.")
 
 
 def estimate_minutes(cfg: Settings, eval_seconds: float, step_seconds: list[float],

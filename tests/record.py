@@ -23,7 +23,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = ["--model", "tiny", "--steps", "2", "--problems_per_step", "3", "--group_size", "4",
        "--max_new_tokens", "24", "--truncated", "keep", "--temperature", "1.0", "--lr", "1e-2",
-       "--lora_r", "4", "--eval_problems", "4", "--sft_warmup", "2", "--threads", "1"]
+       "--lora_r", "4", "--eval_problems", "4", "--val_problems", "0", "--sft_warmup", "2",
+       "--threads", "1"]
 CASES: dict[str, list[str]] = {
     **{f"{w}-{s}": ["--workflow", w, "--sharing", s]
        for w in ("single", "eval_opt", "voting", "orch_workers") for s in ("shared", "isolated")},

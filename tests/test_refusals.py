@@ -20,7 +20,7 @@ import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TINY = dict(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2,
-            group_size=2, eval_problems=2, max_new_tokens=6, lora_r=4, sft_warmup=0)
+            group_size=2, eval_problems=2, val_problems=2, max_new_tokens=6, lora_r=4, sft_warmup=0)
 
 
 def run(out, **kw) -> dict:

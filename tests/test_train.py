@@ -38,7 +38,7 @@ from workflows import ROLES, adherence, slots
 # waiting on each other turn seconds into minutes.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 SMALL = ["--model", "tiny", "--steps", "1", "--problems_per_step", "2", "--group_size", "2",
-         "--eval_problems", "2", "--max_new_tokens", "8", "--lora_r", "4"]
+         "--eval_problems", "2", "--val_problems", "2", "--max_new_tokens", "8", "--lora_r", "4"]
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -67,7 +67,7 @@ def test_smoke_every_workflow_sharing_and_algorithm(workflow, sharing, algo, tmp
     step0 = without_machine_stats([first])[0]
     assert {"step", *(f"eval/{k}" for k in ("accuracy", "accuracy_se", "first_answer", "boxed",
                                             "len", "truncated"))} \
-        <= set(step0) and all(k == "step" or k.startswith(("eval/", "sft/")) for k in step0)
+        <= set(step0) and all(k == "step" or k.startswith(("eval/", "val/", "sft/")) for k in step0)
     assert last["step"] == 1 and 0 <= last["reward/mean"] <= 1 and "eval/accuracy" in last
     for role in ROLES[workflow]:
         assert f"role/{role}/reward" in last and f"role/{role}/len" in last
@@ -103,8 +103,9 @@ def test_bad_input_is_a_one_line_error(tmp_path):
 def small_config(out: str, **kw) -> train.Config:
     # the paper's mini-batch steps
     base = dict(model="tiny", workflow="voting", sharing="isolated", steps=4, problems_per_step=2,
-                group_size=3, eval_problems=3, max_new_tokens=6, lora_r=4, minibatch_size=4,
-                one_step=False, eval_every=2, save_every=2, sft_warmup=0, out=out)
+                group_size=3, eval_problems=3, val_problems=0, max_new_tokens=6, lora_r=4,
+                minibatch_size=4,
+                one_step=False, eval_every=2, save_every=2, sft_warmup=0, diag_every=1, out=out)
     return train.Config(**{**base, **kw})
 
 
@@ -555,7 +556,7 @@ def test_resume_recovers_from_a_crash_inside_a_checkpoint_save_and_a_torn_log(tm
     assert f"resuming {out} at step 2" in capsys.readouterr().out  # the newest whole checkpoint
     straight = without_machine_stats(read_jsonl(str(tmp_path / "straight/metrics.jsonl")))
     assert without_machine_stats(read_jsonl(f"{out}/metrics.jsonl")) == straight
-    assert sorted(os.listdir(out)) == [".lock", "best", "ckpt", "config.json", "metrics.jsonl",
+    assert sorted(os.listdir(out)) == [".lock", "ckpt", "config.json", "metrics.jsonl",
                                        "samples.jsonl", "tb"]
 
 
@@ -882,8 +883,9 @@ def test_start_from_takes_only_a_step_0_run_that_differs_in_rl_settings(tmp_path
 
 
 def scripted_evaluations(monkeypatch, test: list[float], val: list[float] | None = None) -> None:
-    """Evaluations that return these accuracies in turn (one per evaluation: step 0, 1, ...);
-    None stops the run there, as a kill would."""
+    """Evaluations that return these accuracies in turn (one per evaluation: step 0, 1, ...), on
+    the validation split too where the run has one (`val`, else the test's); None stops the run
+    there, as a kill would."""
     scores = iter(zip(test, val or test))
 
     def evaluations(model, tok, cfg, held_out):
@@ -891,7 +893,7 @@ def scripted_evaluations(monkeypatch, test: list[float], val: list[float] | None
         if acc is None:
             raise KeyboardInterrupt
         return ({"eval/accuracy": acc, "eval/accuracy_se": 0.0}
-                | ({"val/accuracy": val_acc} if val else {}))
+                | ({"val/accuracy": val_acc} if cfg.val_problems else {}))
     monkeypatch.setattr(train, "evaluations", evaluations)
 
 
@@ -924,7 +926,8 @@ TOY_RUN = dict(max_new_tokens=16, truncated="keep", temperature=1.0, lr=1e-2, ev
 @pytest.mark.parametrize("val", [False, True])
 def test_a_run_through_a_cliff_keeps_its_peaks_adapters(val, tmp_path, monkeypatch):
     """Accuracy rises then falls: out/best holds the adapters of the peak's step, byte for byte,
-    beside the newest checkpoint, chosen on val where the run has a val split (else on test)."""
+    beside the newest checkpoint, chosen on val; a run without a val split keeps no best (never
+    chosen on test), and its plan says so."""
     monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)  # rewards vary, so adapters move
     test, peak = [0.2, 0.5, 0.9, 0.4, 0.1], 2
     if val:  # test peaks at step 2, val at step 3: val decides
@@ -936,9 +939,12 @@ def test_a_run_through_a_cliff_keeps_its_peaks_adapters(val, tmp_path, monkeypat
     saved = adapters_saved_each_step(out, monkeypatch)
     # seed 1: rewards vary in the steps after the peak too, so the adapters move on from it
     train.main(small_config(out, save_every=1, val_problems=2 * val, seed=1, **TOY_RUN))
+    if not val:
+        assert not os.path.exists(f"{out}/best")
+        assert "no best/: no validation split" in lab_run.plan(train.Config(val_problems=0), "cpu")
+        return
     best = json.load(open(f"{out}/best/best.json"))
-    metric = "val/accuracy" if val else "eval/accuracy"
-    assert (best["step"], best["metric"], best["score"]) == (peak, metric, 0.7 if val else 0.9)
+    assert (best["step"], best["metric"], best["score"]) == (peak, "val/accuracy", 0.7)
     assert best["evaluation"]["eval/accuracy"] == test[peak]
     assert adapter_files(f"{out}/best") == with_dir(saved[peak], f"{out}/best")
     assert adapter_files(f"{out}/ckpt") == saved[4] != saved[peak]  # the newest checkpoint moved on
@@ -950,7 +956,7 @@ def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeyp
     the uninterrupted run's; a torn best.tmp beside it changes nothing; a damaged best is dropped
     with a line, never stopping the resume, and the next evaluation keeps a new one."""
     monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
-    config = dict(save_every=2, **TOY_RUN)
+    config = dict(save_every=2, val_problems=2, **TOY_RUN)
     scripted_evaluations(monkeypatch, [0.2, 0.9, 0.5, 0.4, 0.3])
     train.main(small_config(str(tmp_path / "straight"), **config))
     straight = directory_state(str(tmp_path / "straight/best"))
@@ -983,18 +989,20 @@ def test_start_from_and_watch_take_a_runs_best_checkpoint(tmp_path, monkeypatch,
     monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
     scripted_evaluations(monkeypatch, [0.2, 0.9, 0.5])
     source = str(tmp_path / "source")
-    train.main(small_config(source, steps=2, save_every=1, **TOY_RUN))
+    train.main(small_config(source, steps=2, save_every=1, val_problems=2, **TOY_RUN))
     best = json.load(open(f"{source}/best/best.json"))
     assert best["step"] == 1
     out = str(tmp_path / "branch")  # RL from the peak, with another learning rate
-    train.main(small_config(out, steps=0, start_from=f"{source}/best", **{**TOY_RUN, "lr": 1e-3}))
+    train.main(small_config(out, steps=0, start_from=f"{source}/best", val_problems=2,
+                            **{**TOY_RUN, "lr": 1e-3}))
     assert read_jsonl(f"{out}/metrics.jsonl") == [{"step": 0, **best["evaluation"]}]
     assert adapter_files(f"{out}/ckpt") == with_dir(adapter_files(f"{source}/best"), f"{out}/ckpt")
     with pytest.raises(SystemExit, match="not 0 .*or start from its best checkpoint"):
-        train.main(small_config(str(tmp_path / "other"), start_from=source, **TOY_RUN))
+        train.main(small_config(str(tmp_path / "other"), start_from=source, val_problems=2,
+                                **TOY_RUN))
     capsys.readouterr()
     diagnose.main(["--watch", f"{source}/best", "What is 1 + 1?"])
-    assert f"from {source}/best (step 1, eval/accuracy 0.900)" in capsys.readouterr().out
+    assert f"from {source}/best (step 1, val/accuracy 0.900)" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------
