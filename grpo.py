@@ -128,12 +128,11 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str,
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
-                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
                 is_weight: torch.Tensor | None = None,
                 ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate per completion token, plus kl_coef * k3 to the reference.
+    """The clipped surrogate per completion token (a KL term to a reference is kl_penalty's).
 
-    logp, old_logp, ref_logp, mask: (B, T); advantages: (B,), one per sequence,
+    logp, old_logp, mask: (B, T); advantages: (B,), one per sequence,
     spread over its tokens; is_weight (B, T), no gradient: a per-token weight of the
     surrogate (truncated importance sampling, `tis_weight`). ratio_level "token": one
     ratio per token (PPO, GRPO); "sequence": GSPO's one ratio per sequence, the geometric
@@ -155,7 +154,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     pg_loss = -torch.min(surr1, surr2)  # (B, T)
     if is_weight is not None:
         pg_loss = is_weight * pg_loss
-    loss = pg_loss
     with torch.no_grad():
         stats = {
             "pg_loss": masked_mean(pg_loss, mask),
@@ -165,12 +163,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             "chi2": masked_mean(token_ratio ** 2, mask) - 1,  # E[rho^2] - 1 over tokens
             "ppl": torch.exp(-masked_mean(logp, mask, dim=-1)).mean(),  # mean over sequences
         }
-    if ref_logp is not None and kl_coef > 0:  # kl_ref only where there is a KL term
-        log_ref_ratio = ref_logp - logp
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # k3 >= 0, unbiased for KL(pi || ref)
-        loss = pg_loss + kl_coef * kl
-        stats["kl_ref"] = masked_mean(kl.detach(), mask)
-    return loss, stats
+    return pg_loss, stats
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """k3 to the reference per token, (B, T) (>= 0, unbiased for KL(pi || ref); Schulman 2020),
+    which the loss adds times its weight, and its mean over the completion tokens (kl_ref)."""
+    log_ref_ratio = ref_logp - logp  # (B, T)
+    kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+    return kl, {"kl_ref": masked_mean(kl.detach(), mask)}
 
 
 def read_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -435,8 +437,12 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
     is_weight, gap = sampler_gap(old_logp, record, mask, cfg.tis_cap, measure)
-    per_token, st = policy_loss(logp, old_logp, adv, mask, cfg.eps_low, cfg.eps_high, ref_logp,
-                                kl_coef, is_weight, cfg.ratio)
+    per_token, st = policy_loss(logp, old_logp, adv, mask, cfg.eps_low, cfg.eps_high, is_weight,
+                                cfg.ratio)
+    if ref_logp is not None:  # a KL term: kl_ref is logged only where there is one
+        kl, kl_stats = kl_penalty(logp, ref_logp, mask)
+        per_token = per_token + kl_coef * kl
+        st.update(kl_stats)
     loss = aggregate(per_token, mask, cfg.loss_agg, weight.num_seqs, weight.num_tokens)
     (weight.scale * loss).backward()
     if measure:

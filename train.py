@@ -576,9 +576,7 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
         return m
     for c in pairs:
         c.completion_ids = tok(c.text, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    losses = supervised_steps(model, pairs, names, cfg.sharing, cfg.sft_warmup, cfg.minibatch_size,
-                              cfg.sft_lr, rng, tok.pad_token_id, cfg.micro_batch_tokens,
-                              cfg.grad_clip, log, PROCESSES)
+    losses = supervised_steps(model, pairs, names, cfg, rng, tok.pad_token_id, log, PROCESSES)
     return {**m, "sft/loss/first": losses[0], "sft/loss/last": losses[-1]} if losses else m
 
 

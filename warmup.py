@@ -102,26 +102,25 @@ def balanced_verdicts(replies: list, rng: random.Random) -> list:
 # Supervised steps: the same adapters, before RL, on replies given as the calls' completions
 
 
-def supervised_steps(model, calls: list[Call], adapters: list[str], sharing: str, steps: int,
-                     batch_size: int, lr: float, rng: random.Random, pad_id: int,
-                     micro_batch_tokens: int, grad_clip: float, log=print,
-                     procs=ONE_PROCESS) -> list[float]:
-    """`steps` steps, each on `batch_size` calls drawn from `calls` and one AdamW step (its own
-    optimizer, learning rate `lr`) per adapter on the mean negative log-likelihood of its calls'
-    completion tokens; returns each step's loss, the mean over the adapters."""
-    optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=lr, weight_decay=0.0)
-                  for name in adapters}
+def supervised_steps(model, calls: list[Call], adapters: list[str], cfg, rng: random.Random,
+                     pad_id: int, log=print, procs=ONE_PROCESS) -> list[float]:
+    """cfg.sft_warmup steps (train.py's Config, read by field name), each on cfg.minibatch_size
+    calls drawn from `calls` and one AdamW step (its own optimizer, learning rate cfg.sft_lr) per
+    adapter on the mean negative log-likelihood of its calls' completion tokens; returns each
+    step's loss, the mean over the adapters."""
+    optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=cfg.sft_lr,
+                                          weight_decay=0.0) for name in adapters}
     losses = []
-    for i in range(steps):
-        mb = rng.sample(calls, min(batch_size, len(calls)))
+    for i in range(cfg.sft_warmup):
+        mb = rng.sample(calls, min(cfg.minibatch_size, len(calls)))
         step_loss = {}
         for name in adapters:
-            batch = [c for c in mb if adapter_for(c.role, sharing) == name]
+            batch = [c for c in mb if adapter_for(c.role, cfg.sharing) == name]
             if batch:
                 step_loss[name] = supervised_update(model, name, batch, optimizers[name], pad_id,
-                                                    micro_batch_tokens, grad_clip, procs)
+                                                    cfg.micro_batch_tokens, cfg.grad_clip, procs)
         losses.append(sum(step_loss.values()) / len(step_loss))
-        log(f"warm-up {i + 1}/{steps} | loss "
+        log(f"warm-up {i + 1}/{cfg.sft_warmup} | loss "
             + ", ".join(f"{k} {v:.3f}" for k, v in step_loss.items()))
     return losses
 

@@ -77,6 +77,7 @@ ASSIGNMENTS = {
             "tests/test_grpo.py::test_k3_kl_by_hand",
             "tests/test_grpo.py::test_chi2_and_perplexity_by_hand",
             "tests/test_grpo.py::test_the_clip_acts_only_after_the_first_mini_batch_step[False]"],
+        "grpo.kl_penalty": ["tests/test_grpo.py::test_k3_kl_by_hand"],
     }, needs=(1, 2, 5)),  # the update runs a LoRA model, its log-probs and the loss weights
     4: Assignment("The actor-critic: GAE, the value loss, central vs decentral critic inputs", {
         "critic.gae": [

@@ -130,10 +130,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from grpo import UpdateSettings, policy_update
+from grpo import policy_update
 from lora import add_adapter, adapter_parameters, inject_lora
 from model import load_policy
 from rollout import Call
+from train import Config
 
 name, device = sys.argv[1], "cuda"
 cuda = device == "cuda"
@@ -156,7 +157,7 @@ for dtype in ("bf16", "fp32"):
     positions = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
     frozen = torch.optim.SGD(params, lr=0.0)  # the work of an update, the adapter unchanged
     for tokens in (1024, 16384):
-        s = UpdateSettings(minibatch_size=16, micro_batch_tokens=tokens)
+        s = Config(temperature=1.0, one_step=False, minibatch_size=16, micro_batch_tokens=tokens)
         def run():
             policy_update(model, "shared", calls, frozen, random.Random(0), tok.pad_token_id, s)
             sync()

@@ -9,7 +9,7 @@ import pytest
 from conftest import update_config
 import torch
 
-from grpo import (aggregate, group_advantages, masked_mean, mismatch_stats,
+from grpo import (aggregate, kl_penalty, group_advantages, masked_mean, mismatch_stats,
                   overlay, policy_loss, policy_update, read_stats, sampler_gap, sampler_record,
                   set_advantages, tis_weight)
 from lora import adapter_parameters, inject_lora, setup_adapters, use_adapter
@@ -131,14 +131,13 @@ def test_sequence_and_token_ratio_are_one_and_agree_on_policy():
 def test_k3_kl_by_hand():
     logp = torch.tensor([[-1.0]])
     ref = torch.tensor([[-2.0]])
-    per_token, stats = policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1),
-                                   ref_logp=ref, kl_coef=0.5)
-    loss = aggregate(per_token, torch.ones(1, 1), "token-mean")
+    kl, stats = kl_penalty(logp, ref, torch.ones(1, 1))
     k3 = math.exp(-1.0) - (-1.0) - 1  # exp(ref - logp) - (ref - logp) - 1
-    assert stats["kl_ref"] == pytest.approx(k3)
+    assert stats["kl_ref"] == pytest.approx(k3) and kl.item() == pytest.approx(k3)
+    per_token, stats = policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1))
+    loss = aggregate(per_token + 0.5 * kl, torch.ones(1, 1), "token-mean")
     assert loss.item() == pytest.approx(0.5 * k3)
-    assert "kl_ref" not in policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1),
-                                       ref_logp=ref)[1]  # no KL term
+    assert "kl_ref" not in stats  # the surrogate alone has no KL term
 
 
 def test_chi2_and_perplexity_by_hand():
@@ -185,8 +184,7 @@ def test_logged_kl_and_chi2_read_the_completion_tokens_and_the_token_ratios():
     (the sequence ratio sqrt(2) would give 1.0)."""
     zeros = torch.zeros(1, 2)
     ref = torch.tensor([[math.log(2), 0.0]])
-    _, stats = policy_loss(zeros, zeros, torch.zeros(1), torch.tensor([[1.0, 0.0]]),
-                           ref_logp=ref, kl_coef=0.1)
+    _, stats = kl_penalty(zeros, ref, torch.tensor([[1.0, 0.0]]))
     assert stats["kl_ref"] == pytest.approx(1 - math.log(2))
     logp = torch.tensor([[math.log(2), 0.0]])
     _, stats = policy_loss(logp, zeros, torch.zeros(1), torch.ones(1, 2), ratio_level="sequence")
