@@ -146,7 +146,8 @@ def run(out: str, resume: bool = False, dies_at_call: int = 0, **kw) -> None:
             return real(*args, **kwargs)
         train.run_episodes = dies
     cfg = dict(model="tiny", workflow="voting", sharing="isolated", steps=4, problems_per_step=3,
-               group_size=2, eval_problems=3, max_new_tokens=6, temperature=1.0, lr=1e-2, lora_r=4,
+               group_size=2, eval_problems=3, val_problems=0, max_new_tokens=6, temperature=1.0,
+               lr=1e-2, lora_r=4,
                eval_every=2, save_every=2, sft_warmup=0, truncated="keep",
                out=out)
     train.main(train.Config(**cfg, **kw) if not resume else train.Config(out=out, resume=True))
