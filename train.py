@@ -101,8 +101,8 @@ class Config:
                     tuple(TASKS))
     level: int = arg(DEFAULT_LEVEL, "difficulty level of the arith task (1-5)")
     code_workers: int = arg(2, "code tasks: sandboxed programs run in parallel", bounds="[1, inf)")
-    code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program",
-                              bounds="(0, inf)")
+    code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program (from "
+                              "0.5: a sandbox takes about 0.1 s to start)", bounds="[0.5, 86400]")
     n_agents: int = arg(3, "generators in voting, workers in orch_workers", bounds="[1, inf)")
     max_rounds: int = arg(2, "eval_opt: most generator turns per episode", bounds="[1, inf)")
     # rollout
@@ -616,12 +616,12 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     """Train; `typed`: the flags given on the command line (None: those that differ from their
     defaults), which --resume checks against the run."""
     run = Run(cfg, typed)  # lab/run.py: the settings checked, the processes joined, the threads
-    cfg = run.cfg  # a resumed run's own settings
+    train_set, held_out = run.problems()
+    cfg = run.cfg  # a resumed run's own settings, the splits' sizes as they are
     check_algorithm_settings(cfg)
     torch.manual_seed(cfg.seed)  # the same adapters in every process
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process
-    # ---- the problems, the model, the adapters and critics with their optimizers
-    train_set, held_out = run.problems()
+    # ---- the model, the adapters and critics with their optimizers
     run.open()  # the run's directory locked, its plan logged
     model, tok = load_model(cfg, run.device)
     check_context(model, tok, cfg, train_set + [p for ps in held_out.values() for p in ps])

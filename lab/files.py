@@ -237,6 +237,7 @@ DERIVED = ("report.md", "probe.json", *(f"{name}.png" for name in (
     "chi2", "entropy", "adherence", "similarity", "length")))
 LOCK = ".lock"  # in --out, kept by --overwrite: it is not one of the run's files
 PROJECT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
+SOURCES = ("lab", "tests", "docs", ".git", ".venv", ".ci")  # the project's own folders
 held_locks: list[int] = []  # the lock file this process holds (one run at a time)
 
 
@@ -269,6 +270,9 @@ def take_lock(out: str) -> str:
         return f"--out {out}: cannot {where}"
     if os.path.realpath(out) == os.path.realpath(PROJECT):  # every later runs/NAME inside it
         return f"--out {out} is the project's own directory; choose one for the run (runs/NAME)"
+    inside = os.path.relpath(os.path.realpath(out), os.path.realpath(PROJECT)).split(os.sep)[0]
+    if inside in SOURCES:  # an --overwrite there would delete the project's own files
+        return f"--out {out} is inside the project's {inside}/; choose one for the run (runs/NAME)"
     if os.path.isdir(os.path.join(out, LOCK)):
         return f"--out {out}: its {LOCK} is a directory, not a lock file; remove it"
     if home := enclosing_run(out):  # that run's next save or --overwrite would delete this one

@@ -32,7 +32,7 @@ from lab.files import (check_run_dir, close_tensorboard, episode_samples, lock_r
                        start_logs, start_run_dir, unlock_run, write_step, write_whole)
 from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, stop_requested)
-from lab.settings import NEW_LR, Settings, check_settings
+from lab.settings import NEW_LR, Settings, check_settings, chosen
 from tasks import load_task
 
 
@@ -43,6 +43,7 @@ class Run:
         """Check the settings (a resumed run's own from its config.json), join torchrun's
         processes and pick the threads; nothing is written yet."""
         self.cfg, self.start_config = check_settings(cfg, typed)
+        self.typed = typed
         self.device = join_processes(self.cfg.device)
         self.rank, self.world = rank_and_world()
         self.procs = PROCESSES  # what the algorithm's passes exchange (rollout.ONE_PROCESS)
@@ -64,9 +65,18 @@ class Run:
             start_run_dir(self.cfg.out, self.held, dataclasses.asdict(self.cfg))
 
     def problems(self) -> tuple[list, dict[str, list]]:
-        """The training pool and the held-out problems (load_problems)."""
+        """The training pool and the held-out problems (load_problems). A split that holds fewer
+        problems than asked (HumanEval's 164 in all) is refused where the number was given; a
+        default becomes what the split holds, and the plan and config.json say so."""
         train_set, held_out = load_problems(self.cfg, self.world)
-        self.tested = len(held_out["eval"])  # what the last line reports (a task may hold fewer)
+        held = {"train_problems": len(train_set), "eval_problems": len(held_out["eval"]),
+                "val_problems": len(held_out.get("val", []))}
+        fewer = {name: n for name, n in held.items() if n < getattr(self.cfg, name)}
+        for name, n in fewer.items():
+            if chosen(self.cfg, self.typed, name):
+                raise SystemExit(f"--{name} {getattr(self.cfg, name)}: task {self.cfg.task}'s "
+                                 f"split holds {n} problems; give at most {n}")
+        self.cfg = dataclasses.replace(self.cfg, **fewer)
         return train_set, held_out
 
     # ---- step 0
@@ -152,7 +162,7 @@ class Run:
         cfg = self.cfg
         before, after = self.first["eval/accuracy"], self.last["eval/accuracy"]
         log(f"held-out accuracy of {cfg.workflow} ({cfg.sharing}): before {before:.3f} -> after "
-            f"{after:.3f}  [{self.tested} test problems]")
+            f"{after:.3f}  [{cfg.eval_problems} test problems]")
         leave_processes()
         return {"before": before, "after": after}
 

@@ -96,6 +96,8 @@ ONLY_UNDER = [
     (("sft_lr", "sft_roles"), lambda c: c.sft_warmup > 0,
      "sets the warm-up, which --sft_warmup 0 leaves out: drop it or give --sft_warmup"),
     (("level",), lambda c: c.task == "arith", "is the arith task's difficulty: drop it"),
+    (("strict_answer",), lambda c: TASK_KIND[c.task] == "math",
+     "scores a math answer only in \\boxed{}; a code task's answer is a program: drop it"),
     (("code_workers", "code_timeout"), lambda c: TASK_KIND[c.task] == "code",
      "sets how a code task's programs run: drop it"),
     (("n_agents",), lambda c: c.workflow in ("voting", "orch_workers"),

@@ -16,9 +16,11 @@ from lab import files, settings
 from lab import run as lab_run
 from lora import inject_lora
 from model import tiny_model
+from tasks import Problem
 import train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
 TINY = dict(model="tiny", workflow="voting", sharing="shared", steps=1, problems_per_step=2,
             group_size=2, eval_problems=2, val_problems=2, max_new_tokens=6, lora_r=4, sft_warmup=0)
 
@@ -147,6 +149,9 @@ def test_a_misspelt_lora_target_is_refused():
     (dict(seed=2 ** 64), "--seed 18446744073709551616: must be in"),
     (dict(seed=-1), "--seed -1: must be in"),
     (dict(lora_alpha=1e300), "--lora_alpha 1e+300: must be in"),
+    (dict(task="humaneval", strict_answer=True), "--strict_answer scores a math answer only in"),
+    (dict(task="humaneval", code_timeout=1e10), "--code_timeout 10000000000.0: must be in"),
+    (dict(task="humaneval", code_timeout=0.001), "--code_timeout 0.001: must be in [0.5, 86400]"),
 ])
 def test_contradictions_and_impossible_numbers_are_refused_before_any_file(kw, words, tmp_path,
                                                                            monkeypatch):
@@ -481,3 +486,31 @@ def test_a_checkpoint_that_would_run_code_is_refused_unread(how, tmp_path):
         else:
             run(tmp_path / "b", start_from=str(start))
     assert not proof.exists()
+
+
+def test_a_split_smaller_than_asked_is_refused_where_typed_and_said_where_not(tmp_path,
+                                                                            monkeypatch):
+    """A task whose test or val split holds fewer problems than asked (HumanEval's 164 in all):
+    a typed --eval_problems is refused in one line; a default becomes what the split holds, and
+    the run's config.json and plan say that number, not the default."""
+    monkeypatch.setattr(lab_run, "load_task", lambda task, split, n, *a: TOY[:min(n, 5)])
+    with pytest.raises(SystemExit, match=re.escape("--eval_problems 8: task arith's split holds "
+                                                   "5 problems; give at most 5")):
+        train.main(train.Config(**{**TINY, "val_problems": 0, "eval_problems": 8,
+                                   "out": str(tmp_path / "typed")}), typed={"eval_problems"})
+    assert not os.path.exists(tmp_path / "typed")
+    out = tmp_path / "default"
+    train.main(train.Config(**{**TINY, "eval_problems": 96, "val_problems": 48, "out": str(out)}),
+               typed=set())
+    saved = json.load(open(out / "config.json"))
+    assert (saved["eval_problems"], saved["val_problems"], saved["train_problems"]) == (5, 5, 5)
+
+
+@pytest.mark.parametrize("inside", ["lab", "docs/runs", "tests"])
+def test_a_run_inside_the_projects_own_folders_is_refused(inside):
+    """An --out in lab/, docs/ or tests/ would put a run (and an --overwrite) among the project's
+    own files: refused before anything is made."""
+    out = os.path.join(ROOT, inside, "a-run")
+    with pytest.raises(SystemExit, match=f"is inside the project's {inside.split('/')[0]}/"):
+        run(out)
+    assert not os.path.exists(out)
