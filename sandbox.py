@@ -168,6 +168,22 @@ CACHE_VARIABLES = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE", "TRANSFORMERS
                    "XDG_CACHE_HOME")
 
 
+def layers(sb: Sandbox) -> str:
+    """What a sandbox holds, in a few words, and what it lacks (a run's plan line says it once):
+    where the machine refuses namespaces (a container without CAP_SYS_ADMIN, user namespaces
+    turned off), a program reaches the network and the machine's writable directories."""
+    have = ["rlimits"]
+    if sb.prefix:
+        have.insert(0, "namespaces (no network, a private /tmp, the trainer's trees hidden"
+                    + (", mounts locked)" if "--map-root-user" in sb.prefix else ")"))
+    if sb.own_uid:
+        have.insert(len(have) - 1, "a fresh uid")
+    lack = ([] if sb.prefix else ["no namespaces: the network is open and a program can write "
+                                  "in the machine's writable directories"])
+    lack += [] if sb.own_uid else ["no fresh uid: a program runs as the trainer's user"]
+    return ", ".join(have) + "".join(f"; {x}" for x in lack) + " (docs/tasks.md#the-sandbox)"
+
+
 @functools.lru_cache(maxsize=None)
 def hidden_trees(python: str) -> tuple[str, ...]:
     """Directories of the trainer a program has no business reading, which private_scratch

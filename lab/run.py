@@ -33,7 +33,8 @@ from lab.files import (check_run_dir, close_tensorboard, episode_samples, lock_r
 from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, stop_requested)
 from lab.settings import NEW_LR, Settings, check_settings, chosen
-from tasks import load_task
+from sandbox import layers, sandbox
+from tasks import TASK_KIND, load_task
 
 
 class Run:
@@ -58,6 +59,8 @@ class Run:
         lock_run(self.cfg.out)
         self.held = [] if self.cfg.resume else check_run_dir(self.cfg.out, self.cfg.overwrite)
         log(plan(self.cfg, self.device))
+        if TASK_KIND[self.cfg.task] == "code":  # the isolation this machine gives its programs
+            log(f"sandbox: {layers(sandbox())}")
 
     def write_config(self) -> None:
         """A new run's directory: the old run's files gone (--overwrite), config.json written."""

@@ -781,3 +781,25 @@ def test_a_program_cannot_undo_its_mounts_under_an_ordinary_trainer():
         shutil.rmtree(project, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.remove(f"/tmp/{leak}")
+
+
+def test_the_sandbox_says_which_layers_it_has_and_a_code_run_says_it_once(tmp_path, monkeypatch,
+                                                                          capsys):
+    """Where the machine gives no namespaces (a container without CAP_SYS_ADMIN) the sandbox
+    falls back: the run's plan says which layers it has and what that leaves open, not nothing."""
+    from sandbox import Sandbox, layers
+    from lab import run as lab_run
+    import train
+    weakest = Sandbox((), sys.executable, False)
+    assert layers(weakest).startswith("rlimits; no namespaces: the network is open")
+    assert "no fresh uid" in layers(weakest)
+    whole = layers(Sandbox(("unshare", "--net"), sys.executable, True))
+    assert whole.startswith("namespaces (") and "a fresh uid" in whole and "; no " not in whole
+    monkeypatch.setattr(lab_run, "sandbox", lambda: weakest)
+    monkeypatch.setattr(lab_run, "load_task", lambda name, split, n, *args: [ADD] * n)
+    train.main(train.Config(model="tiny", task="humaneval", workflow="single", steps=0,
+                            eval_problems=1, val_problems=0, problems_per_step=2, group_size=2,
+                            train_problems=4, max_new_tokens=8,
+                            lora_r=4, sft_warmup=0, out=str(tmp_path / "run")))
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sandbox:")]
+    assert said == [f"sandbox: {layers(weakest)}"]
