@@ -414,10 +414,12 @@ def main(argv: list[str] | None = None) -> None:
     args, train_flags = parse_args(sys.argv[1:] if argv is None else argv)
     parse_config(train_flags)  # a flag train.py does not know fails here (the cells: check_cells)
     t0 = time.time()
+    # the cells train with the project as their working directory: one path, wherever it is run
+    out = os.path.abspath(args.out or (f"runs/demo-{args.demo}" if args.demo else "runs/reproduce"))
     if args.demo:
-        path = demo(args.demo, args.out or f"runs/demo-{args.demo}", train_flags, args.seeds)
+        path = demo(args.demo, out, train_flags, args.seeds)
     else:
-        path = reproduce(args.out or "runs/reproduce", train_flags, args.seeds)
+        path = reproduce(out, train_flags, args.seeds)
     print(f"{path} ({time.time() - t0:.0f} s in all)")
 
 

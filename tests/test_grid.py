@@ -470,3 +470,16 @@ def test_a_demo_of_two_workflows_tables_each_roles_numbers_where_its_cells_have_
     assert "aggregator unseen" not in header and "kappa" in header
     assert iso[header.index("kappa")] == "1.20" and one[header.index("kappa")] == "-"
     assert one[header.index("accuracy end")] == "0.75"
+
+
+def test_a_grid_run_from_another_directory_finds_its_finished_cells(tmp_path, monkeypatch, capsys):
+    """The cells train with the project as their working directory; a relative --out given from
+    elsewhere is the caller's: the grid trains and finds its cells there, and a second run
+    retrains nothing."""
+    monkeypatch.chdir(tmp_path)
+    tiny = [*TINY, "--sft_warmup", "2", "--steps", "1"]
+    grid.main(["--demo", "capture", "--seeds", "0", "--out", "here", *tiny])
+    assert os.path.isdir(tmp_path / "here" / "capture" / "seed0" / "start")
+    capsys.readouterr()
+    grid.main(["--demo", "capture", "--seeds", "0", "--out", "here", *tiny])
+    assert "train.py" not in capsys.readouterr().out  # done: nothing trains again
