@@ -74,7 +74,7 @@ from reward import CREDITS, TRUNCATED, credit_calls, cut_finals, score_batch
 from rollout import Call, Rollout, chat_text, context_length
 from sandbox import CODE_TIMEOUT
 from tasks import DEFAULT_LEVEL, TASKS
-from warmup import contract_replies, supervised_steps
+from warmup import contract_replies, supervised_steps, warmup_roles
 from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, boxed_contents, every_prompt,
                        role_of, run_workflow, slots)
 
@@ -225,30 +225,10 @@ def check_algorithm_settings(cfg: Config) -> None:
     touched."""
     try:
         kl_coefs(cfg)
+        if not cfg.resume:  # a resumed run's warm-up is behind it
+            warmup_roles(cfg)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    if not cfg.resume:  # a resumed run's warm-up is behind it
-        warmup_roles(cfg)
-
-
-def warmup_roles(cfg: Config) -> list[str]:
-    """The workflow's roles named in --sft_roles (another workflow's are passed over, as in the
-    default, every workflow's roles, and a grid's list for all its cells): an unknown, blank or
-    repeated name is a one-line error."""
-    roles = [r.strip() for r in cfg.sft_roles.split(",")]
-    if "" in roles or len(set(roles)) < len(roles):
-        raise SystemExit(f"--sft_roles {cfg.sft_roles!r}: give distinct role names separated by "
-                         "commas, e.g. generator,evaluator")
-    known = {r for rs in ROLES.values() for r in rs}
-    for role in roles:
-        if role not in known:
-            raise SystemExit(f"--sft_roles: {role!r} is not a role "
-                             f"(roles: {', '.join(sorted(known))})")
-    taught = [r for r in roles if r in ROLES[cfg.workflow]]
-    if cfg.sft_warmup and not taught:
-        raise SystemExit(f"--sft_roles: no role of {cfg.workflow} "
-                         f"({', '.join(ROLES[cfg.workflow])}) to warm up")
-    return taught
 
 
 # ----------------------------------------------------------------------------

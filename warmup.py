@@ -22,7 +22,7 @@ import torch
 
 from lora import adapter_for, adapter_parameters, use_adapter
 from rollout import ONE_PROCESS, Call, micro_batches, sequence_logprobs
-from workflows import SOLVERS
+from workflows import ROLES, SOLVERS
 
 # (problems, texts) -> 1.0 where a text solves its problem
 ScoreFn = Callable[[list, list[str]], list[float]]
@@ -96,6 +96,26 @@ def balanced_verdicts(replies: list, rng: random.Random) -> list:
     if not rare:
         return replies
     return replies + [dataclasses.replace(rng.choice(rare)) for _ in range(len(common) - len(rare))]
+
+
+def warmup_roles(cfg) -> list[str]:
+    """The workflow's roles named in cfg.sft_roles (train.py's Config; another workflow's are
+    passed over, as in the default, every workflow's roles, and a grid's list for all its cells);
+    a ValueError names an unknown, blank or repeated one."""
+    roles = [r.strip() for r in cfg.sft_roles.split(",")]
+    if "" in roles or len(set(roles)) < len(roles):
+        raise ValueError(f"--sft_roles {cfg.sft_roles!r}: give distinct role names separated by "
+                         "commas, e.g. generator,evaluator")
+    known = {r for rs in ROLES.values() for r in rs}
+    for role in roles:
+        if role not in known:
+            raise ValueError(f"--sft_roles: {role!r} is not a role "
+                             f"(roles: {', '.join(sorted(known))})")
+    taught = [r for r in roles if r in ROLES[cfg.workflow]]
+    if cfg.sft_warmup and not taught:
+        raise ValueError(f"--sft_roles: no role of {cfg.workflow} "
+                         f"({', '.join(ROLES[cfg.workflow])}) to warm up")
+    return taught
 
 
 # ----------------------------------------------------------------------------
