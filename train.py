@@ -595,9 +595,8 @@ def step_zero(state: TrainState, tok, cfg: Config, train_set: list, held_out: di
 def main(cfg: Config, typed: set[str] | None = None) -> dict:
     """Train; `typed`: the flags given on the command line (None: those that differ from their
     defaults), which --resume checks against the run."""
-    run = Run(cfg, typed)  # lab/run.py: the settings checked, the processes joined, the threads
-    train_set, held_out = run.problems()
-    cfg = run.cfg  # a resumed run's own settings, the splits' sizes as they are
+    run = Run(cfg, typed)  # lab/run.py: the settings checked, the processes, threads, problems
+    cfg, train_set, held_out = run.cfg, run.train_set, run.held_out  # a resumed run's settings
     check_algorithm_settings(cfg)
     torch.manual_seed(cfg.seed)  # the same adapters in every process
     rng = random.Random(cfg.seed)  # the same problems and mini-batches in every process

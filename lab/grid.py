@@ -240,7 +240,7 @@ def check_cells(cells: list[tuple[str, list[str]]], home: str,
         cfg = parse_config(argv)
         try:
             alone = dataclasses.replace(cfg, start_from="", resume=False)  # no file read yet
-            check_algorithm_settings(check_settings(alone, typed_flags(argv))[0])
+            check_algorithm_settings(check_settings(alone, typed_flags(argv)))
             if cfg.start_from:
                 start = os.path.relpath(cfg.start_from, home)
                 check_goes_on_from(cfg, configs[start], start)

@@ -32,7 +32,7 @@ from lab.files import (check_run_dir, close_tensorboard, episode_samples, lock_r
                        start_logs, start_run_dir, unlock_run, write_step, write_whole)
 from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, stop_requested)
-from lab.settings import NEW_LR, Settings, check_settings, chosen
+from lab.settings import NEW_LR, Settings, check_settings, check_start, chosen
 from sandbox import layers, sandbox
 from tasks import TASK_KIND, load_task
 
@@ -42,13 +42,16 @@ class Run:
 
     def __init__(self, cfg: Settings, typed: set[str] | None = None):
         """Check the settings (a resumed run's own from its config.json), join torchrun's
-        processes and pick the threads; nothing is written yet."""
-        self.cfg, self.start_config = check_settings(cfg, typed)
-        self.typed = typed
+        processes, pick the threads, load the problems (`held_problems`) and check another run's
+        start (--start_from); nothing is written yet."""
+        self.cfg, self.typed = check_settings(cfg, typed), typed
         self.device = join_processes(self.cfg.device)
         self.rank, self.world = rank_and_world()
         self.procs = PROCESSES  # what the algorithm's passes exchange (rollout.ONE_PROCESS)
         torch.set_num_threads(pick_threads(self.cfg.threads, own_load=0.0))
+        self.train_set, self.held_out = self.held_problems()
+        self.start_config = (check_start(self.cfg) if self.cfg.start_from and not self.cfg.resume
+                             else None)
         self.step_seconds: list[float] = []  # training time of each step, evaluation excluded
         self.first = self.last = {}  # the metrics rows of the first and the latest evaluation
         self.saved = self.nonfinite = 0  # the newest checkpoint's step; non-finite steps in a row
@@ -67,7 +70,7 @@ class Run:
         if not self.cfg.resume and self.rank == 0:
             start_run_dir(self.cfg.out, self.held, dataclasses.asdict(self.cfg))
 
-    def problems(self) -> tuple[list, dict[str, list]]:
+    def held_problems(self) -> tuple[list, dict[str, list]]:
         """The training pool and the held-out problems (load_problems). A split that holds fewer
         problems than asked (HumanEval's 164 in all) is refused where the number was given; a
         default becomes what the split holds, and the plan and config.json say so."""

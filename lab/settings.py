@@ -209,9 +209,9 @@ def lora_targets(cfg: Settings) -> tuple[str, ...]:
 # The settings: checked before a file or the model is touched
 
 
-def check_settings(cfg: Settings, typed: set[str] | None) -> tuple[Settings, dict | None]:
-    """The run's config (a resumed run's own) and with --start_from the start's config, checked
-    before a file or the model is touched (train.py checks what the algorithm reads of them)."""
+def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
+    """The run's config (a resumed run's own), checked before a file or the model is touched
+    (train.py checks what the algorithm reads of it; check_start, another run's start)."""
     if cfg.resume and cfg.overwrite:
         raise SystemExit("--resume continues the run in --out and --overwrite starts it over: "
                          "give one")
@@ -227,9 +227,8 @@ def check_settings(cfg: Settings, typed: set[str] | None) -> tuple[Settings, dic
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs); use --credit final")
     cfg = with_task_tokens(cfg)  # resolved here once (a resumed run's config holds it)
-    start_config = check_start(cfg) if cfg.start_from and not cfg.resume else None
     lora_targets(cfg)  # stops here on an empty or repeated layer name
-    return cfg, start_config
+    return cfg
 
 
 # ----------------------------------------------------------------------------

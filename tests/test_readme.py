@@ -176,7 +176,7 @@ def test_the_prepared_gpu_check_s_commands_pass_a_launch_s_checks(tmp_path, monk
     assert scripts.count("train.py") == 3 and scripts.count("-m") == 2, commands
     for argv in commands:
         if argv[0] == "train.py":
-            cfg, *_ = check_settings(train.parse_config(argv[1:]), typed_flags(argv[1:]))
+            cfg = check_settings(train.parse_config(argv[1:]), typed_flags(argv[1:]))
             load_problems(cfg, world=1)
         else:
             assert argv[1] == "lab.bench", argv
