@@ -42,13 +42,13 @@ one without bf16, the README; a 135M model, 10 steps of 8 x 4 episodes, 48 new t
 a learning rate of 5e-4 instead of 2e-5), and one optimizer step per adapter and step, where
 the ratio is 1 and the clip never acts: an on-policy policy gradient with GRPO's baseline.
 """
+import math
 import random
 import sys
 import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
-import math
 from functools import partial
 
 import torch
@@ -85,8 +85,9 @@ EVAL_BATCH = 32  # held-out problems an evaluation rolls out at once
 
 
 # ----------------------------------------------------------------------------
-# The settings: every flag, its default and its help (--help, --help-all); lab/settings.py
-# checks them, and what the algorithm's files read is made from them below
+# The settings: every flag, its default and its help (--help, --help-all). lab/settings.py checks
+# them; the algorithm's files read them by field name (grpo.policy_update(..., cfg)), and what
+# only they can check is checked below
 
 
 @dataclass

@@ -280,10 +280,11 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
     for name, flags in cells:
         run_dir = os.path.join(out, name)
         run_dirs.append(run_dir)
-        if finished(run_dir):
+        if finished(run_dir) or has_checkpoint(run_dir):
             argv = [*flags, "--out", run_dir]
             # the check --resume makes, of every setting that acts in the cell (a flag left out
-            # this time takes its default, which the cell may not have been trained with), --lr too
+            # this time takes its default, which the cell may not have been trained with), --lr
+            # too: a cell is one setting from its first step to its last, interrupted or not
             cfg = with_task_tokens(parse_config(argv))
             every = {f.name for f in dataclasses.fields(Config)} - set(idle_settings(cfg))
             try:
@@ -292,6 +293,7 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
                 raise SystemExit(f"{run_dir} was trained with other settings "
                                  f"({str(e).removeprefix('--resume: ')}): "
                                  "remove it or choose another --out") from None
+        if finished(run_dir):
             print(f"{run_dir}: already finished")
             continue
         # an interrupted cell continues from its checkpoint (one killed between a save's two

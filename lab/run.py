@@ -293,6 +293,7 @@ def resume_run(out: str, state: TrainState, lrs: dict[str, float],
         raise SystemExit(f"--resume: {out} is finished (step {start} of {steps}): a new "
                          f"--{new[0]} would train nothing")
     metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
+    read_jsonl(samples_path)  # a damaged line stops the resume here, before either log is cut
     # every step writes its row before its checkpoint: the log holds steps 0 to `start`, each once
     kept = [row["step"] for row in read_jsonl(metrics_path) if row["step"] <= start]
     if kept != list(range(start + 1)):

@@ -483,3 +483,14 @@ def test_a_grid_run_from_another_directory_finds_its_finished_cells(tmp_path, mo
     capsys.readouterr()
     grid.main(["--demo", "capture", "--seeds", "0", "--out", "here", *tiny])
     assert "train.py" not in capsys.readouterr().out  # done: nothing trains again
+
+
+def test_an_interrupted_cell_goes_on_only_with_its_own_settings(tmp_path):
+    """A cell with a checkpoint but short of its last step resumes; given another --lr (or any
+    setting that acts in it) it is refused as a finished cell is, never trained on under two."""
+    flags = [*TINY, "--steps", "1"]
+    train.main(train.parse_config([*flags, "--out", str(tmp_path / "cell")]))
+    config = json.loads((tmp_path / "cell" / "config.json").read_text())
+    (tmp_path / "cell" / "config.json").write_text(json.dumps({**config, "steps": 2}))
+    with pytest.raises(SystemExit, match=r"cell was trained with other settings \(--lr 0.01"):
+        grid.train_cells(str(tmp_path), [("cell", [*TINY, "--lr", "0.01"])])

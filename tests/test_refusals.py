@@ -514,3 +514,15 @@ def test_a_run_inside_the_projects_own_folders_is_refused(inside):
     with pytest.raises(SystemExit, match=f"is inside the project's {inside.split('/')[0]}/"):
         run(out)
     assert not os.path.exists(out)
+
+
+def test_a_damaged_samples_log_stops_a_resume_before_either_log_is_cut(finished, tmp_path):
+    """A step's row past the checkpoint (its save was cut) and a damaged line in samples.jsonl:
+    the resume is refused in one line, metrics.jsonl left as it was (not cut back first)."""
+    out = damaged(finished, tmp_path, "samples.jsonl", '{"step": 1}\nnot json\n{"step": 1}\n')
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 2, "reward/mean": 0.5}\n')
+    log = open(os.path.join(out, "metrics.jsonl"), "rb").read()
+    with pytest.raises(SystemExit, match="samples.jsonl, line 2: not JSON"):
+        run(out, resume=True, steps=2)
+    assert open(os.path.join(out, "metrics.jsonl"), "rb").read() == log
