@@ -678,7 +678,10 @@ def test_a_run_is_read_back_with_its_lora_targets_as_train_py_read_them(tmp_path
 
 
 def test_probe_measures_a_checkpoint(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
+    # as many toy problems as each split asks for: the run's config keeps the default pool size,
+    # from which the probe draws its own (arith) problems
+    monkeypatch.setattr(lab_run, "load_task",
+                        lambda task, split, n, *args: (TOY * (n // len(TOY) + 1))[:n])
     monkeypatch.setattr(train, "score_batch", odd_length_wins)
     out = str(tmp_path / "run")
     train.main(train.Config(model="tiny", workflow="voting", sharing="shared", steps=1,
