@@ -1,11 +1,11 @@
 """A training run as the loop sees it: one object (`Run`) that holds everything about the run on
 disk and on its machine, so that train.py's loop makes a few calls a step and reads as the
-algorithm. Opened, it has checked the settings (lab/settings.py: a resumed run's own, another
-run's start), joined torchrun's processes, picked torch's threads, locked its directory and logged
-its plan; then, a step at a time, it says which step comes next and whether it is evaluated, logs
-the step's row and episodes (metrics.jsonl, samples.jsonl, TensorBoard), keeps the newest and the
-best checkpoint (lab/checkpoint.py) and stops the run after a signal or after steps that could not
-be applied; its clock estimates the time left. The directory is written only once the model has
+algorithm. Made, it has checked the settings (lab/settings.py: a resumed run's own, another run's
+start), joined torchrun's processes, picked torch's threads and loaded the problems; `open` locks
+its directory and logs its plan; then, a step at a time, it says which step comes next and whether
+it is evaluated, logs the step's row and episodes (metrics.jsonl, samples.jsonl, TensorBoard),
+keeps the newest and the best checkpoint (lab/checkpoint.py) and stops the run after a signal or
+after steps that could not be applied; its clock estimates the time left. The directory is written only once the model has
 loaded and the flags fit it (`write_config`), so a launch that fails leaves --out as it was.
 
     python train.py --out runs/a --resume                   # on from its last checkpoint, exactly
