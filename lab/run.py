@@ -5,8 +5,9 @@ start), joined torchrun's processes, picked torch's threads and loaded the probl
 its directory and logs its plan; then, a step at a time, it says which step comes next and whether
 it is evaluated, logs the step's row and episodes (metrics.jsonl, samples.jsonl, TensorBoard),
 keeps the newest and the best checkpoint (lab/checkpoint.py) and stops the run after a signal or
-after steps that could not be applied; its clock estimates the time left. The directory is written only once the model has
-loaded and the flags fit it (`write_config`), so a launch that fails leaves --out as it was.
+after steps that could not be applied; its clock estimates the time left. The directory is
+written only once the model has loaded and the flags fit it (`write_config`), so a launch that
+fails leaves --out as it was.
 
     python train.py --out runs/a --resume                   # on from its last checkpoint, exactly
     python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation
