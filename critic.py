@@ -41,6 +41,9 @@ critic fits the mean of their returns; identical prompts of one step
 (voting's generators) are written once, labelled with every slot that saw
 them; an input longer than max_tokens keeps its most recent tokens.
 
+critic_advantages and update_critics read train.py's Config (`cfg`) by field name (critic,
+critic_per, gamma, lam, critic_steps, ...).
+
 Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
 """

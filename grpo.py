@@ -50,10 +50,12 @@ skip_empty a mini-batch without a live call takes no optimizer step: AdamW would
 adapter on its moments.
 
 Before RL, the warm-up (warmup.py) trains the same adapters on given replies, by their negative
-log-likelihood.
+log-likelihood. A function that takes `cfg` reads train.py's Config by field name (temperature,
+minibatch_size, eps_low, loss_agg, ...); the losses themselves take plain numbers.
 
 Exercised by: pytest tests/test_grpo.py
 """
+import functools
 import random
 import time
 from collections import defaultdict
@@ -266,16 +268,22 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
 
 def kl_coefs(cfg) -> dict[str, float]:
     """The KL anchor's weight of every role of the workflow: cfg.kl_coef, overridden per role by
-    cfg.role_kl ("aggregator=0.05,evaluator=0"); a ValueError names what is wrong with it."""
-    coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
+    cfg.role_kl ("aggregator=0.05,evaluator=0"); a ValueError names what is wrong with it. Read
+    once per micro-batch, parsed once per setting (role_kl_items)."""
+    return dict(role_kl_items(cfg.workflow, cfg.kl_coef, cfg.role_kl))
+
+
+@functools.lru_cache(maxsize=None)
+def role_kl_items(workflow: str, kl_coef: float, role_kl: str) -> tuple[tuple[str, float], ...]:
+    coefs = {role: kl_coef for role in ROLES[workflow]}
     named = set()
-    for item in cfg.role_kl.split(",") if cfg.role_kl.strip() else []:
+    for item in role_kl.split(",") if role_kl.strip() else []:
         role, _, value = item.partition("=")
         role = role.strip()
         if not item.strip():
-            raise ValueError(f"--role_kl {cfg.role_kl}: an empty item between commas")
+            raise ValueError(f"--role_kl {role_kl}: an empty item between commas")
         if role not in coefs:
-            raise ValueError(f"--role_kl: {role!r} is not a role of {cfg.workflow} "
+            raise ValueError(f"--role_kl: {role!r} is not a role of {workflow} "
                              f"({', '.join(coefs)})")
         if role in named:
             raise ValueError(f"--role_kl: {role} is given twice")
@@ -286,7 +294,7 @@ def kl_coefs(cfg) -> dict[str, float]:
             raise ValueError(f"--role_kl: {item!r} is not role=number") from None
         if not 0 <= coefs[role] < float("inf"):  # as --kl_coef: a negative, nan or inf is no anchor
             raise ValueError(f"--role_kl {item.strip()}: must be in [0, inf)")
-    return coefs
+    return tuple(coefs.items())
 
 
 def reference_of(cfg, adapter: str) -> str | None:

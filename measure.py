@@ -22,6 +22,8 @@ decided each final answer; each role's contract adherence and how alike the role
 (role capture shows in outputs before it shows in losses: workflows.adherence, similarity).
 diagnose.py reads all of these from a run's logs.
 
+`gradient_signals` reads train.py's Config (`cfg`) by field name, as grpo.policy_update does.
+
 Exercised by: pytest tests/test_grpo.py (the gradient signals, by hand), tests/test_reward.py
 (role_jobs), tests/test_train.py, tests/test_diagnose.py
 """
