@@ -199,15 +199,15 @@ def demo_cells(name: str, home: str, train_flags: list[str],
     seed's start (seed<S>/start) when the demo has one; `train_flags` override the demo's."""
     spec, cells = DEMOS[name], []
     for seed in seeds:
-        mine, start = [*spec.flags, "--seed", str(seed)], []
+        seeded, start = [*spec.flags, "--seed", str(seed)], []
         if spec.start:  # the warm-up and step-0 evaluation, once; the cells go on from there
-            cells.append((f"seed{seed}/start", [*cell_flags(mine, [*spec.start], train_flags),
+            cells.append((f"seed{seed}/start", [*cell_flags(seeded, [*spec.start], train_flags),
                                                 "--steps", "0"]))
             start = ["--start_from", os.path.join(home, f"seed{seed}", "start")]
         for cell, flags in spec.cells.items():  # a cell of another workflow cannot go on from the
             own = "--workflow" in flags  # start (only RL settings may differ): it warms up itself
             cells.append((f"seed{seed}/{cell}",
-                          cell_flags(mine, [*([] if own else start), *flags], train_flags)))
+                          cell_flags(seeded, [*([] if own else start), *flags], train_flags)))
     return cells
 
 

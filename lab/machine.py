@@ -50,7 +50,7 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def my_share(items: list) -> list:
+def share_of(items: list) -> list:
     """This process's part of a list that every process holds: every world-th item."""
     rank, world = rank_and_world()
     return items[rank::world]
@@ -189,7 +189,7 @@ def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
 # The processes as train.py hands them to the algorithm's passes (rollout.ONE_PROCESS's share, sum,
 # sum_grads and gather, across the processes under torchrun; in one process each hands back what
 # it is given) and to its training step (block, episodes, stats)
-PROCESSES = SimpleNamespace(share=my_share, sum=sum_across, sum_grads=sum_gradients,
+PROCESSES = SimpleNamespace(share=share_of, sum=sum_across, sum_grads=sum_gradients,
                             gather=gather_lists, block=block, episodes=gather_episodes,
                             stats=gather_stats)
 

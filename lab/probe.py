@@ -99,11 +99,11 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
         set_advantages(rollout.calls, problem_of, cfg.adv_group)
         result = {"episodes": len(problem_of), "reward/mean": sum(rewards) / len(rewards)}
         for name in names:
-            mine = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
+            taught = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
             for p in adapter_parameters(model, name):
                 p.requires_grad_(True)
             # measured, not moved
-            stats = gradient_signals(model, name, mine, tok.pad_token_id, settings)
+            stats = gradient_signals(model, name, taught, tok.pad_token_id, settings)
             result.update({k: v[0] for k, v in stats.items()
                            if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
         results.append(result)
