@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import decode as decode_module
-from decode import (decode, end_tokens, forward_padded, graph_decode, padded_causal_mask,
-                    rms_norm, sample_next)
+from decode import (GREEDY, Sampler, decode, end_tokens, forward_padded, graph_decode,
+                    padded_causal_mask, rms_norm, sample_next)
 from lora import inject_lora, lora_layers, merged_adapter, setup_adapters, use_adapter
 from rollout import Call, chat_text, left_pad, sequence_logprobs
 
@@ -85,14 +85,14 @@ def test_the_static_step_writes_generates_greedy_tokens(tiny):
     model, tok = tiny
     ids, attn = prompts(tok, ["What is 1 + 2?", "Name three colours, then stop.", "What is 1 + 2?",
                               "x", "What is 12 * 13? Think step by step."])
-    free, _ = decode(model, ids, attn, 24, tok.eos_token_id, tok.pad_token_id, greedy=True)
+    free, _ = decode(model, ids, attn, 24, tok.eos_token_id, tok.pad_token_id, GREEDY)
     # the random model never says eos: tokens it writes stand in for it
     for stop in (free[0, 5].item(), free[3, 10].item()):
         out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=24, do_sample=False,
                              eos_token_id=stop, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-        static, logp = graph_decode(model, ids, attn, 24, stop, tok.pad_token_id, greedy=True,
+        static, logp = graph_decode(model, ids, attn, 24, stop, tok.pad_token_id, GREEDY,
                                     use_graph=False)
-        dynamic, _ = decode(model, ids, attn, 24, stop, tok.pad_token_id, greedy=True)
+        dynamic, _ = decode(model, ids, attn, 24, stop, tok.pad_token_id, GREEDY)
         assert logp is None
         assert static.tolist() == out.tolist() == dynamic.tolist()
 
@@ -103,14 +103,14 @@ def test_a_second_end_token_stops_a_row(tiny):
     list, and a row that wrote only the second is done (the batch stops before its budget)."""
     model, tok = tiny
     ids, attn = prompts(tok, ["What is 1 + 2?", "x", "Name three colours, then stop."])
-    free, _ = decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True)
+    free, _ = decode(model, ids, attn, 24, -1, tok.pad_token_id, GREEDY)
     # the random model never says eos: a token that each row writes stands in for the second
     second = next(t for t in free[0, 2:].tolist() if all(t in row for row in free.tolist()))
     ends = [tok.eos_token_id, second]
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=24, do_sample=False,
                          eos_token_id=ends, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-    dynamic, _ = decode(model, ids, attn, 24, ends, tok.pad_token_id, greedy=True)
-    static, _ = graph_decode(model, ids, attn, 24, ends, tok.pad_token_id, greedy=True,
+    dynamic, _ = decode(model, ids, attn, 24, ends, tok.pad_token_id, GREEDY)
+    static, _ = graph_decode(model, ids, attn, 24, ends, tok.pad_token_id, GREEDY,
                              use_graph=False)
     assert dynamic.tolist() == static.tolist() == out.tolist()
     assert dynamic.shape[1] < 24 and (dynamic == second).any(-1).all()
@@ -134,7 +134,7 @@ def test_the_static_step_records_the_log_probs_a_scoring_pass_gives(tiny):
     torch.manual_seed(0)
     with merged_adapter(model, "shared"):
         new, logp = graph_decode(model, ids, attn, 16, tok.eos_token_id, tok.pad_token_id,
-                                 temperature=0.7, use_graph=False)
+                                 Sampler(0.7), use_graph=False)
     calls = [Call(i, "generator", "generator0", 0, ids[i][attn[i].bool()].tolist(), new[i].tolist(),
                   "", "") for i in range(len(ids))]
     with torch.no_grad(), use_adapter(model, "shared"):
@@ -159,15 +159,15 @@ def test_graphs_of_successive_stages_replay_what_the_eager_step_computes(tiny):
     for use_graph in (False, True):
         torch.manual_seed(0)
         with merged_adapter(model, "shared"):
-            runs.append(graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, temperature=0.7,
-                                     top_p=0.9, use_graph=use_graph))
+            runs.append(graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, Sampler(0.7, 0.9),
+                                     use_graph=use_graph))
     (eager, eager_logp), (graphed, graphed_logp) = runs
     assert graphed.tolist() == eager.tolist() and torch.equal(graphed_logp, eager_logp)
     model = model.to(torch.bfloat16)
     ids, attn = (t.cuda() for t in prompts(tok, ["Name three colours, then stop.", "y"] * 3))
-    eager, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True,
+    eager, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, GREEDY,
                             use_graph=False)
-    graphed, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True)
+    graphed, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, GREEDY)
     assert graphed.tolist() == eager.tolist()
 
 
@@ -185,7 +185,7 @@ def test_the_graph_decoder_waits_for_the_gpu_every_few_tokens_not_every_token(ti
         with pytest.warns(UserWarning) as seen:
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                graph_decode(model, ids, attn, tokens, -1, tok.pad_token_id, top_p=0.9)
+                graph_decode(model, ids, attn, tokens, -1, tok.pad_token_id, Sampler(top_p=0.9))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchronizing" in str(w.message) for w in seen)
@@ -257,17 +257,17 @@ def test_a_family_takes_the_static_step_only_where_it_writes_decode_s_tokens(fam
     loop, and graph_decode, called anyway, says so instead of writing other tokens."""
     model = family_model(family)
     ids, attn = left_pad(FAMILY_ROWS, 0)
-    dynamic, _ = decode(model, ids, attn, 12, -1, 0, greedy=True)
+    dynamic, _ = decode(model, ids, attn, 12, -1, 0, GREEDY)
     why = decode_module.static_refusal(model, ids.shape[1] + 12)
     if family in STATIC:
         assert why is None
-        static, _ = graph_decode(model, ids, attn, 12, -1, 0, greedy=True, use_graph=False)
+        static, _ = graph_decode(model, ids, attn, 12, -1, 0, GREEDY, use_graph=False)
         assert static.tolist() == dynamic.tolist()
         assert all(len(set(row)) > 2 for row in static.tolist())  # not one token over and over
     else:
         assert why == f"the static step does not write {model.config.model_type} layers"
         with pytest.raises(ValueError, match="decode it with `decode`"):
-            graph_decode(model, ids, attn, 12, -1, 0, greedy=True, use_graph=False)
+            graph_decode(model, ids, attn, 12, -1, 0, GREEDY, use_graph=False)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in STATIC])
@@ -286,7 +286,7 @@ def test_the_self_check_alone_refuses_each_family_the_step_does_not_write(family
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the verdict is remembered: no second warning, no check
         with pytest.raises(ValueError, match="decode it with `decode`"):
-            graph_decode(model, ids, attn, 12, -1, 0, greedy=True, use_graph=False)
+            graph_decode(model, ids, attn, 12, -1, 0, GREEDY, use_graph=False)
 
 
 def test_a_stage_longer_than_the_sliding_window_is_left_to_the_plain_loop():
@@ -295,11 +295,11 @@ def test_a_stage_longer_than_the_sliding_window_is_left_to_the_plain_loop():
     model = family_model("mistral", sliding_window=16)
     ids, attn = left_pad(FAMILY_ROWS, 0)  # 7 columns
     assert decode_module.static_refusal(model, 7 + 9) is None
-    static, _ = graph_decode(model, ids, attn, 9, -1, 0, greedy=True, use_graph=False)
-    assert static.tolist() == decode(model, ids, attn, 9, -1, 0, greedy=True)[0].tolist()
+    static, _ = graph_decode(model, ids, attn, 9, -1, 0, GREEDY, use_graph=False)
+    assert static.tolist() == decode(model, ids, attn, 9, -1, 0, GREEDY)[0].tolist()
     assert "outgrow the 16-token sliding window" in decode_module.static_refusal(model, 7 + 10)
     with pytest.raises(ValueError, match="outgrow the 16-token sliding window"):
-        graph_decode(model, ids, attn, 10, -1, 0, greedy=True, use_graph=False)
+        graph_decode(model, ids, attn, 10, -1, 0, GREEDY, use_graph=False)
 
 
 def test_the_plan_line_names_the_decoder(tiny):
@@ -403,16 +403,16 @@ def test_the_static_step_reads_each_norm_s_own_weight_and_epsilon(tiny):
         torch.nn.init.normal_(norm.weight, 1.0, 0.3)
         norm.variance_epsilon = 1e-3
     ids, attn = prompts(tok, ["What is 1 + 2?", "x", "Name three colours, then stop."])
-    static, _ = graph_decode(model, ids, attn, 12, -1, tok.pad_token_id, greedy=True,
+    static, _ = graph_decode(model, ids, attn, 12, -1, tok.pad_token_id, GREEDY,
                              use_graph=False)
-    dynamic, _ = decode(model, ids, attn, 12, -1, tok.pad_token_id, greedy=True)
+    dynamic, _ = decode(model, ids, attn, 12, -1, tok.pad_token_id, GREEDY)
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=False,
                          eos_token_id=None, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     assert static.tolist() == dynamic.tolist() == out.tolist()
     assert all(len(set(row)) > 2 for row in static.tolist())  # not one token over and over
     torch.manual_seed(1)
     new, logp = graph_decode(model, ids, attn, 12, tok.eos_token_id, tok.pad_token_id,
-                             temperature=0.7, use_graph=False)
+                             Sampler(0.7), use_graph=False)
     calls = [Call(i, "generator", "generator0", 0, ids[i][attn[i].bool()].tolist(), new[i].tolist(),
                   "", "") for i in range(len(ids))]
     with torch.no_grad():
