@@ -12,17 +12,21 @@ asked for it.
 - `decode` (the CPU's): a cache that grows by one column a token, and rows
   that leave the batch once they wrote their eos. Every operation is a host
   call, which a CPU pays little for.
-- `graph_decode` (CUDA's): a static cache of the stage's shape, one decoding
+- `graph_decode` (CUDA's): a static cache kept from stage to stage, one decoding
   step (`StaticStep`, the model's layers written out over that cache) captured
-  as a CUDA graph and replayed per token, so a step costs one launch instead
-  of about a thousand (30 layers x some 30 kernels). Finished rows stay in the
-  batch and write pad; the host asks whether all rows are done every
-  CHECK_EVERY tokens only. As nano-vllm's model runner and gpt-fast's
-  `decode_one_token` do; unlike them, a graph is captured per stage (its shape
-  is the stage's, and the adapter merged into the weights is the stage's),
-  which costs two eager steps to warm up and one recorded against a stage's
-  tens to hundreds of replays (tests/gpu_check.sh times the capture, its
-  warm-up included).
+  as a CUDA graph per (rows, columns) bucket and replayed per token, so a step
+  costs one launch instead of about a thousand (30 layers x some 30 kernels)
+  and reads the columns its rows have written, rounded up to a length bucket,
+  not the stage's whole length. The host asks which rows are done every
+  CHECK_EVERY tokens only; finished rows write pad until then, and leave the
+  batch once the rest fit a smaller rows bucket. A bucket's graph is captured
+  once, into the step's one memory pool, and serves every later stage that
+  fits it: the cache keeps its addresses, and lora.merged_adapter writes each
+  stage's adapter into the same weight tensors. A stage that outgrows the
+  cache, or a model whose tensors moved, gets a new one. As nano-vllm's model
+  runner (graphs per batch-size bucket, one pool) and gpt-fast's
+  `decode_one_token` do; the length buckets stand in for their attention over
+  each row's own length.
 
 Which models the static step decodes. `StaticStep` writes a decoder layer out by
 hand, and a family whose layer differs would decode other tokens without an
