@@ -442,14 +442,12 @@ class StaticStep:
 
 
 def rows_bucket(n: int) -> int:
-    """The rows a step over n live rows runs: the first of ROW_BUCKETS that holds them, past the
-    last a multiple of it."""
+    """The rows a step over n live rows runs: a ROW_BUCKET, past the last a multiple of it."""
     return next((b for b in ROW_BUCKETS if b >= n), -(-n // ROW_BUCKETS[-1]) * ROW_BUCKETS[-1])
 
 
 def columns_bucket(n: int) -> int:
-    """The columns a step attends over when n are written or being written: a multiple of
-    COLUMNS."""
+    """The columns a step over n written columns (its own included) attends over."""
     return -(-n // COLUMNS) * COLUMNS
 
 
@@ -469,14 +467,13 @@ def static_step(model, rows: int, columns: int) -> StaticStep:
     """The model's StaticStep, with the graphs earlier stages captured, for a stage of `rows` rows
     and `columns` columns; a new one where the stage outgrows its cache (which then grows to the
     larger bucket of each side) or the model's signature changed (its graphs would be stale)."""
-    now = signature(model)
-    kept, step = STEPS.get(model, (None, None))
+    now, (kept, step) = signature(model), STEPS.pop(model, (None, None))
     R, S = rows_bucket(rows), columns_bucket(columns)
-    if kept == now and R <= len(step.token) and S <= step.valid.shape[1]:
-        return step
     if kept == now:
+        if R <= len(step.token) and S <= step.valid.shape[1]:
+            STEPS[model] = (now, step)
+            return step
         R, S = max(R, len(step.token)), max(S, step.valid.shape[1])
-    STEPS.pop(model, None)
     del step  # the old cache goes before the new one is made
     step = StaticStep(model, R, S)
     STEPS[model] = (now, step)
