@@ -66,13 +66,10 @@ from rollout import chat_text, left_pad
 from tasks import DEFAULT_LEVEL, load_task
 from workflows import chat
 
-name = sys.argv[1]
-device = sys.argv[2] if len(sys.argv) > 2 else "cuda"
-cuda = device == "cuda"
-sync = torch.cuda.synchronize if cuda else (lambda: None)
+name, device, sync = sys.argv[1], "cuda", torch.cuda.synchronize
 pool = load_task("arith", "train", 64, DEFAULT_LEVEL, 0)
-# Qwen3-0.6B's keys and values take 112 KiB a token in bf16: 512 rows of 600 columns, 34 GB
-for dtype in ("bf16", "fp32") if name == "smollm2" else ("bf16",):
+# Qwen3-0.6B's keys and values take 112 KiB a token in bf16: 512 rows of 600 columns, 35 GB
+for dtype in ("bf16",) if name.startswith("random:") else ("bf16", "fp32"):
     model, tok = load_policy(name, device, dtype)
     for B in (32, 128, 512):
         chats = [chat("math", "generator", question=pool[i % len(pool)].question) for i in range(B)]
@@ -89,7 +86,7 @@ for dtype in ("bf16", "fp32") if name == "smollm2" else ("bf16",):
             for columns in (columns_bucket(P + 1), columns_bucket(P + 512)):
                 step.column.fill_(columns - 1)  # the same column each time: a timing, not a decode
                 timed, R = {}, rows_bucket(B)
-                for label in ("eager", "replay") if cuda else ("eager",):
+                for label in ("eager", "replay"):
                     if label == "replay":
                         start = time.perf_counter()
                         step.run(R, columns, True)  # captured, then replayed once
@@ -107,8 +104,7 @@ for dtype in ("bf16", "fp32") if name == "smollm2" else ("bf16",):
                       ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timed.items()), flush=True)
         del step
         decode.STEPS.clear()
-        if cuda:
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     del model
 PY
 done
