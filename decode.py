@@ -19,14 +19,15 @@ asked for it.
   and reads the columns its rows have written, rounded up to a length bucket,
   not the stage's whole length. The host asks which rows are done every
   CHECK_EVERY tokens only; finished rows write pad until then, and leave the
-  batch once the rest fit a smaller rows bucket. A bucket's graph is captured
-  once, into the step's one memory pool, and serves every later stage that
-  fits it: the cache keeps its addresses, and lora.merged_adapter writes each
-  stage's adapter into the same weight tensors. A stage that outgrows the
-  cache, or a model whose tensors moved, gets a new one. As nano-vllm's model
-  runner (graphs per batch-size bucket, one pool) and gpt-fast's
-  `decode_one_token` do; the length buckets stand in for their attention over
-  each row's own length.
+  batch once the rest fit a rows bucket an eighth smaller. A bucket's graph
+  is captured once, into the step's one memory pool, and serves every later
+  stage that fits it: the cache keeps its addresses, and lora.merged_adapter
+  writes each stage's adapter into the same weight tensors. The cache holds the most
+  rows x columns a stage needed, laid out anew for a stage of other buckets
+  (each layout with its graphs); one that outgrows it, or a model whose
+  tensors moved, gets a new cache. As nano-vllm's model runner (graphs per
+  batch-size bucket, one pool) and gpt-fast's `decode_one_token` do; the
+  length buckets stand in for their attention over each row's own length.
 
 Which models the static step decodes. `StaticStep` writes a decoder layer out by
 hand, and a family whose layer differs would decode other tokens without an
@@ -310,7 +311,8 @@ def check_static_step(model) -> str | None:
     cache, logits, copy = prefill(model, ids, attn)
     token = logits[copy].argmax(-1)  # (2,)
     try:
-        step = StaticStep(model, 2, P + 1)
+        step = StaticStep(model, 2, 2 * (P + 1))
+        step.lay_out(2, P + 1)
         step.fill(cache, copy, attn.bool())
         step.token.copy_(token)
         step.position.copy_(attn.sum(-1, keepdim=True))  # (2, 1) the new token's position
@@ -341,13 +343,13 @@ def decoder_plan(model) -> str:
 
 
 class StaticStep:
-    """One decoding step of a Llama-style model (STATIC_FAMILIES) over a static KV cache of R rows
-    and S columns, run over the first `rows` rows and `columns` columns (a bucket). Every tensor
-    it reads or writes keeps its address from stage to stage, so the step of a bucket is captured
-    as a CUDA graph once and replayed by every stage that fits it. It calls the model's own modules
-    (embedding, projections, MLP, rotary table, output layer) and reads its norms' weights and
-    epsilons, so an adapter merged into the weights in place (lora.merged_adapter) is in its
-    weights as in the model's.
+    """One decoding step of a Llama-style model (STATIC_FAMILIES) over a static KV cache laid out
+    as R rows of S columns (`lay_out`), run over the first `rows` rows and `columns` columns (a
+    bucket). Every tensor it reads or writes keeps its address from stage to stage, so the step
+    of a layout's bucket is captured as a CUDA graph once and replayed by every stage that runs in
+    that layout. It calls the model's own modules (embedding, projections, MLP, rotary table,
+    output layer) and reads its norms' weights and epsilons, so an adapter merged into the
+    weights in place (lora.merged_adapter) is in its weights as in the model's.
 
     Inputs, set before each step: `token` (R,) the last token of each row, `position` (R, 1)
     its position, `column` (1,) the cache column it goes in (the same for every row).
@@ -355,23 +357,36 @@ class StaticStep:
     so no row is empty (NaN): rows past the live ones compute from stale inputs, unread.
     """
 
-    def __init__(self, model, R: int, S: int):
+    def __init__(self, model, R: int, cells: int):
+        """Room for R rows and `cells` cache entries (rows x columns) a layer."""
         inner, config = model.model, model.config
         # the modules, not the model: a step kept for a model (STEPS) must not keep it alive
         self.inner, self.layers, self.lm_head = inner, inner.layers, model.lm_head
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        device, shape = model.device, (R, self.kv_heads, S, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in self.layers]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        self.valid = torch.zeros(R, S, dtype=torch.bool, device=device)
+        device, size = model.device, cells * self.kv_heads * self.head_dim
+        self.room = [torch.zeros(size, dtype=model.dtype, device=device)  # keys, values a layer
+                     for _ in range(2 * len(self.layers))]
+        self.all_valid = torch.zeros(cells, dtype=torch.bool, device=device)
         self.token = torch.zeros(R, dtype=torch.long, device=device)
         self.position = torch.zeros(R, 1, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.logits = torch.zeros(R, model.lm_head.weight.shape[0], device=device)  # (R, V) fp32
-        self.graphs = {}  # (rows, columns) -> the CUDA graph of that bucket's step
+        self.graphs = {}  # (R, S, rows, columns) -> the CUDA graph of that layout's bucket
         self.pool = None  # the memory pool every graph of the step shares (one runs at a time)
+        self.layouts = set()  # the (R, S) that stages ran in
+
+    def lay_out(self, R: int, S: int) -> None:
+        """Lay the cache out as R rows of S columns: keys and values (R, Hkv, S, d) a layer, valid
+        (R, S), views of the same memory whatever the layout (a stage of many short rows and one
+        of few long rows share it), each layout with graphs of its own (their strides differ)."""
+        Hkv, d = self.kv_heads, self.head_dim
+        kv = [room[: R * Hkv * S * d].view(R, Hkv, S, d) for room in self.room]
+        self.keys, self.values = kv[0::2], kv[1::2]  # (R, Hkv, S, d) a layer
+        self.valid = self.all_valid[: R * S].view(R, S)
+        self.layout = (R, S)
+        self.layouts.add(self.layout)
 
     def fill(self, cache: DynamicCache, copy: torch.Tensor, valid: torch.Tensor) -> None:
         """A stage's start: the prefill's keys and values of each distinct prompt (U, Hkv, P, d)
@@ -398,9 +413,10 @@ class StaticStep:
         time a stage needs it (use_graph), or the step run eagerly. The logits (rows, V)."""
         if not use_graph:
             return self(rows, columns)
-        if (rows, columns) not in self.graphs:
-            self.graphs[rows, columns] = capture(self, rows, columns)
-        self.graphs[rows, columns].replay()
+        key = self.layout + (rows, columns)
+        if key not in self.graphs:
+            self.graphs[key] = capture(self, rows, columns)
+        self.graphs[key].replay()
         return self.logits[:rows]
 
     def __call__(self, rows: int, columns: int) -> torch.Tensor:
@@ -464,18 +480,21 @@ STEPS = weakref.WeakKeyDictionary()  # model -> (signature, its StaticStep), kep
 
 
 def static_step(model, rows: int, columns: int) -> StaticStep:
-    """The model's StaticStep, with the graphs earlier stages captured, for a stage of `rows` rows
-    and `columns` columns; a new one where the stage outgrows its cache (which then grows to the
-    larger bucket of each side) or the model's signature changed (its graphs would be stale)."""
+    """The model's StaticStep, with the graphs earlier stages captured, laid out for a stage of
+    `rows` rows and `columns` columns: in the smallest layout an earlier stage ran in that holds
+    it (its graphs serve), else in its own buckets. A new one where the stage outgrows the cache
+    (which grows to hold it), or where the model's signature changed (the graphs would be
+    stale)."""
     now, (kept, step) = signature(model), STEPS.pop(model, (None, None))
     R, S = rows_bucket(rows), columns_bucket(columns)
+    room, cells = R, R * S
     if kept == now:
-        if R <= len(step.token) and S <= step.valid.shape[1]:
-            STEPS[model] = (now, step)
-            return step
-        R, S = max(R, len(step.token)), max(S, step.valid.shape[1])
-    del step  # the old cache goes before the new one is made
-    step = StaticStep(model, R, S)
+        room, cells = max(R, len(step.token)), max(R * S, len(step.all_valid))
+    if kept != now or (room, cells) != (len(step.token), len(step.all_valid)):
+        del step  # the old cache goes before the new one is made
+        step = StaticStep(model, room, cells)
+    held = [(r, s) for r, s in step.layouts if r >= R and s >= S]
+    step.lay_out(*min(held, key=lambda rs: rs[0] * rs[1], default=(R, S)))
     STEPS[model] = (now, step)
     return step
 
@@ -545,7 +564,9 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
             left = int((~done).sum())
             if left == 0:
                 break
-            if rows_bucket(left) < rows:  # finished rows leave: a smaller rows bucket
+            # Finished rows leave for a rows bucket at least an eighth smaller: moving the cache
+            # costs about what a step does.
+            if rows_bucket(left) <= rows * 7 // 8:
                 keep = (~done).nonzero().squeeze(-1)  # (L',)
                 step.keep(keep, P + t)
                 live, done, token, rows = live[keep], done[keep], token[keep], rows_bucket(left)

@@ -5,10 +5,10 @@
 # already: one decoding step alone (eager, and a CUDA graph's replay) by rows and cache length,
 # three steps of the GPU recipe on the embedded model with the diagnostics, the update profiled
 # in bf16 and in fp32 (kernels launched, host and GPU time), the recipe without the diagnostics,
-# lab/bench.py on Qwen3-0.6B's shape with random weights; then what was measured at an earlier commit: the
-# default run, lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's decode, the CPU's
-# loop and transformers' generate, fp32 and bf16), and a bf16 gradient through left padding
-# under the old and the new attention mask. A part that would not finish in the time left is
+# lab/bench.py on Qwen3-0.6B's shape with random weights; then what was measured at an earlier
+# commit: the default run, lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's decode,
+# the CPU's loop and transformers' generate, fp32 and bf16), and a bf16 gradient through left
+# padding under the old and the new attention mask. A part that would not finish in the time left is
 # skipped and named in skipped.txt; one that overruns its share is asked to stop, and killed
 # 10 s later. Every log lands in $LOGS (default: ./gpu); with TAR=FILE they are also packed
 # into that one file after every part.

@@ -272,26 +272,33 @@ def test_sampled_through_the_buckets_each_log_prob_is_the_scoring_pass_s(tiny, m
     assert bucketed[0].tolist() == whole[0].tolist() and torch.equal(bucketed[1], whole[1])
 
 
-def test_a_later_stage_that_fits_runs_in_the_kept_cache_under_another_merged_adapter(tiny):
+def test_later_stages_run_in_the_kept_cache_under_another_merged_adapter(tiny, monkeypatch):
     """The static step, its cache and (on a GPU) its graphs are kept from stage to stage: a
     later stage with fewer rows and columns, under another adapter merged in place, runs in the
-    same buffers and writes the low-rank path's tokens; a stage with more rows grows the cache,
-    and a model whose weights moved (another dtype) gets a new one."""
+    same memory and layout and writes the low-rank path's tokens; one of fewer, longer rows lays
+    the same memory out anew (the cache holds the most rows x columns a stage needed, not the
+    most rows times the most columns); one with more rows grows it, and a model whose weights
+    moved (another dtype) gets a new one."""
     model, tok = tiny
     adapted(model, ["generator", "evaluator"])
+    small_buckets(monkeypatch)
     ids, attn = prompts(tok, FIVE)
     with merged_adapter(model, "generator"):
         graph_decode(model, ids, attn, 12, -1, tok.pad_token_id, GREEDY, use_graph=False)
     step = decode_module.STEPS[model][1]
-    address = step.keys[0].data_ptr()
+    address, first = step.keys[0].data_ptr(), step.layout
+    assert first == (8, decode_module.columns_bucket(ids.shape[1] + 12))
     ids, attn = prompts(tok, ["y", "Name three colours."])
-    with merged_adapter(model, "evaluator"):
-        merged, _ = graph_decode(model, ids, attn, 12, -1, tok.pad_token_id, GREEDY,
-                                 use_graph=False)
-    assert decode_module.STEPS[model][1] is step and step.keys[0].data_ptr() == address
-    with use_adapter(model, "evaluator"):
-        low_rank, _ = decode(model, ids, attn, 12, -1, tok.pad_token_id, GREEDY)
-    assert merged.tolist() == low_rank.tolist()
+    long = decode_module.columns_bucket(ids.shape[1] + 3 * first[1])
+    for new_tokens, layout in ((12, first), (3 * first[1], (2, long))):
+        with merged_adapter(model, "evaluator"):
+            merged, _ = graph_decode(model, ids, attn, new_tokens, -1, tok.pad_token_id, GREEDY,
+                                     use_graph=False)
+        assert decode_module.STEPS[model][1] is step and step.keys[0].data_ptr() == address
+        assert step.layout == layout and len(step.all_valid) == first[0] * first[1]
+        with use_adapter(model, "evaluator"):
+            low_rank, _ = decode(model, ids, attn, new_tokens, -1, tok.pad_token_id, GREEDY)
+        assert merged.tolist() == low_rank.tolist()
     ids, attn = prompts(tok, FIVE * 2)
     with merged_adapter(model, "evaluator"):
         graph_decode(model, ids, attn, 4, -1, tok.pad_token_id, GREEDY, use_graph=False)
