@@ -19,8 +19,8 @@ the active adapter is folded into the frozen weights, W' = W + (alpha / r) B A,
 so each decode step costs what the base model's does (the paper's "no
 additional inference latency", Sec. 4.1). The merge is written into the weight
 tensors in place, so their addresses never change and a CUDA graph that reads
-them serves every stage and adapter (decode.py). The sum is formed in fp32 from
-a copy of the base kept for the stage, and the copy is written back afterwards:
+them serves every stage and adapter (decode.py). The sum is formed in fp32 and
+rounded once; a copy of the base, kept for the stage, is written back after it:
 the base is bit-identical after a stage, never restored by subtracting (in bf16,
 W + D - D drifts).
 
