@@ -12,17 +12,22 @@ asked for it.
 - `decode` (the CPU's): a cache that grows by one column a token, and rows
   that leave the batch once they wrote their eos. Every operation is a host
   call, which a CPU pays little for.
-- `graph_decode` (CUDA's): a static cache of the stage's shape, one decoding
+- `graph_decode` (CUDA's): a static cache kept from stage to stage, one decoding
   step (`StaticStep`, the model's layers written out over that cache) captured
-  as a CUDA graph and replayed per token, so a step costs one launch instead
-  of about a thousand (30 layers x some 30 kernels). Finished rows stay in the
-  batch and write pad; the host asks whether all rows are done every
-  CHECK_EVERY tokens only. As nano-vllm's model runner and gpt-fast's
-  `decode_one_token` do; unlike them, a graph is captured per stage (its shape
-  is the stage's, and the adapter merged into the weights is the stage's),
-  which costs two eager steps to warm up and one recorded against a stage's
-  tens to hundreds of replays (tests/gpu_check.sh times the capture, its
-  warm-up included).
+  as a CUDA graph per (rows, columns) bucket and replayed per token, so a step
+  costs one launch instead of about a thousand (30 layers x some 30 kernels)
+  and reads the columns its rows have written, rounded up to a length bucket,
+  not the stage's whole length. The host asks which rows are done every
+  CHECK_EVERY tokens only; finished rows write pad until then, and leave the
+  batch once the rest fit a rows bucket an eighth smaller. A bucket's graph
+  is captured once, into the step's one memory pool, and serves every later
+  stage that fits it: the cache keeps its addresses, and lora.merged_adapter
+  writes each stage's adapter into the same weight tensors. The cache holds the most
+  rows x columns a stage needed, laid out anew for a stage of other buckets
+  (each layout with its graphs); one that outgrows it, or a model whose
+  tensors moved, gets a new cache. As nano-vllm's model runner (graphs per
+  batch-size bucket, one pool) and gpt-fast's `decode_one_token` do; the
+  length buckets stand in for their attention over each row's own length.
 
 Which models the static step decodes. `StaticStep` writes a decoder layer out by
 hand, and a family whose layer differs would decode other tokens without an
@@ -48,15 +53,23 @@ real query sees a pad, so real tokens' outputs do not change.
 
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """
+import itertools
 import math
 import warnings
 import weakref
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-CHECK_EVERY = 8  # tokens between the GPU decoder's questions "are all rows done?"
+CHECK_EVERY = 8  # tokens between the GPU decoder's questions "which rows are done?"
+# The static cache's buckets: a step attends over the columns of its length bucket (the written
+# ones rounded up to a multiple of COLUMNS) and runs the rows of its rows bucket (ROW_BUCKETS up
+# to 16, then multiples of 16, as nano-vllm's batch sizes); a CUDA graph per (rows, columns)
+# bucket. Wider length buckets mean fewer graphs and more masked columns read.
+COLUMNS = 256
+ROW_BUCKETS = (1, 2, 4, 8, 16)
 
 # The model types whose decoder layer `StaticStep` writes out, each tested on a tiny random model
 # (tests/test_decode.py): Llama's (Mistral's is the same; Qwen2 adds biases to q, k and v, which
@@ -100,6 +113,26 @@ def forward_padded(model, ids: torch.Tensor, attn: torch.Tensor, **kw):
     if implementation in ("sdpa", "eager") and not bool(attn.all()):
         mask = padded_causal_mask(attn, implementation, model.dtype)
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, **kw)
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How a decoder picks each token: the most likely (greedy), or one drawn from the softmax at
+    `temperature` within the `top_p` nucleus (`sample_next`)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+GREEDY = Sampler(greedy=True)
+
+
+def next_token(logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tokens (B,) `sampler` picks from logits (B, V), and their log pi_rollout (B,), None
+    when greedy."""
+    if sampler.greedy:
+        return logits.argmax(-1), None
+    return sample_next(logits, sampler.temperature, sampler.top_p)
 
 
 def sample_next(logits: torch.Tensor, temperature: float,
@@ -169,11 +202,10 @@ def prefill(model, ids: torch.Tensor,
 
 @torch.no_grad()
 def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
-           eos_id: int | Collection[int], pad_id: int, temperature: float = 1.0,
-           top_p: float = 1.0, greedy: bool = False):
+           eos_id: int | Collection[int], pad_id: int, sampler: Sampler = Sampler()):
     """Generate up to max_new_tokens after left-padded prompts ids/attn (B, P): the new
     tokens (B, T), pad after each row's eos (the first of its end tokens eos_id, one id or
-    several), and log pi_rollout of each (B, T), None when greedy.
+    several), and log pi_rollout of each (B, T), None when greedy (`sampler`).
 
     The loop `model.generate` runs, without its general machinery: one forward over the
     prompts fills the KV cache, then one forward per token over the last token only, for
@@ -190,12 +222,10 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
     live = torch.arange(B, device=device)  # (L,) the rows in the batch, by their index in it
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (L,) those that wrote their eos
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = None if greedy else torch.zeros(B, max_new_tokens, device=device)
+    logps = None if sampler.greedy else torch.zeros(B, max_new_tokens, device=device)
     for t in range(max_new_tokens):
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            token, logp = sample_next(logits, temperature, top_p)
+        token, logp = next_token(logits, sampler)
+        if logps is not None:
             logps[live, t] = logp
         token = token.masked_fill(done, pad_id)  # (L,) a finished row only pads
         tokens[live, t] = token
@@ -214,7 +244,7 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
         position = position + 1
         logits = model(input_ids=token[:, None], attention_mask=attn, position_ids=position,
                        cache=cache, use_cache=True).logits[:, -1]
-    return tokens[:, : t + 1], None if greedy else logps[:, : t + 1]
+    return tokens[:, : t + 1], None if logps is None else logps[:, : t + 1]
 
 
 # ----------------------------------------------------------------------------
@@ -281,11 +311,13 @@ def check_static_step(model) -> str | None:
     cache, logits, copy = prefill(model, ids, attn)
     token = logits[copy].argmax(-1)  # (2,)
     try:
-        step = StaticStep(model, cache, copy, attn.bool(), P + 1)
+        step = StaticStep(model, 2, 2 * (P + 1))
+        step.lay_out(2, P + 1)
+        step.fill(cache, copy, attn.bool())
         step.token.copy_(token)
         step.position.copy_(attn.sum(-1, keepdim=True))  # (2, 1) the new token's position
         step.column.fill_(P)
-        static = step()  # (2, V)
+        static = step(2, P + 1)  # (2, V)
     except (AttributeError, RuntimeError, TypeError, ValueError) as e:
         return f"the static step fails on it ({type(e).__name__}: {e})"
     ids, attn = torch.cat([ids, token[:, None]], -1), torch.cat([attn, attn[:, -1:]], -1)
@@ -311,55 +343,97 @@ def decoder_plan(model) -> str:
 
 
 class StaticStep:
-    """One decoding step of a Llama-style model (STATIC_FAMILIES) over a static KV cache of B
-    rows and S columns: every tensor it reads or writes has a fixed address, so the step can be
-    captured as a CUDA graph. It calls the model's own modules (embedding, projections, MLP, rotary
-    table, output layer) and reads its norms' weights and epsilons, so a merged adapter is in
-    its weights as in the model's.
+    """One decoding step of a Llama-style model (STATIC_FAMILIES) over a static KV cache laid out
+    as R rows of S columns (`lay_out`), run over the first `rows` rows and `columns` columns (a
+    bucket). Every tensor it reads or writes keeps its address from stage to stage, so the step
+    of a layout's bucket is captured as a CUDA graph once and replayed by every stage that runs in
+    that layout. It calls the model's own modules (embedding, projections, MLP, rotary table,
+    output layer) and reads its norms' weights and epsilons, so an adapter merged into the
+    weights in place (lora.merged_adapter) is in its weights as in the model's.
 
-    Inputs, set before each step: `token` (B,) the last token of each row, `position` (B, 1)
+    Inputs, set before each step: `token` (R,) the last token of each row, `position` (R, 1)
     its position, `column` (1,) the cache column it goes in (the same for every row).
-    `valid` (B, S) says which columns hold a row's real tokens; the step marks its own column.
+    `valid` (R, S) says which columns hold a row's real tokens; the step marks its own column,
+    so no row is empty (NaN): rows past the live ones compute from stale inputs, unread.
     """
 
-    def __init__(self, model, cache: DynamicCache, copy: torch.Tensor, valid: torch.Tensor, S: int):
+    def __init__(self, model, R: int, cells: int):
+        """Room for R rows and `cells` cache entries (rows x columns) a layer."""
         inner, config = model.model, model.config
-        self.model, self.inner, self.layers = model, inner, inner.layers
-        B, device = valid.shape[0], valid.device
+        # the modules, not the model: a step kept for a model (STEPS) must not keep it alive
+        self.inner, self.layers, self.lm_head = inner, inner.layers, model.lm_head
         attn = self.layers[0].self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scale = attn.head_dim, attn.scaling
-        # the prefill's keys and values of each distinct prompt (U, Hkv, P, d), copied to each of
-        # its rows in caches of S columns; a layer's prefill cache is let go once copied, so the
-        # two caches are never whole side by side
-        self.keys, self.values = [], []
-        for layer in cache.layers:
-            k = layer.keys.new_zeros(B, self.kv_heads, S, self.head_dim)
-            v = torch.zeros_like(k)
-            P = layer.keys.shape[2]
-            k[:, :, :P], v[:, :, :P] = layer.keys[copy], layer.values[copy]  # (B, Hkv, P, d)
-            layer.keys = layer.values = None
-            self.keys.append(k)
-            self.values.append(v)
-        self.valid = torch.zeros(B, S, dtype=torch.bool, device=device)
-        self.valid[:, : valid.shape[1]] = valid
-        self.token = torch.zeros(B, dtype=torch.long, device=device)
-        self.position = torch.zeros(B, 1, dtype=torch.long, device=device)
+        device, size = model.device, cells * self.kv_heads * self.head_dim
+        self.room = [torch.zeros(size, dtype=model.dtype, device=device)  # keys, values a layer
+                     for _ in range(2 * len(self.layers))]
+        self.all_valid = torch.zeros(cells, dtype=torch.bool, device=device)
+        self.token = torch.zeros(R, dtype=torch.long, device=device)
+        self.position = torch.zeros(R, 1, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.logits = torch.zeros(R, model.lm_head.weight.shape[0], device=device)  # (R, V) fp32
+        self.graphs = {}  # (R, S, rows, columns) -> the CUDA graph of that layout's bucket
+        self.pool = None  # the memory pool every graph of the step shares (one runs at a time)
+        self.layouts = set()  # the (R, S) that stages ran in
 
-    def __call__(self) -> torch.Tensor:
-        """Write the step's keys and values into the cache; the next token's logits (B, V)."""
+    def lay_out(self, R: int, S: int) -> None:
+        """Lay the cache out as R rows of S columns: keys and values (R, Hkv, S, d) a layer, valid
+        (R, S), views of the same memory whatever the layout (a stage of many short rows and one
+        of few long rows share it), each layout with graphs of its own (their strides differ)."""
+        Hkv, d = self.kv_heads, self.head_dim
+        kv = [room[: R * Hkv * S * d].view(R, Hkv, S, d) for room in self.room]
+        self.keys, self.values = kv[0::2], kv[1::2]  # (R, Hkv, S, d) a layer
+        self.valid = self.all_valid[: R * S].view(R, S)
+        self.layout = (R, S)
+        self.layouts.add(self.layout)
+
+    def fill(self, cache: DynamicCache, copy: torch.Tensor, valid: torch.Tensor) -> None:
+        """A stage's start: the prefill's keys and values of each distinct prompt (U, Hkv, P, d)
+        copied to each of its rows (`copy` (B,)), `valid` (B, P) their real columns. A layer's
+        prefill cache is let go once copied, so the two caches are never whole side by side."""
+        B, P = valid.shape
+        for layer, keys, values in zip(cache.layers, self.keys, self.values):
+            keys[:B, :, :P], values[:B, :, :P] = layer.keys[copy], layer.values[copy]
+            layer.keys = layer.values = None
+        self.valid.zero_()  # what an earlier stage left in the cache is masked; it is finite
+        self.valid[:B, :P] = valid
+
+    def keep(self, rows: torch.Tensor, written: int) -> None:
+        """Finished rows leave the batch: the rows `rows` (L,) move to its front, their positions,
+        validity and the keys and values of their first `written` columns with them."""
+        L = len(rows)
+        for keys, values in zip(self.keys, self.values):
+            keys[:L, :, :written] = keys[rows, :, :written]  # (L, Hkv, written, d)
+            values[:L, :, :written] = values[rows, :, :written]
+        self.valid[:L], self.position[:L] = self.valid[rows], self.position[rows]
+
+    def run(self, rows: int, columns: int, use_graph: bool) -> torch.Tensor:
+        """The step of bucket (rows, columns): the replay of its CUDA graph, captured the first
+        time a stage needs it (use_graph), or the step run eagerly. The logits (rows, V)."""
+        if not use_graph:
+            return self(rows, columns)
+        key = self.layout + (rows, columns)
+        if key not in self.graphs:
+            self.graphs[key] = capture(self, rows, columns)
+        self.graphs[key].replay()
+        return self.logits[:rows]
+
+    def __call__(self, rows: int, columns: int) -> torch.Tensor:
+        """Write the step's keys and values into the cache; the next token's logits (rows, V)."""
         inner = self.inner
-        B, H, Hkv, d = len(self.token), self.heads, self.kv_heads, self.head_dim
-        self.valid.index_fill_(1, self.column, True)
-        x = inner.embed_tokens(self.token[:, None])  # (B, 1, D)
-        cos, sin = inner.rotary_emb(x, self.position)  # (B, 1, d) each
+        B, H, Hkv, d = rows, self.heads, self.kv_heads, self.head_dim
+        valid = self.valid[:B, :columns]  # (B, S'): the bucket's columns, no more
+        valid.index_fill_(1, self.column, True)
+        x = inner.embed_tokens(self.token[:B, None])  # (B, 1, D)
+        cos, sin = inner.rotary_emb(x, self.position[:B])  # (B, 1, d) each
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, d)
         # 0 where a row's column holds a token, -inf elsewhere: added to the scores, it scales
         # and masks them in one kernel, the same numbers as masking after scaling
-        bias = torch.zeros(self.valid.shape, dtype=torch.float32, device=x.device)
-        bias = bias.masked_fill_(~self.valid, -math.inf)[:, None, None, :]  # (B, 1, 1, S)
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=x.device)
+        bias = bias.masked_fill_(~valid, -math.inf)[:, None, None, :]  # (B, 1, 1, S')
         for layer, keys, values in zip(self.layers, self.keys, self.values):
+            keys, values = keys[:B, :, :columns], values[:B, :, :columns]  # (B, Hkv, S', d)
             a, h = layer.self_attn, rms_norm(layer.input_layernorm, x)
             q = a.q_proj(h).view(B, 1, H, d)
             k = a.k_proj(h).view(B, 1, Hkv, d)
@@ -375,23 +449,66 @@ class StaticStep:
             # row: the H query heads in Hkv groups, each reading its own key/value head, with no
             # copy of the cache.
             q = q.view(B, Hkv, H // Hkv, d)  # (B, Hkv, g, d)
-            scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)  # (B,Hkv,g,S)
+            scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)  # (B,Hkv,g,S')
             p = scores.softmax(-1).to(values.dtype)
             out = (p @ values).reshape(B, 1, H * d)  # (B, 1, H*d)
             x = x + a.o_proj(out)
             x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
-        return self.model.lm_head(rms_norm(inner.norm, x))[:, 0].float()  # (B, V)
+        return self.logits[:B].copy_(self.lm_head(rms_norm(inner.norm, x))[:, 0])  # (B, V)
+
+
+def rows_bucket(n: int) -> int:
+    """The rows a step over n live rows runs: a ROW_BUCKET, past the last a multiple of it."""
+    return next((b for b in ROW_BUCKETS if b >= n), -(-n // ROW_BUCKETS[-1]) * ROW_BUCKETS[-1])
+
+
+def columns_bucket(n: int) -> int:
+    """The columns a step over n written columns (its own included) attends over."""
+    return -(-n // COLUMNS) * COLUMNS
+
+
+def signature(model) -> tuple:
+    """What a captured step reads of the model: its dtype, device, the addresses of its tensors,
+    and the adapter each LoRA layer runs beside its weights (`active`: other kernels). Where it
+    changed, the graphs would read stale memory or run the wrong path."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return (model.dtype, model.device, tuple(t.data_ptr() for t in tensors),
+            tuple(getattr(m, "active", None) for m in model.modules()))
+
+
+STEPS = weakref.WeakKeyDictionary()  # model -> (signature, its StaticStep), kept across stages
+
+
+def static_step(model, rows: int, columns: int) -> StaticStep:
+    """The model's StaticStep, with the graphs earlier stages captured, laid out for a stage of
+    `rows` rows and `columns` columns: in the smallest layout an earlier stage ran in that holds
+    it (its graphs serve), else in its own buckets. A new one where the stage outgrows the cache
+    (which grows to hold it), or where the model's signature changed (the graphs would be
+    stale)."""
+    now, (kept, step) = signature(model), STEPS.pop(model, (None, None))
+    R, S = rows_bucket(rows), columns_bucket(columns)
+    room, cells = R, R * S
+    if kept == now:
+        room, cells = max(R, len(step.token)), max(R * S, len(step.all_valid))
+    if kept != now or (room, cells) != (len(step.token), len(step.all_valid)):
+        del step  # the old cache goes before the new one is made
+        step = StaticStep(model, room, cells)
+    held = [(r, s) for r, s in step.layouts if r >= R and s >= S]
+    step.lay_out(*min(held, key=lambda rs: rs[0] * rs[1], default=(R, S)))
+    STEPS[model] = (now, step)
+    return step
 
 
 SIDE_STREAMS = {}  # device -> the one stream its graphs are warmed up and captured on
 
 
-def capture(step: StaticStep):
-    """A CUDA graph of `step`, and its output tensor, which each replay rewrites. Running the
-    step writes only the current column, so the warm-up runs below leave nothing behind. On the
-    step's own GPU (the streams are the current device's: cuda:1's kernels on cuda:0's stream
-    would leave the graph empty), on one side stream per device for every stage: cuBLAS keeps a
-    workspace for each stream it has run on, and does not free it."""
+def capture(step: StaticStep, rows: int, columns: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `step` over bucket (rows, columns), in the step's one memory pool; each
+    replay rewrites `step.logits[:rows]`. Running the step writes only the current column, so
+    the warm-up runs below leave nothing behind. On the step's own GPU (the streams are the
+    current device's: cuda:1's kernels on cuda:0's stream would leave the graph empty), on one
+    side stream per device for every capture: cuBLAS keeps a workspace for each stream it has
+    run on, and does not free it."""
     device = step.token.device
     with torch.cuda.device(device):
         if device not in SIDE_STREAMS:
@@ -400,21 +517,23 @@ def capture(step: StaticStep):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # kernels' first runs (cuBLAS handles, workspaces) off it
             for _ in range(2):
-                step()
+                step(rows, columns)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            logits = step()
-    return graph, logits
+        with torch.cuda.graph(graph, pool=step.pool, stream=side):
+            step(rows, columns)
+        step.pool = graph.pool() if step.pool is None else step.pool
+    return graph
 
 
 @torch.no_grad()
 def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
-                 eos_id: int | Collection[int], pad_id: int, temperature: float = 1.0,
-                 top_p: float = 1.0, greedy: bool = False, use_graph: bool = True):
-    """`decode`'s contract over a static cache of P + max_new_tokens columns, each step one
-    replay of a CUDA graph (use_graph=False runs the same step eagerly: the CPU's tests). A model
-    that the static step cannot decode (`static_refusal`) is refused, never decoded wrong."""
+                 eos_id: int | Collection[int], pad_id: int, sampler: Sampler = Sampler(),
+                 use_graph: bool = True):
+    """`decode`'s contract over the model's static cache, each step one replay of the CUDA graph
+    of its (rows, columns) bucket (use_graph=False runs the same steps eagerly: the CPU's tests).
+    A model that the static step cannot decode (`static_refusal`) is refused, never decoded
+    wrong."""
     check_length(max_new_tokens)
     (B, P), device = ids.shape, ids.device
     why = static_refusal(model, P + max_new_tokens)
@@ -422,38 +541,42 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
         raise ValueError(f"graph_decode cannot decode this model: {why}; decode it with `decode`")
     ends = torch.tensor(as_ids(eos_id), device=device)  # (E,)
     cache, logits, copy = prefill(model, ids, attn)
-    step = StaticStep(model, cache, copy, attn.bool(), P + max_new_tokens)
+    step = static_step(model, B, P + max_new_tokens)
+    step.fill(cache, copy, attn.bool())
     del cache
     logits = logits[copy]  # (U, V) -> (B, V)
-    step.position.copy_(attn.long().sum(-1, keepdim=True) - 1)  # the last prompt token's
-    step.column.fill_(P - 1)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    step.position[:B] = attn.long().sum(-1, keepdim=True) - 1  # the last prompt token's
+    live = torch.arange(B, device=device)  # (L,) the rows in the batch, by their index in it
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # (L,) those that wrote their eos
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = None if greedy else torch.zeros(B, max_new_tokens, device=device)
-    graph = None
+    logps = None if sampler.greedy else torch.zeros(B, max_new_tokens, device=device)
+    rows = rows_bucket(B)
     for t in range(max_new_tokens):
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            token, logp = sample_next(logits, temperature, top_p)
-            logps[:, t] = logp
-        token = token.masked_fill(done, pad_id)  # (B,) a finished row only pads
-        tokens[:, t] = token
+        token, logp = next_token(logits, sampler)
+        if logps is not None:
+            logps[live, t] = logp
+        token = token.masked_fill(done, pad_id)  # (L,) a finished row only pads
+        tokens[live, t] = token
         done |= torch.isin(token, ends)
-        if t == max_new_tokens - 1 or (t % CHECK_EVERY == CHECK_EVERY - 1 and done.all()):
+        if t == max_new_tokens - 1:
             break
-        step.token.copy_(token)
-        step.position.add_(1)
-        step.column.add_(1)
-        if use_graph and graph is None:
-            graph, logits = capture(step)
-        if graph is None:
-            logits = step()
-        else:
-            graph.replay()
+        if t % CHECK_EVERY == CHECK_EVERY - 1:  # the host waits for the device here only
+            left = int((~done).sum())
+            if left == 0:
+                break
+            # Finished rows leave for a rows bucket at least an eighth smaller: moving the cache
+            # costs about what a step does.
+            if rows_bucket(left) <= rows * 7 // 8:
+                keep = (~done).nonzero().squeeze(-1)  # (L',)
+                step.keep(keep, P + t)
+                live, done, token, rows = live[keep], done[keep], token[keep], rows_bucket(left)
+        step.token[: len(live)] = token
+        step.position[: len(live)].add_(1)
+        step.column.fill_(P + t)  # the columns before it are the prompt's and the tokens'
+        logits = step.run(rows, columns_bucket(P + t + 1), use_graph)[: len(live)]
     # Rows all done before a check wrote only pad since: cut after the last row's eos (its first
     # end token; the pad may be an end token too), as `decode` stops.
     T = t + 1
     if bool(done.all()):
         T = int(torch.isin(tokens, ends).long().argmax(-1).max()) + 1
-    return tokens[:, :T], None if greedy else logps[:, :T]
+    return tokens[:, :T], None if logps is None else logps[:, :T]

@@ -17,14 +17,16 @@ first: then the reference is a frozen copy of each adapter as RL found it
 Generation runs merged (`merged_adapter`): for the length of a workflow stage
 the active adapter is folded into the frozen weights, W' = W + (alpha / r) B A,
 so each decode step costs what the base model's does (the paper's "no
-additional inference latency", Sec. 4.1). The original weight
-tensors are kept, untouched, and put back afterwards: the base is bit-identical
-after a stage, never restored by subtracting (in bf16, W + D - D drifts).
+additional inference latency", Sec. 4.1). The merge is written into the weight
+tensors in place, so their addresses never change and a CUDA graph that reads
+them serves every stage and adapter (decode.py). The sum is formed in fp32 and
+rounded once; a copy of the base, kept for the stage, is written back after it:
+the base is bit-identical after a stage, never restored by subtracting (in bf16,
+W + D - D drifts).
 
 Departures from loralib: no mixin classes; several adapters per layer with one
-active at a time, switched for the whole model at once; merging swaps tensors
-instead of editing weights in place. Adapters are saved in Hugging Face PEFT's
-LoRA format, one directory per adapter.
+active at a time, switched for the whole model at once. Adapters are saved in
+Hugging Face PEFT's LoRA format, one directory per adapter.
 
 Exercised by: pytest tests/test_lora.py
 """
@@ -52,6 +54,7 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.ParameterDict()  # name -> (r, in)
         self.lora_B = nn.ParameterDict()  # name -> (out, r)
         self.active: str | None = None
+        self.kept: torch.Tensor | None = None  # the base weight while an adapter is merged into it
 
     def add(self, name: str, init: bool = True) -> None:
         """A fresh adapter; init=False leaves A at zero (for a state to be copied in), which
@@ -79,6 +82,20 @@ class LoRALinear(nn.Module):
         W = self.base.weight  # fp32 adapters: the sum is formed in fp32, then rounded once
         merged = torch.addmm(W.float(), self.lora_B[name], self.lora_A[name], alpha=self.scaling)
         return merged.to(W.dtype)
+
+    @torch.no_grad()
+    def merge(self, name: str) -> None:
+        """Write W + (alpha / r) B A into the base weight in place, keeping W to put back."""
+        merged = self.merged_weight(name)  # (out, in), from W as it is: the base
+        self.kept = self.base.weight.detach().clone()
+        self.base.weight.copy_(merged)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Put the base weight back, bit for bit, where an adapter was merged into it."""
+        if self.kept is not None:
+            self.base.weight.copy_(self.kept)
+            self.kept = None
 
 
 def inject_lora(model: nn.Module, r: int = 64, alpha: float = 32.0,
@@ -146,8 +163,9 @@ def merged_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
     """Run a block (no gradients) under adapter `name` folded into the base weights.
 
     Same function as use_adapter(model, name) up to float rounding, at the base
-    model's cost per token. Costs one extra copy of the adapted weights while
-    the block runs; the original tensors are put back as they were.
+    model's cost per token. The merge is written into the same weight tensors
+    (`LoRALinear.merge`), which keeps one extra copy of the base weights while the
+    block runs; the base is written back, bit for bit, after it.
     """
     if name is None:
         with torch.no_grad(), use_adapter(model, None):
@@ -156,15 +174,16 @@ def merged_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
     if name not in adapter_names(model):
         raise KeyError(f"unknown adapter {name!r}; have {adapter_names(model)}")
     layers = lora_layers(model)
-    originals = [layer.base.weight for layer in layers]
+    if any(layer.kept is not None for layer in layers):
+        raise RuntimeError("an adapter is merged into the weights already")
     try:
         with torch.no_grad(), use_adapter(model, None):  # the low-rank path is in the weights now
             for layer in layers:
-                layer.base.weight = nn.Parameter(layer.merged_weight(name), requires_grad=False)
+                layer.merge(name)
             yield
     finally:
-        for layer, weight in zip(layers, originals):
-            layer.base.weight = weight
+        for layer in layers:
+            layer.unmerge()
 
 
 def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:

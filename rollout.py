@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from decode import (as_ids, decode, end_tokens, forward_padded, graph_decode,
+from decode import (Sampler, as_ids, decode, end_tokens, forward_padded, graph_decode,
                     static_refusal)
 from lora import adapter_for, merged_adapter, use_adapter
 
@@ -250,8 +250,9 @@ class Rollout:
         decoder = self.decoder or (graph_decode if use_graph else decode)
         eos = end_tokens(model, tok)  # one id, or several where the model names more (Qwen3)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
+            sampler = Sampler(self.temperature, self.top_p, self.greedy)
             new, sampled = decoder(model, ids, attn, self.max_new_tokens, eos, tok.pad_token_id,
-                                   self.temperature, self.top_p, self.greedy)  # (B, T) each
+                                   sampler)  # (B, T) each
         new, sampled = new.cpu(), (None if sampled is None else sampled.cpu())
         texts = []
         for i in range(len(chats)):

@@ -2,13 +2,13 @@
 # The GPU checks of docs/performance.md, in one run of at most about $BUDGET seconds (default
 # 480: eight minutes) on one GPU. After the decoders' tests with CUDA visible,
 # the parts never measured on a GPU come first, so that a run cut short loses what is known
-# already: one decoding step alone (eager, and a CUDA graph's replay) by rows, three steps of
-# the GPU recipe on the embedded model with the diagnostics, the update profiled in bf16 and in
-# fp32 (kernels launched, host and GPU time), the recipe without the diagnostics, lab/bench.py
-# on Qwen3-0.6B's shape with random weights; then what was measured at an earlier commit: the
-# default run, lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's decode, the CPU's
-# loop and transformers' generate, fp32 and bf16), and a bf16 gradient through left padding
-# under the old and the new attention mask. A part that would not finish in the time left is
+# already: one decoding step alone (eager, and a CUDA graph's replay) by rows and cache length,
+# three steps of the GPU recipe on the embedded model with the diagnostics, the update profiled
+# in bf16 and in fp32 (kernels launched, host and GPU time), the recipe without the diagnostics,
+# lab/bench.py on Qwen3-0.6B's shape with random weights; then what was measured at an earlier
+# commit: the default run, lab/bench.py's throughput (32, 128, 512 rows; the CUDA graph's decode,
+# the CPU's loop and transformers' generate, fp32 and bf16), and a bf16 gradient through left
+# padding under the old and the new attention mask. A part that would not finish in the time left is
 # skipped and named in skipped.txt; one that overruns its share is asked to stop, and killed
 # 10 s later. Every log lands in $LOGS (default: ./gpu); with TAR=FILE they are also packed
 # into that one file after every part.
@@ -50,7 +50,7 @@ timeout -k 10 $(limit 120) $PY -m pytest -q -p no:cacheprovider tests/test_decod
   || { echo "the decoders' tests did not pass: the rest would measure a broken decode"; pack; exit 1; }
 pack
 
-echo "== one decoding step alone, eager and replayed as a CUDA graph, by rows"
+echo "== one decoding step alone, eager and replayed as a CUDA graph, by rows and cache length"
 for model in smollm2 random:qwen3-0.6b; do
 enough 40 "step $model" || continue
 timeout -k 10 $(limit 90) $PY - $model <<'PY' 2>&1 | grep -v "^$" | tee -a "$LOGS/step.txt"
@@ -59,7 +59,8 @@ import time
 
 import torch
 
-from decode import StaticStep, capture, prefill
+import decode
+from decode import columns_bucket, prefill, rows_bucket, static_step
 from model import load_policy
 from rollout import chat_text, left_pad
 from tasks import DEFAULT_LEVEL, load_task
@@ -67,38 +68,42 @@ from workflows import chat
 
 name, device, sync = sys.argv[1], "cuda", torch.cuda.synchronize
 pool = load_task("arith", "train", 64, DEFAULT_LEVEL, 0)
-for dtype in ("bf16", "fp32"):
+# Qwen3-0.6B's keys and values take 112 KiB a token in bf16: 512 rows of 600 columns, 35 GB
+for dtype in ("bf16",) if name.startswith("random:") else ("bf16", "fp32"):
     model, tok = load_policy(name, device, dtype)
     for B in (32, 128, 512):
         chats = [chat("math", "generator", question=pool[i % len(pool)].question) for i in range(B)]
         rows = tok([chat_text(tok, c) for c in chats], add_special_tokens=False).input_ids
         ids, attn = (t.to(device) for t in left_pad(rows, tok.pad_token_id))
+        P = ids.shape[1]
         with torch.no_grad():
             cache, logits, copy = prefill(model, ids, attn)
-            step = StaticStep(model, cache, copy, attn.bool(), ids.shape[1] + 48)
+            step = static_step(model, B, P + 512)
+            step.fill(cache, copy, attn.bool())
             del cache
-            step.position.copy_(attn.long().sum(-1, keepdim=True))
-            step.column.fill_(ids.shape[1])
-            step.token.copy_(logits[copy].argmax(-1))
-            timed = {}
-            for label, run in (("eager", step), ("replay", None)):
-                if label == "replay":
-                    start = time.perf_counter()
-                    graph, _ = capture(step)
+            step.position[:B] = attn.long().sum(-1, keepdim=True)
+            step.token[:B] = logits[copy].argmax(-1)
+            for columns in (columns_bucket(P + 1), columns_bucket(P + 512)):
+                step.column.fill_(columns - 1)  # the same column each time: a timing, not a decode
+                timed, R = {}, rows_bucket(B)
+                for label in ("eager", "replay"):
+                    if label == "replay":
+                        start = time.perf_counter()
+                        step.run(R, columns, True)  # captured, then replayed once
+                        sync()
+                        timed["capture"] = time.perf_counter() - start
+                    for _ in range(3):
+                        step.run(R, columns, label == "replay")
                     sync()
-                    timed["capture"] = time.perf_counter() - start
-                    run = graph.replay
-                for _ in range(3):
-                    run()
-                sync()
-                start = time.perf_counter()
-                for _ in range(24):  # the same column each time: a timing, not a decode
-                    run()
-                sync()
-                timed[label] = (time.perf_counter() - start) / 24
-        print(f"{name} {dtype}, {B} rows, context {ids.shape[1]}: " +
-              ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timed.items()), flush=True)
-        del step, graph
+                    start = time.perf_counter()
+                    for _ in range(24):
+                        step.run(R, columns, label == "replay")
+                    sync()
+                    timed[label] = (time.perf_counter() - start) / 24
+                print(f"{name} {dtype}, {B} rows, {columns} columns (prompts {P}): " +
+                      ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in timed.items()), flush=True)
+        del step
+        decode.STEPS.clear()
         torch.cuda.empty_cache()
     del model
 PY

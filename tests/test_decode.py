@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import decode as decode_module
-from decode import (decode, end_tokens, forward_padded, graph_decode, padded_causal_mask,
-                    rms_norm, sample_next)
+from decode import (GREEDY, Sampler, decode, end_tokens, forward_padded, graph_decode,
+                    padded_causal_mask, rms_norm, sample_next)
 from lora import inject_lora, lora_layers, merged_adapter, setup_adapters, use_adapter
-from rollout import Call, chat_text, left_pad, sequence_logprobs
+from rollout import Call, chat_text, cut_at_eos, left_pad, sequence_logprobs
 
 
 def prompts(tok, texts):
@@ -85,14 +85,14 @@ def test_the_static_step_writes_generates_greedy_tokens(tiny):
     model, tok = tiny
     ids, attn = prompts(tok, ["What is 1 + 2?", "Name three colours, then stop.", "What is 1 + 2?",
                               "x", "What is 12 * 13? Think step by step."])
-    free, _ = decode(model, ids, attn, 24, tok.eos_token_id, tok.pad_token_id, greedy=True)
+    free, _ = decode(model, ids, attn, 24, tok.eos_token_id, tok.pad_token_id, GREEDY)
     # the random model never says eos: tokens it writes stand in for it
     for stop in (free[0, 5].item(), free[3, 10].item()):
         out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=24, do_sample=False,
                              eos_token_id=stop, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-        static, logp = graph_decode(model, ids, attn, 24, stop, tok.pad_token_id, greedy=True,
+        static, logp = graph_decode(model, ids, attn, 24, stop, tok.pad_token_id, GREEDY,
                                     use_graph=False)
-        dynamic, _ = decode(model, ids, attn, 24, stop, tok.pad_token_id, greedy=True)
+        dynamic, _ = decode(model, ids, attn, 24, stop, tok.pad_token_id, GREEDY)
         assert logp is None
         assert static.tolist() == out.tolist() == dynamic.tolist()
 
@@ -103,14 +103,14 @@ def test_a_second_end_token_stops_a_row(tiny):
     list, and a row that wrote only the second is done (the batch stops before its budget)."""
     model, tok = tiny
     ids, attn = prompts(tok, ["What is 1 + 2?", "x", "Name three colours, then stop."])
-    free, _ = decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True)
+    free, _ = decode(model, ids, attn, 24, -1, tok.pad_token_id, GREEDY)
     # the random model never says eos: a token that each row writes stands in for the second
     second = next(t for t in free[0, 2:].tolist() if all(t in row for row in free.tolist()))
     ends = [tok.eos_token_id, second]
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=24, do_sample=False,
                          eos_token_id=ends, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-    dynamic, _ = decode(model, ids, attn, 24, ends, tok.pad_token_id, greedy=True)
-    static, _ = graph_decode(model, ids, attn, 24, ends, tok.pad_token_id, greedy=True,
+    dynamic, _ = decode(model, ids, attn, 24, ends, tok.pad_token_id, GREEDY)
+    static, _ = graph_decode(model, ids, attn, 24, ends, tok.pad_token_id, GREEDY,
                              use_graph=False)
     assert dynamic.tolist() == static.tolist() == out.tolist()
     assert dynamic.shape[1] < 24 and (dynamic == second).any(-1).all()
@@ -134,7 +134,7 @@ def test_the_static_step_records_the_log_probs_a_scoring_pass_gives(tiny):
     torch.manual_seed(0)
     with merged_adapter(model, "shared"):
         new, logp = graph_decode(model, ids, attn, 16, tok.eos_token_id, tok.pad_token_id,
-                                 temperature=0.7, use_graph=False)
+                                 Sampler(0.7), use_graph=False)
     calls = [Call(i, "generator", "generator0", 0, ids[i][attn[i].bool()].tolist(), new[i].tolist(),
                   "", "") for i in range(len(ids))]
     with torch.no_grad(), use_adapter(model, "shared"):
@@ -159,39 +159,176 @@ def test_graphs_of_successive_stages_replay_what_the_eager_step_computes(tiny):
     for use_graph in (False, True):
         torch.manual_seed(0)
         with merged_adapter(model, "shared"):
-            runs.append(graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, temperature=0.7,
-                                     top_p=0.9, use_graph=use_graph))
+            runs.append(graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, Sampler(0.7, 0.9),
+                                     use_graph=use_graph))
     (eager, eager_logp), (graphed, graphed_logp) = runs
     assert graphed.tolist() == eager.tolist() and torch.equal(graphed_logp, eager_logp)
     model = model.to(torch.bfloat16)
     ids, attn = (t.cuda() for t in prompts(tok, ["Name three colours, then stop.", "y"] * 3))
-    eager, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True,
+    eager, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, GREEDY,
                             use_graph=False)
-    graphed, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, greedy=True)
+    graphed, _ = graph_decode(model, ids, attn, 24, -1, tok.pad_token_id, GREEDY)
     assert graphed.tolist() == eager.tolist()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph needs a GPU")
 def test_the_graph_decoder_waits_for_the_gpu_every_few_tokens_not_every_token(tiny):
     """The host waits for the GPU (a synchronising call, as torch's sync debug mode reports each)
-    as often for 16 tokens as for 48, but for the question "are all rows done?" asked every
-    CHECK_EVERY tokens: a wait added to the token loop would add 32."""
+    as often for 16 tokens as for 48, but for the question "which rows are done?" asked every
+    CHECK_EVERY tokens: a wait added to the token loop would add 32. The step's check and its
+    graph's capture (which wait) come first, once for both."""
     model, tok = tiny
     model = model.cuda()
     ids, attn = (t.cuda() for t in prompts(tok, ["What is 1 + 2?", "x", "Name three colours."]))
+    graph_decode(model, ids, attn, 48, -1, tok.pad_token_id, Sampler(top_p=0.9))
 
     def waits(tokens: int) -> int:
         torch.manual_seed(0)
         with pytest.warns(UserWarning) as seen:
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                graph_decode(model, ids, attn, tokens, -1, tok.pad_token_id, top_p=0.9)
+                graph_decode(model, ids, attn, tokens, -1, tok.pad_token_id, Sampler(top_p=0.9))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchronizing" in str(w.message) for w in seen)
 
     short, long = waits(16), waits(48)
     assert short > 0 and long - short == (48 - 16) // decode_module.CHECK_EVERY, (short, long)
+
+
+FIVE = ["What is 1 + 2?", "Name three colours, then stop.", "What is 1 + 2?", "x",
+        "What is 12 * 13? Think step by step."]
+
+
+def small_buckets(monkeypatch) -> list[tuple[int, int]]:
+    """Length buckets of 4 columns and a check every other token, so that a short stage of the
+    tiny model crosses them; the (rows, columns) bucket of every step the static path runs."""
+    monkeypatch.setattr(decode_module, "COLUMNS", 4)
+    monkeypatch.setattr(decode_module, "CHECK_EVERY", 2)
+    seen, run = [], decode_module.StaticStep.run
+
+    def recorded(step, rows, columns, use_graph):
+        seen.append((rows, columns))
+        return run(step, rows, columns, use_graph)
+    monkeypatch.setattr(decode_module.StaticStep, "run", recorded)
+    return seen
+
+
+def adapted(model, names):
+    """The model with LoRA adapters `names` that change its outputs."""
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, names, "isolated")
+    torch.manual_seed(0)
+    for layer in lora_layers(model):
+        for name in names:
+            torch.nn.init.normal_(layer.lora_B[name], std=0.05)
+    return model
+
+
+def test_finished_rows_leave_and_the_length_buckets_grow_with_decode_s_tokens(tiny, monkeypatch):
+    """Greedy, rows ending at different steps: the static path starts in the rows bucket of 8,
+    moves to smaller ones as rows finish and to longer length buckets as they write, never
+    attending over more than a bucket past the written columns, and writes `decode`'s tokens."""
+    model, tok = tiny
+    ids, attn = prompts(tok, FIVE)
+    P = ids.shape[1]
+    free, _ = decode(model, ids, attn, 24, -1, tok.pad_token_id, GREEDY)
+    ends = [free[0, 2].item(), free[4, 9].item(), free[1, 19].item()]  # stand-ins for eos
+    seen = small_buckets(monkeypatch)
+    static, _ = graph_decode(model, ids, attn, 24, ends, tok.pad_token_id, GREEDY, use_graph=False)
+    dynamic, _ = decode(model, ids, attn, 24, ends, tok.pad_token_id, GREEDY)
+    assert static.tolist() == dynamic.tolist()
+    rows, columns = zip(*seen)
+    assert rows[0] == 8 and len(set(rows)) >= 3 and list(rows) == sorted(rows, reverse=True)
+    assert len(set(columns)) >= 4 and list(columns) == sorted(columns)
+    assert all(0 <= c - (P + t + 1) < 4 for t, c in enumerate(columns))
+
+
+def test_sampled_through_the_buckets_each_log_prob_is_the_scoring_pass_s(tiny, monkeypatch):
+    """Sampled under a merged adapter, rows leaving and length buckets crossed: every recorded
+    log-prob equals a forward pass's over prompt and completion. With no row ending, the draws
+    are the same ones, and the buckets change no token against one whole cache."""
+    model, tok = tiny
+    adapted(model, ["generator"])
+    ids, attn = prompts(tok, FIVE)
+    torch.manual_seed(0)
+    whole = graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, Sampler(0.7), use_graph=False)
+    ends = [whole[0][0, 3].item(), whole[0][4, 6].item()]  # stand-ins for eos
+    seen = small_buckets(monkeypatch)
+    torch.manual_seed(1)
+    with merged_adapter(model, "generator"):
+        new, logp = graph_decode(model, ids, attn, 16, ends, tok.pad_token_id, Sampler(0.7),
+                                 use_graph=False)
+    assert len({rows for rows, _ in seen}) >= 2  # rows left the batch
+    calls = [Call(i, "generator", "generator0", 0, ids[i][attn[i].bool()].tolist(),
+                  cut_at_eos(new[i].tolist(), ends), "", "") for i in range(len(ids))]
+    with torch.no_grad(), use_adapter(model, "generator"):
+        scored, mask, _ = sequence_logprobs(model, calls, tok.pad_token_id, 0.7)
+    assert mask.sum(-1).min() < 16  # some rows ended
+    assert torch.allclose(logp[:, : mask.shape[1]][mask.bool()], scored[mask.bool()], atol=1e-4)
+    torch.manual_seed(0)
+    bucketed = graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, Sampler(0.7),
+                            use_graph=False)
+    assert bucketed[0].tolist() == whole[0].tolist() and torch.equal(bucketed[1], whole[1])
+
+
+def test_later_stages_run_in_the_kept_cache_under_another_merged_adapter(tiny, monkeypatch):
+    """The static step, its cache and (on a GPU) its graphs are kept from stage to stage: a
+    later stage with fewer rows and columns, under another adapter merged in place, runs in the
+    same memory and layout and writes the low-rank path's tokens; one of fewer, longer rows lays
+    the same memory out anew (the cache holds the most rows x columns a stage needed, not the
+    most rows times the most columns); one with more rows grows it, and a model whose weights
+    moved (another dtype) gets a new one."""
+    model, tok = tiny
+    adapted(model, ["generator", "evaluator"])
+    small_buckets(monkeypatch)
+    ids, attn = prompts(tok, FIVE)
+    with merged_adapter(model, "generator"):
+        graph_decode(model, ids, attn, 12, -1, tok.pad_token_id, GREEDY, use_graph=False)
+    step = decode_module.STEPS[model][1]
+    address, first = step.keys[0].data_ptr(), step.layout
+    assert first == (8, decode_module.columns_bucket(ids.shape[1] + 12))
+    ids, attn = prompts(tok, ["y", "Name three colours."])
+    long = decode_module.columns_bucket(ids.shape[1] + 3 * first[1])
+    for new_tokens, layout in ((12, first), (3 * first[1], (2, long))):
+        with merged_adapter(model, "evaluator"):
+            merged, _ = graph_decode(model, ids, attn, new_tokens, -1, tok.pad_token_id, GREEDY,
+                                     use_graph=False)
+        assert decode_module.STEPS[model][1] is step and step.keys[0].data_ptr() == address
+        assert step.layout == layout and len(step.all_valid) == first[0] * first[1]
+        with use_adapter(model, "evaluator"):
+            low_rank, _ = decode(model, ids, attn, new_tokens, -1, tok.pad_token_id, GREEDY)
+        assert merged.tolist() == low_rank.tolist()
+    ids, attn = prompts(tok, FIVE * 2)
+    with merged_adapter(model, "evaluator"):
+        graph_decode(model, ids, attn, 4, -1, tok.pad_token_id, GREEDY, use_graph=False)
+    grown = decode_module.STEPS[model][1]
+    assert grown is not step and len(grown.token) == 16 and grown.keys[0].dtype == torch.float32
+    model.to(torch.bfloat16)
+    graph_decode(model, ids, attn, 4, -1, tok.pad_token_id, GREEDY, use_graph=False)
+    assert decode_module.STEPS[model][1].keys[0].dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph needs a GPU")
+def test_graphs_captured_in_one_stage_serve_the_next_under_another_adapter(tiny, monkeypatch):
+    """Under small buckets, a stage captures a graph per bucket it visits; a second stage of the
+    same shape under another merged adapter captures none, and its replays write what the eager
+    step writes under that adapter."""
+    model, tok = tiny
+    model = adapted(model.cuda(), ["generator", "evaluator"])
+    seen = small_buckets(monkeypatch)
+    ids, attn = (t.cuda() for t in prompts(tok, FIVE))
+    with merged_adapter(model, "generator"):
+        graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, GREEDY)
+    step = decode_module.STEPS[model][1]
+    captured = dict(step.graphs)
+    assert len(captured) == len(set(seen)) >= 4
+    with merged_adapter(model, "evaluator"):
+        graphed, _ = graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, GREEDY)
+        eager, _ = graph_decode(model, ids, attn, 16, -1, tok.pad_token_id, GREEDY,
+                                use_graph=False)
+    assert decode_module.STEPS[model][1] is step and step.graphs == captured
+    assert graphed.tolist() == eager.tolist()
 
 
 def test_a_rotary_table_that_changes_with_the_length_is_refused_by_the_static_step(tiny,
@@ -257,17 +394,17 @@ def test_a_family_takes_the_static_step_only_where_it_writes_decode_s_tokens(fam
     loop, and graph_decode, called anyway, says so instead of writing other tokens."""
     model = family_model(family)
     ids, attn = left_pad(FAMILY_ROWS, 0)
-    dynamic, _ = decode(model, ids, attn, 12, -1, 0, greedy=True)
+    dynamic, _ = decode(model, ids, attn, 12, -1, 0, GREEDY)
     why = decode_module.static_refusal(model, ids.shape[1] + 12)
     if family in STATIC:
         assert why is None
-        static, _ = graph_decode(model, ids, attn, 12, -1, 0, greedy=True, use_graph=False)
+        static, _ = graph_decode(model, ids, attn, 12, -1, 0, GREEDY, use_graph=False)
         assert static.tolist() == dynamic.tolist()
         assert all(len(set(row)) > 2 for row in static.tolist())  # not one token over and over
     else:
         assert why == f"the static step does not write {model.config.model_type} layers"
         with pytest.raises(ValueError, match="decode it with `decode`"):
-            graph_decode(model, ids, attn, 12, -1, 0, greedy=True, use_graph=False)
+            graph_decode(model, ids, attn, 12, -1, 0, GREEDY, use_graph=False)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in STATIC])
@@ -286,7 +423,7 @@ def test_the_self_check_alone_refuses_each_family_the_step_does_not_write(family
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the verdict is remembered: no second warning, no check
         with pytest.raises(ValueError, match="decode it with `decode`"):
-            graph_decode(model, ids, attn, 12, -1, 0, greedy=True, use_graph=False)
+            graph_decode(model, ids, attn, 12, -1, 0, GREEDY, use_graph=False)
 
 
 def test_a_stage_longer_than_the_sliding_window_is_left_to_the_plain_loop():
@@ -295,11 +432,11 @@ def test_a_stage_longer_than_the_sliding_window_is_left_to_the_plain_loop():
     model = family_model("mistral", sliding_window=16)
     ids, attn = left_pad(FAMILY_ROWS, 0)  # 7 columns
     assert decode_module.static_refusal(model, 7 + 9) is None
-    static, _ = graph_decode(model, ids, attn, 9, -1, 0, greedy=True, use_graph=False)
-    assert static.tolist() == decode(model, ids, attn, 9, -1, 0, greedy=True)[0].tolist()
+    static, _ = graph_decode(model, ids, attn, 9, -1, 0, GREEDY, use_graph=False)
+    assert static.tolist() == decode(model, ids, attn, 9, -1, 0, GREEDY)[0].tolist()
     assert "outgrow the 16-token sliding window" in decode_module.static_refusal(model, 7 + 10)
     with pytest.raises(ValueError, match="outgrow the 16-token sliding window"):
-        graph_decode(model, ids, attn, 10, -1, 0, greedy=True, use_graph=False)
+        graph_decode(model, ids, attn, 10, -1, 0, GREEDY, use_graph=False)
 
 
 def test_the_plan_line_names_the_decoder(tiny):
@@ -403,16 +540,16 @@ def test_the_static_step_reads_each_norm_s_own_weight_and_epsilon(tiny):
         torch.nn.init.normal_(norm.weight, 1.0, 0.3)
         norm.variance_epsilon = 1e-3
     ids, attn = prompts(tok, ["What is 1 + 2?", "x", "Name three colours, then stop."])
-    static, _ = graph_decode(model, ids, attn, 12, -1, tok.pad_token_id, greedy=True,
+    static, _ = graph_decode(model, ids, attn, 12, -1, tok.pad_token_id, GREEDY,
                              use_graph=False)
-    dynamic, _ = decode(model, ids, attn, 12, -1, tok.pad_token_id, greedy=True)
+    dynamic, _ = decode(model, ids, attn, 12, -1, tok.pad_token_id, GREEDY)
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=False,
                          eos_token_id=None, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     assert static.tolist() == dynamic.tolist() == out.tolist()
     assert all(len(set(row)) > 2 for row in static.tolist())  # not one token over and over
     torch.manual_seed(1)
     new, logp = graph_decode(model, ids, attn, 12, tok.eos_token_id, tok.pad_token_id,
-                             temperature=0.7, use_graph=False)
+                             Sampler(0.7), use_graph=False)
     calls = [Call(i, "generator", "generator0", 0, ids[i][attn[i].bool()].tolist(), new[i].tolist(),
                   "", "") for i in range(len(ids))]
     with torch.no_grad():

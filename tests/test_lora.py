@@ -217,6 +217,38 @@ def test_merged_adapter_is_the_low_rank_path_and_puts_the_base_back(tiny):
             pass
 
 
+def test_merges_of_different_adapters_write_into_the_same_weight_tensors(tiny):
+    """Merging writes in place: every weight keeps its address whichever adapter is merged (a
+    CUDA graph that reads it serves them all), each merge is its adapter's low-rank path, the
+    base comes back bit for bit after each, and a merge inside a merge is refused, the outer one
+    left as it was."""
+    model, tok = tiny
+    inject_lora(model, r=4, alpha=8)
+    setup_adapters(model, ["generator", "evaluator"], "isolated")
+    randomize(model, "generator", seed=0)
+    randomize(model, "evaluator", seed=1)
+    ids = batch(len(tok))
+    weights = [l.base.weight for l in lora_layers(model)]
+    addresses, base = [w.data_ptr() for w in weights], [w.clone() for w in weights]
+    outputs = []
+    for name in ("generator", "evaluator", "generator"):
+        with use_adapter(model, name):
+            low_rank = model(ids).logits
+        with merged_adapter(model, name):
+            outputs.append(model(ids).logits)
+            assert [l.base.weight.data_ptr() for l in lora_layers(model)] == addresses
+        assert (outputs[-1] - low_rank).abs().max() < 1e-5 * low_rank.abs().max()
+        assert all(l.base.weight is w for l, w in zip(lora_layers(model), weights))
+        assert all(torch.equal(w, b) for w, b in zip(weights, base))
+    assert (outputs[0] - outputs[1]).abs().max() > 1e-2 and torch.equal(outputs[0], outputs[2])
+    with merged_adapter(model, "generator"):
+        with pytest.raises(RuntimeError, match="merged into the weights already"):
+            with merged_adapter(model, "evaluator"):
+                pass
+        assert torch.equal(model(ids).logits, outputs[0])
+    assert all(torch.equal(w, b) for w, b in zip(weights, base))
+
+
 def test_merged_bf16_base_differs_by_no_more_than_bf16_rounding(tiny):
     """A bf16 base with fp32 adapters: the merged weights are rounded to bf16 once, which moves
     the logits by about as much as bf16 arithmetic does anyway. Restoring by subtraction would

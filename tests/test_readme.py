@@ -209,7 +209,8 @@ def test_the_prepared_gpu_check_s_python_runs_on_the_cpu(log, device_line, monke
     source = source.replace(device_line, device_line.replace('"cuda"', '"cpu"'))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(decode, "capture", lambda step: (types.SimpleNamespace(replay=step), None))
+    monkeypatch.setattr(decode, "capture", lambda step, rows, columns: types.SimpleNamespace(
+        replay=lambda: step(rows, columns)))
     monkeypatch.setattr(sys, "argv", ["-", "tiny"])
     exec(compile(source, f"gpu_check.sh ({log})", "exec"), {"__name__": "__main__"})
     printed = capsys.readouterr().out

@@ -10,7 +10,7 @@ import pytest
 import torch.nn.functional as F
 
 from conftest import ROOT
-from decode import decode
+from decode import GREEDY, decode
 from lora import adapter_parameters, inject_lora, lora_layers, setup_adapters, use_adapter
 from model import load_policy, resolve_dtype
 import rollout as rollout_module
@@ -56,11 +56,11 @@ def test_greedy_decode_gives_generates_tokens(tiny):
     prompts = [a, b, a, "x", "What is 12 * 13? Think step by step.", b]
     ids, attn = left_pad(tok([chat_text(tok, [{"role": "user", "content": p}]) for p in prompts],
                              add_special_tokens=False).input_ids, tok.pad_token_id)
-    free, _ = decode(model, ids, attn, 20, tok.eos_token_id, tok.pad_token_id, greedy=True)
+    free, _ = decode(model, ids, attn, 20, tok.eos_token_id, tok.pad_token_id, GREEDY)
     stop = free[0, 5].item()  # the random model never says eos: row 0's sixth token plays it
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=20, do_sample=False,
                          eos_token_id=stop, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-    new, logp = decode(model, ids, attn, 20, stop, tok.pad_token_id, greedy=True)
+    new, logp = decode(model, ids, attn, 20, stop, tok.pad_token_id, GREEDY)
     assert logp is None
     assert new.tolist() == out.tolist()
     assert new[0, 5] == stop and (new[0, 6:] == tok.pad_token_id).all()
