@@ -6,7 +6,8 @@ one of these: a figure edited in the text, or typed there without a log, fails.
 
 Only Paper B's runs have committed logs (`python -m lab.grid --demo critics --results
 docs/results/critics`, and `--level 4` into docs/results/critics-level4); every other figure is
-left out of the text until its command's logs are committed the same way.
+left out of the text until its command's logs are committed the same way. docs/tasks.md's counts
+of test facts whose inverse is trained on are recounted from tasks.py's splits.
 """
 import os
 import re
@@ -17,6 +18,7 @@ import pytest
 from diagnose import series
 from lab.files import load_run
 from lab.tables import CRITIC_CELLS, accuracy_numbers, critics_differences, critics_table
+import tasks
 from workflows import ROLES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,3 +244,45 @@ def test_an_edited_figure_fails_the_check(level2):
         assert edited != text
         with pytest.raises(AssertionError):
             check(edited, figures, tables)
+
+
+def equation(key: str, answer: int) -> tuple[str, ...]:
+    """A fact with its answer as one equation, every term on one side, the same whichever term it
+    is solved for: 3 + 4 = 7, 7 - 3 = 4 and 7 - 4 = 3 are all (+3, +4, -7)."""
+    op, nums = key.split(":")
+    names = nums.split(",")
+    if op == "terms":  # level 5: already signed
+        atoms = names
+    elif op == "a*b":  # no division in any level: a product is one term
+        atoms = ["+" + "*".join(names)]
+    else:
+        atoms = [sign + n for sign, n in zip({"a+b": "++", "a-b": "+-", "a+b+c": "+++"}[op], names)]
+    atoms = sorted([*atoms, f"-{answer}"])
+    flipped = sorted(("-" if a[0] == "+" else "+") + a[1:] for a in atoms)
+    return min(tuple(atoms), tuple(flipped))
+
+
+def inverse_counts(level: int) -> tuple[int, int, int]:
+    """A level's test facts, those whose inverse (the same equation under the other operation) is
+    a train fact, and those with any other train fact of the same equation."""
+    answers = {key: answer for split in tasks.SPLITS for kind in tasks._pools(level)[split]
+               for _, answer, key in kind}
+    train = {}
+    for key in tasks.facts(level, "train"):
+        train.setdefault(equation(key, answers[key]), []).append(key.split(":")[0])
+    test = tasks.facts(level, "test")
+    ops = [(key.split(":")[0], train.get(equation(key, answers[key]), [])) for key in test]
+    return (len(test), sum(any(o != op for o in found) for op, found in ops),
+            sum(bool(found) for _, found in ops))
+
+
+def test_the_inverse_facts_docs_tasks_md_counts_are_the_splits():
+    """docs/tasks.md's table of test facts whose inverse is trained on, level by level, against
+    tasks.py's own splits; and the example the page gives, level 2's 3 + 4 with 7 - 3 and 7 - 4 in train."""
+    table = table_in(read("docs/tasks.md"), "| level | test facts | with an inverse in train | "
+                                            "with any rearrangement in train |")
+    stated = {int(row[0]): tuple(map(int, row[1:]))
+              for row in ([c.strip() for c in line.strip("|").split("|")] for line in table[2:])}
+    assert stated == {level: inverse_counts(level) for level in tasks.LEVELS}
+    assert "a+b:3,4" in tasks.facts(2, "test")
+    assert {"a-b:7,3", "a-b:7,4"} <= tasks.facts(2, "train")
