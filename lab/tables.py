@@ -366,7 +366,10 @@ def critics_table(by_cell: Runs, unseen: bool = True) -> list[str]:
 def paired_line(diffs: list[float], floor: float = 0.0) -> str:
     """A difference paired by seed as the docs write it: the mean, its standard error (at least
     `floor`), its 95 % t interval and each seed's difference, e.g. "-0.14 (0.12; -0.65 to +0.38;
-    +0.00, -0.38, -0.03)"; with 1 degree of freedom, "1 df" after the interval."""
+    +0.00, -0.38, -0.03)"; with 1 degree of freedom, "1 df" after the interval. Fewer than two
+    seeds give no interval."""
+    if len(diffs) < 2:
+        return f"{diffs[0]:+.2f} on one seed: no interval" if diffs else "no seed logged it"
     mean, se, half = interval(diffs, floor)
     df = "" if len(diffs) > 2 else f", {len(diffs) - 1} df"
     return (f"{mean:+.2f} ({se:.2f}; {mean - half:+.2f} to {mean + half:+.2f}{df}; "

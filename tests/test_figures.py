@@ -17,7 +17,7 @@ import pytest
 
 from diagnose import series
 from lab.files import load_run
-from lab.tables import CRITIC_CELLS, accuracy_numbers, critics_differences, critics_table
+from lab.tables import CRITIC_CELLS, critics_differences, critics_table, paired_line
 import tasks
 from workflows import ROLES
 
@@ -286,3 +286,13 @@ def test_the_inverse_facts_docs_tasks_md_counts_are_the_splits():
     assert stated == {level: inverse_counts(level) for level in tasks.LEVELS}
     assert "a+b:3,4" in tasks.facts(2, "test")
     assert {"a-b:7,3", "a-b:7,4"} <= tasks.facts(2, "train")
+
+
+def test_a_paired_line_is_written_as_the_docs_write_it():
+    """lab.tables.paired_line against a hand computation: differences 0.1, 0.3, 0.2 have a mean of
+    0.2 and a standard error of 0.1 / sqrt(3) = 0.0577, so a half-width of 4.303 x 0.0577 = 0.248;
+    two seeds say "1 df", one seed gives no interval."""
+    assert paired_line([0.1, 0.3, 0.2]) == "+0.20 (0.06; -0.05 to +0.45; +0.10, +0.30, +0.20)"
+    assert paired_line([0.1, 0.3]) == "+0.20 (0.10; -1.07 to +1.47, 1 df; +0.10, +0.30)"
+    assert paired_line([0.1, 0.3, 0.2], floor=0.2).startswith("+0.20 (0.20; -0.66 to +1.06;")
+    assert paired_line([0.25]) == "+0.25 on one seed: no interval"
