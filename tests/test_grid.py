@@ -19,10 +19,12 @@ TINY = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems
 def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(grid, "reproduce",
-                        lambda out, flags, seeds: seen.append((out, flags, seeds)) or "report.md")
+                        lambda out, flags, seeds, results: seen.append((out, flags, seeds, results))
+                        or "report.md")
     grid.main(["--reproduce", "--model", "Qwen/Qwen3-1.7B", "--out", str(tmp_path),
-               "--steps", "200"])
-    assert seen == [(str(tmp_path), ["--model", "Qwen/Qwen3-1.7B", "--steps", "200"], [0, 1, 2])]
+               "--steps", "200", "--results", "kept"])
+    assert seen == [(str(tmp_path), ["--model", "Qwen/Qwen3-1.7B", "--steps", "200"], [0, 1, 2],
+                     "kept")]
     with pytest.raises(SystemExit):  # a flag train.py does not know stops before the first cell
         grid.main(["--reproduce", "--stepz", "3"])
     assert len(seen) == 1
