@@ -8,6 +8,7 @@ training them, and their tables.
     python -m lab.grid --demo capture_dose  # the generators' share of a shared adapter, raised
     python -m lab.grid --demo critics       # Paper B: GRPO, central and decentral critics
     python -m lab.grid --demo default --seeds 0,1,2  # the default run's gain, and its source
+    python -m lab.grid --demo critics --results docs/results/critics  # the logs, for committing
 
 Flags this file does not know go to every cell's train.py in which they act (--n_agents to the
 cells whose workflow has agents to count), after the cell's own, so they override them (e.g.
@@ -19,6 +20,9 @@ where it stopped when the same command runs again. A demo's cells of one seed go
 warm-up and step-0 evaluation (train.py --start_from), so they differ only in how RL updates the
 adapters. The tables (lab/tables.py) are means over the seeds with their range, and differences
 paired by seed with their t intervals; diagnose.py's report on every cell follows them.
+Each cell's printed lines are also kept in its log.txt; --results DIR copies what the tables are
+made of, each cell's config.json, metrics.jsonl and log.txt (no checkpoint), to DIR/seed<S>/<cell>,
+where a figure in docs/ can be recomputed from them (tests/test_figures.py).
 
 Every cell's settings are checked as its train.py will check them before the first cell
 trains, and a flag that would set what tells the cells apart (--workflow in the main table,
@@ -33,6 +37,7 @@ Exercised by: pytest tests/test_grid.py
 import argparse
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -42,8 +47,8 @@ from lab.checkpoint import has_checkpoint
 from lab.files import load_run
 from lab.settings import (check_goes_on_from, check_settings, flag_name, idle_settings, run_config,
                           typed_flags, with_task_tokens)
-from lab.tables import (claims, demo_plot, demo_table, gain_table, main_table, mean_table,
-                        seed_table, signal_numbers)
+from lab.tables import (claims, critics_differences, critics_table, demo_plot, demo_table,
+                        gain_table, main_table, mean_table, seed_table, signal_numbers)
 from tasks import TASK_KIND
 from train import Config, check_algorithm_settings, parse_config
 from workflows import ROLES
@@ -303,23 +308,54 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
         cmd = [sys.executable, "train.py", *flags, "--out", run_dir, *again]
         print(" ".join(cmd[1:]), flush=True)
         t0 = time.time()
-        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+        if train_cell(cmd, run_dir, resumed=again == ["--resume"]) != 0:
             raise SystemExit(f"{run_dir}: train.py failed (see its output above)")
         print(f"{run_dir}: {time.time() - t0:.0f} s", flush=True)
     return run_dirs
+
+
+LOGS = ("config.json", "metrics.jsonl", "log.txt")  # what a figure is recomputed from
+
+
+def train_cell(cmd: list[str], run_dir: str, resumed: bool) -> int:
+    """Run one cell's train.py; its printed lines (the plan, a line a step) show here and are kept
+    in run_dir/log.txt, continued when the cell resumes. The progress bars (stderr) only show."""
+    os.makedirs(run_dir, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it happens, through the pipe
+    with open(os.path.join(run_dir, "log.txt"), "a" if resumed else "w") as log, \
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            log.flush()
+    return proc.returncode
+
+
+def keep_logs(run_dirs: list[str], home: str, results: str) -> None:
+    """Copy each run's LOGS to results/<its path under home>: the files a figure needs, never a
+    checkpoint, ready to be committed under docs/results/."""
+    for run_dir in run_dirs:
+        dest = os.path.join(results, os.path.relpath(run_dir, home))
+        os.makedirs(dest, exist_ok=True)
+        for name in LOGS:
+            if os.path.exists(os.path.join(run_dir, name)):
+                shutil.copyfile(os.path.join(run_dir, name), os.path.join(dest, name))
+    print(f"{results}: config.json, metrics.jsonl and log.txt of {len(run_dirs)} runs")
 
 
 # ----------------------------------------------------------------------------
 # The grid and the demos: their cells trained, then their tables (lab/tables.py)
 
 
-def reproduce(out: str, train_flags: list[str], seeds: list[int]) -> str:
+def reproduce(out: str, train_flags: list[str], seeds: list[int], results: str = "") -> str:
     """Train every grid cell for every seed, then write out/report.md: the main table, Paper A's
     findings checked against it, where each cell's learning signal went, the accuracy curves
     (curves.png) and diagnose.py's report on every run."""
     cells = grid_cells(train_flags, seeds)
     check_cells(cells, out, train_flags)
     run_dirs = train_cells(out, cells)
+    if results:
+        keep_logs(run_dirs, out, results)
     path = report(run_dirs, out, names=lambda d: os.path.relpath(d, out))
     by_cell = {f"{w}-{s}": {seed_of(d): load_run(d, ROLES) for d in run_dirs
                             if os.path.basename(d) == f"{w}-{s}"}
@@ -339,7 +375,8 @@ def reproduce(out: str, train_flags: list[str], seeds: list[int]) -> str:
     return path
 
 
-def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
+def demo(name: str, out: str, train_flags: list[str], seeds: list[int],
+         results: str = "") -> str:
     """Train the demo's cells for every seed (out/<name>/seed<S>/<cell>), then write
     out/<name>/report.md and its plots, headed by a table of the cells (mean and range over the
     seeds) and by which cells the detector names."""
@@ -349,7 +386,10 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
     if name == "default" and TASK_KIND[task] != "math":
         raise SystemExit(f"--demo default: its table splits the gain at the generator's first "
                          f"answers, which only a math task scores (--task {task})")
-    run_dirs = [d for d in train_cells(home, cells) if os.path.basename(d) in spec.cells]
+    trained = train_cells(home, cells)
+    if results:  # the seeds' starts too: a cell's step 0 is its start's
+        keep_logs(trained, home, results)
+    run_dirs = [d for d in trained if os.path.basename(d) in spec.cells]
     path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
     by_cell = {cell: {seed_of(d): load_run(d, ROLES) for d in run_dirs
                       if os.path.basename(d) == cell}
@@ -362,6 +402,9 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int]) -> str:
         verdict.append(f"{cell} ({meant}): {spec.finding} found in {found} of {len(runs)} seeds")
     if name == "default":
         lines += [""] + gain_table(by_cell["default"])
+    if name == "critics":
+        lines += ["", "Seed by seed:", ""] + critics_table(by_cell) + ["", "Paired by seed:", ""]
+        lines += [f"- {k}: {v}" for k, v in critics_differences(by_cell).items()]
     picture = demo_plot(spec.signals, by_cell, os.path.join(home, "demo.png"))
     with open(path) as f:
         text = f.read()
@@ -391,6 +434,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seeds", default="0,1,2", help="the seeds to run, e.g. 0,1,2")
     parser.add_argument("--out", default=None, help="where the cells and report.md go "
                         "(default: runs/reproduce, runs/demo-NAME)")
+    parser.add_argument("--results", default="", help="also copy each run's config.json, "
+                        "metrics.jsonl and log.txt (no checkpoint) there, e.g. "
+                        "docs/results/critics, so that the figures' logs can be committed")
     args, train_flags = parser.parse_known_args(argv)
     if args.out == "":
         parser.error("--out is empty: name the directory for the cells (or leave it out)")
@@ -419,9 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     # the cells train with the project as their working directory: one path, wherever it is run
     out = os.path.abspath(args.out or (f"runs/demo-{args.demo}" if args.demo else "runs/reproduce"))
     if args.demo:
-        path = demo(args.demo, out, train_flags, args.seeds)
+        path = demo(args.demo, out, train_flags, args.seeds, args.results)
     else:
-        path = reproduce(out, train_flags, args.seeds)
+        path = reproduce(out, train_flags, args.seeds, args.results)
     print(f"{path} ({time.time() - t0:.0f} s in all)")
 
 

@@ -324,3 +324,76 @@ def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+# ----------------------------------------------------------------------------
+# Paper B in miniature (`--demo critics`): the cells seed by seed, and their paired differences
+
+CRITIC_CELLS = {"grpo": "GRPO", "central": "central", "decentral": "decentral"}
+
+
+def critics_table(by_cell: Runs, unseen: bool = True) -> list[str]:
+    """A row per seed and cell, as docs/learning.md gives it: test accuracy at each evaluation (val
+    at the first and the last), the workers' reply length (step 1, the shortest, the last), the
+    critic's explained variance (lowest to highest step), the means over the steps of adv/std,
+    grad_noise and (with `unseen`) each role's unseen share, and the mean training reward; "-"
+    where the run logged none."""
+    head = ["seed", "cell", "test accuracy", "worker length", "explained variance",
+            "advantage std", "gradient noise"]
+    head += ["unseen: worker, synthesizer"] * unseen + ["mean reward"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
+    seeds = sorted({seed for runs in by_cell.values() for seed in runs}, key=int)
+    for seed, cell in ((s, c) for s in seeds for c in CRITIC_CELLS if s in by_cell.get(c, {})):
+        config, rows = by_cell[cell][seed]
+        got = {k: [v for _, v in series(rows, key)] for k, key in (
+            ("test", "eval/accuracy"), ("val", "val/accuracy"), ("len", "role/worker/len"),
+            ("ev", "critic/explained_variance"), ("adv", "adv/std"),
+            ("noise", "adapter/shared/grad_noise"), ("reward", "reward/mean"),
+            ("worker", "role/worker/unseen"), ("synthesizer", "role/synthesizer/unseen"))}
+        mean = lambda k: f"{statistics.mean(got[k]):.2f}" if got[k] else "-"  # noqa: E731
+        parts = [seed, CRITIC_CELLS[cell],
+                 ", ".join(f"{a:.2f}" for a in got["test"])
+                 + f" (val {got['val'][0]:.2f} -> {got['val'][-1]:.2f})",
+                 f"{got['len'][0]:.0f}, {min(got['len']):.0f}, {got['len'][-1]:.0f}",
+                 f"{min(got['ev']):+.2f} to {max(got['ev']):+.2f}" if got["ev"] else "-",
+                 mean("adv"), mean("noise")]
+        if unseen:
+            parts.append(f"{mean('worker')}, {mean('synthesizer')}" if got["worker"] else "-")
+        lines.append("| " + " | ".join(parts + [mean("reward")]) + " |")
+    return lines
+
+
+def paired_line(diffs: list[float], floor: float = 0.0) -> str:
+    """A difference paired by seed as the docs write it: the mean, its standard error (at least
+    `floor`), its 95 % t interval and each seed's difference, e.g. "-0.14 (0.12; -0.65 to +0.38;
+    +0.00, -0.38, -0.03)"; with 1 degree of freedom, "1 df" after the interval. Fewer than two
+    seeds give no interval."""
+    if len(diffs) < 2:
+        return f"{diffs[0]:+.2f} on one seed: no interval" if diffs else "no seed logged it"
+    mean, se, half = interval(diffs, floor)
+    df = "" if len(diffs) > 2 else f", {len(diffs) - 1} df"
+    return (f"{mean:+.2f} ({se:.2f}; {mean - half:+.2f} to {mean + half:+.2f}{df}; "
+            + ", ".join(f"{d:+.2f}" for d in diffs) + ")")
+
+
+def critics_differences(by_cell: Runs) -> dict[str, str]:
+    """The critics demo's differences paired by seed (paired_line): test accuracy from the first
+    evaluation to the last for each pair of cells (its standard error at least the evaluation's
+    own noise), and central minus decentral in the means over the steps of adv/std and of
+    grad_noise (over the seeds where both cells logged it)."""
+    def means(cell: str, key: str) -> dict[str, float]:
+        return {seed: statistics.mean(vs) for seed, (_, rows) in by_cell[cell].items()
+                if (vs := [v for _, v in series(rows, key)])}
+
+    acc = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()}
+           for cell, runs in by_cell.items()}
+    config = next(iter(by_cell["grpo"].values()))[0]
+    floor = noise_floor([x[k] for runs in acc.values() for x in runs.values()
+                         for k in ("start", "end")], config["eval_problems"], len(acc["grpo"]))
+    out = {f"{a} minus {b}": paired_line(by_seed(acc[a], acc[b], "end"), floor)
+           for a, b in (("central", "decentral"), ("central", "grpo"), ("decentral", "grpo"))}
+    for name, key in (("advantages' spread", "adv/std"),
+                      ("noise share", "adapter/shared/grad_noise")):
+        a, b = means("central", key), means("decentral", key)
+        out[name] = paired_line([a[s] - b[s] for s in sorted(a.keys() & b.keys(), key=int)])
+    return out

@@ -19,10 +19,12 @@ TINY = ["--model", "tiny", "--steps", "2", "--eval_every", "1", "--eval_problems
 def test_reproduce_hands_every_other_flag_to_train_in_order(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(grid, "reproduce",
-                        lambda out, flags, seeds: seen.append((out, flags, seeds)) or "report.md")
+                        lambda out, flags, seeds, results: seen.append((out, flags, seeds, results))
+                        or "report.md")
     grid.main(["--reproduce", "--model", "Qwen/Qwen3-1.7B", "--out", str(tmp_path),
-               "--steps", "200"])
-    assert seen == [(str(tmp_path), ["--model", "Qwen/Qwen3-1.7B", "--steps", "200"], [0, 1, 2])]
+               "--steps", "200", "--results", "kept"])
+    assert seen == [(str(tmp_path), ["--model", "Qwen/Qwen3-1.7B", "--steps", "200"], [0, 1, 2],
+                     "kept")]
     with pytest.raises(SystemExit):  # a flag train.py does not know stops before the first cell
         grid.main(["--reproduce", "--stepz", "3"])
     assert len(seen) == 1
@@ -475,11 +477,20 @@ def test_a_demo_of_two_workflows_tables_each_roles_numbers_where_its_cells_have_
 def test_a_grid_run_from_another_directory_finds_its_finished_cells(tmp_path, monkeypatch, capsys):
     """The cells train with the project as their working directory; a relative --out given from
     elsewhere is the caller's: the grid trains and finds its cells there, and a second run
-    retrains nothing."""
+    retrains nothing. --results keeps each run's logs and its printed lines, no checkpoint."""
     monkeypatch.chdir(tmp_path)
     tiny = [*TINY, "--sft_warmup", "2", "--steps", "1"]
-    grid.main(["--demo", "capture", "--seeds", "0", "--out", "here", *tiny])
+    grid.main(["--demo", "capture", "--seeds", "0", "--out", "here", "--results", "kept", *tiny])
     assert os.path.isdir(tmp_path / "here" / "capture" / "seed0" / "start")
+    kept = {os.path.relpath(os.path.join(root, name), tmp_path / "kept")
+            for root, _, names in os.walk(tmp_path / "kept") for name in names}
+    cells = ["start", *grid.DEMOS["capture"].cells]
+    assert kept == {f"seed0/{cell}/{name}" for cell in cells for name in grid.LOGS}
+    for cell in cells:  # the copy is the run's own, and its log holds the step's line
+        here, there = (tmp_path / d / "seed0" / cell for d in ("here/capture", "kept"))
+        assert (there / "metrics.jsonl").read_text() == (here / "metrics.jsonl").read_text()
+        assert files.load_run(str(there), ROLES)[1][-1]["step"] == (0 if cell == "start" else 1)
+    assert "step 1/1" in (tmp_path / "kept" / "seed0" / "shared" / "log.txt").read_text()
     capsys.readouterr()
     grid.main(["--demo", "capture", "--seeds", "0", "--out", "here", *tiny])
     assert "train.py" not in capsys.readouterr().out  # done: nothing trains again

@@ -1,0 +1,298 @@
+"""The figures the README and docs/learning.md state from committed runs, recomputed from those
+runs' logs under docs/results/ with the project's own readers (lab.files.load_run) and tables
+(lab.tables): a table the text holds must be the one lab.tables writes from the logs, and each
+figure of the prose the one the logs give. In a checked section every two-decimal number must be
+one of these: a figure edited in the text, or typed there without a log, fails.
+
+Only Paper B's runs have committed logs (`python -m lab.grid --demo critics --results
+docs/results/critics`, and `--level 4` into docs/results/critics-level4); every other figure is
+left out of the text until its command's logs are committed the same way. docs/tasks.md's counts
+of test facts whose inverse is trained on are recounted from tasks.py's splits.
+"""
+import os
+import re
+import statistics
+
+import pytest
+
+from diagnose import series
+from lab.files import load_run
+from lab.tables import CRITIC_CELLS, critics_differences, critics_table, paired_line
+import tasks
+from workflows import ROLES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "docs", "results")
+NUMBER = re.compile(r"\d+\.\d\d")  # a figure as the text writes one: 0.46, 1.04, -0.65
+SPREAD = "advantages' spread"  # critics_differences' name for the adv/std difference
+
+
+def read(path: str) -> str:
+    with open(os.path.join(ROOT, path)) as f:
+        return f.read()
+
+
+def section(text: str, heading: str) -> str:
+    """The text under `heading` (a whole line), up to the next heading of its level or above."""
+    lines = text.splitlines()
+    start = lines.index(heading)
+    level = len(heading) - len(heading.lstrip("#"))
+    end = next((i for i in range(start + 1, len(lines))
+                if re.match(rf"#{{1,{level}}} ", lines[i])), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def flat(text: str) -> str:
+    """Whitespace folded to single spaces: a figure's sentence may be wrapped anywhere."""
+    return " ".join(text.split())
+
+
+def demo_runs(name: str):
+    """A demo's committed cells, cell -> seed -> (config, rows), and each seed's start."""
+    home = os.path.join(RESULTS, name)
+    seeds = sorted(os.listdir(home))
+    by_cell = {cell: {s.removeprefix("seed"): load_run(os.path.join(home, s, cell), ROLES)
+                      for s in seeds} for cell in CRITIC_CELLS}
+    starts = {s.removeprefix("seed"): load_run(os.path.join(home, s, "start"), ROLES)
+              for s in seeds}
+    return by_cell, starts
+
+
+def values(rows: list[dict], key: str) -> list[float]:
+    return [v for _, v in series(rows, key)]
+
+
+def step_means(by_cell, cells, key: str) -> list[float]:
+    """Each run's mean over its steps of `key`, over the cells' seeds that logged it."""
+    return [statistics.mean(vs) for cell in cells for _, rows in by_cell[cell].values()
+            if (vs := values(rows, key))]
+
+
+def span(xs: list[float]) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f}"
+
+
+def table_in(text: str, first_line: str) -> list[str]:
+    """The markdown table that begins with `first_line` in `text`, a line a row."""
+    lines = text.splitlines()
+    start = lines.index(first_line)
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def differences(by_cell) -> dict[str, str]:
+    """critics_differences under the names the text gives the cells (GRPO, not grpo)."""
+    return {re.sub(r"\bgrpo\b", "GRPO", k): v for k, v in critics_differences(by_cell).items()}
+
+
+def ends_by_seed(by_cell) -> list[str]:
+    """Each seed's cells by their last test accuracy, highest first: "seed 1: decentral 0.44,
+    GRPO 0.12, central 0.06"."""
+    out = []
+    for seed in sorted(by_cell["grpo"], key=int):
+        ends = {CRITIC_CELLS[c]: runs[seed][1][-1]["eval/accuracy"] for c, runs in by_cell.items()}
+        order = sorted(ends, key=lambda c: -round(ends[c], 2))  # ties keep the cells' order
+        out.append(f"seed {seed}: " + ", ".join(f"{c} {ends[c]:.2f}" for c in order))
+    return out
+
+
+def first_answers(by_cell, seed: str, cell: str) -> str:
+    """The first worker's own answer on test at each evaluation of one cell."""
+    return f"{CRITIC_CELLS[cell]} " + ", ".join(
+        f"{v:.2f}" for v in values(by_cell[cell][seed][1], "eval/first_answer"))
+
+
+def level2_figures(by_cell, starts) -> list[str]:
+    """The level-2 rerun's figures as its prose gives them, each computed from the logs."""
+    critics = ("central", "decentral")
+    explained = {c: max(v for _, rows in by_cell[c].values()
+                        for v in values(rows, "critic/explained_variance")) for c in critics}
+    test = [f"{starts[s][1][0]['eval/accuracy']:.2f}" for s in sorted(starts, key=int)]
+    val = [f"{starts[s][1][0]['val/accuracy']:.2f}" for s in sorted(starts, key=int)]
+    diffs = differences(by_cell)
+    return [
+        f"A worker's prompt left out {span(step_means(by_cell, critics, 'role/worker/unseen'))}",
+        f"the synthesizer's {span(step_means(by_cell, critics, 'role/synthesizer/unseen'))}",
+        f"The central critic's explained variance was at most {explained['central']:.2f} at any "
+        f"step, the decentral critics' at most {explained['decentral']:.2f}",
+        f"(at most {explained['central']:.2f} against {explained['decentral']:.2f})",
+        f"the starts scored {test[0]}, {test[1]} and {test[2]} on test "
+        f"(val {val[0]}, {val[1]}, {val[2]})",
+        *(first_answers(by_cell, seed, cell) for seed, cell in (
+            ("2", "grpo"), ("2", "central"), ("2", "decentral"), ("1", "grpo"),
+            ("1", "decentral"))),
+        *(f"{k} {v}" for k, v in diffs.items() if " minus " in k),
+        f"the advantages' spread, central minus decentral {diffs[SPREAD]}",
+        f"the gradient's noise share {diffs['noise share']}",
+        *ends_by_seed(by_cell),
+        "noise share stayed near 1 in every cell "
+        f"({span(step_means(by_cell, CRITIC_CELLS, 'adapter/shared/grad_noise'))})",
+    ]
+
+
+def level4_figures(by_cell, starts) -> list[str]:
+    """The sparse variant's figures as its prose gives them, each computed from the logs."""
+    test = [f"{starts[s][1][0]['eval/accuracy']:.2f}" for s in sorted(starts, key=int)]
+    value = max(abs(v) for cell in ("central", "decentral") for _, rows in by_cell[cell].values()
+                for role in ("orchestrator", "worker", "synthesizer")
+                for v in values(rows, f"role/{role}/value"))
+    seed1 = {cell: values(runs["1"][1], "eval/accuracy") for cell, runs in by_cell.items()}
+    answer = values(by_cell["grpo"]["1"][1], "eval/first_answer")
+    lengths = [min(values(by_cell[c]["1"][1], "role/worker/len")) for c in ("central", "decentral")]
+    diffs = differences(by_cell)
+    return [
+        f"The starts scored {test[0]}, {test[1]} and {test[2]} on test",
+        f"a critic's values stay near 0 (within {value:.2f} of it in every cell)",
+        f"its GRPO cell rose from {seed1['grpo'][0]:.2f} to {seed1['grpo'][-1]:.2f} (the first "
+        f"worker's own answer {answer[0]:.2f} -> {answer[-1]:.2f})",
+        f"its central cell to {max(seed1['central']):.2f} at step 4 and back to "
+        f"{seed1['central'][-1]:.2f}, its decentral one to {max(seed1['decentral']):.2f} and back "
+        f"to {seed1['decentral'][-1]:.2f}",
+        f"from {values(by_cell['grpo']['1'][1], 'role/worker/len')[0]:.0f} tokens to "
+        f"{min(lengths):.0f}-{max(lengths):.0f}",
+        *(f"{k} {v}" for k, v in diffs.items() if " minus " in k),
+        f"the advantages' spread, central minus decentral {diffs[SPREAD]}",
+        f"the noise share, seeds 0 and 1 only, {diffs['noise share']}",
+    ]
+
+
+def against(by_cell, seed: str, a: str, b: str) -> str:
+    """One seed's last test accuracy of two cells: "seed 1: central 0.06 against decentral 0.44"."""
+    end = {c: f"{CRITIC_CELLS[c]} {by_cell[c][seed][1][-1]['eval/accuracy']:.2f}" for c in (a, b)}
+    return f"seed {seed}: {end[a]} against {end[b]}"
+
+
+def claims_figures(level2, level4) -> list[str]:
+    """The verdict's figures: the within-seed failures beside it, the level-4 starts, and the
+    claims table's paired differences, as above."""
+    two, four = differences(level2[0]), differences(level4[0])
+    starts = [rows[0]["eval/accuracy"] for _, rows in level4[1].values()]
+    return [against(level2[0], "1", "central", "decentral"),
+            against(level2[0], "2", "grpo", "central"),
+            f"starts of {span(starts)}",
+            f"noise share, central minus decentral, {two['noise share']}",
+            f"advantages' spread {two[SPREAD]}",
+            f"central minus decentral {four['central minus decentral']}",
+            f"minus GRPO {four['central minus GRPO']}",
+            f"decentral minus GRPO {four['decentral minus GRPO']}"]
+
+
+def check(text: str, figures: list[str], tables: list[list[str]]) -> None:
+    """Every figure and table in `text`, and no two-decimal number there besides them."""
+    for table in tables:
+        assert table_in(text, table[0]) == table, "a table differs from lab.tables' output"
+    rest = flat("\n".join(line for line in text.splitlines() if not line.startswith("|")))
+    rest += " " + flat("\n".join(line for line in text.splitlines() if line.startswith("|")
+                                 and not any(line in table for table in tables)))
+    for figure in figures:
+        assert figure in rest, f"the text no longer says: {figure}"
+    for figure in sorted(figures, key=len, reverse=True):
+        rest = rest.replace(figure, "")
+    assert not (left := NUMBER.findall(rest)), f"figures without a log behind them: {left}"
+
+
+@pytest.fixture(scope="module")
+def level2():
+    return demo_runs("critics")
+
+
+@pytest.fixture(scope="module")
+def level4():
+    return demo_runs("critics-level4")
+
+
+def test_paper_b_s_pages_state_what_the_logs_give(level2, level4):
+    """docs/learning.md's Paper B in miniature: the seed tables as lab.tables writes them, and every
+    figure of the prose and the claims table from the committed logs."""
+    text = section(read("docs/learning.md"), "### Paper B in miniature (`python -m lab.grid "
+                                             "--demo critics`)")
+    rerun = section(text, "#### Three seeds with a plan per episode and one critic step each")
+    check(rerun, level2_figures(*level2), [critics_table(level2[0])])
+    sparse = section(text, "#### The sparse variant after the repair")
+    check(sparse, level4_figures(*level4) + claims_figures(level2, level4),
+          [critics_table(level4[0], unseen=False)])
+    check(text, level2_figures(*level2) + level4_figures(*level4)
+          + claims_figures(level2, level4),
+          [critics_table(level2[0]), critics_table(level4[0], unseen=False)])
+
+
+def test_the_readme_s_paper_b_paragraph_states_what_the_logs_give(level2):
+    by_cell, _ = level2
+    explained = {c: max(v for _, rows in by_cell[c].values()
+                        for v in values(rows, "critic/explained_variance"))
+                 for c in ("central", "decentral")}
+    unseen = step_means(by_cell, ("central", "decentral"), "role/worker/unseen")
+    figures = [f"left out {span(unseen)}",
+               f"(explained variance at most {explained['central']:.2f} central, "
+               f"{explained['decentral']:.2f} decentral)",
+               f"central minus decentral {differences(by_cell)['central minus decentral']}",
+               *ends_by_seed(by_cell)]
+    check(section(read("README.md"), "### Paper B in miniature"), figures, [])
+
+
+def test_an_edited_figure_fails_the_check(level2):
+    """The check itself: the rerun's section passes as committed, and fails with one figure of its
+    table or its prose changed, or with a number that no log gives."""
+    text = section(read("docs/learning.md"), "#### Three seeds with a plan per episode and one "
+                                             "critic step each")
+    figures, tables = level2_figures(*level2), [critics_table(level2[0])]
+    check(text, figures, tables)
+    row = tables[0][2]
+    for edited in (text.replace(row, row.replace("0.53", "0.54")),
+                   re.sub(r"left out\s+0\.46", "left out 0.45", text, count=1),
+                   text + "\n\nA worker's reply took 0.37 s."):
+        assert edited != text
+        with pytest.raises(AssertionError):
+            check(edited, figures, tables)
+
+
+def equation(key: str, answer: int) -> tuple[str, ...]:
+    """A fact with its answer as one equation, every term on one side, the same whichever term it
+    is solved for: 3 + 4 = 7, 7 - 3 = 4 and 7 - 4 = 3 are all (+3, +4, -7)."""
+    op, nums = key.split(":")
+    names = nums.split(",")
+    if op == "terms":  # level 5: already signed
+        atoms = names
+    elif op == "a*b":  # no division in any level: a product is one term
+        atoms = ["+" + "*".join(names)]
+    else:
+        atoms = [sign + n for sign, n in zip({"a+b": "++", "a-b": "+-", "a+b+c": "+++"}[op], names)]
+    atoms = sorted([*atoms, f"-{answer}"])
+    flipped = sorted(("-" if a[0] == "+" else "+") + a[1:] for a in atoms)
+    return min(tuple(atoms), tuple(flipped))
+
+
+def inverse_counts(level: int) -> tuple[int, int, int]:
+    """A level's test facts, those whose inverse (the same equation under the other operation) is
+    a train fact, and those with any other train fact of the same equation."""
+    answers = {key: answer for split in tasks.SPLITS for kind in tasks._pools(level)[split]
+               for _, answer, key in kind}
+    train = {}
+    for key in tasks.facts(level, "train"):
+        train.setdefault(equation(key, answers[key]), []).append(key.split(":")[0])
+    test = tasks.facts(level, "test")
+    ops = [(key.split(":")[0], train.get(equation(key, answers[key]), [])) for key in test]
+    return (len(test), sum(any(o != op for o in found) for op, found in ops),
+            sum(bool(found) for _, found in ops))
+
+
+def test_the_inverse_facts_docs_tasks_md_counts_are_the_splits():
+    """docs/tasks.md's table of test facts whose inverse is trained on, level by level, against
+    tasks.py's own splits; and the example the page gives, level 2's 3 + 4 with 7 - 3 and 7 - 4 in train."""
+    table = table_in(read("docs/tasks.md"), "| level | test facts | with an inverse in train | "
+                                            "with any rearrangement in train |")
+    stated = {int(row[0]): tuple(map(int, row[1:]))
+              for row in ([c.strip() for c in line.strip("|").split("|")] for line in table[2:])}
+    assert stated == {level: inverse_counts(level) for level in tasks.LEVELS}
+    assert "a+b:3,4" in tasks.facts(2, "test")
+    assert {"a-b:7,3", "a-b:7,4"} <= tasks.facts(2, "train")
+
+
+def test_a_paired_line_is_written_as_the_docs_write_it():
+    """lab.tables.paired_line against a hand computation: differences 0.1, 0.3, 0.2 have a mean of
+    0.2 and a standard error of 0.1 / sqrt(3) = 0.0577, so a half-width of 4.303 x 0.0577 = 0.248;
+    two seeds say "1 df", one seed gives no interval."""
+    assert paired_line([0.1, 0.3, 0.2]) == "+0.20 (0.06; -0.05 to +0.45; +0.10, +0.30, +0.20)"
+    assert paired_line([0.1, 0.3]) == "+0.20 (0.10; -1.07 to +1.47, 1 df; +0.10, +0.30)"
+    assert paired_line([0.1, 0.3, 0.2], floor=0.2).startswith("+0.20 (0.20; -0.66 to +1.06;")
+    assert paired_line([0.25]) == "+0.25 on one seed: no interval"
