@@ -47,7 +47,6 @@ critic_per, gamma, lam, critic_steps, ...).
 Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
 """
-import random
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -362,28 +361,28 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     return CriticBatch(keys, ids, values, returns)
 
 
-def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, optimizers: dict,
-                   rng: random.Random, pad_id: int, cfg,
+def update_critics(state, batch: CriticBatch, pad_id: int, cfg,
                    procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass of every critic over its own rows, in mini-batches (one step each)."""
+    """One pass of every critic over its own rows, in mini-batches (one step each). `state`: what
+    training changes (lab/checkpoint.py's TrainState): the model, the critics' heads and
+    optimizers, the random state that shuffles the rows."""
     stats = defaultdict(list)
-    for name in heads:
+    for name in state.heads:
         rows = [i for i, k in enumerate(batch.keys) if k == name]
-        rng.shuffle(rows)
-        for k, v in update_critic(model, heads[name], name, batch, optimizers[name], rows,
-                                  pad_id, cfg, procs).items():
+        state.rng.shuffle(rows)
+        for k, v in update_critic(state, name, batch, rows, pad_id, cfg, procs).items():
             stats[f"critic/{k}"] += v
     stats["critic/skipped_nonfinite"] = [sum(stats["critic/skipped_nonfinite"])]  # of all critics
     return stats
 
 
-def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
-                  order: list[int], pad_id: int, cfg,
+def update_critic(state, name: str, batch: CriticBatch, order: list[int], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass of critic `name` over the rows `order` of the batch, in cfg.critic_steps batches
     whose sizes differ by at most one (as many as there are rows, where they are fewer). A
     mini-batch whose gradient (after the sum across processes) is not finite is not applied, and
     counted."""
+    model, head, optimizer = state.model, state.heads[name], state.optimizers[name]
     params = optimizer.param_groups[0]["params"]
     device = params[0].device  # the critic's: its head's and its adapter's
     ids, old_values, returns = batch.ids, batch.values, batch.returns

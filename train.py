@@ -412,8 +412,7 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
                                          procs).items():
                 stats[k] += v
             stats[f"time/diag/{name}"].append(time.time() - t_name)
-        for k, v in policy_update(state.model, name, own, state.optimizers[name], state.rng,
-                                  tok.pad_token_id, cfg, state.emas[name], procs).items():
+        for k, v in policy_update(state, name, own, tok.pad_token_id, cfg, procs).items():
             stats[k] += v
         state.schedulers[name].step()
         skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
@@ -428,8 +427,7 @@ def train_critics(state: TrainState, tok, cfg: Config, step: int, critic_batch,
     """Step 7 (maac): one pass of each critic over its inputs (critic.update_critics), then its
     learning-rate schedule; the critics' adapters are separate from the actors', so the order is
     free."""
-    stats = update_critics(state.model, state.heads, critic_batch, state.optimizers, state.rng,
-                           tok.pad_token_id, cfg, procs)
+    stats = update_critics(state, critic_batch, tok.pad_token_id, cfg, procs)
     for name in state.heads:
         state.schedulers[name].step()
     if stats["critic/skipped_nonfinite"][0]:
