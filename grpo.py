@@ -299,7 +299,7 @@ def policy_update(state, adapter: str, calls: list[Call], pad_id: int, cfg,
     model, optimizer, ema = state.model, state.optimizers[adapter], state.emas.get(adapter)
     kl = kl_coefs(cfg)
     if cfg.damping > 0 and ema is None:
-        raise ValueError(f"--damping needs state.emas[{adapter!r}], its gradient EMA across updates")
+        raise ValueError(f"--damping needs state.emas[{adapter!r}], the gradient EMA of its steps")
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)

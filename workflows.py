@@ -17,9 +17,7 @@ Multi-Agent RL Improve LLM Workflows?", arXiv 2605.24202):
 The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the orchestrator
 lists strategies and never solves. `adherence` says whether an output keeps its role's
 contract and `similarity` how alike two roles' outputs are: the signals of role capture
-(Paper A) that train.py logs every --diag_every steps (every step by default). The replies
-that keep each role's contract, which the supervised warm-up teaches before RL, are
-warmup.py's.
+(Paper A) that every step logs (measure.step_metrics).
 
 Departures from the paper:
   - the prompts are this project's own, short enough for a 135M model;
@@ -282,8 +280,7 @@ def parse_strategies(text: str, n: int) -> list[str]:
 
 # ---------------------------------------------------------------- role-capture signals
 # Role capture (Paper A) shows in outputs before it shows in losses: an evaluator that
-# starts solving, an aggregator that writes essays instead of \boxed{k}. train.py logs
-# both signals every --diag_every steps (measure.step_metrics); diagnose.py reads them.
+# starts solving, an aggregator that writes essays instead of \boxed{k}.
 
 SHORT_VERDICT = 300  # characters: "at most two short sentences, then the verdict"
 SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
@@ -417,8 +414,7 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
 def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3,
                  max_rounds: int = 2) -> list[Chat]:
     """Every prompt workflow `name` builds for `question` when the agents write nothing: what
-    can be known of its prompts before a run (train.check_context checks them against the
-    model's context)."""
+    can be known of its prompts before a run."""
     chats: list[Chat] = []
     run_workflow(name, [question], partial(silent_agents, chats), kind, n_agents, max_rounds)
     return chats
