@@ -307,10 +307,11 @@ def policy_update(state, adapter: str, calls: list[Call], pad_id: int, cfg,
     state.rng.shuffle(calls)
     size = max(1, len(calls)) if cfg.one_step else cfg.minibatch_size
     batches = [calls[i:i + size] for i in range(0, len(calls), size)]
-    t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
-    old = old_logprobs(model, [c for mb in batches[1:]
-                               for _, share in live_groups(mb, kl, "role", procs) for c in share],
-                       adapter, pad_id, cfg.temperature,
+    # pi_old of the mini-batches after the first step; the first one is on-policy
+    later = [c for mb in batches[1:] for _, share in live_groups(mb, kl, "role", procs)
+             for c in share]
+    t = time.time()
+    old = old_logprobs(model, later, adapter, pad_id, cfg.temperature,
                        cfg.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient

@@ -36,12 +36,9 @@ from workflows import adherence, parse_choice, similarity
 
 
 def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
-    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine.
-
-    Paper A's gradient amplification: N same-role slots that see the same prompt and the same
-    broadcast reward push in one direction. kappa is 1 for orthogonal gradients and sqrt(N) for
-    identical ones (the role's step is then sqrt(N) times what N independent slots would give).
-    """
+    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine: kappa is 1 for
+    orthogonal gradients and sqrt(N) for identical ones (the role's step is then sqrt(N) times
+    what N independent slots would give)."""
     g = torch.stack(grads)  # (N, n_params)
     kappa = (g.sum(0).norm() / g.norm(dim=1).square().sum().sqrt()).item()
     unit = g / g.norm(dim=1, keepdim=True)  # (N, n_params)
@@ -73,16 +70,13 @@ def gradient_stats(slot_grads: dict[str, torch.Tensor],
 
 
 def gradient_noise(g0: torch.Tensor, g1: torch.Tensor, n0: int, n1: int) -> float:
-    """The noise's share of the step's squared gradient |g|^2, g = g0 + g1, g0 and g1 the
-    gradients of two halves of the step's problems, n0 and n1 problems each:
-    n0 n1 |g0 / n0 - g1 / n1|^2 / |g|^2, which is |g0 - g1|^2 / |g|^2 for halves of one size.
+    """The noise's share of the step's squared gradient |g|^2, g = g0 + g1, from the gradients of
+    two halves of the step's problems, n0 and n1 problems each: n0 n1 |g0 / n0 - g1 / n1|^2 / |g|^2.
 
     With N = n0 + n1 problems whose gradients are independent draws of mean m and covariance C,
-    E|g|^2 = N^2 |m|^2 + N tr C, and the halves' means differ by noise alone:
-    E|g0 / n0 - g1 / n1|^2 = (1 / n0 + 1 / n1) tr C, so n0 n1 times it is N tr C, the noise's part
-    of E|g|^2. About 1 for noise alone, near 0 for signal (the gradient noise scale of McCandlish
-    et al. 2018, arXiv 1812.06162, read off two half batches). For three problems the plain
-    |g0 - g1|^2 of halves of 2 and 1 would read a pure signal as 1/9."""
+    E|g|^2 = N^2 |m|^2 + N tr C, and E|g0 / n0 - g1 / n1|^2 = (1 / n0 + 1 / n1) tr C, so n0 n1
+    times it is N tr C, the noise's part: about 1 for noise alone, near 0 for signal. (The plain
+    |g0 - g1|^2 of unequal halves, 2 and 1 problems, would read a pure signal as 1/9.)"""
     return (n0 * n1 * (g0 / n0 - g1 / n1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
 
 

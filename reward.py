@@ -335,15 +335,12 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
     own: each call is paid for its own part (math only): a solver for its own answer, an evaluator
       for a verdict that agrees with the verifier; the roles that pick or plan (aggregator,
       orchestrator) keep the episode's outcome. A departure; docs/learning.md measures both.
-    truncated "penalize": a call cut by the length limit earns 0, whatever its episode earned, the
-      reward of a wrong answer (under --algo maac its return is 0: critic.critic_advantages). DAPO
-      (Yu et al. 2025, Sec. 3.4) instead adds a penalty that grows over the last tokens before the
-      limit to -1 past it, on top of a +-1 correctness reward, or masks cut samples out of the loss
-      (overlong filtering, "mask" here, acting in the update). Unless "keep", a cut call's own
-      answer (`own_score`) is no answer either, and rollout scores an episode whose final answer was
-      cut as 0 (cut_finals), in training and evaluation alike.
-    On math every solving call's own answer is also scored, into `own_score`: what the later roles
-    did to it (role_jobs), and own credit."""
+    truncated "penalize": a call cut by the length limit earns 0, the reward of a wrong answer.
+      DAPO (Yu et al. 2025, Sec. 3.4) instead penalizes the last tokens before the limit, or masks
+      cut samples out of the loss ("mask" here, acting in the update). Unless "keep", a cut call's
+      own answer is no answer either, and a cut final answer scores 0 (cut_finals).
+    On math every solving call's own answer is also scored, into `own_score` (measure.role_jobs
+    reads what the later roles did to it)."""
     for c in calls:
         c.reward = rewards[c.episode]
     if problems[0].kind == "math":

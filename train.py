@@ -234,13 +234,14 @@ def check_algorithm_settings(cfg: Config) -> None:
 def load_model(cfg: Config, device: str):
     """The base model (model.py) with LoRA layers on --lora_targets, no adapter yet (lora.py), and
     its tokenizer."""
+    targets = lora_targets(cfg)
     model, tok = load_policy(cfg.model, device, cfg.dtype)
-    side = narrowest(model, lora_targets(cfg))
+    side = narrowest(model, targets)
     if side is not None and cfg.lora_r > side:  # B A could not have that rank
         raise SystemExit(f"--lora_r {cfg.lora_r}: more than {side}, the smaller side of the "
                          f"narrowest adapted layer of {cfg.model}; give at most {side}")
     try:
-        inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
+        inject_lora(model, cfg.lora_r, cfg.lora_alpha, targets)
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
     log(f"decoding: {decoder_plan(model)}")  # the static graph, or the plain loop and why
@@ -259,8 +260,7 @@ def check_context(model, tok, cfg: Config, problems: list) -> None:
     sizes = [len(ids) for ids
              in tok([p.question for p in problems], add_special_tokens=False).input_ids]
     longest = problems[sizes.index(max(sizes))]
-    # Eval-Opt's prompts do not grow with its rounds: two hold each kind (first try, verdict,
-    # refinement)
+    # Eval-Opt's prompts do not grow with its rounds: two hold each kind (try, verdict, refine)
     chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents,
                          min(cfg.max_rounds, 2))
     prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
@@ -278,8 +278,8 @@ def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     if cfg.algo != "maac":
         return names, {}
-    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
-            for s in slots(cfg.workflow, cfg.n_agents)}
+    agents = slots(cfg.workflow, cfg.n_agents)
+    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per) for s in agents}
     # The critics' initial weights are drawn aside from the random numbers the run draws next,
     # so an actor-critic run warms up and samples as the GRPO run of its seed does.
     with torch.random.fork_rng(devices=gpu_rngs(model.device)):
@@ -352,9 +352,14 @@ def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
     lr = state.optimizers[names[0]].param_groups[0]["lr"]  # the rate this step trains at
     diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
     stats = update_adapters(state, tok, cfg, step, calls, names, diag, procs)
-    # 7. maac: the critics
+    # 7. maac: the critics, and their schedules (their adapters are not the actors': any order)
     if cfg.algo == "maac":
-        stats.update(train_critics(state, tok, cfg, step, critic_batch, procs))
+        stats.update(update_critics(state, critic_batch, tok.pad_token_id, cfg, procs))
+        for name in state.heads:
+            state.schedulers[name].step()
+        if skipped := stats["critic/skipped_nonfinite"][0]:
+            log(f"step {step} critics | {skipped} mini-batch(es) not applied: loss or gradient "
+                "not finite")
     stats = procs.stats(stats)
     # the step's metrics
     row = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents),
@@ -408,19 +413,6 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
         log(f"step {step} update | {name}: {len(live)} of {len(own)} calls with signal, "
             f"{time.time() - t_name:.0f}s" + (f", {skipped} mini-batch(es) not applied: loss or "
                                                "gradient not finite" if skipped else ""))
-    return stats
-
-
-def train_critics(state: TrainState, tok, cfg: Config, step: int, critic_batch,
-                  procs) -> dict[str, list[float]]:
-    """Step 7 (maac): one pass of each critic over its inputs (critic.update_critics), then its
-    schedule; the critics' adapters are not the actors', so the order is free."""
-    stats = update_critics(state, critic_batch, tok.pad_token_id, cfg, procs)
-    for name in state.heads:
-        state.schedulers[name].step()
-    if stats["critic/skipped_nonfinite"][0]:
-        log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not "
-            "applied: loss or gradient not finite")
     return stats
 
 
@@ -523,13 +515,13 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     rollout, outcomes, rewards = run_episodes(model, tok, cfg, [train_set[i] for i in local],
                                               greedy=False, label="warm-up rollout")
     calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, local)
+    before = step_metrics(calls, rewards, outcomes, cfg.n_agents)
+    m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items()
+         if k.endswith("/adherence")}
     score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers,
                     timeout=cfg.code_timeout)
     pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
                              warmup_roles(cfg))
-    before = step_metrics(calls, rewards, outcomes, cfg.n_agents)
-    m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items()
-         if k.endswith("/adherence")}
     if not pairs:  # no solution the verifier accepts and no judging role: nothing to teach
         log(f"warm-up | no reply of {', '.join(warmup_roles(cfg))} to learn from; RL starts from "
             "the base model")
