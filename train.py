@@ -133,8 +133,7 @@ class Config:
                          "--minibatch_size)")
     minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step, and per "
                                   "warm-up step", bounds="[1, inf)")
-    micro_batch_tokens: int = arg(1024, "padded tokens a pass (memory only)",
-                                  bounds="[1, inf)")
+    micro_batch_tokens: int = arg(1024, "padded tokens a pass (memory only)", bounds="[1, inf)")
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
     eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)", bounds="[0, inf)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
