@@ -1,53 +1,41 @@
 """Multi-agent actor-critic: value heads, centralized and decentralized critics, GAE.
 
-A workflow episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM,
-arXiv 2601.21972): every workflow stage is a time step, each agent slot acts at
-some of those steps, and the episode's outcome (1 correct / 0 wrong) is the
-reward of each agent's last turn (under --credit own, each turn's reward is
-the call's own: reward.credit_calls). A critic V(s) estimates the return from
-what it reads before an agent acts, and its errors become the actor's
-advantages in place of GRPO's group means.
-
-Two critics (Paper B):
-  CoLLM-CC, central:   one critic "critic" whose input at step t is the joint
-                       history - every agent's prompt and output before t,
-                       then the prompts of step t, in [slot] blocks. One value
-                       per (episode, step), shared by the agents acting then.
-  CoLLM-DC, decentral: one critic per agent slot ("critic-generator0") or per
-                       role type ("critic-generator") that reads only its
-                       agent's own prompt at its turn.
-A critic is the frozen base model under its own LoRA adapter (lora.py) plus a
-ValueHead, Linear -> tanh -> Linear, read at the last input token. No second
-copy of the base model; the head starts at exactly 0 and the adapter as a
+A workflow episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM, arXiv
+2601.21972): every workflow stage is a time step, each agent slot acts at some of those steps, and
+the episode's outcome (1 correct / 0 wrong) is the reward of each agent's last turn (under
+--credit own, each turn's own: reward.credit_calls). A critic V(s) estimates the return from what
+it reads before an agent acts, and its errors become the actor's advantages in place of GRPO's
+group means. Two critics (Paper B):
+  CoLLM-CC, central:   one critic "critic" reading the joint history - every agent's prompt and
+                       output before step t, then the prompts of step t, in [slot] blocks; one
+                       value per (episode, step), shared by the agents acting then.
+  CoLLM-DC, decentral: one critic per agent slot ("critic-generator0") or per role type
+                       ("critic-generator") that reads only its agent's own prompt at its turn.
+A critic is the frozen base model under its own LoRA adapter (lora.py) plus a ValueHead, Linear ->
+tanh -> Linear, read at the last input token; the head starts at exactly 0 and the adapter as a
 no-op, so a fresh critic predicts 0 everywhere.
 
-Advantages are GAE (Schulman et al. 2016, arXiv 1506.02438) over each agent's
-own sequence of turns t_1 < t_2 < ... < t_K:
+Advantages are GAE (Schulman et al. 2016, arXiv 1506.02438) over each agent's own sequence of
+turns t_1 < t_2 < ... < t_K:
 
     delta_k = r_k + gamma * V(s_{k+1}) - V(s_k)        V(s_{K+1}) = 0 (terminal)
     A_k     = sum_l (gamma * lam)^l * delta_{k+l}
     R_k     = A_k + V(s_k)                             (the critic's target)
 
-lam = 0 gives A_k = delta_k and the one-step TD target r_k + gamma V(s_{k+1})
-of Paper B's public code (OpenMLRL/CoMLRL); lam = 1 gives the Monte-Carlo
-return minus V(s_k). The actor is grpo.policy_loss with each call's advantage
-spread over its tokens; the critic minimises 0.5 (V - R)^2.
+lam = 0 gives the one-step TD target r_k + gamma V(s_{k+1}) of Paper B's public code
+(OpenMLRL/CoMLRL); lam = 1 the Monte-Carlo return minus V(s_k). The actor is grpo.policy_loss with
+each call's advantage spread over its tokens; the critic minimises 0.5 (V - R)^2.
 
-Departures from the paper: an agent's "next state" is its own next turn, not
-the next workflow stage, and gamma discounts per agent turn (voting's
-generators act once, so their advantage is R - V(s) whatever lam is); agents
-that act at the same joint step share the central critic's input, and the
-critic fits the mean of their returns; identical prompts of one step
-(voting's generators) are written once, labelled with every slot that saw
-them; an input longer than max_tokens keeps its most recent tokens.
-
-critic_advantages and update_critics read train.py's Config (`cfg`) by field name (critic,
-critic_per, gamma, lam, critic_steps, ...).
+Departures from the paper: an agent's "next state" is its own next turn, not the next workflow
+stage, and gamma discounts per agent turn (voting's generators act once, so their advantage is
+R - V(s) whatever lam is); the central critic fits the mean return of the agents that act at one
+joint step; identical prompts of one step (voting's generators) are written once, labelled with
+every slot that saw them; an input longer than max_tokens keeps its most recent tokens.
+A function that takes `cfg` reads train.py's Config by field name (critic, gamma, lam, ...).
 
 Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
 """
-import random
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -74,9 +62,8 @@ class ValueHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(hidden_size, hidden_size)
         self.out = nn.Linear(hidden_size, 1)
-        # A zero output layer makes a fresh critic predict exactly 0, so the first
-        # advantages are plain returns. The dense layer still gets gradient after
-        # the first step, once `out` has moved.
+        # A zero output layer makes a fresh critic predict exactly 0, so the first advantages
+        # are plain returns; the dense layer gets gradient once `out` has moved.
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
@@ -109,12 +96,9 @@ def critic_values(model: nn.Module, head: ValueHead, adapter: str,
 def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
                    id_lists: list[list[int]], pad_id: int, batch_size: int = 16,
                    procs=ONE_PROCESS) -> torch.Tensor:
-    """Values of every input under its own critic, without gradient: (calls,).
-
-    Identical inputs of one critic (the central critic's co-acting agents) run once.
-    Under torchrun each process values its share of the inputs, and the values are summed
-    across processes (each is set by exactly one).
-    """
+    """Values of every input under its own critic, without gradient: (calls,). Identical inputs
+    of one critic (the central critic's co-acting agents) run once; under torchrun each process
+    values its share, and the values are summed across processes."""
     values = torch.zeros(len(keys))
     for key in sorted(set(keys)):
         rows = defaultdict(list)  # input ids -> the positions that share them
@@ -172,10 +156,8 @@ LIST_MARK = re.compile(r"^[\s#*-]*(?:\d+\s*[.):])?\s*")
 def unseen(calls: list[Call]) -> list[float | None]:
     """For every call, what the central critic reads and a decentral one does not: the share (in
     characters) of the lines of its episode's earlier outputs (list markers aside) that its own
-    prompt does not quote. 0 where the prompt quotes everything said before it (an evaluator, an
-    aggregator): both critics then read the same information. None where nothing was said
-    before (an episode's first turn). A line counts as quoted where the prompt holds it anywhere,
-    so a short line (a bare number) may be found in other words: the share is a lower bound."""
+    prompt does not quote; None on an episode's first turn. A short line (a bare number) may be
+    found in other words: the share is a lower bound."""
     by_episode = defaultdict(list)
     for c in calls:
         by_episode[c.episode].append(c)
@@ -217,11 +199,8 @@ def encode(tok, texts: list[str], max_tokens: int) -> list[list[int]]:
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
         gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns of B sequences of turns, padded on the right: (B, K) each.
-
-    mask[b, k] = 1 for the real turns of sequence b (a prefix); the step after a
-    sequence's last turn is terminal, V = 0. Padded entries come back as 0.
-    """
+    """Advantages and returns of B sequences of turns, padded on the right: (B, K) each. The mask
+    is 1 on each sequence's real turns (a prefix); after the last one V = 0; padding returns 0."""
     B, K = rewards.shape
     values = values * mask  # (B, K)
     next_values = torch.cat([values[:, 1:], values.new_zeros(B, 1)], dim=1)  # (B, K): V(s_{k+1})
@@ -254,14 +233,10 @@ def outcome_rewards(calls: list[Call]) -> list[float]:
 def call_advantages(calls: list[Call], values: torch.Tensor, gamma: float, lam: float,
                     rewards: list[float] | None = None,
                     cut_returns_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE advantages and returns of every call, (calls,) each.
-
-    values: (calls,) the critic's value of each call's input (central: its joint step;
-    decentral: its own observation); an agent's next value is that of its own next
-    call. rewards: per-call rewards, default outcome_rewards(calls). cut_returns_zero
-    (--truncated penalize): a call cut by the length limit returns 0, A = 0 - V(s), as its
-    reward is 0 under GRPO, an earlier turn's as much as a last one's.
-    """
+    """GAE advantages and returns of every call, (calls,) each. values: (calls,) the critic's
+    value of each call's input; an agent's next value is that of its own next call. rewards:
+    default outcome_rewards(calls). cut_returns_zero (--truncated penalize): a call cut by the
+    length limit returns 0, A = 0 - V(s), as its reward is 0 under GRPO."""
     rewards = outcome_rewards(calls) if rewards is None else rewards
     seqs = agent_turns(calls)
     K = max(len(s) for s in seqs)
@@ -294,9 +269,8 @@ def normalize(advantages: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
-    """1 - Var(target - pred) / Var(target): 1 is perfect, 0 is no better than the
-    mean, negative is worse. nan when the targets do not vary (nothing to explain);
-    skip such batches when averaging."""
+    """1 - Var(target - pred) / Var(target): 1 is perfect, 0 is no better than the mean, negative
+    is worse; nan when the targets do not vary (nothing to explain)."""
     var_target = target.var(correction=0)
     if var_target == 0:
         return float("nan")
@@ -306,13 +280,9 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0.5 * mean (V - R)^2, optionally PPO-clipped around the rollout's values: (calls,) -> (),
-    and its statistics as 0-d tensors (read after the backward pass: on a GPU a read waits for
-    every kernel queued before it).
-
-    With clip, V may move at most `clip` from old_values before the loss stops
-    rewarding the move (the max of clipped and unclipped errors, as in PPO2); clip_frac is the
-    share of values it held back.
-    """
+    and its statistics as 0-d tensors. With clip, V may move at most `clip` from old_values
+    before the loss stops rewarding the move (the max of clipped and unclipped errors, as in
+    PPO2); clip_frac is the share of values it held back."""
     v_loss_unclipped = (values - returns) ** 2  # (calls,)
     v_loss = v_loss_unclipped
     if clip is not None:
@@ -362,28 +332,28 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     return CriticBatch(keys, ids, values, returns)
 
 
-def update_critics(model: nn.Module, heads: nn.ModuleDict, batch: CriticBatch, optimizers: dict,
-                   rng: random.Random, pad_id: int, cfg,
+def update_critics(state, batch: CriticBatch, pad_id: int, cfg,
                    procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass of every critic over its own rows, in mini-batches (one step each)."""
+    """One pass of every critic over its own rows, in mini-batches (one step each). `state`: what
+    training changes (lab/checkpoint.py's TrainState): the model, the critics' heads and
+    optimizers, the random state that shuffles the rows."""
     stats = defaultdict(list)
-    for name in heads:
+    for name in state.heads:
         rows = [i for i, k in enumerate(batch.keys) if k == name]
-        rng.shuffle(rows)
-        for k, v in update_critic(model, heads[name], name, batch, optimizers[name], rows,
-                                  pad_id, cfg, procs).items():
+        state.rng.shuffle(rows)
+        for k, v in update_critic(state, name, batch, rows, pad_id, cfg, procs).items():
             stats[f"critic/{k}"] += v
     stats["critic/skipped_nonfinite"] = [sum(stats["critic/skipped_nonfinite"])]  # of all critics
     return stats
 
 
-def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBatch, optimizer,
-                  order: list[int], pad_id: int, cfg,
+def update_critic(state, name: str, batch: CriticBatch, order: list[int], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass of critic `name` over the rows `order` of the batch, in cfg.critic_steps batches
     whose sizes differ by at most one (as many as there are rows, where they are fewer). A
     mini-batch whose gradient (after the sum across processes) is not finite is not applied, and
     counted."""
+    model, head, optimizer = state.model, state.heads[name], state.optimizers[name]
     params = optimizer.param_groups[0]["params"]
     device = params[0].device  # the critic's: its head's and its adapter's
     ids, old_values, returns = batch.ids, batch.values, batch.returns
@@ -396,8 +366,7 @@ def update_critic(model: nn.Module, head: ValueHead, name: str, batch: CriticBat
         rows = procs.share(mb)  # under torchrun: this process's rows; the gradients summed below
         for idx in token_batches([(len(ids[i]), 0) for i in rows], cfg.micro_batch_tokens):
             micro = [rows[j] for j in idx]
-            # to the device before the forward pass is queued: a host-to-device copy waits for
-            # the queue
+            # to the device before the forward pass is queued: a host-to-device copy waits
             v_old, v_target = old_values[micro].to(device), returns[micro].to(device)  # (b,) each
             v = critic_values(model, head, name, [ids[i] for i in micro], pad_id)  # (b,)
             loss, st = value_loss(v, v_old, v_target, cfg.value_clip or None)

@@ -27,36 +27,22 @@ Departures: std is the unbiased (Bessel) estimate, as in verl and TRL; a group w
 all equal (or that has a single member) gets advantage 0 instead of dividing by ~eps. The KL term
 to the reference policy is off by default, as in the paper; when on it is the k3 estimator
 (Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model, or, after a
-supervised warm-up, against the warmed-up adapter (`reference`).
+supervised warm-up, against the warmed-up adapter (`reference_of`).
 
-The update (`policy_update`) is shared by GRPO and the actor of the actor-critic (critic.py): one
-pass over the calls in mini-batches, one optimizer step each (one PPO epoch, as in the paper).
-pi_old needs no pass of its own where the update is on-policy: the first mini-batch comes before
-the adapter's first step, so its old log-probs are its current ones, detached, and every ratio
-is 1; only the later mini-batches get a pass of their own, before the first step
-(rollout.old_logprobs). It carries Paper A's mitigations: role-balanced or 1/multiplicity loss
-weights (loss_weight), coherence damping (damped_step) and a KL anchor per role. By default its
-loss reads two log-probs of each token, the current policy's and pi_old's (on-policy, the same
-forward pass detached); the reference's only with a KL term, the sampler's only with tis_cap > 0
-or in the diagnostics' pass. What its gradients say of the roles (kappa, shares, noise) is
-measured apart: measure.py.
-
-The sampler and the trainer round differently (bf16, KV cache, merged weights), so the tokens come
-from pi_rollout, not exactly pi_old. A correction laid over the update (sampler_gap, which a first
-reading can skip), with tis_cap > 0, weights each token's term by min(pi_old / pi_rollout, C),
-truncated importance sampling (Yao et al. 2025; tis_weight); the gap itself (mismatch_stats) is
-measured by the diagnostics' pass (measure.py), through micro_loss_backward's `measure`. With
-skip_empty a mini-batch without a live call takes no optimizer step: AdamW would still move the
-adapter on its moments.
-
-Before RL, the warm-up (warmup.py) trains the same adapters on given replies, by their negative
-log-likelihood. A function that takes `cfg` reads train.py's Config by field name (temperature,
-minibatch_size, eps_low, loss_agg, ...); the losses themselves take plain numbers.
+The update (`policy_update`), shared by GRPO and the actor of the actor-critic (critic.py), is one
+pass over the calls in mini-batches, one optimizer step each (one PPO epoch, as in the paper). Its
+first mini-batch comes before the adapter's first step, so its pi_old is its own log-probs,
+detached; only the later mini-batches need a pass of their own (rollout.old_logprobs). It carries
+Paper A's mitigations: loss weights per role (loss_weight), coherence damping (damped_step) and a
+KL anchor per role. The sampler and the trainer round differently (bf16, KV cache, merged
+weights), so the tokens come from pi_rollout, not exactly pi_old: with tis_cap > 0 each token's
+term is weighted by min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025;
+sampler_gap, which a first reading can skip). A function that takes `cfg` reads train.py's Config
+by field name; the losses themselves take plain numbers.
 
 Exercised by: pytest tests/test_grpo.py
 """
 import functools
-import random
 import time
 from collections import defaultdict
 from typing import Hashable, NamedTuple
@@ -134,13 +120,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate per completion token (a KL term to a reference is kl_penalty's).
 
-    logp, old_logp, mask: (B, T); advantages: (B,), one per sequence,
-    spread over its tokens; is_weight (B, T), no gradient: a per-token weight of the
-    surrogate (truncated importance sampling, `tis_weight`). ratio_level "token": one
-    ratio per token (PPO, GRPO); "sequence": GSPO's one ratio per sequence, the geometric
-    mean of its token ratios, clipped as a whole and spread over its tokens. Returns the
-    per-token loss (B, T), for `aggregate` to reduce, and the statistics over the completion
-    tokens (mask 1), 0-d tensors that `read_stats` reads after the backward pass.
+    logp, old_logp, mask, is_weight (the optional `tis_weight`): (B, T); advantages: (B,), spread
+    over each sequence's tokens. ratio_level "token" (PPO, GRPO) or "sequence" (GSPO). Returns the
+    per-token loss (B, T), for `aggregate` to reduce, and its statistics over the completion
+    tokens, 0-d tensors that `read_stats` reads after the backward pass.
     """
     adv = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = logp - old_logp  # (B, T)
@@ -185,20 +168,16 @@ def read_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
-    brings you off-policy RL training"): min(pi_old / pi_rollout, cap) per token, (B, T).
-
-    The tokens were drawn from pi_rollout (the sampler's precision and kernels), while the
-    surrogate's ratio is taken against pi_old (the trainer's); the weight turns the sampler's
-    expectation into the trainer's, and the cap bounds its variance."""
+    """Truncated importance sampling (Yao et al. 2025): min(pi_old / pi_rollout, cap) per token,
+    (B, T). The weight turns the sampler's expectation into the trainer's; the cap bounds its
+    variance."""
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # (B, T)
 
 
 def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                    mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """How far the sampler's policy is from the trainer's on the sampled tokens: the mean and
-    max of |log pi_old - log pi_rollout|, and the k3 estimate of KL(pi_rollout || pi_old), as 0-d
-    tensors (`read_stats`); the max is 0 where no token is in the mask."""
+    """How far the sampler's policy is from the trainer's on the sampled tokens: the mean and max
+    of |log pi_old - log pi_rollout| and the k3 estimate of KL(pi_rollout || pi_old), 0-d each."""
     gap = old_logp - rollout_logp  # (B, T)
     return {"mismatch_mean": masked_mean(gap.abs(), mask),
             "mismatch_max": gap.abs().masked_fill(~mask.bool(), 0.0).max(),
@@ -245,9 +224,8 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
     """Coherence damping (Paper A): scale the step by 1 - damping * max(0, cos(g, EMA(g))).
 
     A gradient that keeps pointing where the recent ones pointed is the signature of amplification;
-    its step is shortened through the learning rate, since AdamW would undo a scaled gradient. `ema`
-    holds EMA(g) across steps (kept in the checkpoint: lab/checkpoint.py's TrainState.emas).
-    Returns the factor applied.
+    its step is shortened through the learning rate, since AdamW would undo a scaled gradient.
+    `ema` holds EMA(g) across steps. Returns the factor applied.
     """
     g = flat_grad(params)  # (n_params,)
     factor = 1.0
@@ -304,38 +282,36 @@ def reference_of(cfg, adapter: str) -> str | None:
     return f"{adapter}-ref" if anchored else None
 
 
-def policy_update(model, adapter: str, calls: list[Call], optimizer, rng: random.Random,
-                  pad_id: int, cfg, ema: dict | None = None,
+def policy_update(state, adapter: str, calls: list[Call], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
 
-    Each role's part of a mini-batch is back-propagated with its own loss weight (loss_weight). A
-    call with advantage 0 and no KL term is skipped: its gradient is exactly 0, and it still
-    counts in the denominators. A mini-batch whose gradient norm is not finite takes no step and
-    leaves AdamW's state as it was (counted in adapter/<name>/skipped_nonfinite; its loss
-    statistics are still logged). `ema` holds the gradient EMA of --damping across steps. What
-    the step's gradients say of the roles (kappa, shares, noise) is measured apart, before the
-    update (measure.gradient_signals).
+    `state`: what training changes (lab/checkpoint.py's TrainState): the model, the adapter's
+    optimizer, the random state that shuffles, the gradient EMA of --damping. Each role's part of
+    a mini-batch is back-propagated with its own loss weight (loss_weight). A call with advantage
+    0 and no KL term is skipped: its gradient is exactly 0, and it still counts in the
+    denominators. A mini-batch whose gradient norm is not finite takes no step.
 
-    Under torchrun (`procs`: lab.machine.PROCESSES) every process passes the same calls and the
-    same rng state; each back-propagates its share of every role's calls with the whole
-    mini-batch's denominators, and the gradients are summed before the step, so all processes take
-    the step one process would take on the same calls (or all skip it).
+    Under torchrun (`procs`) each process back-propagates its share of every role's calls with the
+    whole mini-batch's denominators, and the gradients are summed before the step: every process
+    takes the step one process would take.
     """
+    model, optimizer, ema = state.model, state.optimizers[adapter], state.emas.get(adapter)
     kl = kl_coefs(cfg)
     if cfg.damping > 0 and ema is None:
-        raise ValueError("--damping needs `ema`, the adapter's gradient EMA kept across updates")
+        raise ValueError(f"--damping needs state.emas[{adapter!r}], the gradient EMA of its steps")
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)
     calls = calls[:]
-    rng.shuffle(calls)
+    state.rng.shuffle(calls)
     size = max(1, len(calls)) if cfg.one_step else cfg.minibatch_size
     batches = [calls[i:i + size] for i in range(0, len(calls), size)]
-    t = time.time()  # pi_old of the mini-batches after the first step; the first one is on-policy
-    old = old_logprobs(model, [c for mb in batches[1:]
-                               for _, share in live_groups(mb, kl, "role", procs) for c in share],
-                       adapter, pad_id, cfg.temperature,
+    # pi_old of the mini-batches after the first step; the first one is on-policy
+    later = [c for mb in batches[1:] for _, share in live_groups(mb, kl, "role", procs)
+             for c in share]
+    t = time.time()
+    old = old_logprobs(model, later, adapter, pad_id, cfg.temperature,
                        cfg.micro_batch_tokens)  # id(call) -> (T_i,)
     stats[f"time/old_logp/{adapter}"].append(time.time() - t)
     empty = nonfinite = 0  # mini-batches without a live call; with a non-finite loss or gradient
@@ -410,10 +386,9 @@ def sampler_record(micro: list[Call],
 def sampler_gap(old_logp: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor, tis_cap: float,
                 measure: bool) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The precision correction laid over the update: the tokens came from pi_rollout, as the
-    sampler recorded it (sampler_record; where there is none, no gap). Returns the truncated
-    importance weight (tis_weight; None where tis_cap is 0) and, with `measure`, the gap's
-    statistics. `record` None (its caller makes one only under tis_cap or `measure`): no gap."""
+    """The precision correction laid over the update, from what the sampler recorded (None: no
+    gap): the truncated importance weight (tis_weight; None where tis_cap is 0) and, with
+    `measure`, the gap's statistics."""
     if record is None:
         return None, {}
     logp, known = record  # (b, T) each

@@ -1,27 +1,20 @@
 """What a step measures besides its loss: the papers' signals, in one room.
 
-Every step train.py logs `step_metrics` over the step's calls (string and list work, no pass of
-the model). Every --diag_every steps (default 10: the default run's last step; it costs about
-one update, docs/performance.md) it also calls, per adapter and before its update,
-`gradient_signals`.
+Every step train.py logs `step_metrics` over the step's calls (no pass of the model). Every
+--diag_every steps (it costs about one update, docs/performance.md) it also calls, per adapter and
+before its update, `gradient_signals`: each slot's part of the step's loss back-propagated on its
+own, at the adapter as it stands, with no step taken.
 
 Gradients (Paper A, Zeng et al. 2026, arXiv 2605.24202). N same-role slots that read the same
-prompt and the same broadcast reward push one adapter in one direction: kappa = |sum_i g_i| /
-sqrt(sum_i |g_i|^2), 1 for orthogonal slot gradients and sqrt(N) for identical ones
-(`amplification`). On a shared adapter a role may take most of the gradient (`gradient_stats`:
-each role's share) and the other roles drift towards its behaviour. The gradient noise is the
-noise's share of the step's squared gradient, read off two halves of the step's problems
-(`gradient_noise`, McCandlish et al. 2018, arXiv 1812.06162). `gradient_signals` back-propagates
-each slot's part of the step's loss on its own, at the adapter as it stands before its step,
-and takes no step: one more forward and backward pass over the step's live calls, which also
-reads the sampler's precision gap on them (grpo.mismatch_stats).
+prompt and the same broadcast reward push one adapter in one direction (`amplification`: kappa);
+on a shared adapter a role may take most of the gradient (`gradient_stats`: each role's share)
+and the other roles drift towards its behaviour. The gradient noise is read off two halves of the
+step's problems (`gradient_noise`, McCandlish et al. 2018, arXiv 1812.06162).
 
 Outputs. Per role and per slot the reward, length, calls, token share and the solvers' own
 answers; whether each supervisory role does its job beyond its format (`role_jobs`); which rule
 decided each final answer; each role's contract adherence and how alike the roles' outputs are
-(role capture shows in outputs before it shows in losses: workflows.adherence, similarity).
-diagnose.py reads all of these from a run's logs.
-
+(role capture shows in outputs before it shows in losses). diagnose.py reads them from the logs.
 `gradient_signals` reads train.py's Config (`cfg`) by field name, as grpo.policy_update does.
 
 Exercised by: pytest tests/test_grpo.py (the gradient signals, by hand), tests/test_reward.py
@@ -43,12 +36,9 @@ from workflows import adherence, parse_choice, similarity
 
 
 def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
-    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine.
-
-    Paper A's gradient amplification: N same-role slots that see the same prompt and the same
-    broadcast reward push in one direction. kappa is 1 for orthogonal gradients and sqrt(N) for
-    identical ones (the role's step is then sqrt(N) times what N independent slots would give).
-    """
+    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine: kappa is 1 for
+    orthogonal gradients and sqrt(N) for identical ones (the role's step is then sqrt(N) times
+    what N independent slots would give)."""
     g = torch.stack(grads)  # (N, n_params)
     kappa = (g.sum(0).norm() / g.norm(dim=1).square().sum().sqrt()).item()
     unit = g / g.norm(dim=1, keepdim=True)  # (N, n_params)
@@ -60,8 +50,8 @@ def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
 
 def gradient_stats(slot_grads: dict[str, torch.Tensor],
                    role_of: dict[str, str]) -> dict[str, float]:
-    """Per slot and per role gradient norms, kappa and coherence of same-role
-    slots, and each role's grad_norm over the sum of every role's (grad_share: they sum to 1)."""
+    """Per slot and per role gradient norms, kappa and coherence of same-role slots, and each
+    role's grad_norm over the sum of every role's (grad_share: they sum to 1)."""
     stats, role_grads = {}, defaultdict(list)
     for slot, g in slot_grads.items():
         stats[f"slot/{slot}/grad_norm"] = g.norm().item()
@@ -80,16 +70,13 @@ def gradient_stats(slot_grads: dict[str, torch.Tensor],
 
 
 def gradient_noise(g0: torch.Tensor, g1: torch.Tensor, n0: int, n1: int) -> float:
-    """The noise's share of the step's squared gradient |g|^2, g = g0 + g1, g0 and g1 the
-    gradients of two halves of the step's problems, n0 and n1 problems each:
-    n0 n1 |g0 / n0 - g1 / n1|^2 / |g|^2, which is |g0 - g1|^2 / |g|^2 for halves of one size.
+    """The noise's share of the step's squared gradient |g|^2, g = g0 + g1, from the gradients of
+    two halves of the step's problems, n0 and n1 problems each: n0 n1 |g0 / n0 - g1 / n1|^2 / |g|^2.
 
     With N = n0 + n1 problems whose gradients are independent draws of mean m and covariance C,
-    E|g|^2 = N^2 |m|^2 + N tr C, and the halves' means differ by noise alone:
-    E|g0 / n0 - g1 / n1|^2 = (1 / n0 + 1 / n1) tr C, so n0 n1 times it is N tr C, the noise's part
-    of E|g|^2. About 1 for noise alone, near 0 for signal (the gradient noise scale of McCandlish
-    et al. 2018, arXiv 1812.06162, read off two half batches). For three problems the plain
-    |g0 - g1|^2 of halves of 2 and 1 would read a pure signal as 1/9."""
+    E|g|^2 = N^2 |m|^2 + N tr C, and E|g0 / n0 - g1 / n1|^2 = (1 / n0 + 1 / n1) tr C, so n0 n1
+    times it is N tr C, the noise's part: about 1 for noise alone, near 0 for signal. (The plain
+    |g0 - g1|^2 of unequal halves, 2 and 1 problems, would read a pure signal as 1/9.)"""
     return (n0 * n1 * (g0 / n0 - g1 / n1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
 
 
@@ -105,19 +92,13 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
                      procs=ONE_PROCESS) -> dict[str, list[float]]:
     """Paper A's signals of the adapter's gradient at the start of the step, before its update.
 
-    Each slot's part of the step's on-policy loss (every call of the adapter, weighed as the
-    update's one mini-batch under --one_step weighs them) is back-propagated on its own, in two
-    halves of the step's problems (all of a problem's episodes in one half). From those
-    gradients: each slot's and role's gradient norm, kappa and coherence of same-role slots and
-    each role's share (gradient_stats), and the noise's share (gradient_noise); from the same
-    passes each slot's loss statistics, and each role's entropy and sampler gap (grpo.sampler_gap:
-    the trainer's log-probs against those the sampler recorded). The gradients are zeroed after
-    and no step is taken: the adapter, its optimizer and every random state are left as they
-    were. Under --one_step these are the gradients the update then steps on; with
-    --no-one_step, the step's gradient at the adapter its first mini-batch starts from.
-
-    Under torchrun each process back-propagates its share of every slot's calls and the
-    gradients are summed across processes, as in the update."""
+    Each slot's part of the step's on-policy loss (weighed as the update's one mini-batch under
+    --one_step weighs it) is back-propagated on its own, in two halves of the step's problems.
+    From those gradients: gradient_stats and gradient_noise; from the same passes each slot's
+    loss statistics, and each role's entropy and sampler gap (grpo.sampler_gap). The gradients
+    are zeroed after and no step is taken: the adapter, its optimizer and every random state are
+    left as they were. Under torchrun the gradients are summed across processes, as in the
+    update."""
     params = adapter_parameters(model, adapter)
     stats, slot_grads, halves, role_of = defaultdict(list), {}, [0, 0], {}
     for slot, share in live_groups(calls, kl_coefs(cfg), "slot", procs):
@@ -182,11 +163,8 @@ def role_jobs(calls: list) -> dict[str, float]:
 
 def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int) -> dict[str, float]:
     """A step's figures, from its calls and the episodes' outcomes and rewards (no pass of the
-    model: every step logs them): the mean reward, the share of episodes where a role broke its
-    answer format and the share of calls the length limit cut; per role and per slot the reward,
-    length, calls, token share and the solvers' own answers, the roles' jobs, which rule decided
-    each final answer, each role's adherence to its contract and how alike the roles' outputs are
-    (role capture shows in outputs)."""
+    model): the mean reward, the share of episodes where a role broke its answer format and of
+    calls the length limit cut, and the outputs' figures of the module docstring."""
     m = {"reward/mean": sum(rewards) / len(rewards),
          "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes),
          "contract/truncated": sum(c.truncated for c in calls) / len(calls)}

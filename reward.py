@@ -12,23 +12,18 @@ milliseconds and cannot hang. Departure: with no complete \boxed{}, the last num
 the answer (a tiny model often states it without the box); `strict=True` switches that off.
 
 Units. Both sides first lose $...$, \$, ^\circ, a percent sign and the units or words that trail a
-number or an expression, as the MATH graders drop them (Hendrycks et al. 2021; Minerva's
-normalize_final_answer, Lewkowycz et al. 2022): "12 \text{ cm}^2" == "12", "5 square units" ==
-"\text{5 apples}" == "5", "\$1,000" == "1000", "4\sqrt{2}\text{ cm}" == "\sqrt{32}". Unlike those
-graders, which delete listed words anywhere, a unit goes only from the end and only after a value
-("\text{no solution}" keeps its words); it takes its exponent along, while a number keeps its own
-("3 cm^2" == "3", "3^2" == "9"); a lone letter is a unit only in text mode ("5\text{ m}" == "5", but
-"5 m" and "2x" stay products) and a bare 2-3 letter word only when listed ("cm", "ft"); nothing is
-converted ("50 cents" != "0.5"). A percent sign goes as in MATH: "50\%" == "50" but != "0.5" (taking
-both would pay two values a hundredfold apart for one bare number; so a gold 0.5 for a probability
-rejects "50\%").
+value, as the MATH graders drop them (Hendrycks et al. 2021; Minerva's normalize_final_answer,
+Lewkowycz et al. 2022): "12 \text{ cm}^2" == "12", "5 square units" == "\text{5 apples}" == "5".
+Unlike those graders a unit goes only from the end and only after a value ("\text{no solution}"
+keeps its words), a lone letter is a unit only in text mode ("5\text{ m}" == "5", but "2x" stays
+a product), and nothing is converted ("50 cents" != "0.5"). A percent sign goes as in MATH:
+"50\%" == "50" but != "0.5".
 
 Code reward. The last fenced python block runs against every test of the problem; 1.0 only if all
 pass. It runs in sandbox.py, never in the trainer's process.
 
 Each call's reward. `credit_calls` decides, in one place, what every call of a workflow is paid (the
-episode's outcome broadcast, as Paper A does, or each call's own part). What the rewards say of
-the roles, step by step, is measure.py's.
+episode's outcome broadcast, as Paper A does, or each call's own part).
 
     pytest tests/test_reward.py tests/test_datasets.py
 """
@@ -81,34 +76,28 @@ LATEX = (("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", "pi"), ("\\
          ("{", "("), ("}", ")"), ("^", "**"))
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} whose braces close; None if there is none."""
-    boxes = boxed_contents(text)
-    return boxes[-1].strip() if boxes else None
-
-
 def extract_answer(text: str, strict: bool = False) -> str | None:
-    """The final answer in a completion: last \\boxed{} content,
-    else (lenient only) the last number."""
-    boxed = _last_boxed(text)
-    if boxed is not None or strict:
-        return boxed
+    """The final answer in a completion: the last closed \\boxed{} content, else (lenient only)
+    the last number."""
+    boxes = boxed_contents(text)
+    if boxes:
+        return boxes[-1].strip()
+    if strict:
+        return None
     numbers = NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
 
 def _normalise(s: str) -> str:
-    """The bare answer: drops $, \\text{}, degrees, percent signs, "x =", units, spaces,
-    a trailing '.'."""
+    """The bare answer: drops $, \\text{}, degrees, percent signs, "x =", units, spaces, a
+    trailing '.'."""
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("{,}", ",")  # LaTeX's thousands separator: 1{,}000
     for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\:"):
         s = s.replace(junk, "")
-    # LaTeX spaces "\ " and "~", not a matrix's "\\"
-    s = re.sub(r"(?<!\\)\\ ", " ", s.replace("~", " "))
+    s = re.sub(r"(?<!\\)\\ ", " ", s.replace("~", " "))  # LaTeX spaces "\ " and "~", not "\\"
     s = DEGREES.sub("", s)
     # MATH's convention: "50\%" is the number 50, so a bare 0.5 is not 50%
-    # (see the module docstring)
     s = s.replace("\\%", "").replace("%", "").strip().rstrip(".").strip()
     if len(s) <= SYMPY_MAX_CHARS:  # short answers only
         whole = TEXT.fullmatch(s)  # "\text{7 apples}"
@@ -136,8 +125,7 @@ def _drop_units(s: str) -> str:
 
 
 def _value(s: str) -> Fraction | None:
-    """Exact value of a normalised answer: 12, -3.5, 1,000, 3/4, -\\frac{1}{2};
-    None if not a plain number."""
+    """Exact value of a normalised answer (12, -3.5, 1,000, 3/4, -\\frac{1}{2}), or None."""
     sign = -1 if s.startswith("-") else 1
     s = s[1:] if s[:1] in ("+", "-") else s
     frac = FRAC.fullmatch(s)
@@ -194,8 +182,7 @@ def _to_python(s: str) -> str | None:
 
 
 def _sympy_expr(s: str):
-    """A sympy expression built without evaluation, or None.
-    Safe to parse: only TOKEN names reach eval."""
+    """A sympy expression built without evaluation, or None (only TOKEN names reach eval)."""
     code = _to_python(s)
     if code is None:
         return None
@@ -210,8 +197,7 @@ def _sympy_expr(s: str):
 
 
 def _sympy_equal(p: str, g: str) -> bool:
-    """Equal as expressions: the same value, to 1e-9, at 3 fixed points
-    (1 if there are no variables)."""
+    """Equal as expressions: the same value, to 1e-9, at 3 fixed points (1 without variables)."""
     try:
         a, b = _sympy_expr(p), _sympy_expr(g)
         if a is None or b is None:
@@ -231,8 +217,7 @@ def _sympy_equal(p: str, g: str) -> bool:
 
 
 def math_equal(pred: str | None, gold: str) -> bool:
-    """True when pred and gold are the same number, the same expression, or the same
-    normalised string."""
+    """True when pred and gold are the same number, expression, or normalised string."""
     if pred is None:
         return False
     p, g = _normalise(pred), _normalise(gold)
@@ -316,8 +301,7 @@ def code_reward(text: str, problem: Problem, timeout: float = CODE_TIMEOUT) -> f
 # ----------------------------------------------------------------------------- scoring
 def score(problem: Problem, text: str, strict: bool = False,
           timeout: float = CODE_TIMEOUT) -> float:
-    """Reward of one final text, 1.0 or 0.0, by the problem's kind;
-    never raises, whatever the text."""
+    """Reward of one final text, 1.0 or 0.0, by the problem's kind; never raises."""
     try:
         if problem.kind == "code":
             return code_reward(text, problem, timeout)
@@ -328,8 +312,7 @@ def score(problem: Problem, text: str, strict: bool = False,
 
 def score_batch(problems: list[Problem], texts: list[str], strict: bool = False, workers: int = 2,
                 timeout: float = CODE_TIMEOUT) -> list[float]:
-    """score() of each (problem, text), at most `workers` programs at a time
-    (threads: each only waits)."""
+    """score() of each (problem, text), at most `workers` programs at a time (threads)."""
     if len(problems) != len(texts):
         raise ValueError(f"{len(problems)} problems but {len(texts)} texts")
     with ThreadPoolExecutor(max(1, workers)) as pool:
@@ -352,15 +335,12 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
     own: each call is paid for its own part (math only): a solver for its own answer, an evaluator
       for a verdict that agrees with the verifier; the roles that pick or plan (aggregator,
       orchestrator) keep the episode's outcome. A departure; docs/learning.md measures both.
-    truncated "penalize": a call cut by the length limit earns 0, whatever its episode earned, the
-      reward of a wrong answer (under --algo maac its return is 0: critic.critic_advantages). DAPO
-      (Yu et al. 2025, Sec. 3.4) instead adds a penalty that grows over the last tokens before the
-      limit to -1 past it, on top of a +-1 correctness reward, or masks cut samples out of the loss
-      (overlong filtering, "mask" here, acting in the update). Unless "keep", a cut call's own
-      answer (`own_score`) is no answer either, and rollout scores an episode whose final answer was
-      cut as 0 (cut_finals), in training and evaluation alike.
-    On math every solving call's own answer is also scored, into `own_score`: what the later roles
-    did to it (role_jobs), and own credit."""
+    truncated "penalize": a call cut by the length limit earns 0, the reward of a wrong answer.
+      DAPO (Yu et al. 2025, Sec. 3.4) instead penalizes the last tokens before the limit, or masks
+      cut samples out of the loss ("mask" here, acting in the update). Unless "keep", a cut call's
+      own answer is no answer either, and a cut final answer scores 0 (cut_finals).
+    On math every solving call's own answer is also scored, into `own_score` (measure.role_jobs
+    reads what the later roles did to it)."""
     for c in calls:
         c.reward = rewards[c.episode]
     if problems[0].kind == "math":

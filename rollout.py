@@ -1,12 +1,10 @@
 """Rollout: generate one workflow stage in one batch, score tokens.
 
-A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once
-per stage. `Rollout.__call__` is that callback: it runs every call of the
-stage - all episodes, all agent slots - through one batched decode (decode.py:
-`decode` on a CPU, `graph_decode` on a GPU) under the role's LoRA adapter, and keeps a
-`Call` record of each (prompt ids, completion ids, text), which the trainer
-later turns into a loss. A prompt that leaves no room for max_new_tokens in the
-model's context is cut to its head and tail first (fit_prompt), and counted.
+A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once per stage.
+`Rollout.__call__` is that callback: it runs every call of the stage - all episodes, all agent
+slots - through one batched decode (decode.py) under the role's LoRA adapter, and keeps a `Call`
+record of each, which the trainer later turns into a loss. A prompt that leaves no room for
+max_new_tokens in the model's context is cut to its head and tail first (fit_prompt), and counted.
 
 Sequence layout, shared by generation and scoring:
 
@@ -16,13 +14,11 @@ Sequence layout, shared by generation and scoring:
 so completion token j of every row sits at column P + j, and its log-prob is
 read from the logits at column P + j - 1 (the one-token shift).
 
-The sampler's own log-probs. Generation (KV cache, merged weights) and the
-update's scoring (one full forward, adapter beside the weights) round
-differently, so pi_rollout, the policy the tokens were sampled from, and pi_old,
-the policy the update scores them under, are not bit-identical; in bf16 they
-differ visibly. `Rollout` records log pi_rollout of every sampled token
-(`decode.sample_next`), so the diagnostics' pass can log the gap (measure.py) and the update
-can, optionally, correct for it with truncated importance sampling (grpo.py).
+The sampler's own log-probs. Generation (KV cache, merged weights) and the update's scoring (one
+full forward, adapter beside the weights) round differently, so pi_rollout, the policy the tokens
+were sampled from, and pi_old, the policy the update scores them under, differ (visibly in bf16).
+`Rollout` records log pi_rollout of every sampled token, so the diagnostics can log the gap
+(measure.py) and the update can correct for it (grpo.py's tis_cap).
 
 Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """
@@ -55,21 +51,16 @@ class Call:
     episode: int             # index of the episode in the batch
     role: str                # role type, e.g. "generator"
     slot: str                # agent slot, e.g. "generator1"
-    stage: int               # the stage that made it: Rollout's n-th generation (Eval-Opt: 0
-                             # generator, 1 evaluator, 2 refine)
+    stage: int               # Rollout's n-th generation (Eval-Opt: 0 generator, 1 evaluator, ...)
     prompt_ids: list[int]    # (P_i,) without padding
-    completion_ids: list[int]  # (T_i,) up to and including the first end token (none if
-                               # truncated)
+    completion_ids: list[int]  # (T_i,) up to and including the first end token, if any
     prompt: str
     text: str                # completion decoded without special tokens
     truncated: bool = False  # stopped by max_new_tokens before its eos: an unfinished answer
-    reward: float = 0.0      # the episode's outcome, broadcast to every call
-                             # (--credit own: the call's own part)
-    own_score: float | None = None  # the score of a solving call's own answer, as a final
-                                    # answer's would be
+    reward: float = 0.0      # the episode's outcome, broadcast (--credit own: the call's own)
+    own_score: float | None = None  # a solving call's own answer, scored as a final answer
     advantage: float = 0.0
-    rollout_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,) as sampled;
-                                                                          # None when greedy
+    rollout_logp: torch.Tensor | None = field(default=None, repr=False)  # (T_i,); None: greedy
 
 
 def chat_text(tok, chat: list[dict[str, str]]) -> str:
@@ -102,10 +93,8 @@ def cut_at_eos(ids: list[int], eos_id: int | Collection[int]) -> list[int]:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
-    """Lay sequences out as in the module docstring.
-
-    Returns input_ids (B, P+T), attention_mask (B, P+T), completion_mask (B, T).
-    """
+    """Lay sequences out as in the module docstring: input_ids (B, P+T), attention_mask (B, P+T),
+    completion_mask (B, T)."""
     P = max(len(p) for p in prompts)
     T = max(max(len(c) for c in completions), 1)
     B = len(prompts)
@@ -132,13 +121,10 @@ def left_pad(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
 
 
 def token_batches(sizes: list[tuple[int, int]], max_tokens: int) -> list[list[int]]:
-    """Split rows into consecutive micro-batches whose padded size fits max_tokens.
-
-    sizes[i] = (prompt tokens, completion tokens) of row i; a micro-batch of b
-    rows costs b * (longest prompt + longest completion) positions (see `pack`).
-    Bounding positions rather than rows bounds activation memory whatever the
-    mix of short and long calls; a row longer than the budget goes alone.
-    """
+    """Split rows into consecutive micro-batches whose padded size fits max_tokens: sizes[i] =
+    (prompt tokens, completion tokens) of row i, and b rows cost b * (longest prompt + longest
+    completion) positions (`pack`). Bounding positions rather than rows bounds activation memory;
+    a row longer than the budget goes alone."""
     batches, current, P, T = [], [], 0, 0
     for i, (p, t) in enumerate(sizes):
         if current and (len(current) + 1) * (max(P, p) + max(T, t)) > max_tokens:

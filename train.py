@@ -28,14 +28,10 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
 Before step 1, step 0: a supervised warm-up (--sft_warmup) teaches every role its
 contract, and the first evaluation.
 
-Several processes (`torchrun --nproc_per_node N train.py ...`, docs/torchrun.md):
-each process rolls out its block of the step's B problems, every process then
-holds all the episodes, and each mini-batch's forward and backward passes are
-split between the processes, whose gradients are summed before the step: every
-process takes the step one process would take. Only rank 0 writes the run's files.
-The run itself, on disk and on its machine (its settings checked, directory, logs, checkpoints,
-resume, threads, signals, clock), is one object of lab/run.py that the loop calls a few times a
-step; the loop hands the algorithm's passes its processes (`procs`) and nothing else of it.
+Several processes (`torchrun --nproc_per_node N train.py ...`, docs/torchrun.md) each roll out
+a block of the problems, then all hold every episode, split each pass and sum its gradients: every
+process takes the step one process would take. The run itself, on disk and on its machine, is one
+object of lab/run.py (`Run`); the loop hands the algorithm's passes its processes (`procs`).
 
 Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU (an hour on
 one without bf16, the README; a 135M model, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16,
@@ -86,8 +82,7 @@ EVAL_BATCH = 32  # held-out problems an evaluation rolls out at once
 
 # ----------------------------------------------------------------------------
 # The settings: every flag, its default and its help (--help, --help-all). lab/settings.py checks
-# them; the algorithm's files read them by field name (grpo.policy_update(..., cfg)), and what
-# only they can check is checked below
+# them; the algorithm's files read them by field name, and what only they can check is checked below
 
 
 @dataclass
@@ -138,8 +133,7 @@ class Config:
                          "--minibatch_size)")
     minibatch_size: int = arg(16, "calls per optimizer step with --no-one_step, and per "
                                   "warm-up step", bounds="[1, inf)")
-    micro_batch_tokens: int = arg(1024, "padded tokens a pass (memory only)",
-                                  bounds="[1, inf)")
+    micro_batch_tokens: int = arg(1024, "padded tokens a pass (memory only)", bounds="[1, inf)")
     eps_low: float = arg(0.2, "lower clip of the ratio", bounds="[0, 1)")
     eps_high: float = arg(0.28, "upper clip of the ratio (clip-higher)", bounds="[0, inf)")
     loss_agg: str = arg("seq-mean-token-mean", "loss aggregation", AGG_MODES)
@@ -221,9 +215,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 def check_algorithm_settings(cfg: Config) -> None:
-    """The settings lab/settings.py cannot check without the algorithm: the roles of --role_kl
-    (grpo.kl_coefs) and of --sft_roles, a one-line error before a file or the model is
-    touched."""
+    """The roles of --role_kl and --sft_roles, which lab/settings.py cannot check: a one-line
+    error before a file or the model is touched."""
     try:
         kl_coefs(cfg)
         if not cfg.resume:  # a resumed run's warm-up is behind it
@@ -239,14 +232,15 @@ def check_algorithm_settings(cfg: Config) -> None:
 
 def load_model(cfg: Config, device: str):
     """The base model (model.py) with LoRA layers on --lora_targets, no adapter yet (lora.py), and
-    its tokenizer; the decoder its stages run is logged (decode.decoder_plan)."""
+    its tokenizer."""
+    targets = lora_targets(cfg)
     model, tok = load_policy(cfg.model, device, cfg.dtype)
-    side = narrowest(model, lora_targets(cfg))
+    side = narrowest(model, targets)
     if side is not None and cfg.lora_r > side:  # B A could not have that rank
         raise SystemExit(f"--lora_r {cfg.lora_r}: more than {side}, the smaller side of the "
                          f"narrowest adapted layer of {cfg.model}; give at most {side}")
     try:
-        inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
+        inject_lora(model, cfg.lora_r, cfg.lora_alpha, targets)
     except ValueError as e:
         raise SystemExit(f"--lora_targets: {e}") from None
     log(f"decoding: {decoder_plan(model)}")  # the static graph, or the plain loop and why
@@ -254,9 +248,8 @@ def load_model(cfg: Config, device: str):
 
 
 def check_context(model, tok, cfg: Config, problems: list) -> None:
-    """The lengths fit the model's context, before any generation: --critic_max_tokens, and
-    --max_new_tokens after the longest prompt the workflow builds for the longest problem with
-    the agents' texts left out (those are known at run time, and cut to fit then: Rollout)."""
+    """--critic_max_tokens, and --max_new_tokens after the longest prompt of the workflow (its
+    agents' texts left out: those are cut to fit at run time), fit the model's context."""
     context = context_length(model)
     if context is None:
         return
@@ -266,8 +259,7 @@ def check_context(model, tok, cfg: Config, problems: list) -> None:
     sizes = [len(ids) for ids
              in tok([p.question for p in problems], add_special_tokens=False).input_ids]
     longest = problems[sizes.index(max(sizes))]
-    # Eval-Opt's prompts do not grow with its rounds: two hold each kind (first try, verdict,
-    # refinement)
+    # Eval-Opt's prompts do not grow with its rounds: two hold each kind (try, verdict, refine)
     chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents,
                          min(cfg.max_rounds, 2))
     prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
@@ -285,8 +277,8 @@ def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     if cfg.algo != "maac":
         return names, {}
-    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per)
-            for s in slots(cfg.workflow, cfg.n_agents)}
+    agents = slots(cfg.workflow, cfg.n_agents)
+    keys = {critic_key(s, role_of(s), cfg.critic, cfg.critic_per) for s in agents}
     # The critics' initial weights are drawn aside from the random numbers the run draws next,
     # so an actor-critic run warms up and samples as the GRPO run of its seed does.
     with torch.random.fork_rng(devices=gpu_rngs(model.device)):
@@ -334,9 +326,7 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
             procs) -> tuple[dict, tuple]:
     """One training step, steps 1-7 of this file's docstring. Returns its metrics row and its
-    episodes (calls, outcomes, problems, rewards) for the logs. `procs`: the processes under
-    torchrun (lab.machine.PROCESSES: each rolls out its block of the problems, then all hold
-    every episode, and the updates split their passes and sum their gradients)."""
+    episodes (calls, outcomes, problems, rewards) for the logs. `procs`: the processes."""
     t0 = time.time()
     # 1-3. problems, rollout, rewards
     picked = state.rng.sample(range(len(train_set)), cfg.problems_per_step)
@@ -361,9 +351,14 @@ def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
     lr = state.optimizers[names[0]].param_groups[0]["lr"]  # the rate this step trains at
     diag = cfg.diag_every > 0 and step % cfg.diag_every == 0
     stats = update_adapters(state, tok, cfg, step, calls, names, diag, procs)
-    # 7. maac: the critics
+    # 7. maac: the critics, and their schedules (their adapters are not the actors': any order)
     if cfg.algo == "maac":
-        stats.update(train_critics(state, tok, cfg, step, critic_batch, procs))
+        stats.update(update_critics(state, critic_batch, tok.pad_token_id, cfg, procs))
+        for name in state.heads:
+            state.schedulers[name].step()
+        if skipped := stats["critic/skipped_nonfinite"][0]:
+            log(f"step {step} critics | {skipped} mini-batch(es) not applied: loss or gradient "
+                "not finite")
     stats = procs.stats(stats)
     # the step's metrics
     row = {"step": step, **step_metrics(calls, rewards, outcomes, cfg.n_agents),
@@ -398,10 +393,8 @@ def run_episodes(model, tok, cfg: Config, problems, greedy: bool,
 
 def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call],
                     names: list[str], diag: bool, procs) -> dict[str, list[float]]:
-    """Steps 5-6 of a training step for each adapter RL trains: with `diag`, the signals of its
-    gradient before it moves (measure.gradient_signals); its calls' old log-probs and its update
-    (grpo.policy_update), then its learning-rate schedule; returns the statistics, a list each
-    (update_means)."""
+    """Steps 5-6 for each adapter RL trains: with `diag`, the signals of its gradient before it
+    moves (measure.gradient_signals); its update (grpo.policy_update) and its schedule."""
     stats, kl = defaultdict(list), kl_coefs(cfg)
     for name in names:
         t_name = time.time()
@@ -412,8 +405,7 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
                                          procs).items():
                 stats[k] += v
             stats[f"time/diag/{name}"].append(time.time() - t_name)
-        for k, v in policy_update(state.model, name, own, state.optimizers[name], state.rng,
-                                  tok.pad_token_id, cfg, state.emas[name], procs).items():
+        for k, v in policy_update(state, name, own, tok.pad_token_id, cfg, procs).items():
             stats[k] += v
         state.schedulers[name].step()
         skipped = stats[f"adapter/{name}/skipped_nonfinite"][0]
@@ -423,27 +415,10 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
     return stats
 
 
-def train_critics(state: TrainState, tok, cfg: Config, step: int, critic_batch,
-                  procs) -> dict[str, list[float]]:
-    """Step 7 (maac): one pass of each critic over its inputs (critic.update_critics), then its
-    learning-rate schedule; the critics' adapters are separate from the actors', so the order is
-    free."""
-    stats = update_critics(state.model, state.heads, critic_batch, state.optimizers, state.rng,
-                           tok.pad_token_id, cfg, procs)
-    for name in state.heads:
-        state.schedulers[name].step()
-    if stats["critic/skipped_nonfinite"][0]:
-        log(f"step {step} critics | {stats['critic/skipped_nonfinite'][0]} mini-batch(es) not "
-            "applied: loss or gradient not finite")
-    return stats
-
-
 def without_repeats(m: dict[str, float], cfg: Config) -> dict[str, float]:
     """The step's metrics less those that repeat another key or cannot move in this run: the slot/
-    keys of a role with one slot (Eval-Opt's slots are its roles: its role/ keys hold the same
-    numbers); under --one_step, where every ratio is 1, the policy ratio's statistics; and with
-    one critic step (--critic_steps 1), whose values are still the rollout's, the critics'
-    clip_frac."""
+    keys of a role with one slot (its role/ keys hold the same numbers), the ratio's statistics
+    under --one_step, and the critics' clip_frac with --critic_steps 1."""
     # each slot's role, e.g. voting: generator x 3, aggregator
     roles = [role_of(s) for s in slots(cfg.workflow, cfg.n_agents)]
     lone = tuple(f"slot/{s}/" for s, r in zip(slots(cfg.workflow, cfg.n_agents), roles)
@@ -456,10 +431,8 @@ def without_repeats(m: dict[str, float], cfg: Config) -> dict[str, float]:
 
 
 def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
-    """The update's statistics, each the plain mean of its entries (one per micro-batch for a
-    role's or slot's loss figures, one per mini-batch for grad_norm, one per adapter for the
-    counters and clocks); time/old_logp and, on a step with diagnostics, time/diag, parts of
-    time/update, sum the adapters' passes."""
+    """The update's statistics, each the plain mean of its entries; time/old_logp and time/diag,
+    parts of time/update, sum the adapters' passes."""
     m = {k: sum(v) / len(v) for k, v in stats.items()}
     for part in ("old_logp", "diag"):
         if any(k.startswith(f"time/{part}/") for k in m):
@@ -529,13 +502,10 @@ def evaluations(model, tok, cfg: Config, held_out: dict[str, list]) -> dict[str,
 
 
 def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, float]:
-    """--sft_warmup steps of supervised learning on contract-keeping replies, before RL.
-
-    One sampled rollout of the workflow on B x G distinct training problems (at least
-    --minibatch_size of them) gives the prompts and the verifier's labels; each warm-up step
-    draws a mini-batch of the replies and takes one AdamW step per adapter on their negative
-    log-likelihood (warmup.supervised_steps, learning rate --sft_lr). Returns the step-0 metrics:
-    the loss of the first and last step, and each role's adherence in the rollout (before)."""
+    """--sft_warmup steps of supervised learning on contract-keeping replies, before RL: one
+    sampled rollout on B x G distinct training problems gives the prompts and the verifier's
+    labels (warmup.contract_replies), then warmup.supervised_steps. Returns the step-0 metrics:
+    the loss of the first and last step, and each role's adherence in the rollout."""
     rng = random.Random(cfg.seed + 1)  # its own problems: RL draws the same ones as without warm-up
     # at least a mini-batch's worth
     n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)
@@ -544,13 +514,13 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
     rollout, outcomes, rewards = run_episodes(model, tok, cfg, [train_set[i] for i in local],
                                               greedy=False, label="warm-up rollout")
     calls, outcomes, rewards, problem_of = gather_episodes(rollout.calls, outcomes, rewards, local)
+    before = step_metrics(calls, rewards, outcomes, cfg.n_agents)
+    m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items()
+         if k.endswith("/adherence")}
     score = partial(score_batch, strict=cfg.strict_answer, workers=cfg.code_workers,
                     timeout=cfg.code_timeout)
     pairs = contract_replies(calls, [train_set[i] for i in problem_of], score, cfg.n_agents, rng,
                              warmup_roles(cfg))
-    before = step_metrics(calls, rewards, outcomes, cfg.n_agents)
-    m = {f"sft/adherence/{k.split('/')[1]}": v for k, v in before.items()
-         if k.endswith("/adherence")}
     if not pairs:  # no solution the verifier accepts and no judging role: nothing to teach
         log(f"warm-up | no reply of {', '.join(warmup_roles(cfg))} to learn from; RL starts from "
             "the base model")
@@ -563,9 +533,8 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
 
 def step_zero(state: TrainState, tok, cfg: Config, train_set: list, held_out: dict,
               run: Run) -> dict:
-    """Step 0 of a new run: another run's step 0 (--start_from), or the warm-up (--sft_warmup)
-    and the first evaluation; the KL anchors then copy the policy RL starts from (make_anchors).
-    Returns the step's metrics row."""
+    """Step 0 of a new run: another run's step 0 (--start_from), or the warm-up and the first
+    evaluation; then the KL anchors copy the policy RL starts from. Returns its metrics row."""
     names = [n for n in state.optimizers if n not in state.heads]
     if cfg.start_from:
         first = state.load_start(cfg.start_from, cfg.sharing, run.start_config)

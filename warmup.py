@@ -2,14 +2,10 @@
 contract, labelled by the verifier, and the steps that teach them.
 
 The warm-up gives RL a contract to keep, or to lose: the 135M model does not keep the
-supervisory roles' contracts by itself. It teaches every role, on the adapter it trains under,
-replies that keep its contract and that a verifier labels (`contract_replies`): the aggregator
-names a correct candidate (any of them; any candidate when none is), the evaluator gives the
-verifier's verdict (the rarer one repeated until both are as many), the orchestrator lists a
-plan of its own for each episode, and the solving roles repeat their own solutions that the
-verifier accepts. `supervised_steps` then takes AdamW steps on the replies' negative
-log-likelihood, on the same adapters RL goes on to train. train.warm_up runs both on one
-sampled rollout of the workflow, before the first evaluation.
+supervisory roles' contracts by itself. Every role learns, on the adapter it trains under, replies
+that keep its contract and that a verifier labels (`contract_replies`); `supervised_steps` takes
+AdamW steps on their negative log-likelihood, on the same adapters RL goes on to train.
+train.warm_up runs both on one sampled rollout of the workflow, before the first evaluation.
 
 Exercised by: pytest tests/test_train.py (the replies, balanced verdicts, varied plans, the
 warm-up's steps)
@@ -44,9 +40,11 @@ PLANS = {"math": ["Compute it directly, one operation at a time.",
 
 def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int, rng: random.Random,
                      roles: list[str]) -> list:
-    """Warm-up pairs of the given roles: copies of a rollout's calls (rollout.Call records) with
-    the same prompt and a reply (its text; the trainer sets the token ids) that keeps the
-    role's contract. `problems`: each episode's problem; `score`: the verifier (reward.py)."""
+    """Warm-up pairs of the given roles: copies of a rollout's calls with the same prompt and a
+    reply (its text; the trainer sets the token ids) that keeps the role's contract: the
+    aggregator names a correct candidate (any, where none is), the evaluator gives the verifier's
+    verdict, the orchestrator lists a plan of its own, and the solving roles repeat their own
+    solutions that the verifier (`score`) accepts. `problems`: each episode's problem."""
     solutions = {(c.episode, c.stage): [] for c in calls}  # generator outputs by episode and stage
     for c in calls:  # in slot order within each episode, as the workflow made them
         if c.role == "generator":
@@ -99,9 +97,8 @@ def balanced_verdicts(replies: list, rng: random.Random) -> list:
 
 
 def warmup_roles(cfg) -> list[str]:
-    """The workflow's roles named in cfg.sft_roles (train.py's Config; another workflow's are
-    passed over, as in the default, every workflow's roles, and a grid's list for all its cells);
-    a ValueError names an unknown, blank or repeated one."""
+    """The workflow's roles named in cfg.sft_roles (another workflow's are passed over); a
+    ValueError names an unknown, blank or repeated one."""
     roles = [r.strip() for r in cfg.sft_roles.split(",")]
     if "" in roles or len(set(roles)) < len(roles):
         raise ValueError(f"--sft_roles {cfg.sft_roles!r}: give distinct role names separated by "
@@ -124,10 +121,9 @@ def warmup_roles(cfg) -> list[str]:
 
 def supervised_steps(model, calls: list[Call], adapters: list[str], cfg, rng: random.Random,
                      pad_id: int, log=print, procs=ONE_PROCESS) -> list[float]:
-    """cfg.sft_warmup steps (train.py's Config, read by field name), each on cfg.minibatch_size
-    calls drawn from `calls` and one AdamW step (its own optimizer, learning rate cfg.sft_lr) per
-    adapter on the mean negative log-likelihood of its calls' completion tokens; returns each
-    step's loss, the mean over the adapters."""
+    """cfg.sft_warmup steps (train.py's Config), each on cfg.minibatch_size calls drawn from
+    `calls` and one AdamW step (learning rate cfg.sft_lr) per adapter; returns each step's loss,
+    the mean over the adapters."""
     optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=cfg.sft_lr,
                                           weight_decay=0.0) for name in adapters}
     losses = []
@@ -148,7 +144,7 @@ def supervised_steps(model, calls: list[Call], adapters: list[str], cfg, rng: ra
 def supervised_update(model, adapter: str, batch: list[Call], optimizer, pad_id: int,
                       micro_batch_tokens: int, grad_clip: float, procs=ONE_PROCESS) -> float:
     """One optimizer step on the mean negative log-likelihood of the batch's completion tokens;
-    returns that loss (under torchrun each process back-propagates its share, gradients summed)."""
+    returns that loss."""
     params = adapter_parameters(model, adapter)
     optimizer.zero_grad(set_to_none=False)
     n_tokens, total = sum(len(c.completion_ids) for c in batch), 0.0

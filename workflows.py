@@ -1,15 +1,13 @@
 r"""Multi-agent LLM workflows as plain Python: who speaks, with which prompt, in which order.
 
-A workflow turns a batch of questions into one final text per question by calling
-LLM "agents" in stages. Each agent has a *slot* (generator0, evaluator, worker2, ...)
-and a *role type* (generator, evaluator, worker, ...); slots of one role type share
-a prompt and, under IP (one adapter per role type), a LoRA adapter. A workflow never touches
-tensors: it calls a `generate(role, slots, episodes, chats)` callback exactly once
-per stage, and the callback (rollout.py) batches every call of that stage, across
-all episodes and slots, into one model call and records it for training.
+A workflow turns a batch of questions into one final text per question by calling LLM "agents"
+in stages. Each agent has a *slot* (generator0, evaluator, worker2, ...) and a *role type*
+(generator, evaluator, worker, ...); slots of one role type share a prompt and, under IP (one
+adapter per role type), a LoRA adapter. A workflow never touches tensors: it calls a
+`generate(role, slots, episodes, chats)` callback once per stage, and the callback (rollout.py)
+batches every call of that stage, across all episodes and slots, into one model call.
 
-Topologies and role contracts follow Paper A (Zeng et al. 2026, "When Does
-Multi-Agent RL Improve LLM Workflows?", arXiv 2605.24202):
+Topologies and role contracts follow Paper A (Zeng et al. 2026, arXiv 2605.24202):
   single        generator                                    final = generator
   eval_opt      generator -> evaluator -> generator -> ...   final = last generator turn
   voting        N generators -> aggregator picks \boxed{k}   final = candidate k
@@ -17,14 +15,11 @@ Multi-Agent RL Improve LLM Workflows?", arXiv 2605.24202):
 The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the orchestrator
 lists strategies and never solves. `adherence` says whether an output keeps its role's
 contract and `similarity` how alike two roles' outputs are: the signals of role capture
-(Paper A) that train.py logs every --diag_every steps (every step by default). The replies
-that keep each role's contract, which the supervised warm-up teaches before RL, are
-warmup.py's.
+(Paper A) that every step logs (measure.step_metrics).
 
 Departures from the paper:
   - the prompts are this project's own, short enough for a 135M model;
-  - a verdict without \boxed{} falls back to the last standalone word
-    "correct"/"incorrect"; with neither, the evaluator counts as Incorrect;
+  - a verdict without \boxed{} falls back to the last word "correct"/"incorrect", else Incorrect;
   - eval_opt skips the evaluator after the last generator turn (it could change nothing);
   - texts passed to a later role keep their head and tail, MAX_FEED_CHARS in all;
   - info["fallback"] flags any broken answer contract (a cheap role-capture signal).
@@ -47,9 +42,9 @@ MAX_FEED_CHARS = 1500
 # Given to workers when the orchestrator listed fewer strategies than there are workers.
 DEFAULT_STRATEGY = "Solve it directly, step by step."
 
-# Prompts keyed by (kind, role type). "user" is the first-turn message; the generator
-# also has "refine", its eval_opt turn after an Incorrect verdict. Templates use
-# string.Template ($question) so the braces of \boxed{} need no escaping.
+# Prompts keyed by (kind, role type). "user" is the first-turn message; the generator also has
+# "refine", its eval_opt turn after an Incorrect verdict. string.Template ($question): the braces
+# of \boxed{} need no escaping.
 PROMPTS: dict[tuple[str, str], dict[str, str]] = {
     ("math", "generator"): {
         "system": "You are a careful math solver. Write the calculation in one line, then the "
@@ -150,10 +145,10 @@ SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a 
 @dataclass
 class Outcome:
     final: str  # the text the reward scores (its last \boxed{} is the answer)
-    # What happened, for logs. Every workflow sets "fallback" (a role broke its answer
-    # contract) and all but single "rule", the parsing rule that decided the final answer
-    # (eval_opt: of the last verdict; "none" without one); eval_opt adds "rounds" and
-    # "stopped", voting "choice", orch_workers "strategies" (how many were parsed).
+    # What happened, for logs. Every workflow sets "fallback" (a role broke its answer contract)
+    # and all but single "rule", the parsing rule that decided the final answer (eval_opt: of
+    # the last verdict; "none" without one); eval_opt adds "rounds" and "stopped", voting
+    # "choice", orch_workers "strategies" (how many were parsed).
     info: dict
 
 
@@ -282,8 +277,7 @@ def parse_strategies(text: str, n: int) -> list[str]:
 
 # ---------------------------------------------------------------- role-capture signals
 # Role capture (Paper A) shows in outputs before it shows in losses: an evaluator that
-# starts solving, an aggregator that writes essays instead of \boxed{k}. train.py logs
-# both signals every --diag_every steps (measure.step_metrics); diagnose.py reads them.
+# starts solving, an aggregator that writes essays instead of \boxed{k}.
 
 SHORT_VERDICT = 300  # characters: "at most two short sentences, then the verdict"
 SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
@@ -417,8 +411,7 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
 def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3,
                  max_rounds: int = 2) -> list[Chat]:
     """Every prompt workflow `name` builds for `question` when the agents write nothing: what
-    can be known of its prompts before a run (train.check_context checks them against the
-    model's context)."""
+    can be known of its prompts before a run."""
     chats: list[Chat] = []
     run_workflow(name, [question], partial(silent_agents, chats), kind, n_agents, max_rounds)
     return chats

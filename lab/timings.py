@@ -20,6 +20,7 @@ import torch
 
 from decode import decode
 from grpo import policy_update
+from lab.checkpoint import TrainState
 from lab.machine import alternate, sync, timed
 from lora import (LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora,
                   merged_adapter)
@@ -126,6 +127,11 @@ def prompt_padding(calls) -> float:
     return 1 - sum(len(c.prompt_ids) for c in calls) / (P * len(calls))
 
 
+def one_adapter(model, name: str, optimizer) -> TrainState:
+    """The training state one adapter's update reads: its optimizer and a fresh random state."""
+    return TrainState(model, {}, {name: optimizer}, {}, random.Random(0), {name: {}})
+
+
 def update_parts(model, tok, device: str, calls, cfg: Config, repeats: int) -> dict:
     """The old-log-prob pass, one update over `calls` (one mini-batch, on-policy) and the
     diagnostics' pass over the same calls (measure.gradient_signals)."""
@@ -142,8 +148,8 @@ def update_parts(model, tok, device: str, calls, cfg: Config, repeats: int) -> d
     def parts(calls):  # each part over `calls`, a thunk for alternate
         return {"old_logp": lambda: old_logprobs(model, calls, "shared", tok.pad_token_id,
                                                  cfg.temperature, cfg.micro_batch_tokens),
-                "update": lambda: policy_update(model, "shared", calls, frozen, random.Random(0),
-                                                tok.pad_token_id, settings),
+                "update": lambda: policy_update(one_adapter(model, "shared", frozen), "shared",
+                                                calls, tok.pad_token_id, settings),
                 "diagnostics": lambda: gradient_signals(model, "shared", calls, tok.pad_token_id,
                                                         settings)}
     r = alternate(device, parts(calls), repeats, list(parts(calls[:2]).values()))
@@ -183,7 +189,7 @@ def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats:
                 mine = [c for c in calls if adapter_for(c.role, mode) == name]
                 # the gradient signals, then the update, as train.py's default
                 gradient_signals(model, name, mine, tok.pad_token_id, settings)
-                policy_update(model, name, mine, optimizers[name], random.Random(0),
+                policy_update(one_adapter(model, name, optimizers[name]), name, mine,
                               tok.pad_token_id, settings)
         return run
     few = [c for c in calls if c.episode == 0]
@@ -284,7 +290,7 @@ def throughput(args, device: str, questions: list[str], cfg: Config, batches: li
             p.grad = torch.zeros_like(p)
         frozen = torch.optim.SGD(params, lr=0.0)
         runs[d] = (lambda m=models[d], o=frozen:
-                   policy_update(m, "shared", calls, o, random.Random(0), tok.pad_token_id,
+                   policy_update(one_adapter(m, "shared", o), "shared", calls, tok.pad_token_id,
                                  settings))
     r = alternate(device, runs, args.repeats, [])
     fig["update"] = {d: trained / r[d]["seconds"] for d in dtypes}

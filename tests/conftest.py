@@ -59,3 +59,13 @@ def critic_config(**changes):
     length limit scored like any other."""
     import train
     return train.Config(**{"algo": "maac", "truncated": "keep", **changes})
+
+
+def train_state(model, optimizers: dict, heads=None, seed: int = 0):
+    """The training state an update reads (lab/checkpoint.py's TrainState): `optimizers` by
+    adapter or critic name, no schedule, a fresh random state and empty gradient EMAs."""
+    import random
+
+    from lab.checkpoint import TrainState
+    return TrainState(model, heads or {}, optimizers, {}, random.Random(seed),
+                      {name: {} for name in optimizers})

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from conftest import critic_config
+from conftest import critic_config, train_state
 import torch
 
 from critic import (CriticBatch, ValueHead, call_advantages, critic_advantages,
@@ -172,13 +172,12 @@ def test_a_critic_pass_reads_each_row_once_and_its_micro_batches_add_up_to_the_m
     monkeypatch.setattr(critic, "critic_values", stand_in)
     batch = CriticBatch(["critic"] * 3, [[1], [2], [3]], torch.zeros(3), torch.zeros(3))
     settings = critic_config(micro_batch_tokens=2, grad_clip=100.0)
-    update_critic(None, None, "critic", batch, torch.optim.SGD([w], lr=0.0), [0, 1, 2], 0,
-                  settings)
+    state = train_state(None, {"critic": torch.optim.SGD([w], lr=0.0)}, heads={"critic": None})
+    update_critic(state, "critic", batch, [0, 1, 2], 0, settings)
     assert read == [[1, 2], [3]] and w.grad.item() == pytest.approx(14 / 3)
     read.clear()
     ten = CriticBatch(["critic"] * 10, [[i] for i in range(10)], torch.zeros(10), torch.zeros(10))
-    update_critic(None, None, "critic", ten, torch.optim.SGD([w], lr=0.0), list(range(10)), 0,
-                  critic_config(critic_steps=3))
+    update_critic(state, "critic", ten, list(range(10)), 0, critic_config(critic_steps=3))
     assert read == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
 
 
@@ -384,7 +383,7 @@ def test_a_critic_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
     s = critic_config(critic_steps=2)
     before = {k: [p.detach().clone() for p in ps] for k, ps in params.items()}
     hook = heads["critic-a"].out.weight.register_hook(lambda g: g * float("nan"))
-    stats = update_critics(model, heads, batch, optimizers, random.Random(0), tok.pad_token_id, s)
+    stats = update_critics(train_state(model, optimizers, heads), batch, tok.pad_token_id, s)
     hook.remove()
     # 2 steps each
     assert stats["critic/skipped_nonfinite"] == [2] and len(stats["critic/grad_norm"]) == 2
@@ -408,8 +407,8 @@ def test_every_critic_takes_the_same_steps_unless_it_has_fewer_rows(tiny, steps,
             p.grad = torch.zeros_like(p)
     ids, returns = toy_batch(tok, random.Random(0), 16)
     keys = ["central"] * 12 + ["critic-generator0"] * 4
-    stats = update_critics(model, heads, CriticBatch(keys, ids, torch.zeros(16), returns),
-                           optimizers, random.Random(0), tok.pad_token_id,
+    stats = update_critics(train_state(model, optimizers, heads),
+                           CriticBatch(keys, ids, torch.zeros(16), returns), tok.pad_token_id,
                            critic_config(critic_steps=steps))
     assert len(stats["critic/grad_norm"]) == sum(taken)
     assert [o.state[o.param_groups[0]["params"][0]]["step"].item()
@@ -429,7 +428,7 @@ def test_the_value_clip_logs_how_often_it_held_a_value_back(tiny):
     ids, returns = toy_batch(tok, random.Random(0), 8)
     batch = CriticBatch(["critic"] * 8, ids, torch.zeros(8), returns)
     for clip, logged in ((None, False), (1e-4, True)):
-        stats = update_critics(model, heads, batch, {"critic": optimizer}, random.Random(0),
+        stats = update_critics(train_state(model, {"critic": optimizer}, heads), batch,
                                tok.pad_token_id, critic_config(critic_steps=2, value_clip=clip))
         assert ("critic/clip_frac" in stats) == logged
     # two steps at lr 0.1 have moved every value past 1e-4 from the rollout's 0

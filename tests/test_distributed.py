@@ -6,13 +6,12 @@ sets, and meet through a file store in a fresh directory (a port picked in advan
 before the store binds it)."""
 import json
 import os
-import random
 import sys
 import tempfile
 
 import pytest
 
-from conftest import update_config, critic_config
+from conftest import critic_config, train_state, update_config
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -89,8 +88,8 @@ def updated_adapters(workflow: str, sharing: str, minibatch_size: int, out: str)
         mine = [c for c in calls if adapter_for(c.role, sharing) == name]
         sgd = torch.optim.SGD(adapter_parameters(model, name), lr=0.5)
         stats.update(gradient_signals(model, name, mine, tok.pad_token_id, settings, PROCESSES))
-        stats.update(policy_update(model, name, mine, sgd, random.Random(0),
-                                   tok.pad_token_id, settings, procs=PROCESSES))
+        stats.update(policy_update(train_state(model, {name: sgd}),
+                                   name, mine, tok.pad_token_id, settings, PROCESSES))
     if rank_and_world()[0] == 0:
         torch.save({"start": start,
                     "weights": {n: [p.detach().clone() for p in adapter_parameters(model, n)]
@@ -237,7 +236,7 @@ def updated_critics(out: str) -> None:
     s = critic_config(critic="central", critic_steps=3, norm_adv=True)  # several mini-batches
     batch = critic_advantages(model, tok, heads, rollout.calls, s, PROCESSES)
     sgd = {"critic": torch.optim.SGD(params, lr=0.5)}
-    update_critics(model, heads, batch, sgd, random.Random(0), tok.pad_token_id, s, PROCESSES)
+    update_critics(train_state(model, sgd, heads), batch, tok.pad_token_id, s, PROCESSES)
     if rank_and_world()[0] == 0:
         torch.save({"values": batch.values, "adv": [c.advantage for c in rollout.calls],
                     "weights": [p.detach().clone() for p in params]}, out)

@@ -1,12 +1,11 @@
 """GRPO against hand-computed numbers; the update's pi_old against a separate pass."""
 import dataclasses
 import math
-import random
 import statistics
 
 import pytest
 
-from conftest import update_config
+from conftest import train_state, update_config
 import torch
 
 from grpo import (aggregate, kl_penalty, group_advantages, masked_mean, mismatch_stats,
@@ -276,8 +275,9 @@ def updated(tiny, calls: list[Call], minibatch_size: int) -> list[torch.Tensor]:
     params = adapter_parameters(model, "generator")
     start = [p.detach().clone() for p in params]
     settings = update_config(minibatch_size=minibatch_size)
-    policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5), random.Random(0),
-                  tok.pad_token_id, settings)
+    sgd = torch.optim.SGD(params, lr=0.5)
+    policy_update(train_state(model, {"generator": sgd}),
+                  "generator", calls, tok.pad_token_id, settings)
     after = [p.detach().clone() for p in params]
     with torch.no_grad():
         for p, s in zip(params, start):
@@ -344,8 +344,8 @@ def test_the_gradient_noise_is_read_off_two_halves_of_the_problems(tiny):
     # the gradient norm of an update on part alone
     def norm(part: list[Call]) -> tuple[float, dict]:
         opt = torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0)
-        stats = policy_update(model, "generator", part, opt, random.Random(0),
-                              tok.pad_token_id, settings)
+        stats = policy_update(train_state(model, {"generator": opt}),
+                              "generator", part, tok.pad_token_id, settings)
         return stats["adapter/generator/grad_norm"][0], stats
     stats = gradient_signals(model, "generator", calls, tok.pad_token_id, settings)
     both, _ = norm(calls)
@@ -378,8 +378,9 @@ def test_the_gradient_signals_move_nothing_and_add_up_to_the_updates_gradient(ti
                    if measured_first else {})
         assert all(p.grad is not None and not p.grad.any() for p in params)
         assert all(torch.equal(p, p0) for p, p0 in zip(params, start))
-        stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5),
-                              random.Random(0), tok.pad_token_id, settings)
+        sgd = torch.optim.SGD(params, lr=0.5)
+        stats = policy_update(train_state(model, {"generator": sgd}), "generator", calls,
+                              tok.pad_token_id, settings)
         return [p.detach().clone() for p in params], stats, signals
 
     plain, stats, _ = update(False)
@@ -432,11 +433,12 @@ def test_no_optimizer_step_on_a_mini_batch_without_a_live_call(tiny):
         start = [p.detach().clone() for p in params]
         opt = torch.optim.AdamW(params, lr=0.01)
         settings = update_config(minibatch_size=len(calls), skip_empty=skip)
-        policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
+        policy_update(train_state(model, {"generator": opt}),
+                      "generator", calls, tok.pad_token_id, settings)
         after_live = [p.detach().clone() for p in params]
         dead = [dataclasses.replace(c, advantage=0.0) for c in calls]
-        stats = policy_update(model, "generator", dead, opt, random.Random(0),
-                              tok.pad_token_id, settings)
+        stats = policy_update(train_state(model, {"generator": opt}),
+                              "generator", dead, tok.pad_token_id, settings)
         assert stats["adapter/generator/empty_batches"] == [1]
         moved[skip] = max((p - a).abs().max().item() for p, a in zip(params, after_live))
         with torch.no_grad():
@@ -459,8 +461,9 @@ def test_the_diagnostics_measure_the_sampler_gap_and_the_plain_update_never_read
     params = adapter_parameters(model, "generator")
 
     def gradient(calls: list[Call], settings) -> torch.Tensor:
-        stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.0),
-                              random.Random(0), tok.pad_token_id, settings)
+        sgd = torch.optim.SGD(params, lr=0.0)
+        stats = policy_update(train_state(model, {"generator": sgd}), "generator", calls,
+                              tok.pad_token_id, settings)
         assert not [k for k in stats if "mismatch" in k]  # the update logs no gap
         return torch.cat([p.grad.reshape(-1) for p in params]).clone()
 
@@ -485,20 +488,21 @@ def test_a_mini_batch_with_a_non_finite_gradient_is_not_applied(tiny):
     opt = torch.optim.AdamW(params, lr=0.01)
     settings = update_config(minibatch_size=len(calls))
     # momentum
-    policy_update(model, "generator", calls, opt, random.Random(0), tok.pad_token_id, settings)
+    policy_update(train_state(model, {"generator": opt}),
+                  "generator", calls, tok.pad_token_id, settings)
     weights = [p.detach().clone() for p in params]
     state = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
     hook = params[0].register_hook(lambda g: g * float("nan"))
-    stats = policy_update(model, "generator", calls, opt, random.Random(0),
-                          tok.pad_token_id, settings)
+    stats = policy_update(train_state(model, {"generator": opt}),
+                          "generator", calls, tok.pad_token_id, settings)
     hook.remove()
     assert (stats["adapter/generator/skipped_nonfinite"] == [1]
             and "adapter/generator/grad_norm" not in stats)
     assert all(torch.equal(p, w) for p, w in zip(params, weights))
     assert all(torch.equal(v, old[k]) for s, old in zip(opt.state.values(), state)
                for k, v in s.items())
-    stats = policy_update(model, "generator", calls, opt, random.Random(0),
-                          tok.pad_token_id, settings)
+    stats = policy_update(train_state(model, {"generator": opt}),
+                          "generator", calls, tok.pad_token_id, settings)
     assert stats["adapter/generator/skipped_nonfinite"] == [0]
     assert max((p - w).abs().max().item() for p, w in zip(params, weights)) > 1e-4
 
@@ -512,8 +516,9 @@ def test_the_clip_acts_only_after_the_first_mini_batch_step(tiny, one_step):
     model, tok = tiny
     params = adapter_parameters(model, "generator")
     settings = update_config(minibatch_size=4, one_step=one_step)
-    stats = policy_update(model, "generator", calls, torch.optim.SGD(params, lr=0.5),
-                          random.Random(0), tok.pad_token_id, settings)
+    sgd = torch.optim.SGD(params, lr=0.5)
+    stats = policy_update(train_state(model, {"generator": sgd}), "generator", calls,
+                          tok.pad_token_id, settings)
     clipped = stats["role/generator/clip_frac"]
     assert (max(clipped) > 0) == (not one_step), clipped
     assert one_step == all(r == pytest.approx(1.0) for r in stats["role/generator/ratio_mean"])

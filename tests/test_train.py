@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, directory_state, make_read_only
+from conftest import ROOT, directory_state, make_read_only, train_state
 import diagnose
 import grpo
 from grpo import policy_update, reference_of
@@ -739,8 +739,8 @@ def test_after_a_warm_up_the_kl_anchor_is_the_warmed_up_adapter(tmp_path):
     for label, s in [("base", dataclasses.replace(cfg, sft_warmup=0)), ("warmed-up", cfg)]:
         optimizer = torch.optim.AdamW(adapter_parameters(model, "shared"), lr=1e-2)
         state = [p.detach().clone() for p in adapter_parameters(model, "shared")]
-        stats = policy_update(model, "shared", agg, optimizer, random.Random(0),
-                              tok.pad_token_id, s)
+        stats = policy_update(train_state(model, {"shared": optimizer}),
+                              "shared", agg, tok.pad_token_id, s)
         kl[label] = stats["role/aggregator/kl_ref"][0]
         with torch.no_grad():  # back to the warmed-up adapter for the other reference
             for p, p0 in zip(adapter_parameters(model, "shared"), state):
