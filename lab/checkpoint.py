@@ -102,15 +102,14 @@ class TrainState:
         best.json: its step, metric, score and evaluation. Paper A's cliffs come late: the peak
         outlives the newest checkpoints' rotation. A run without a validation split keeps none:
         a peak chosen on the test split would make its test score an optimistic one."""
-        metric = BEST_METRIC
-        if metric not in row:
+        if BEST_METRIC not in row:
             return
         best = read_best(os.path.join(out, "best"))
-        better = best is None or row[metric] > best["score"]
+        better = best is None or row[BEST_METRIC] > best["score"]
         if gather_lists([better])[0]:  # rank 0's answer, which reads the run; every process saves
             evaluation = {k: v for k, v in row.items() if k.startswith(("eval/", "val/"))}
-            self.save(out, row["step"], best={"step": row["step"], "metric": metric,
-                                              "score": row[metric], "evaluation": evaluation})
+            self.save(out, row["step"], best={"step": row["step"], "metric": BEST_METRIC,
+                                              "score": row[BEST_METRIC], "evaluation": evaluation})
 
     def load(self, out: str) -> int:
         """Load out/ckpt, the newest checkpoint that reads back whole put in its place first (a
@@ -170,9 +169,8 @@ class TrainState:
             head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
         set_rngs(state, self.rng, f"--start_from {where}", self.device())
         best = read_best(path)
-        if best:
-            return {"step": 0, **best["evaluation"]}
-        return read_jsonl(os.path.join(run, "metrics.jsonl"))[0]
+        return ({"step": 0, **best["evaluation"]} if best
+                else read_jsonl(os.path.join(run, "metrics.jsonl"))[0])
 
 
 def load_state(ckpt: str) -> dict:

@@ -323,11 +323,10 @@ def resume_run(out: str, state: TrainState, lrs: dict[str, float],
     return start, evaluated[0], evaluated[-1]
 
 
-def truncate_jsonl(path: str, last_step: int) -> list[dict]:
-    """Drop log lines written after the checkpoint we resume from; return the rows kept."""
-    keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
-    write_whole(path, "".join(json.dumps(row) + "\n" for row in keep))
-    return keep
+def truncate_jsonl(path: str, last_step: int) -> None:
+    """Drop log lines written after the checkpoint we resume from."""
+    write_whole(path, "".join(json.dumps(row) + "\n" for row in read_jsonl(path)
+                              if row["step"] <= last_step))
 
 
 # ----------------------------------------------------------------------------
