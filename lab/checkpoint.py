@@ -52,7 +52,7 @@ class TrainState:
     schedulers: dict  # the same names -> its learning-rate schedule
     rng: random.Random  # problems and mini-batches (torch's generator is the global one)
     emas: dict  # adapter name -> the EMA of its gradient (--damping)
-    run_id: str  # the run's, as its config.json holds it: a resume refuses another run's state
+    run_id: str = ""  # the run's, as its config.json holds it: a resume refuses another run's
 
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
