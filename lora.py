@@ -38,7 +38,7 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 # Every linear layer of attention and MLP in Llama/Qwen-style models.
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -267,15 +267,21 @@ def peft_config(model: nn.Module) -> dict:
             "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}
 
 
+def adapter_files(model: nn.Module) -> dict[str, bytes]:
+    """<name>/adapter_config.json and <name>/adapter_model.safetensors per adapter, as PEFT reads
+    them: each file's path in the directory and its bytes (a checkpoint writes them itself)."""
+    config = json.dumps(peft_config(model), indent=2).encode()
+    return {os.path.join(name, file): data for name in adapter_names(model)
+            for file, data in (("adapter_config.json", config),
+                               ("adapter_model.safetensors", save(adapter_state(model, name))))}
+
+
 def save_adapters(model: nn.Module, directory: str) -> None:
     """DIR/<name>/adapter_config.json and DIR/<name>/adapter_model.safetensors per adapter."""
-    config = json.dumps(peft_config(model), indent=2)
-    for name in adapter_names(model):
-        os.makedirs(os.path.join(directory, name), exist_ok=True)
-        with open(os.path.join(directory, name, "adapter_config.json"), "w") as f:
-            f.write(config)
-        path = os.path.join(directory, name, "adapter_model.safetensors")
-        save_file(adapter_state(model, name), path)
+    for path, data in adapter_files(model).items():
+        os.makedirs(os.path.join(directory, os.path.dirname(path)), exist_ok=True)
+        with open(os.path.join(directory, path), "wb") as f:
+            f.write(data)
 
 
 def load_adapters(model: nn.Module, directory: str, names: list[str]) -> None:

@@ -577,7 +577,8 @@ def main(cfg: Config, typed: set[str] | None = None) -> dict:
     run.write_config()
     names, heads = actors_and_critics(model, cfg)
     optimizers, schedulers = make_optimizers(model, cfg, names, heads)
-    state = TrainState(model, heads, optimizers, schedulers, rng, emas={name: {} for name in names})
+    state = TrainState(model, heads, optimizers, schedulers, rng, emas={name: {} for name in names},
+                       run_id=run.run_id)
     if run.world > 1:
         torch.manual_seed(cfg.seed + 1000 * run.rank)  # each process samples its own episodes
     # ---- step 0: a resumed run's checkpoint, or a new run's start and its first evaluation

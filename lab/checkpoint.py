@@ -11,8 +11,9 @@ starts from (--start_from: adapters, critics, random states, not the optimizers)
 
 A checkpoint is a directory written as .tmp, flushed to the disk and swapped in whole, so a kill
 or a power loss at any moment leaves the old one or the new one: `whole_checkpoint` finds
-whichever reads back. Under torchrun every process calls `save` (each one's sampling state is
-kept) and only rank 0 writes.
+whichever reads back; a full disk leaves the old one and no .tmp. Each records the run's id, as
+config.json does: --resume refuses another run's. Under torchrun every process calls `save` (each
+one's sampling state is kept) and only rank 0 writes.
 
     python train.py --out runs/a           # runs/a/ckpt every --save_every steps, runs/a/best
     python train.py --out runs/a --resume  # TrainState.load: on from runs/a/ckpt
@@ -21,6 +22,7 @@ Exercised by: pytest tests/test_train.py (resume, --start_from, damaged checkpoi
 tests/test_distributed.py
 """
 import glob
+import io
 import json
 import os
 import pickle
@@ -29,11 +31,11 @@ import shutil
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
-from lab.machine import barrier, gather_lists, log, rank_and_world
-from lab.files import fsync, read_jsonl
-from lora import adapter_names, load_adapter_state, load_adapters, save_adapters
+from lab.machine import barrier, gather_lists, rank_and_world
+from lab.files import RUN_ID, fsync, read_jsonl, write_files
+from lora import adapter_files, adapter_names, load_adapter_state, load_adapters
 
 # the best step is chosen on the validation split; never on test (a run without val keeps none)
 BEST_METRIC = "val/accuracy"
@@ -50,6 +52,7 @@ class TrainState:
     schedulers: dict  # the same names -> its learning-rate schedule
     rng: random.Random  # problems and mini-batches (torch's generator is the global one)
     emas: dict  # adapter name -> the EMA of its gradient (--damping)
+    run_id: str = ""  # the run's, as its config.json holds it: a resume refuses another run's
 
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -66,22 +69,22 @@ class TrainState:
         final = os.path.join(out, "best" if best else "ckpt")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        if best:
-            with open(os.path.join(tmp, "best.json"), "w") as f:
-                json.dump(best, f, indent=2)
-        save_adapters(self.model, tmp)  # one PEFT LoRA directory per adapter, critics' included
-        for name, head in self.heads.items():  # a critic's directory also holds its value head
-            save_file(head.state_dict(), os.path.join(tmp, name, "value_head.safetensors"))
-        torch.save({"step": step,
+        state = io.BytesIO()
+        torch.save({"step": step, RUN_ID: self.run_id,
                     "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
                     "schedulers": {k: s.state_dict() for k, s in self.schedulers.items()},
                     "torch_rngs": torch_rngs,  # one per process
                     "cuda_rngs": cuda_rngs,  # of each process's own GPU
                     "py_rng": self.rng.getstate(),
-                    "emas": self.emas}, os.path.join(tmp, "state.part"))
-        for root, _, files in os.walk(tmp):
-            fsync(root, *(os.path.join(root, name) for name in files))
+                    "emas": self.emas}, state)
+        files = adapter_files(self.model)  # one PEFT LoRA directory per adapter, critics' included
+        # a critic's directory also holds its value head
+        files |= {os.path.join(name, "value_head.safetensors"): save(head.state_dict())
+                  for name, head in self.heads.items()}
+        files |= {"best.json": json.dumps(best, indent=2).encode()} if best else {}
+        # written here, not by torch.save or safetensors, whose errors do not say a disk is full;
+        # a write that fails removes tmp and stops the run, the last checkpoint kept whole
+        write_files(tmp, files | {"state.part": state.getvalue()})
         os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # tmp is whole
         fsync(tmp)
         # Swap directories so a crash leaves either the old or the new checkpoint whole
@@ -99,15 +102,14 @@ class TrainState:
         best.json: its step, metric, score and evaluation. Paper A's cliffs come late: the peak
         outlives the newest checkpoints' rotation. A run without a validation split keeps none:
         a peak chosen on the test split would make its test score an optimistic one."""
-        metric = BEST_METRIC
-        if metric not in row:
+        if BEST_METRIC not in row:
             return
         best = read_best(os.path.join(out, "best"))
-        better = best is None or row[metric] > best["score"]
+        better = best is None or row[BEST_METRIC] > best["score"]
         if gather_lists([better])[0]:  # rank 0's answer, which reads the run; every process saves
             evaluation = {k: v for k, v in row.items() if k.startswith(("eval/", "val/"))}
-            self.save(out, row["step"], best={"step": row["step"], "metric": metric,
-                                              "score": row[metric], "evaluation": evaluation})
+            self.save(out, row["step"], best={"step": row["step"], "metric": BEST_METRIC,
+                                              "score": row[BEST_METRIC], "evaluation": evaluation})
 
     def load(self, out: str) -> int:
         """Load out/ckpt, the newest checkpoint that reads back whole put in its place first (a
@@ -126,6 +128,8 @@ class TrainState:
             state = load_state(path)
             if not is_state(state):
                 raise ValueError("not a checkpoint's state.pt")
+            refuse_foreign(state, self.run_id, path, "resume that run in its own directory, "
+                           "or start this one over with --overwrite")
             for k, h in self.heads.items():
                 h.load_state_dict(load_file(os.path.join(path, k, "value_head.safetensors")))
             for k, optimizer in self.optimizers.items():
@@ -165,9 +169,8 @@ class TrainState:
             head.load_state_dict(load_file(os.path.join(path, name, "value_head.safetensors")))
         set_rngs(state, self.rng, f"--start_from {where}", self.device())
         best = read_best(path)
-        if best:
-            return {"step": 0, **best["evaluation"]}
-        return read_jsonl(os.path.join(run, "metrics.jsonl"))[0]
+        return ({"step": 0, **best["evaluation"]} if best
+                else read_jsonl(os.path.join(run, "metrics.jsonl"))[0])
 
 
 def load_state(ckpt: str) -> dict:
@@ -232,18 +235,39 @@ def no_checkpoint(out: str) -> str:
             "again without --resume, with --overwrite")
 
 
+def refuse_foreign(state: dict, run_id: str, path: str, then: str) -> None:
+    """Stop a resume whose checkpoint in `path` (its loaded state.pt) is another run's: a state.pt
+    copied in would otherwise be taken, and the logs cut back to its step. A checkpoint saved
+    before runs had an id is taken, as it always was."""
+    owner = state.get(RUN_ID, run_id)
+    if owner != run_id:
+        raise SystemExit(f"--resume: the checkpoint in {path} is another run's (run id {owner}, "
+                         f"not this run's {run_id}); {then}")
+
+
+def unreadable(path: str) -> str:
+    """Why checkpoint directory `path` does not read back whole, naming the file; "" when it
+    does."""
+    if not os.path.isdir(path):
+        return f"{path} is not a checkpoint's directory"
+    if os.path.lexists(os.path.join(path, "best.json")) and read_best(path) is None:
+        return f"{path}/best.json cannot be read or is not what keep_best writes"
+    file = os.path.join(path, "state.pt")
+    try:  # the files a load reads: one torn by a crash or a power loss replaces nothing
+        load_state(path)
+        for file in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
+            load_file(file)
+    except Exception as e:  # missing, truncated or foreign
+        return f"{file} cannot be read ({type(e).__name__})"
+    return ""
+
+
 def whole_checkpoint(final: str) -> bool:
     """Put the newest checkpoint that reads back whole in place as `final` (out/ckpt or out/best):
     final.tmp (a save that crashed before its swap finished), else final, else final.old; False
     when none does."""
     for path in (final + ".tmp", final, final + ".old"):
-        try:  # the files a load reads: one torn by a crash or a power loss replaces nothing
-            load_state(path)
-            for tensors in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True):
-                load_file(tensors)
-            if os.path.exists(os.path.join(path, "best.json")) and read_best(path) is None:
-                raise ValueError("best.json is not keep_best's")
-        except Exception:  # missing, truncated or foreign
+        if unreadable(path):
             continue
         if path != final:
             shutil.rmtree(final, ignore_errors=True)
@@ -254,13 +278,16 @@ def whole_checkpoint(final: str) -> bool:
     return False
 
 
-def restore_best(out: str) -> None:
-    """--resume: the best checkpoint put back whole, as ckpt is; a damaged one is dropped with a
-    line (the next evaluation keeps a new one), never stopping the resume."""
+def restore_best(out: str, run_id: str) -> None:
+    """--resume: the best checkpoint put back whole, as ckpt is. One that does not read back, or
+    another run's, stops the resume in one line, before a log is cut, and is kept as it is: it
+    may be all that is left of the run's peak. Moved aside, the resume goes on without it."""
     final = os.path.join(out, "best")
-    paths = [final + end for end in ("", ".tmp", ".old")]
-    if any(os.path.exists(p) for p in paths) and not whole_checkpoint(final):
-        for p in (p for p in paths if os.path.lexists(p)):  # a file named best is not one either
-            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
-        log(f"--resume: the best checkpoint in {final} cannot be read; dropped, the next "
-            "evaluation keeps a new one")
+    if not any(os.path.lexists(final + end) for end in ("", ".tmp", ".old")):
+        return
+    aside = (f"it is kept as it is: repair it, or move {final} aside (the next evaluation keeps "
+             "a new best) and resume again")
+    if not whole_checkpoint(final):
+        why = unreadable(final) if os.path.lexists(final) else f"{final}.tmp or .old is torn"
+        raise SystemExit(f"--resume: the best checkpoint cannot be read ({why}); {aside}")
+    refuse_foreign(load_state(final), run_id, final, aside)

@@ -2,9 +2,9 @@
 
 The project pins every formula with a test against a hand-computed reference. An assignment
 is a few of those functions: `make` copies the project with their bodies replaced by
-`raise NotImplementedError` (signature, docstring and every other byte of the file kept; no
-.git, .venv, runs/ or caches), and `grade`, run inside such a copy, runs exactly the tests
-that pin them and prints the points of each function. docs/course.md is the syllabus: what
+`raise NotImplementedError` (signature, docstring and every other byte of the file kept; only
+the files git tracks: no .git, .venv, runs, gpu/, .env or caches), and `grade`, run inside
+such a copy, runs exactly the tests that pin them and prints the points of each function. docs/course.md is the syllabus: what
 each assignment teaches, what runs on a laptop, and one experiment per assignment.
 
     python -m lab.course list                # the assignments: functions, tests, prerequisites
@@ -27,13 +27,15 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project, above lab/
 MARKER = ".assignment"  # in a student copy: the number of its assignment
-# Never copied: history, environments, run directories, caches; the kit's own test needs the
-# reference solutions, so a student copy leaves it out.
-SKIP = {".git", ".venv", "runs", "__pycache__", ".pytest_cache"}
+# Never copied where the project is no git checkout (one is copied as git tracks it): history,
+# environments, runs, the GPU checks' outputs, caches, secrets; also what its .gitignore names
+# and any run directory. The kit's own test needs the reference solutions: never copied either.
+SKIP = {".git", ".venv", "runs", "gpu", "__pycache__", ".pytest_cache", ".env"}
 INSTRUCTOR_ONLY = os.path.join("tests", "test_course.py")
 
 
@@ -179,18 +181,55 @@ def stub(source: str, names: list[str], number: int) -> str:
 # make and grade
 
 
-def skipped(root: str, out: str, directory: str, names: list[str]) -> set[str]:
-    """What a copy leaves out of a directory: SKIP, compiled files, the instructor's test, other
-    student copies, and the copy itself when it is made inside the project."""
+def tracked_files(root: str) -> list[str] | None:
+    """The files git tracks under `root`, relative to it; None where it is no git checkout."""
+    try:
+        listed = subprocess.run(["git", "-C", root, "ls-files", "-z"], capture_output=True,
+                                check=True)
+    except (OSError, subprocess.CalledProcessError):  # no git, or no checkout here
+        return None
+    return [p for p in os.fsdecode(listed.stdout).split("\0") if p]
+
+
+def skipped(root: str, out: str, ignored: list[str], directory: str,
+            names: list[str]) -> set[str]:
+    """What a copy of a project without git leaves out of a directory: SKIP, names that match
+    `ignored` (the .gitignore's patterns) or begin .env, run directories (a config.json beside a
+    metrics.jsonl), the instructor's test, other student copies, and the copy itself."""
     paths = {n: os.path.join(directory, n) for n in names}
-    return {n for n, p in paths.items() if n in SKIP or n.endswith(".pyc")
+    return {n for n, p in paths.items() if n in SKIP or n.startswith(".env")
+            or any(fnmatch(n, pattern) for pattern in ignored)
+            or all(os.path.isfile(os.path.join(p, f)) for f in ("config.json", "metrics.jsonl"))
             or os.path.relpath(p, root) == INSTRUCTOR_ONLY
             or os.path.exists(os.path.join(p, MARKER)) or os.path.realpath(p) == out}
 
 
+def ignored_names(root: str) -> list[str]:
+    """The name patterns of the project's .gitignore (`runs/` as runs, `*.pyc`); a pattern with
+    a path in it matches no name."""
+    try:
+        with open(os.path.join(root, ".gitignore"), encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [line.rstrip("/") for line in lines if line and not line.startswith(("#", "!"))]
+
+
 def copy_project(root: str, out: str) -> None:
-    shutil.copytree(root, out, ignore=partial(skipped, root, os.path.realpath(out)),
-                    dirs_exist_ok=True)
+    """What a student needs of the project: the files git tracks (the working tree's version),
+    the instructor's test aside; without git, the tree less what `skipped` names."""
+    tracked = tracked_files(root)
+    if tracked is None:
+        shutil.copytree(root, out, dirs_exist_ok=True, ignore=partial(
+            skipped, root, os.path.realpath(out), ignored_names(root)))
+        return
+    os.makedirs(out, exist_ok=True)
+    for path in tracked:
+        source = os.path.join(root, path)
+        if path == INSTRUCTOR_ONLY or os.path.isdir(source) or not os.path.lexists(source):
+            continue  # a submodule, or a file deleted and not yet committed
+        os.makedirs(os.path.join(out, os.path.dirname(path)), exist_ok=True)
+        shutil.copy2(source, os.path.join(out, path), follow_symlinks=False)
 
 
 def make(number: int, out: str, root: str = ROOT) -> None:

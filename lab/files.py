@@ -10,8 +10,9 @@ docs/runs.md.
 A directory that holds a run is never overwritten implicitly, and a launch that fails leaves it
 as it was. A kill at any moment leaves whole files: logs are appended a line at a time (a torn
 last line is dropped when read back), config.json is written through a rename, a checkpoint as a
-directory swapped in whole (lab/checkpoint.py). One launch at a time: a run holds its directory
-with an OS lock. Under torchrun only rank 0 writes.
+directory swapped in whole (lab/checkpoint.py). A write that fails (a full disk) stops the run
+in one line naming the file, and leaves the file as it was and no temporary one. One launch at a
+time: a run holds its directory with an OS lock. Under torchrun only rank 0 writes.
 
 Exercised by: pytest tests/test_train.py (damaged runs, the lock), tests/test_distributed.py
 """
@@ -19,6 +20,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 
 from lab.machine import gather_lists, rank_and_world
@@ -52,25 +54,69 @@ def open_here(path: str, flags: int) -> int:
         raise
 
 
+def cannot_write(path: str, e: OSError) -> SystemExit:
+    """A write of the run's that failed (a full disk, a quota) as the one line that stops it."""
+    return SystemExit(f"{path} cannot be written ({e.strerror or e}); the run stops here, the "
+                      "files it wrote before kept whole")
+
+
+def write_bytes(path: str, flags: int, data: bytes) -> None:
+    """`data` written to `path` (opened with `flags`, never through a link) and on the disk when
+    it returns. A write that fails leaves the file at the size it had (a log keeps no half row)
+    and raises its OSError, which os.write names (torch.save and safetensors' would not)."""
+    fd = open_here(path, os.O_WRONLY | flags)
+    size = os.fstat(fd).st_size
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError:
+        os.ftruncate(fd, size)
+        raise
+    finally:
+        os.close(fd)
+
+
 def write_whole(path: str, text: str) -> None:
-    """Write a file through a rename, on the disk first: a kill or a power loss leaves the old or
-    the new. The rename replaces a link at `path` itself, and the temporary file is made anew."""
-    if os.path.lexists(path + ".tmp"):  # left by a kill, or planted
-        os.remove(path + ".tmp")
-    with os.fdopen(open_here(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
-        f.write(text)
-    fsync(path + ".tmp")
-    os.replace(path + ".tmp", path)
+    """Write a file through a rename, on the disk first: a kill, a power loss or a full disk
+    leaves the old or the new, and no temporary file. The rename replaces a link at `path`
+    itself, and the temporary file is made anew."""
+    tmp = path + ".tmp"
+    try:
+        if os.path.lexists(tmp):  # left by a kill, or planted
+            os.remove(tmp)
+        write_bytes(tmp, os.O_CREAT | os.O_EXCL, text.encode())
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise cannot_write(path, e) from None
+
+
+def write_files(directory: str, files: dict[str, bytes]) -> None:
+    """A new directory holding `files` (a path in it -> its bytes), every file and entry on the
+    disk when it returns. A write that fails removes the directory: nothing half written stays."""
+    path = directory
+    try:
+        for name, data in files.items():
+            path = os.path.join(directory, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_bytes(path, os.O_CREAT | os.O_EXCL, data)
+        fsync(*(root for root, _, _ in os.walk(directory)))
+    except OSError as e:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise cannot_write(path, e) from None
 
 
 def append_jsonl(path: str, rows: list[dict]) -> None:
     """Rows at the end of a log, on the disk when it returns: a step's row is there before its
     checkpoint names the step (a power loss would otherwise keep the checkpoint, not the row)."""
-    with os.fdopen(open_here(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        write_bytes(path, os.O_CREAT | os.O_APPEND,
+                    "".join(json.dumps(row) + "\n" for row in rows).encode())
+    except OSError as e:
+        raise cannot_write(path, e) from None
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -100,9 +146,17 @@ def read_jsonl(path: str) -> list[dict]:
     return rows
 
 
+# config.json's one entry that is no setting: the run's id, which its checkpoints record too
+RUN_ID = "run_id"
 # What the reports (diagnose.py, lab/tables.py) read of a run's config, and each one's type
 READ = {"workflow": str, "sharing": str, "algo": str, "n_agents": int, "steps": int,
         "eval_problems": int, "val_problems": int}
+
+
+def config_run_id(out: str) -> str:
+    """The run id in out/config.json, "" where the run was made before runs had one."""
+    with open(os.path.join(out, "config.json")) as f:
+        return json.load(f).get(RUN_ID, "")
 
 
 def load_run(run_dir: str, workflows: dict) -> tuple[dict, list[dict]]:
@@ -172,15 +226,29 @@ def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> N
     does."""
     from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-    if out not in tb_writers:
-        tb_writers[out] = SummaryWriter(os.path.join(out, "tb"), purge_step=row["step"])
-    for key, value in row.items():
-        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            tb_writers[out].add_scalar(key, value, row["step"])
-    # a tag per place in the step's list: a slider over steps
-    for k, episode in enumerate(samples or []):
-        tb_writers[out].add_text(f"episodes/{k}", transcript(episode), row["step"])
-    tb_writers[out].flush()
+    try:
+        if out not in tb_writers:
+            threading.excepthook = quiet_tensorboard_thread
+            tb_writers[out] = SummaryWriter(os.path.join(out, "tb"), purge_step=row["step"])
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                tb_writers[out].add_scalar(key, value, row["step"])
+        # a tag per place in the step's list: a slider over steps
+        for k, episode in enumerate(samples or []):
+            tb_writers[out].add_text(f"episodes/{k}", transcript(episode), row["step"])
+        tb_writers[out].flush()
+    except OSError as e:  # the writer is broken: the next run in this process makes its own
+        tb_writers.pop(out, None)
+        raise cannot_write(os.path.join(out, "tb"), e) from None
+
+
+def quiet_tensorboard_thread(args) -> None:
+    """threading.excepthook: an OSError in TensorBoard's writing thread (a full disk) is raised
+    again in the main thread at the writer's next flush, where tensorboard_row says it in one
+    line; the thread's own traceback is left out. Any other thread's error prints as before."""
+    if not (isinstance(args.exc_value, OSError)
+            and type(args.thread).__module__.startswith("tensorboard.")):
+        threading.__excepthook__(args)
 
 
 def transcript(episode: dict, limit: int = 600) -> str:
@@ -302,8 +370,12 @@ def take_lock(out: str) -> str:
         holder = os.read(fd, 32).decode().strip() or "unknown"
         os.close(fd)
         return f"--out {out} is in use by another run (pid {holder}); wait for it to end or stop it"
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError as e:  # a full disk
+        os.close(fd)
+        return f"--out {out}: its {LOCK} cannot be written ({e.strerror})"
     held_locks.append(fd)
     return ""
 
@@ -394,8 +466,6 @@ def start_logs(out: str, first: dict) -> None:
     """metrics.jsonl holding the step-0 row, and an empty samples.jsonl (rank 0 writes)."""
     if rank_and_world()[0] != 0:
         return
-    metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
-    for path in (metrics_path, samples_path):
-        os.close(open_here(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
-    append_jsonl(metrics_path, [first])
+    write_whole(os.path.join(out, "metrics.jsonl"), json.dumps(first) + "\n")
+    write_whole(os.path.join(out, "samples.jsonl"), "")
     tensorboard_row(out, first)

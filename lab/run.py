@@ -29,11 +29,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lab.checkpoint import TrainState, restore_best
-from lab.files import (check_run_dir, close_tensorboard, episode_samples, lock_run, read_jsonl,
-                       start_logs, start_run_dir, unlock_run, write_step, write_whole)
+from lab.files import (RUN_ID, check_run_dir, close_tensorboard, config_run_id, episode_samples,
+                       lock_run, read_jsonl, start_logs, start_run_dir, unlock_run, write_step,
+                       write_whole)
 from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, stop_requested)
-from lab.settings import NEW_LR, Settings, check_settings, check_start, chosen
+from lab.settings import NEW_LR, Settings, check_settings, check_start, chosen, run_id
 from sandbox import layers, sandbox
 from tasks import TASK_KIND, load_task
 
@@ -56,6 +57,9 @@ class Run:
         self.step_seconds: list[float] = []  # training time of each step, evaluation excluded
         self.first = self.last = {}  # the metrics rows of the first and the latest evaluation
         self.saved = self.nonfinite = 0  # the newest checkpoint's step; non-finite steps in a row
+        # what config.json and each checkpoint record (settings.run_id): a resumed run's own, and
+        # one made before runs had an id gets one now
+        self.run_id = (self.cfg.resume and config_run_id(self.cfg.out)) or run_id(self.cfg)
 
     def open(self) -> None:
         """Lock the run's directory (files.lock_run) and check what a new run finds there
@@ -69,7 +73,8 @@ class Run:
     def write_config(self) -> None:
         """A new run's directory: the old run's files gone (--overwrite), config.json written."""
         if not self.cfg.resume and self.rank == 0:
-            start_run_dir(self.cfg.out, self.held, dataclasses.asdict(self.cfg))
+            start_run_dir(self.cfg.out, self.held,
+                          {**dataclasses.asdict(self.cfg), RUN_ID: self.run_id})
 
     def held_problems(self) -> tuple[list, dict[str, list]]:
         """The training pool and the held-out problems (load_problems). A split that holds fewer
@@ -305,11 +310,12 @@ def resume_run(out: str, state: TrainState, lrs: dict[str, float],
                          f"as the checkpoint of step {start} does ({what}: a torn, lost or "
                          "repeated line); start the run again with --overwrite")
     if rank_and_world()[0] == 0:
+        # kept whatever its step: a peak past the checkpoint was evaluated all the same
+        restore_best(out, state.run_id)  # a damaged one stops the resume here, the logs whole
         truncate_jsonl(metrics_path, start)
         truncate_jsonl(samples_path, start)
-        # kept whatever its step: a peak past the checkpoint was evaluated all the same
-        restore_best(out)
-        write_whole(os.path.join(out, "config.json"), json.dumps({**saved, **lrs}, indent=2))
+        write_whole(os.path.join(out, "config.json"),
+                    json.dumps({**saved, **lrs, RUN_ID: state.run_id}, indent=2))
     barrier()
     evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
     if not evaluated or evaluated[0]["step"] != 0:
@@ -317,11 +323,10 @@ def resume_run(out: str, state: TrainState, lrs: dict[str, float],
     return start, evaluated[0], evaluated[-1]
 
 
-def truncate_jsonl(path: str, last_step: int) -> list[dict]:
-    """Drop log lines written after the checkpoint we resume from; return the rows kept."""
-    keep = [row for row in read_jsonl(path) if row["step"] <= last_step]
-    write_whole(path, "".join(json.dumps(row) + "\n" for row in keep))
-    return keep
+def truncate_jsonl(path: str, last_step: int) -> None:
+    """Drop log lines written after the checkpoint we resume from."""
+    write_whole(path, "".join(json.dumps(row) + "\n" for row in read_jsonl(path)
+                              if row["step"] <= last_step))
 
 
 # ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ Exercised by: pytest tests/test_train.py (bad flags, --help), tests/test_refusal
 import argparse
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ from safetensors.torch import load_file
 
 from lab.checkpoint import (has_checkpoint, is_state, load_state, no_checkpoint, read_best,
                             start_checkpoint)
-from lab.files import read_jsonl
+from lab.files import RUN_ID, read_jsonl
 from tasks import TASK_KIND
 
 # train.py's Config, as the run sees it: settings read by field name (the run imports nothing of
@@ -157,16 +158,16 @@ def read_config(path: str, config: type) -> Settings:
     fields = {f.name: f.type for f in dataclasses.fields(config)}
     if not isinstance(saved, dict):
         raise SystemExit(f"{path} is not a config of this project (an object of settings)")
-    if unknown := sorted(set(saved) - set(fields)):
+    if unknown := sorted(set(saved) - set(fields) - {RUN_ID}):
         raise SystemExit(f"{path} is not a config of this project (it sets {', '.join(unknown)})")
     if missing := [name for name in fields if name not in saved]:
         raise SystemExit(f"{path} lacks {', '.join(missing)}")
-    for name, kind in fields.items():
-        value = saved[name]
+    for name, kind in {**fields, RUN_ID: str}.items():
+        value = saved.get(name, "")  # a run made before runs had an id has none
         if not (type(value) is kind or kind is float and type(value) is int):
             raise SystemExit(f"{path}: {name} is {value!r} (a {type(value).__name__}, "
                              f"not {kind.__name__})")
-    return config(**saved)
+    return config(**{name: saved[name] for name in fields})
 
 
 def with_task_tokens(cfg: Settings) -> Settings:
@@ -239,6 +240,13 @@ def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
 NOT_THE_RUN = ("out", "resume", "overwrite", "threads", "device")
 # And the learning rates, from the step it resumes at on (a run stopped by non-finite steps).
 NEW_LR = ("lr", "critic_lr")
+
+
+def run_id(cfg: Settings) -> str:
+    """A new run's id, which its config.json and every checkpoint of it record: a hash of the
+    settings it starts with (NOT_THE_RUN's aside), so that runs of other settings have others."""
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_THE_RUN}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def flag_name(token: str) -> str:

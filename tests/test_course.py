@@ -4,6 +4,7 @@ import ast
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -97,19 +98,27 @@ def test_stub_replaces_each_body_and_keeps_every_other_byte():
         course.stub(SOURCE, ["Layer.missing"], 7)
 
 
-def test_a_copy_leaves_out_history_environments_runs_caches_and_other_copies(tmp_path):
+PRIVATE = [".git/HEAD", ".venv/bin/python", "runs/a/metrics.jsonl", "gpu/h100.log", ".env",
+           ".env.local", "sweeps/lr/config.json", "sweeps/lr/metrics.jsonl",
+           "__pycache__/lora.cpython-311.pyc", "tests/x.pyc", ".pytest_cache/v", "hw1/.assignment",
+           "hw1/lora.py"]  # what no student copy holds
+
+
+def test_a_copy_leaves_out_history_environments_runs_secrets_caches_and_other_copies(tmp_path):
+    """A project without git: the tree less its history, environments, runs (runs/ and any
+    directory holding a run's config.json and metrics.jsonl), the GPU checks' gpu/, .env files,
+    caches, what its .gitignore names, the instructor's test and other copies."""
     root = tmp_path / "project"
     for path in ["lora.py", "docs/course.md", "tests/test_lora.py", "tests/test_course.py",
-                 ".git/HEAD", ".venv/bin/python", "runs/a/metrics.jsonl",
-                 "__pycache__/lora.cpython-311.pyc", "tests/x.pyc", ".pytest_cache/v",
-                 "hw1/.assignment", "hw1/lora.py"]:
+                 ".gitignore", "scratch/notes.md", *PRIVATE]:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text("x")
+    (root / ".gitignore").write_text("# the instructor's\nscratch/\n*.pyc\n")
     # a copy inside the project, as a student makes it
     course.copy_project(str(root), str(root / "hw2"))
     copied = sorted(str(p.relative_to(root / "hw2")) for p in (root / "hw2").rglob("*")
                     if p.is_file())
-    assert copied == ["docs/course.md", "lora.py", "tests/test_lora.py"]
+    assert copied == [".gitignore", "docs/course.md", "lora.py", "tests/test_lora.py"]
     (root / "hw3").mkdir()
     (root / "hw3" / "notes").write_text("x")
     with pytest.raises(SystemExit, match="not empty"):
@@ -117,6 +126,26 @@ def test_a_copy_leaves_out_history_environments_runs_caches_and_other_copies(tmp
     with pytest.raises(SystemExit,
                        match="hw3/notes is a file, not a directory; choose another --out"):
         course.main(["make", "1", "--out", str(root / "hw3" / "notes")])
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_copy_of_a_git_checkout_holds_the_files_git_tracks(tmp_path):
+    """A git checkout: the files git tracks, as the working tree holds them (the instructor's
+    test aside); nothing untracked or ignored, whatever its name."""
+    root = tmp_path / "project"
+    for path in ["lora.py", "docs/course.md", "tests/test_course.py", "gone.py", "notes.txt",
+                 *(p for p in PRIVATE if not p.startswith(".git/"))]:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("x")
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    subprocess.run(["git", "-C", str(root), "add", "lora.py", "docs", "tests/test_course.py",
+                    "gone.py"], check=True)
+    (root / "lora.py").write_text("edited")
+    os.remove(root / "gone.py")
+    course.copy_project(str(root), str(tmp_path / "hw"))
+    copied = sorted(str(p.relative_to(tmp_path / "hw")) for p in (tmp_path / "hw").rglob("*"))
+    assert copied == ["docs", "docs/course.md", "lora.py"]
+    assert (tmp_path / "hw" / "lora.py").read_text() == "edited"
 
 
 def test_make_refuses_an_out_it_cannot_create_before_copying(tmp_path):

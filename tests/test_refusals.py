@@ -1,15 +1,20 @@
 """Nothing lost, nothing silent: inputs that would lose a run, or run with a setting that does
 nothing, are refused in one line before anything is written; damaged run files are named."""
+import errno
+import glob
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
+from tensorboard.compat.tensorflow_stub.io.gfile import LocalFileSystem
 
 from conftest import ROOT, directory_state
 from lab import files, settings
@@ -325,19 +330,127 @@ def test_a_new_learning_rate_for_a_finished_run_is_refused(finished, tmp_path):
     assert directory_state(out) == before
 
 
-@pytest.mark.parametrize("content", [{}, [], {"step": 0, "metric": "eval/accuracy", "score": "high",
-                                                "evaluation": {"eval/accuracy": 0.5}}, "file"])
-def test_a_resume_drops_a_wrong_shaped_best_and_keeps_a_new_one(content, finished, tmp_path,
-                                                                capsys):
-    if content == "file":
-        out = damaged(finished, tmp_path, "best", "not a checkpoint")
-    else:
-        out = damaged(finished, tmp_path, "best/best.json", content)
-    capsys.readouterr()
+@pytest.mark.parametrize("path, content, words", [
+    ("best/best.json", {}, "best/best.json cannot be read or is not what keep_best writes"),
+    ("best/best.json", [], "best/best.json cannot be read or is not what keep_best writes"),
+    ("best/best.json", "{not json", "best/best.json cannot be read or is not what keep_best"),
+    ("best/best.json", {"step": 0, "metric": "eval/accuracy", "score": "high",
+                        "evaluation": {"eval/accuracy": 0.5}}, "best/best.json cannot be read"),
+    ("best", "not a checkpoint", "best is not a checkpoint's directory"),
+])
+def test_a_resume_refuses_a_damaged_best_and_keeps_it(path, content, words, finished, tmp_path):
+    """A best checkpoint that does not read back stops the resume in one line naming it, before a
+    log is cut: it may be all that is left of the run's peak, so nothing is deleted. Moved aside,
+    the resume goes on and the next evaluation keeps a new best."""
+    out = damaged(finished, tmp_path, path, content)
+    before = directory_state(out)
+    with pytest.raises(SystemExit, match=re.escape(words) + ".*move .*best aside"):
+        run(out, resume=True, steps=2)
+    assert directory_state(out) == before
+    os.rename(os.path.join(out, "best"), os.path.join(out, "best.damaged"))
     run(out, resume=True, steps=2)
-    assert "the best checkpoint in" in capsys.readouterr().out
     with open(os.path.join(out, "best", "best.json")) as f:
         assert json.load(f)["step"] == 2  # the next evaluation kept one
+
+
+def test_a_checkpoint_of_another_run_is_refused_before_a_log_is_cut(finished, tmp_path):
+    """A state.pt copied in from another run (here a --steps 0 run of another seed) is refused in
+    one line, the run left as it was, not taken with the logs cut back to its step. A checkpoint
+    saved before runs had an id is taken, as it always was; a run started from another on purpose
+    (--start_from) has its own id and resumes."""
+    other = tmp_path / "other"
+    run(other, steps=0, seed=5)
+    out = damaged(finished, tmp_path, "ckpt/state.pt", None)
+    shutil.copy(other / "ckpt" / "state.pt", os.path.join(out, "ckpt", "state.pt"))
+    before = directory_state(out)
+    with pytest.raises(SystemExit, match=r"the checkpoint in .*ckpt is another run's \(run id "):
+        run(out, resume=True, steps=2)
+    assert directory_state(out) == before
+    old = damaged(finished, tmp_path / "old", "ckpt/state.pt", None)  # saved without an id
+    state = torch.load(os.path.join(finished, "ckpt", "state.pt"), weights_only=True)
+    torch.save({k: v for k, v in state.items() if k != files.RUN_ID},
+               os.path.join(old, "ckpt", "state.pt"))
+    run(old, resume=True, steps=2)
+    assert [json.loads(line)["step"] for line in open(os.path.join(old, "metrics.jsonl"))] == \
+        [0, 1, 2]
+    branch = tmp_path / "branch"
+    run(branch, steps=1, seed=5, start_from=str(other))
+    ids = [files.config_run_id(str(d)) for d in (other, branch)]
+    assert ids[0] != ids[1] and torch.load(branch / "ckpt" / "state.pt", weights_only=True)[
+        files.RUN_ID] == ids[1]
+    train.main(train.Config(out=str(branch), resume=True))  # finished: its checkpoint is taken
+
+
+TINY_ARGV = ["--model", "tiny", "--workflow", "voting", "--sharing", "shared",
+             "--problems_per_step", "2", "--group_size", "2", "--eval_problems", "2",
+             "--val_problems", "2", "--max_new_tokens", "6", "--lora_r", "4", "--sft_warmup", "0"]
+
+
+@pytest.mark.parametrize("nbytes, steps, words", [
+    (1000, 1, "config.json cannot be written"),  # the first file a run writes
+    (20000, 1, "best.tmp/shared/adapter_model.safetensors cannot be written"),  # its first save
+    (40000, 12, " cannot be written"),  # a log or tb/ grows past it after a few checkpoints
+])
+def test_a_full_disk_stops_train_py_in_one_line_and_leaves_no_temporary_file(nbytes, steps, words,
+                                                                             tmp_path):
+    """A file that cannot grow past `nbytes` (RLIMIT_FSIZE: the kernel refuses the write, as a
+    full disk does, whoever writes: torch.save, safetensors, TensorBoard, a log): train.py stops
+    with one line naming the file and the error, no traceback and no temporary file, and where
+    it saved a checkpoint it resumes from it and finishes once the files may grow."""
+    out = tmp_path / "run"
+    argv = [sys.executable, os.path.join(ROOT, "train.py"), "--out", str(out)]
+    limit = (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+    res = subprocess.run(argv + TINY_ARGV + ["--steps", str(steps)], capture_output=True,
+                         text=True, timeout=300, env=ENV,
+                         preexec_fn=partial(resource.setrlimit, resource.RLIMIT_FSIZE, limit))
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and words in last and "(File too large)" in last, res.stderr[-1500:]
+    assert "Traceback" not in res.stderr
+    assert not [p for p in out.rglob("*") if p.name.endswith((".tmp", ".part"))]
+    assert (out / "ckpt").exists() == (steps > 1)
+    if steps > 1:
+        done = subprocess.run(argv + ["--resume"], capture_output=True, text=True, timeout=300,
+                              env=ENV)
+        assert done.returncode == 0, done.stderr[-1500:]
+        with open(out / "metrics.jsonl") as f:
+            assert [json.loads(line)["step"] for line in f] == list(range(steps + 1))
+
+
+@pytest.mark.parametrize("where", ["tb", "ckpt"])
+def test_no_space_left_keeps_the_newest_checkpoint_resumable(where, finished, tmp_path,
+                                                             monkeypatch, capfd):
+    """No space left on the device (ENOSPC) as TensorBoard's thread writes its events, or as the
+    newest checkpoint is written: the run stops in one line naming it, without a traceback (the
+    thread's included) or a temporary directory, the checkpoint before it whole; it then
+    resumes from that checkpoint and finishes."""
+    out = str(tmp_path / "run")
+    shutil.copytree(finished, out)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if where == "tb":  # where TensorBoard's writer puts its bytes on the disk
+        monkeypatch.setattr(LocalFileSystem, "_write", lambda *args: raise_(full))
+    else:
+        monkeypatch.setattr(os, "write", partial(write_unless, "/ckpt.tmp/", full, os.write))
+    with pytest.raises(SystemExit, match=re.escape(f"{out}/{where}") + ".* cannot be written "
+                       r"\(No space left on device\); the run stops here"):
+        run(out, resume=True, steps=2)
+    monkeypatch.undo()
+    assert "Traceback" not in capfd.readouterr().err
+    assert not glob.glob(f"{out}/**/*.tmp", recursive=True)
+    assert torch.load(os.path.join(out, "ckpt", "state.pt"), weights_only=True)["step"] == 1
+    run(out, resume=True, steps=2)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
+
+
+def raise_(error: Exception):
+    raise error
+
+
+def write_unless(part: str, error: OSError, write, fd: int, data) -> int:
+    """os.write, which fails with `error` for a file whose path holds `part`."""
+    if part in os.readlink(f"/proc/self/fd/{fd}"):
+        raise error
+    return write(fd, data)
 
 
 def test_the_command_line_refuses_in_one_line(tmp_path):

@@ -21,7 +21,7 @@ from conftest import ROOT, directory_state, make_read_only, train_state
 import diagnose
 import grpo
 from grpo import policy_update, reference_of
-from lab import checkpoint, machine, probe, files, settings
+from lab import machine, probe, files, settings
 from lab import run as lab_run
 from lab.checkpoint import TrainState
 from lora import adapter_parameters, freeze_copy, inject_lora, setup_adapters, use_adapter
@@ -571,16 +571,16 @@ def test_a_torn_save_never_replaces_a_good_checkpoint_and_a_save_is_on_disk_befo
     shutil.copytree(f"{out}/ckpt", f"{out}/ckpt.tmp")
     with open(f"{out}/ckpt.tmp/generator/adapter_model.safetensors", "r+b") as f:
         f.truncate(100)
-    events, real_fsync, real_replace = [], checkpoint.fsync, os.replace
+    events, real_fsync, real_replace = [], os.fsync, os.replace
 
-    def fsync(*paths):
-        events.extend(paths)
-        real_fsync(*paths)
+    def fsync(fd):
+        events.append(os.readlink(f"/proc/self/fd/{fd}"))  # the file or directory it flushes
+        real_fsync(fd)
 
     def replace(src, dst):
         events.append((src, dst))
         real_replace(src, dst)
-    monkeypatch.setattr(checkpoint, "fsync", fsync)
+    monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     capsys.readouterr()
     train.main(train.Config(out=out, resume=True))
@@ -951,10 +951,10 @@ def test_a_run_through_a_cliff_keeps_its_peaks_adapters(val, tmp_path, monkeypat
     assert torch.load(f"{out}/best/state.pt", weights_only=False)["step"] == peak
 
 
-def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeypatch, capsys):
+def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeypatch):
     """Killed in step 3 (checkpoint of step 2, best of step 1): --resume keeps the same best, and
-    the uninterrupted run's; a torn best.tmp beside it changes nothing; a damaged best is dropped
-    with a line, never stopping the resume, and the next evaluation keeps a new one."""
+    the uninterrupted run's; a torn best.tmp beside it changes nothing; a damaged best stops the
+    resume in one line and is kept as it is; moved aside, the next evaluation keeps a new one."""
     monkeypatch.setattr(lab_run, "load_task", lambda *args: TOY)
     config = dict(save_every=2, val_problems=2, **TOY_RUN)
     scripted_evaluations(monkeypatch, [0.2, 0.9, 0.5, 0.4, 0.3])
@@ -972,13 +972,17 @@ def test_a_resumed_run_keeps_its_best_even_from_a_damaged_save(tmp_path, monkeyp
         f.truncate(100)
     with open(glob.glob(f"{runs_['damaged']}/best/*/adapter_model.safetensors")[0], "r+b") as f:
         f.truncate(100)
+    damaged = directory_state(f"{runs_['damaged']}/best")
+    with pytest.raises(SystemExit, match=r"the best checkpoint cannot be read \(.*/best/\w+/"
+                       r"adapter_model.safetensors cannot be read"):
+        train.main(train.Config(out=runs_["damaged"], resume=True))
+    assert directory_state(f"{runs_['damaged']}/best") == damaged
+    os.rename(f"{runs_['damaged']}/best", f"{runs_['damaged']}/best.damaged")
     for name, out in runs_.items():
         scripted_evaluations(monkeypatch, [0.4, 0.3])  # steps 3 and 4
-        capsys.readouterr()
         train.main(train.Config(out=out, resume=True))
         assert [r["step"] for r in read_jsonl(f"{out}/metrics.jsonl")] == [0, 1, 2, 3, 4]
         if name == "damaged":
-            assert "the best checkpoint in" in capsys.readouterr().out
             assert json.load(open(f"{out}/best/best.json"))["step"] == 3
         else:
             assert directory_state(f"{out}/best") == straight \
