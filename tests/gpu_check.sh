@@ -200,7 +200,7 @@ recipe 0
 echo "== bench, Qwen3-0.6B's shape with random weights"
 if enough 60 "bench on random:qwen3-0.6b"; then
   timeout -k 10 $(limit 150) $PY -m lab.bench --model random:qwen3-0.6b --device cuda --skip step,sharing \
-    --batches 32,512 --repeats 1 --json "$LOGS/bench-qwen3.json" 2>&1 | tee "$LOGS/bench-qwen3.txt" \
+    --batches 32,512 --repeats 3 --json "$LOGS/bench-qwen3.json" 2>&1 | tee "$LOGS/bench-qwen3.txt" \
     | grep -v "^bench:"
 fi
 pack
@@ -217,7 +217,7 @@ pack
 
 echo "== bench"
 if enough 100 "bench"; then
-  timeout -k 10 $(limit 200) $PY -m lab.bench --device cuda --skip step,sharing --batches 32,128,512 --repeats 2 \
+  timeout -k 10 $(limit 200) $PY -m lab.bench --device cuda --skip step,sharing --batches 32,128,512 --repeats 3 \
     --json "$LOGS/bench.json" 2>&1 | tee "$LOGS/bench.txt" | grep -v "^bench:"
 fi
 pack
