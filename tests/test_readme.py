@@ -212,3 +212,5 @@ def test_the_prepared_gpu_check_joins_a_wheel_carried_in_halves(tmp_path, monkey
     assert (tmp_path / "site" / "big" / "__init__.py").read_text().count("WEIGHTS") == 1000
     assert (tmp_path / "site" / "small" / "__init__.py").exists()
     assert sys.path[0] == str(tmp_path / "site")
+    (wheels / "b" / "big-1.0-py3-none-any.whl.part1").unlink()  # the second half not carried yet
+    assert gpu_check.unpack_wheels() == ["small-1.0-py3-none-any.whl"]
