@@ -228,10 +228,9 @@ def recipe() -> dict:
 
 
 def update() -> dict:
-    import random
     import torch
     from grpo import policy_update
-    from lab.bench import still_adapter
+    from lab.bench import one_adapter, still_adapter
     from lab.machine import alternate, timed
     from lora import add_adapter, inject_lora
     from model import load_policy
@@ -262,8 +261,8 @@ def update() -> dict:
         def run(dtype: str, cudnn: bool):
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
             try:
-                policy_update(models[dtype], "shared", calls, frozen[dtype], random.Random(0),
-                              tok.pad_token_id, cfg)
+                policy_update(one_adapter(models[dtype], "shared", frozen[dtype]), "shared",
+                              calls, tok.pad_token_id, cfg)
             finally:
                 torch.backends.cuda.enable_cudnn_sdp(True)
         cold = {v: timed(device, lambda a=a: run(*a))[0] for v, a in variants.items()}
