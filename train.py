@@ -77,7 +77,7 @@ from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, boxed_contents, eve
 # A step in which no call of an adapter has a learning signal takes no optimizer step, and its
 # schedule moves on all the same: torch's warning about that order says nothing here.
 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-EVAL_BATCH = 32  # held-out problems an evaluation rolls out at once
+EVAL_BATCH = 32  # held-out episodes an evaluation rolls out at once on a CPU (GPU: eval_batch)
 
 
 # ----------------------------------------------------------------------------
@@ -444,6 +444,40 @@ def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
 # Evaluation on held-out problems
 
 
+def eval_batch(free_bytes: int, kv_bytes: int, episode_tokens: int, least: int,
+               episodes: int) -> int:
+    """Held-out episodes an evaluation rolls out at once on a GPU: all `episodes` where their keys
+    and values (kv_bytes a token, at most episode_tokens an episode) fit in half the free memory
+    (the other half for the prefill's activations and the logits), else as many as fit, and never
+    fewer than `least`, what a training step rolls out at once anyway."""
+    return min(episodes, max(least, free_bytes // 2 // (kv_bytes * episode_tokens)))
+
+
+def eval_batch_here(model, tok, cfg: Config, problems, episodes: int) -> int:
+    """EVAL_BATCH on a CPU, where the fixed-seed recordings were made; on a GPU eval_batch from
+    the device's free memory, the model's bytes of keys and values a token and an episode's widest
+    stage: n_agents rows whose prompt quotes up to two replies (a worker's plan; a refinement's
+    answer and verdict), or one row that quotes n_agents + 1 (the synthesizer's solutions and
+    plan), each with its own reply."""
+    if model.device.type != "cuda":
+        return EVAL_BATCH
+    c, device = model.config, model.device
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_bytes = 2 * c.num_hidden_layers * heads * head_dim * model.dtype.itemsize  # keys, values
+    sizes = [len(ids) for ids
+             in tok([p.question for p in problems], add_special_tokens=False).input_ids]
+    longest = problems[sizes.index(max(sizes))]
+    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents,
+                         min(cfg.max_rounds, 2))
+    P = max(len(tok(chat_text(tok, ch), add_special_tokens=False).input_ids) for ch in chats)
+    N, T = cfg.n_agents, cfg.max_new_tokens
+    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))  # torch's own cache is free to it too
+    return eval_batch(free, kv_bytes, max(N * (P + 3 * T), P + (N + 2) * T),
+                      cfg.problems_per_step * cfg.group_size, episodes)
+
+
 def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[str, float]:
     """Accuracy of the whole workflow on held-out problems (eval/: the test split; val/: the
     validation split, where a peak or a checkpoint is chosen), and on the test split what changed
@@ -457,9 +491,10 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[st
     seen = defaultdict(list)
     with torch.random.fork_rng(devices=gpu_rngs(model.device)):
         torch.manual_seed(cfg.seed + 7919)
-        for i in range(0, len(local), EVAL_BATCH):
-            label = f"{prefix} problems {i + 1}-{min(i + EVAL_BATCH, len(local))}/{len(local)}"
-            rollout, outcomes, r = run_episodes(model, tok, cfg, local[i:i + EVAL_BATCH],
+        size = eval_batch_here(model, tok, cfg, problems, len(local))
+        for i in range(0, len(local), size):
+            label = f"{prefix} problems {i + 1}-{min(i + size, len(local))}/{len(local)}"
+            rollout, outcomes, r = run_episodes(model, tok, cfg, local[i:i + size],
                                                 greedy=not sample, label=label)
             seen["reward"] += r
             seen["boxed"] += [bool(boxed_contents(o.final)) for o in outcomes]

@@ -2,59 +2,319 @@
 
     python -m lab.bench                 # the embedded model on a 2-core CPU: about 4.5 minutes
     python -m lab.bench --model Qwen/Qwen3-1.7B --device cuda --json bench.json
-    python -m lab.bench --model random:qwen3-0.6b --device cuda  # its shape, random weights: no hub
+    python -m lab.bench --model random:qwen3-0.6b --device cuda  # its shape, random weights
 
-Each timed figure is the median of --repeats runs after a warm-up, and runs that are compared
+Each timed figure is the median of --repeats runs (at least 3 on a GPU, whose first runs pay for
+planning and compiling kernels) after a warm-up on a smaller input, and runs that are compared
 alternate (A B C A B C ...), so a machine that slows down slows all of them. Sections:
 
   generate   one workflow stage: --problems x 4 generator calls (16; the default step's first
              stage has 32). transformers' own `generate` on the base model (the LoRA layers
-             taken out) against the rollout
-             (Rollout.__call__, decode.py) with its adapter merged into the weights, as training
-             runs it, and with the low-rank path on every token. A fresh adapter is an exact no-op,
-             so under greedy decoding all three write the same tokens (checked once); the timed runs
-             sample, each with its own sampler. rollout / raw is what the rollout's decode gains
-             over `generate`, net of its own costs (merging, chat template, tokenizer, records).
-  old logp   the no-grad pass that gives pi_old for the stage's completions; the
-             update skips it for its first mini-batch (grpo.py)
+             taken out) against the rollout (Rollout.__call__, decode.py) with its adapter
+             merged into the weights, as training runs it, and with the low-rank path on every
+             token. A fresh adapter is an exact no-op, so under greedy decoding all three write
+             the same tokens (checked once); the timed runs sample, each with its own sampler.
+             rollout / raw is what the rollout's decode gains over `generate`, net of its own
+             costs (merging, chat template, tokenizer, records).
+  old logp   the no-grad pass that gives pi_old for the stage's completions; the update skips
+             it for its first mini-batch (grpo.py)
   update     forward + backward of the policy loss, per completion token; beside it the
              diagnostics' pass over the same calls (measure.gradient_signals)
-  step       one step of the default run (train.py in a fresh process), split as
+  step       one step of the default run (train.py in a fresh process, timed once), split as
              its metrics.jsonl logs it: rollout, old log-probs, update, evaluation
-  sharing    one Voting rollout (2 episodes of one problem), then its update under
-             one shared adapter and under one adapter per role type, alternating
-  throughput what the machine allows and how near each part runs to it: the peak of a large matrix
-             product in fp32 and, where the device has it natively, bf16; memory bandwidth from a
-             large copy; then tokens/s of one generator stage by batch size and dtype (the
-             rollout's decode, and transformers' generate beside it), and of the update's
-             forward + backward, each with its arithmetic
-             rate (2 x parameters FLOP per generated token, 4 x per trained position: the frozen
-             weights get no gradient of their own) against the peak; on CUDA the CUDA graph's decode
-             beside the CPU's loop ("loop"), and milliseconds a decoding step against reading the
-             weights once
+  sharing    one Voting rollout (2 episodes of one problem), then its update under one shared
+             adapter and under one adapter per role type, alternating
+  throughput what the machine allows and how near each part runs to it: the peak of a large
+             matrix product in fp32 and, where the device has it natively, bf16; memory
+             bandwidth from a large copy; then tokens/s of one generator stage by batch size
+             and dtype (the rollout's decode, and transformers' generate beside it), and of the
+             update's forward + backward, each with its arithmetic rate (2 x parameters FLOP a
+             generated token, 4 x a trained position: the frozen weights get no gradient of
+             their own) against the peak; on CUDA the CUDA graph's decode beside the CPU's loop
+             ("loop"), and milliseconds a decoding step against reading the weights once
 
-Memory is the peak over each part: the allocator's on CUDA, the process's resident
-set on CPU (reset between parts through /proc/self/clear_refs where Linux allows). The parts
-are lab/timings.py's; this file is the command, its checks and its table.
+Memory is the peak over each part: the allocator's on CUDA, the process's resident set on CPU
+(reset between parts through /proc/self/clear_refs where Linux allows).
 """
 import argparse
+import dataclasses
 import json
 import os
+import random
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
+from contextlib import contextmanager
 
 import torch
 
-from lab.machine import check_device, pick_threads
+from decode import decode
+from grpo import policy_update
+from lab.checkpoint import TrainState
 from lab.files import enclosing_run
+from lab.machine import alternate, check_device, pick_threads, sync, timed
 from lab.settings import TASK_TOKENS
-from lab.timings import (generation, machine_limits, ratio, sharing, step_parts, throughput,
-                         train_step, update_parts)
-from lora import add_adapter, inject_lora
-from model import load_policy, resolve_dtype
+from lora import (LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora,
+                  merged_adapter)
+from measure import gradient_signals
+from model import cpu_has_bf16, load_policy, resolve_dtype
+from rollout import Call, Rollout, chat_text, old_logprobs
 from tasks import DEFAULT_LEVEL, load_task
 from train import Config
-from workflows import chat
+from workflows import chat, run_workflow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
+GPU_REPEATS = 3  # the fewest timed runs of a part on a GPU
+
+
+# ----------------------------------------------------------------------------
+# The parts, each returning its figures
+
+
+@contextmanager
+def without_lora(model):
+    """The plain base model: every LoRALinear replaced by the nn.Linear it wraps, then put back."""
+    swapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(parent, name, child.base)
+                swapped.append((parent, name, child))
+    try:
+        yield
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+
+
+def raw_generate(model, tok, chats: list, cfg: Config, greedy: bool = False) -> torch.Tensor:
+    """transformers' generate on the base model, with the rollout's input and sampling settings:
+    the new tokens (B, T)."""
+    enc = tok([chat_text(tok, c) for c in chats], return_tensors="pt", padding=True,
+              add_special_tokens=False).to(model.device)
+    torch.manual_seed(cfg.seed)
+    sampling = (dict(do_sample=False) if greedy
+                else dict(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0))
+    with torch.no_grad(), without_lora(model):
+        out = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, **sampling,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return out[:, enc.input_ids.shape[1]:]  # (B, T)
+
+
+def rollout_stage(model, tok, chats: list, cfg: Config, merge: bool = True, greedy: bool = False,
+                  decoder=None) -> list[Call]:
+    """The project's rollout of one generator stage under the (fresh) shared adapter."""
+    rollout = Rollout(model, tok, "shared", max_new_tokens=cfg.max_new_tokens,
+                      temperature=cfg.temperature, merge=merge, greedy=greedy, decoder=decoder)
+    torch.manual_seed(cfg.seed)
+    rollout("generator", ["generator"] * len(chats), list(range(len(chats))), chats)
+    return rollout.calls
+
+
+def short(cfg: Config) -> Config:
+    """A warm-up's settings: the same code over 4 new tokens."""
+    return dataclasses.replace(cfg, max_new_tokens=4)
+
+
+def same_tokens(raw: torch.Tensor, calls: list[Call]) -> bool:
+    """Whether the rollout's completions are the raw generate's, cut at their first eos."""
+    return all(raw[i, : len(c.completion_ids)].tolist() == c.completion_ids
+               for i, c in enumerate(calls))
+
+
+def ratio(a: dict, b: dict) -> float:
+    """Median over rounds of a's time over b's in the same round (neighbours in time share
+    the machine's state, so their ratio is steadier than a ratio of medians)."""
+    return statistics.median(x / y for x, y in zip(a["all"], b["all"]))
+
+
+def generation(model, tok, device: str, chats: list, cfg: Config, repeats: int) -> dict:
+    """One stage three ways (raw, merged, low-rank), alternating; their greedy tokens once; and
+    merging alone."""
+    greedy = raw_generate(model, tok, chats, cfg, greedy=True)
+    same = all(same_tokens(greedy, rollout_stage(model, tok, chats, cfg, merge, greedy=True))
+               for merge in (True, False))
+    ways = {"raw": lambda c, s: raw_generate(model, tok, c, s),
+            "merged": lambda c, s: rollout_stage(model, tok, c, s, merge=True),
+            "low_rank": lambda c, s: rollout_stage(model, tok, c, s, merge=False)}
+    r = alternate(device, {name: lambda f=f: f(chats, cfg) for name, f in ways.items()}, repeats,
+                  [lambda f=f: f(chats[:2], short(cfg)) for f in ways.values()])
+    results = {name: r[name].pop("result") for name in r}
+    calls = results["merged"]
+    merge_seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with merged_adapter(model, "shared"):
+            sync(device)
+        sync(device)
+        merge_seconds.append(time.perf_counter() - start)
+    for name, result in results.items():  # every row runs every decode step, finished or not
+        steps = result.shape[1] if name == "raw" else max(len(c.completion_ids) for c in result)
+        r[name]["tokens_per_s"] = len(chats) * steps / r[name]["seconds"]
+    P = max(len(c.prompt_ids) for c in calls)
+    return {**r, "same_greedy_tokens": same, "calls": calls,
+            "rollout_over_raw": ratio(r["merged"], r["raw"]),
+            "low_rank_over_raw": ratio(r["low_rank"], r["raw"]),
+            "merge_extra_mb": r["merged"]["peak_mb"] - r["low_rank"]["peak_mb"],
+            "merge_seconds": statistics.median(merge_seconds),
+            # the share of the stage's prompt positions that are left padding
+            "prompt_padding": 1 - sum(len(c.prompt_ids) for c in calls) / (P * len(calls))}
+
+
+def still_adapter(model, name: str, calls: list[Call], adamw: bool = False):
+    """An optimizer of lr 0 over the adapter `name` (the work of a step, the adapter a no-op
+    still), and advantages of alternating sign on `calls`, so that every call has a signal."""
+    for i, c in enumerate(calls):
+        c.advantage = 1.0 if i % 2 else -1.0
+    params = adapter_parameters(model, name)
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = torch.zeros_like(p)
+    return torch.optim.AdamW(params, lr=0.0) if adamw else torch.optim.SGD(params, lr=0.0)
+
+
+def one_adapter(model, name: str, optimizer) -> TrainState:
+    """The training state one adapter's update reads: its optimizer and a fresh random state."""
+    return TrainState(model, {}, {name: optimizer}, {}, random.Random(0), {name: {}})
+
+
+def update_parts(model, tok, device: str, calls: list[Call], cfg: Config, repeats: int) -> dict:
+    """The old-log-prob pass, one update over `calls` (one mini-batch, on-policy) and the
+    diagnostics' pass over the same calls (measure.gradient_signals)."""
+    frozen = still_adapter(model, "shared", calls)
+    # one mini-batch of every call, each alone in its group
+    settings = dataclasses.replace(cfg, one_step=False, minibatch_size=len(calls), group_size=1)
+    pad = tok.pad_token_id
+    parts = {"old_logp": lambda cs: old_logprobs(model, cs, "shared", pad, cfg.temperature,
+                                                 cfg.micro_batch_tokens),
+             "update": lambda cs: policy_update(one_adapter(model, "shared", frozen), "shared",
+                                                cs, pad, settings),
+             "diagnostics": lambda cs: gradient_signals(model, "shared", cs, pad, settings)}
+    r = alternate(device, {name: lambda f=f: f(calls) for name, f in parts.items()}, repeats,
+                  [lambda f=f: f(calls[:2]) for f in parts.values()])
+    tokens = sum(len(c.completion_ids) for c in calls)
+    for name in r:
+        r[name].pop("result")
+        r[name]["tokens_per_s"] = tokens / r[name]["seconds"]
+    return r
+
+
+def role_updates(model, pad: int, calls: list[Call], optimizers: dict, mode: str, cfg: Config):
+    """Each adapter's diagnostics' pass and update over its calls under `mode` (train.py's)."""
+    for name in sorted({adapter_for(c.role, mode) for c in calls}):
+        mine = [c for c in calls if adapter_for(c.role, mode) == name]
+        gradient_signals(model, name, mine, pad, cfg)
+        policy_update(one_adapter(model, name, optimizers[name]), name, mine, pad, cfg)
+
+
+def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats: int) -> dict:
+    """Voting's rollout, then its update under one shared adapter and under one adapter per role
+    type, on the same calls. Fresh adapters are no-ops, so isolated adapters would have written
+    the same tokens; the update's work is the same calls with the same advantages."""
+    for name in ("generator", "aggregator"):
+        add_adapter(model, name)
+    rollout = Rollout(model, tok, "shared", max_new_tokens=cfg.max_new_tokens,
+                      temperature=cfg.temperature)
+    torch.manual_seed(cfg.seed)
+    seconds, rollout_mb, _ = timed(device, lambda: run_workflow("voting", questions, rollout,
+                                                                "math", n_agents=cfg.n_agents))
+    calls = rollout.calls
+    optimizers = {name: still_adapter(model, name, calls, adamw=True)
+                  for name in ("shared", "generator", "aggregator")}
+    settings = dataclasses.replace(cfg, one_step=False, group_size=1)  # mini-batch steps
+    few = [c for c in calls if c.episode == 0]
+    modes = ("shared", "isolated")
+    r = alternate(device, {m: lambda m=m: role_updates(model, tok.pad_token_id, calls, optimizers,
+                                                       m, settings) for m in modes}, repeats,
+                  [lambda m=m: role_updates(model, tok.pad_token_id, few, optimizers, m, settings)
+                   for m in modes])
+    for name in r:
+        r[name].pop("result")
+    per_adapter = sum(p.numel() for p in adapter_parameters(model, "shared")) * 4 * 4 / 2**20
+    return {**r, "rollout_seconds": seconds, "rollout_peak_mb": rollout_mb, "calls": len(calls),
+            "update_ratio": ratio(r["isolated"], r["shared"]),
+            "adapter_state_mb": per_adapter,  # fp32 weights, gradient, AdamW's two moments
+            "adapters": {"shared": 1, "isolated": len({c.role for c in calls})}}
+
+
+def step_parts(args: argparse.Namespace, threads: int, out: str, flags: list[str]) -> dict:
+    """One training step of train.py in a fresh process, split as its metrics.jsonl logs it."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "1", "--model", args.model,
+           "--device", args.device, "--threads", str(threads), "--out", out, "--overwrite", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"bench: {' '.join(cmd[1:])} failed: {said}")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        row = [json.loads(line) for line in f][-1]
+    return {"rollout": row["time/rollout"], "old_logp": row["time/old_logp"],
+            "update": row["time/update"] - row["time/old_logp"],
+            "eval": row.get("time/eval", 0.0), "peak_mb": row["mem/peak_mb"]}
+
+
+def bench_dtypes(device: str) -> list[str]:
+    """The dtypes the throughput compares: bf16 only where the device computes in it natively
+    (elsewhere torch emulates it: a 2048^3 product took minutes on a 2-core CPU)."""
+    return ["fp32", "bf16"] if device.startswith("cuda") or cpu_has_bf16() else ["fp32"]
+
+
+def machine_limits(device: str, repeats: int) -> dict:
+    """Peak GFLOP/s of a 2048 x 2048 matrix product in each of bench_dtypes, and GB/s of copying
+    256 MiB (read once, written once)."""
+    out = {}
+    for name in bench_dtypes(device):
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        a, b = (torch.randn(2048, 2048, device=device).to(dtype) for _ in range(2))
+        r = alternate(device, {name: lambda: a @ b}, repeats, [lambda: a @ b])
+        out[f"matmul_{name}_gflops"] = 2 * 2048 ** 3 / r[name]["seconds"] / 1e9
+    src = torch.empty(2 ** 26, device=device)  # 256 MiB of fp32
+    dst = torch.empty_like(src)
+    r = alternate(device, {"copy": lambda: dst.copy_(src)}, repeats, [lambda: dst.copy_(src)])
+    out["copy_gbs"] = 2 * src.numel() * 4 / r["copy"]["seconds"] / 1e9
+    return out
+
+
+def throughput(args: argparse.Namespace, questions: list[str], cfg: Config,
+               batches: list[int]) -> dict:
+    """Tokens/s of one generator stage by batch size and dtype, and positions/s of the update's
+    forward and backward, alternating the dtypes (bench_dtypes)."""
+    device, dtypes, models = args.device, bench_dtypes(args.device), {}
+    for d in dtypes:
+        models[d], tok = load_policy(args.model, device, d)
+        inject_lora(models[d], cfg.lora_r, cfg.lora_alpha)
+        add_adapter(models[d], "shared")
+    weights = {d: [p for n, p in models[d].named_parameters() if "lora_" not in n] for d in dtypes}
+    fig = {"params": sum(p.numel() for p in weights["fp32"]), "dtypes": dtypes, "generate": {},
+           "weight_bytes": {d: sum(p.numel() * p.element_size() for p in weights[d])
+                            for d in dtypes}}
+    ways = {"decode": lambda m, c, s: rollout_stage(m, tok, c, s),
+            "loop": lambda m, c, s: rollout_stage(m, tok, c, s, decoder=decode),  # CUDA only
+            "generate": lambda m, c, s: raw_generate(m, tok, c, s)}
+    if not device.startswith("cuda"):  # the CPU's rollout is the loop
+        del ways["loop"]
+    for B in batches:
+        chats = [chat("math", "generator", question=questions[i % len(questions)])
+                 for i in range(B)]
+        runs = {f"{w} {d}": lambda f=f, m=models[d]: f(m, chats, cfg)
+                for w, f in ways.items() for d in dtypes}
+        warmups = [lambda f=f, m=models[d]: f(m, chats[:2], short(cfg))
+                   for f in ways.values() for d in dtypes]
+        r = alternate(device, runs, args.repeats, warmups)
+        fig["generate"][B] = {name: B * cfg.max_new_tokens / r[name]["seconds"] for name in runs}
+    calls = rollout_stage(models["fp32"], tok, chats[:16], cfg)
+    trained = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)  # every position
+    settings = dataclasses.replace(cfg, one_step=False, minibatch_size=len(calls))
+    frozen = {d: still_adapter(models[d], "shared", calls) for d in dtypes}
+    update = {d: lambda cs, d=d: policy_update(one_adapter(models[d], "shared", frozen[d]),
+                                               "shared", cs, tok.pad_token_id, settings)
+              for d in dtypes}
+    r = alternate(device, {d: lambda d=d: update[d](calls) for d in dtypes}, args.repeats,
+                  [lambda d=d: update[d](calls[:2]) for d in dtypes])
+    fig["update"] = {d: trained / r[d]["seconds"] for d in dtypes}
+    fig["update_positions"] = trained
+    return fig
 
 
 # ----------------------------------------------------------------------------
@@ -97,7 +357,7 @@ def throughput_lines(fig: dict) -> list[str]:
 def report(fig: dict, device_name: str) -> str:
     g, u = fig["generate"], fig["update"]
     lines = [f"bench on {device_name}, model {fig['model']}, {fig['threads']} thread(s); "
-             f"medians of {fig['repeats']} alternating runs", "",
+             f"medians of {fig['repeats']} alternating runs after a warm-up", "",
              f"generate one stage: {fig['rows']} calls x {fig['new_tokens']} new tokens (prompts"
              f" {fig['prompt_tokens']} tokens, {100 * g['prompt_padding']:.0f}% of them padding)",
              f"  {'':28s}{'seconds':>9s}{'tokens/s':>10s}{'vs raw':>8s}{'peak MiB':>10s}"
@@ -113,17 +373,15 @@ def report(fig: dict, device_name: str) -> str:
                  + "; ".join(f"{n} {', '.join(f'{x:.2f}' for x in g[n]['all'])}"
                              for n in ("raw", "merged", "low_rank")))
     lines += ["", "update over every second call of the stage "
-              f"({fig['update_tokens']} completion tokens)",
-              f"  old log-prob pass   {u['old_logp']['seconds']:6.2f} s  "
-              f"{u['old_logp']['tokens_per_s']:7.1f} tokens/s",
-              f"  forward + backward  {u['update']['seconds']:6.2f} s  "
-              f"{u['update']['tokens_per_s']:7.1f} tokens/s",
-              f"  diagnostics' pass   {u['diagnostics']['seconds']:6.2f} s  "
-              f"{u['diagnostics']['tokens_per_s']:7.1f} tokens/s  (measure.py, every "
-              "--diag_every steps)"]
+              f"({fig['update_tokens']} completion tokens)"]
+    for name, label in [("old_logp", "old log-prob pass "), ("update", "forward + backward"),
+                        ("diagnostics", "diagnostics' pass ")]:
+        lines.append(f"  {label}  {u[name]['seconds']:6.2f} s  "
+                     f"{u[name]['tokens_per_s']:7.1f} tokens/s")
+    lines[-1] += "  (measure.py, every --diag_every steps)"
     s = fig.get("step")
     lines += [] if s is None else ["",
-              f"one default training step (train.py {' '.join(fig['step_flags'])}):",
+              f"one default training step, timed once (train.py {' '.join(fig['step_flags'])}):",
               f"  rollout {s['rollout']:.1f} s | old log-probs {s['old_logp']:.1f} s | update "
               f"{s['update']:.1f} s | eval of {fig['step_eval_problems']} problems "
               f"{s['eval']:.1f} s | peak {s['peak_mb']:.0f} MiB"]
@@ -135,20 +393,26 @@ def report(fig: dict, device_name: str) -> str:
         for name in ("shared", "isolated"):
             lines.append(f"  {name:10s}{v[name]['seconds']:9.2f}{v[name]['peak_mb']:10.0f}"
                          f"{v['adapters'][name]:10d}")
-        lines.append(f"  isolated / shared update time {v['update_ratio']:.2f}; each adapter holds "
-                     f"{v['adapter_state_mb']:.1f} MiB (weights, gradient, AdamW's two moments)")
+        lines.append(f"  isolated / shared update time {v['update_ratio']:.2f}; each adapter "
+                     f"holds {v['adapter_state_mb']:.1f} MiB (weights, gradient, AdamW's "
+                     "two moments)")
     if "throughput" in fig:
         lines += throughput_lines(fig)
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------
+# The command
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lab.bench", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
-    p.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny, random:qwen3-0.6b "
-                   "(-1.7b, -4b: random weights), or a HF id/path")
+    p.add_argument("--model", default="smollm2", help="smollm2 (embedded), tiny, "
+                   "random:qwen3-0.6b (-1.7b, -4b: random weights), or a HF id/path")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--repeats", type=int, default=4, help="timed runs of each alternating part")
+    p.add_argument("--repeats", type=int, default=4,
+                   help=f"timed runs of each alternating part (at least {GPU_REPEATS} on a GPU)")
     p.add_argument("--problems", type=int, default=4,
                    help="problems of the stage (x 4 episodes each)")
     p.add_argument("--threads", type=int, default=0,
@@ -166,7 +430,8 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
     """Every flag, before a model loads or a part runs: the parts to skip and the batch sizes."""
     if args.repeats < 1 or not 1 <= args.problems <= pool_size:
         raise SystemExit(f"bench: --repeats must be at least 1 and --problems from 1 to "
-                         f"{pool_size} (the training pool), got {args.repeats} and {args.problems}")
+                         f"{pool_size} (the training pool), got {args.repeats} and "
+                         f"{args.problems}")
     cores = len(os.sched_getaffinity(0))
     if not 0 <= args.threads <= cores:
         raise SystemExit(f"bench: --threads {args.threads}: from 0 (chosen as train.py does) to "
@@ -189,6 +454,10 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
         raise SystemExit("bench: --batches sizes the throughput part, which --skip leaves out: "
                          "drop one")
     check_device(args.device)
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
+    if cuda and args.repeats < GPU_REPEATS:
+        raise SystemExit(f"bench: --repeats {args.repeats} on a GPU: at least {GPU_REPEATS} (its "
+                         "first runs pay for planning kernels; a median needs three)")
     folder = os.path.dirname(os.path.abspath(args.json))
     if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder)
                       or not os.access(folder, os.W_OK)):
@@ -204,10 +473,9 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
 def main(argv: list[str] | None = None) -> dict:
     args = make_parser().parse_args(argv)
     skip, batches = check_args(args, Config().train_problems)
-    device = (("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
-              else args.device)
-    args.device = device
-    threads = pick_threads(args.threads, own_load=0.0)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device, threads = args.device, pick_threads(args.threads, own_load=0.0)
     torch.set_num_threads(threads)
     # the stage it times is math's
     cfg = Config(model=args.model, max_new_tokens=TASK_TOKENS["math"])
@@ -228,21 +496,21 @@ def main(argv: list[str] | None = None) -> dict:
     fig["generate"] = g
     print("bench: old log-probs and update ...", file=sys.stderr)
     fig["update"] = update_parts(model, tok, device, calls[::2], cfg, args.repeats)
-    with tempfile.TemporaryDirectory() as tmp:
-        if "step" not in skip:
-            print("bench: one default training step ...", file=sys.stderr)
-            fig["step_eval_problems"] = 2
-            fig["step_flags"] = ["--steps", "1", "--eval_problems", "2"]
-            fig["step"] = step_parts(train_step(args, threads, os.path.join(tmp, "step"),
-                                                ["--eval_problems", "2", "--dtype", args.dtype]))
+    if "step" not in skip:
+        print("bench: one default training step ...", file=sys.stderr)
+        fig["step_eval_problems"] = 2
+        fig["step_flags"] = ["--steps", "1", "--eval_problems", "2"]
+        with tempfile.TemporaryDirectory() as tmp:
+            fig["step"] = step_parts(args, threads, os.path.join(tmp, "step"),
+                                     ["--eval_problems", "2", "--dtype", args.dtype])
     if "sharing" not in skip:
         print("bench: Voting, shared vs isolated ...", file=sys.stderr)
         fig["sharing"] = sharing(model, tok, device, [pool[0].question] * 2, cfg, args.repeats)
     if "throughput" not in skip:
         print("bench: throughput against the machine's limits ...", file=sys.stderr)
         fig["limits"] = machine_limits(device, args.repeats)
-        fig["throughput"] = throughput(args, device, [p.question for p in pool[:max(batches)]],
-                                       cfg, batches)
+        fig["throughput"] = throughput(args, [p.question for p in pool[:max(batches)]], cfg,
+                                       batches)
     name = (torch.cuda.get_device_name() if device.startswith("cuda")
             else f"CPU ({os.cpu_count()} cores)")
     print(report(fig, name))

