@@ -9,6 +9,7 @@ n - 1 degrees of freedom and a floor from the evaluation's own size, and a verdi
 
 Exercised by: pytest tests/test_grid.py (the intervals against hand-computed ones)
 """
+import dataclasses
 import math
 import re
 import statistics
@@ -50,7 +51,9 @@ def main_table(by_cell: Runs) -> list[str]:
     lines = mean_table({cell: [accuracy_numbers(*run) for run in runs.values()]
                         for cell, runs in by_cell.items()})
     configs = [config for runs in by_cell.values() for config, _ in runs.values()]
-    sampled = sorted({c["workflow"] for c in configs if evaluation_samples(Config(**c))})
+    fields = {f.name for f in dataclasses.fields(Config)}  # config.json also holds the run's id
+    sampled = sorted({c["workflow"] for c in configs
+                      if evaluation_samples(Config(**{k: v for k, v in c.items() if k in fields}))})
     decoding = "greedy" + (f" ({', '.join(sampled)}: sampled at the training temperature)"
                            if sampled else "")
     return lines + ["", f"Held-out accuracy, {decoding}, "
