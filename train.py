@@ -247,6 +247,18 @@ def load_model(cfg: Config, device: str):
     return model, tok
 
 
+def longest_prompt(tok, cfg: Config, problems: list) -> int:
+    """Tokens of the workflow's longest prompt around its longest question, its agents' texts
+    left out (those are cut to fit at run time)."""
+    sizes = [len(ids) for ids
+             in tok([p.question for p in problems], add_special_tokens=False).input_ids]
+    longest = problems[sizes.index(max(sizes))]
+    # Eval-Opt's prompts do not grow with its rounds: two hold each kind (try, verdict, refine)
+    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents,
+                         min(cfg.max_rounds, 2))
+    return max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
+
+
 def check_context(model, tok, cfg: Config, problems: list) -> None:
     """--critic_max_tokens, and --max_new_tokens after the longest prompt of the workflow (its
     agents' texts left out: those are cut to fit at run time), fit the model's context."""
@@ -256,13 +268,7 @@ def check_context(model, tok, cfg: Config, problems: list) -> None:
     if cfg.algo == "maac" and cfg.critic_max_tokens > context:
         raise SystemExit(f"--critic_max_tokens {cfg.critic_max_tokens}: more than the {context} "
                          f"positions of model {cfg.model}; lower it to at most {context}")
-    sizes = [len(ids) for ids
-             in tok([p.question for p in problems], add_special_tokens=False).input_ids]
-    longest = problems[sizes.index(max(sizes))]
-    # Eval-Opt's prompts do not grow with its rounds: two hold each kind (try, verdict, refine)
-    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents,
-                         min(cfg.max_rounds, 2))
-    prompt = max(len(tok(chat_text(tok, c), add_special_tokens=False).input_ids) for c in chats)
+    prompt = longest_prompt(tok, cfg, problems)
     if prompt + cfg.max_new_tokens > context:
         fix = (f"lower --max_new_tokens to at most {context - prompt}" if prompt < context
                else "choose a model with a longer context")
@@ -465,12 +471,7 @@ def eval_batch_here(model, tok, cfg: Config, problems, episodes: int) -> int:
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_bytes = 2 * c.num_hidden_layers * heads * head_dim * model.dtype.itemsize  # keys, values
-    sizes = [len(ids) for ids
-             in tok([p.question for p in problems], add_special_tokens=False).input_ids]
-    longest = problems[sizes.index(max(sizes))]
-    chats = every_prompt(cfg.workflow, longest.question, longest.kind, cfg.n_agents,
-                         min(cfg.max_rounds, 2))
-    P = max(len(tok(chat_text(tok, ch), add_special_tokens=False).input_ids) for ch in chats)
+    P = longest_prompt(tok, cfg, problems)
     N, T = cfg.n_agents, cfg.max_new_tokens
     free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
             - torch.cuda.memory_allocated(device))  # torch's own cache is free to it too
