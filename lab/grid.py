@@ -330,16 +330,16 @@ def keep_logs(run_dirs: list[str], home: str, results: str) -> None:
 
 
 def train_and_report(cells: list[tuple[str, list[str]]], home: str, results: str,
-                     names: list[str]) -> tuple[str, Runs]:
+                     shown: list[str]) -> tuple[str, Runs]:
     """Train the cells in home (and copy their logs to `results`, the seeds' starts too: a cell's
-    step 0 is its start's), then diagnose.py's report on the cells called one of `names`: its
+    step 0 is its start's), then diagnose.py's report on the cells called one of `shown`: its
     path, and their runs, cell -> seed -> (config, rows)."""
     trained = train_cells(home, cells)
     if results:
         keep_logs(trained, home, results)
-    run_dirs = [d for d in trained if os.path.basename(d) in names]
+    run_dirs = [d for d in trained if os.path.basename(d) in shown]
     path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
-    by_cell = {cell: {} for cell in names}
+    by_cell = {cell: {} for cell in shown}
     for d in run_dirs:  # home/seed<S>/<cell>
         seed = os.path.basename(os.path.dirname(d)).removeprefix("seed")
         by_cell[os.path.basename(d)][seed] = load_run(d, ROLES)
