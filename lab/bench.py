@@ -126,10 +126,10 @@ def short(cfg: Config) -> Config:
 def generation(model, tok, device: str, chats: list, cfg: Config, repeats: int) -> dict:
     """One stage three ways (raw, merged, low-rank), alternating; their greedy tokens once; and
     merging alone."""
-    greedy = raw_generate(model, tok, chats, cfg, greedy=True)  # each call's, cut at its eos
-    same = all(greedy[i, :len(c.completion_ids)].tolist() == c.completion_ids
-               for merge in (True, False)
-               for i, c in enumerate(rollout_stage(model, tok, chats, cfg, merge, greedy=True)))
+    greedy = raw_generate(model, tok, chats, cfg, greedy=True)
+    same = all(  # each rollout's completions are the raw generate's, cut at their first eos
+        greedy[i, :len(c.completion_ids)].tolist() == c.completion_ids for merge in (True, False)
+        for i, c in enumerate(rollout_stage(model, tok, chats, cfg, merge, greedy=True)))
     ways = {"raw": partial(raw_generate, model, tok),
             "merged": partial(rollout_stage, model, tok, merge=True),
             "low_rank": partial(rollout_stage, model, tok, merge=False)}
