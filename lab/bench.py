@@ -12,14 +12,17 @@ alternate (A B C A B C ...), so a machine that slows down slows all of them. The
              model (LoRA layers taken out) against the rollout (decode.py) with its adapter
              merged, as training runs it, and with the low-rank path on every token. A fresh
              adapter is a no-op, so greedy decoding writes the same tokens in all three
-             (checked once); the timed runs sample.
-  old logp   the no-grad pass that gives pi_old; update: forward + backward of the policy loss,
-             beside the diagnostics' pass (measure.gradient_signals)
+             (checked once); the timed runs sample. rollout / raw is what decode.py gains, net
+             of the rollout's own costs (merging, chat template, tokenizer, records).
+  old logp   the no-grad pass that gives pi_old (the update skips it for its first mini-batch);
+             update: forward + backward of the policy loss, beside the diagnostics' pass
   step       one step of the default run (train.py in a fresh process), as metrics.jsonl splits it
   sharing    one Voting rollout, then its update under one shared adapter and one per role type
   throughput the machine's peak (matmul in fp32, and bf16 where native; a large copy's bandwidth)
-             against tokens/s of a stage by batch size and dtype and positions/s of the update
-             (2 x parameters FLOP a generated token, 4 x a trained position)
+             against tokens/s of a stage by batch size and dtype (on CUDA the CUDA graph's
+             decode beside the CPU's "loop") and positions/s of the update (2 x parameters FLOP
+             a generated token, 4 x a trained position); ms a decoding step against reading
+             the weights once
 
 Memory is the peak over each part: the allocator's on CUDA, the process's resident set on CPU
 (reset between parts through /proc/self/clear_refs where Linux allows). docs/performance.md
