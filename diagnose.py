@@ -156,10 +156,10 @@ def find_cliff(config: dict, rows: list[dict], threshold: float = CLIFF) -> list
         noise = fall_beyond_noise(test[peak], test[end], threshold)
         if noise is not None:
             ended = "" if end == final else f" and ended at {test[final][0]:.3f}"
-            return [f"accuracy {kind}: test accuracy fell from {test[peak][0]:.3f} "
-                    f"at step {peak} (the peak, "
-                    f"chosen on {'val' if split == 'val' else 'test'}) to {test[end][0]:.3f} at "
-                    f"step {end} (-{test[peak][0] - test[end][0]:.3f}){ended}{noise}"]
+            return [f"accuracy {kind}: test accuracy fell from {test[peak][0]:.3f} at step {peak} "
+                    f"(the peak, chosen on {'val' if split == 'val' else 'test'}) to "
+                    f"{test[end][0]:.3f} at step {end} (-{test[peak][0] - test[end][0]:.3f})"
+                    f"{ended}{noise}"]
     return []
 
 
@@ -186,9 +186,8 @@ def validation_fall(config: dict, rows: list[dict], step: int) -> str | None:
     for s in (s for s in sorted(points) if step <= s <= step + FALL_WITHIN):
         noise = fall_beyond_noise(points[before[-1]], points[s], DROP)
         if noise is not None:
-            return (f"{split} accuracy falls from {points[before[-1]][0]:.3f} "
-                    f"at step {before[-1]} to "
-                    f"{points[s][0]:.3f} at step {s}{noise}")
+            return (f"{split} accuracy falls from {points[before[-1]][0]:.3f} at step "
+                    f"{before[-1]} to {points[s][0]:.3f} at step {s}{noise}")
     return None
 
 
@@ -272,12 +271,11 @@ def captured(rows: list[dict], role: str, dominant: str) -> str | None:
     if (a1 - a2 < ADHERENCE_FALL or a1 - a2 <= FALL_Z * se or l2 < LEN_RISE * l1
             or s2 - s1 < SIM_RISE):
         return None
-    (early, late) = split
+    early, late = split
     return (f"steps {early[0]['step']}-{early[-1]['step']} ({n1} calls) against {late[0]['step']}-"
             f"{late[-1]['step']} ({n2}): its adherence falls from {a1:.2f} to {a2:.2f} "
-            f"({FALL_Z:g} standard "
-            f"errors: {FALL_Z * se:.2f}), its length grows from {l1:.0f} to {l2:.0f} tokens, its "
-            f"similarity to {dominant} rises from {s1:.2f} to {s2:.2f}")
+            f"({FALL_Z:g} standard errors: {FALL_Z * se:.2f}), its length grows from {l1:.0f} to "
+            f"{l2:.0f} tokens, its similarity to {dominant} rises from {s1:.2f} to {s2:.2f}")
 
 
 def find_capture(config: dict, rows: list[dict]) -> list[str]:
@@ -320,10 +318,6 @@ def nothing_found(rows: list[dict]) -> str:
 # Report: a table per run, the findings, and one plot per signal
 
 
-def run_name(run_dir: str) -> str:
-    return os.path.basename(os.path.normpath(run_dir))
-
-
 LINESTYLES = ("-", "--", ":", "-.")  # one per run, so runs stay apart when roles share colours
 
 
@@ -333,12 +327,10 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
     for name, (pattern, ylabel) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(7, 4))
         for i, (run, rows) in enumerate(runs.items()):
-            keys = sorted({k for r in rows for k in r if re.fullmatch(pattern, k)})
-            for key in keys:
-                label = "/".join([run, *re.fullmatch(pattern, key).groups()])
+            for key in sorted({k for r in rows for k in r if re.fullmatch(pattern, k)}):
                 xs, ys = zip(*series(rows, key))
                 ax.plot(xs, ys, LINESTYLES[i % len(LINESTYLES)], marker="o", markersize=3,
-                        label=label)
+                        label="/".join([run, *re.fullmatch(pattern, key).groups()]))
         if not ax.lines:
             plt.close(fig)
             continue
@@ -371,12 +363,13 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
     return row
 
 
-def report(run_dirs: list[str], out: str, names=run_name) -> str:
+def report(run_dirs: list[str], out: str, names=None) -> str:
     """Write report.md and the plots into `out`; return the report's path. `names` gives each
     run's name in the tables and plots (default: its directory's name)."""
     named = {}  # name -> run directory: a second run of a name would replace the first
     for d in run_dirs:
-        if (name := names(d)) in named:
+        name = names(d) if names else os.path.basename(os.path.normpath(d))
+        if name in named:
             raise SystemExit(f"{named[name]} and {d} are both named {name} in the report: "
                              "give runs whose directories' names differ")
         named[name] = d
@@ -426,16 +419,14 @@ def make_parser() -> argparse.ArgumentParser:
                         "each, and the episodes per slot at which kappa would reach the detector's "
                         "line")
     parser.add_argument("--probe_credit", default="", choices=["final", "own"],
-                        help="--probe: each call's "
-                        "reward (default: the run's --credit)")
-    parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"),
-                        help="print every call of the run's "
-                        "trained workflow on one question (RUN/best: its best checkpoint)")
+                        help="--probe: each call's reward (default: the run's --credit)")
+    parser.add_argument("--watch", nargs=2, metavar=("RUN", "QUESTION"), help="print every call "
+                        "of the run's trained workflow on one question (RUN/best: its best "
+                        "checkpoint)")
     parser.add_argument("--sample", action="store_true", help="--watch: sample at the run's "
                         "temperature instead of greedy decoding")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="--watch --sample: the sampling seed; --probe: "
-                        "which batch (0: the training pool's first problems, as before)")
+    parser.add_argument("--seed", type=int, default=0, help="--watch --sample: the sampling "
+                        "seed; --probe: which batch (0: the training pool's first problems)")
     return parser
 
 

@@ -6,35 +6,27 @@
 
 Each timed figure is the median of --repeats runs (at least 3 on a GPU, whose first runs pay for
 planning and compiling kernels) after a warm-up on a smaller input, and runs that are compared
-alternate (A B C A B C ...), so a machine that slows down slows all of them. Sections:
+alternate (A B C A B C ...), so a machine that slows down slows all of them. The parts:
 
-  generate   one workflow stage: --problems x 4 generator calls (16; the default step's first
-             stage has 32). transformers' own `generate` on the base model (the LoRA layers
-             taken out) against the rollout (Rollout.__call__, decode.py) with its adapter
-             merged into the weights, as training runs it, and with the low-rank path on every
-             token. A fresh adapter is an exact no-op, so under greedy decoding all three write
-             the same tokens (checked once); the timed runs sample, each with its own sampler.
-             rollout / raw is what the rollout's decode gains over `generate`, net of its own
-             costs (merging, chat template, tokenizer, records).
-  old logp   the no-grad pass that gives pi_old for the stage's completions; the update skips
-             it for its first mini-batch (grpo.py)
-  update     forward + backward of the policy loss, per completion token; beside it the
-             diagnostics' pass over the same calls (measure.gradient_signals)
-  step       one step of the default run (train.py in a fresh process, timed once), split as
-             its metrics.jsonl logs it: rollout, old log-probs, update, evaluation
-  sharing    one Voting rollout (2 episodes of one problem), then its update under one shared
-             adapter and under one adapter per role type, alternating
-  throughput what the machine allows and how near each part runs to it: the peak of a large
-             matrix product in fp32 and, where the device has it natively, bf16; memory
-             bandwidth from a large copy; then tokens/s of one generator stage by batch size
-             and dtype (the rollout's decode, and transformers' generate beside it), and of the
-             update's forward + backward, each with its arithmetic rate (2 x parameters FLOP a
-             generated token, 4 x a trained position: the frozen weights get no gradient of
-             their own) against the peak; on CUDA the CUDA graph's decode beside the CPU's loop
-             ("loop"), and milliseconds a decoding step against reading the weights once
+  generate   one stage of --problems x 4 generator calls: transformers' `generate` on the base
+             model (LoRA layers taken out) against the rollout (decode.py) with its adapter
+             merged, as training runs it, and with the low-rank path on every token. A fresh
+             adapter is a no-op, so greedy decoding writes the same tokens in all three
+             (checked once); the timed runs sample. rollout / raw is what decode.py gains, net
+             of the rollout's own costs (merging, chat template, tokenizer, records).
+  old logp   the no-grad pass that gives pi_old (the update skips it for its first mini-batch);
+             update: forward + backward of the policy loss, beside the diagnostics' pass
+  step       one step of the default run (train.py in a fresh process), as metrics.jsonl splits it
+  sharing    one Voting rollout, then its update under one shared adapter and one per role type
+  throughput the machine's peak (matmul in fp32, and bf16 where native; a large copy's bandwidth)
+             against tokens/s of a stage by batch size and dtype (on CUDA the CUDA graph's
+             decode beside the CPU's "loop") and positions/s of the update (2 x parameters FLOP
+             a generated token, 4 x a trained position); ms a decoding step against reading
+             the weights once
 
 Memory is the peak over each part: the allocator's on CUDA, the process's resident set on CPU
-(reset between parts through /proc/self/clear_refs where Linux allows).
+(reset between parts through /proc/self/clear_refs where Linux allows). docs/performance.md
+reads the figures.
 """
 import argparse
 import dataclasses
@@ -47,6 +39,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -67,10 +60,25 @@ from workflows import chat, run_workflow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 GPU_REPEATS = 3  # the fewest timed runs of a part on a GPU
+PARTS = ("step", "sharing", "throughput")  # the parts --skip may leave out
 
 
 # ----------------------------------------------------------------------------
 # The parts, each returning its figures
+
+
+def race(device: str, parts: dict, args: tuple, warm: tuple, repeats: int) -> tuple[dict, dict]:
+    """Each of `parts` (name -> function) called on `args`, alternating (machine.alternate), after
+    one call on the smaller `warm`: each part's figures, and what it returned."""
+    r = alternate(device, {name: partial(f, *args) for name, f in parts.items()}, repeats,
+                  [partial(f, *warm) for f in parts.values()])
+    return r, {name: r[name].pop("result") for name in r}
+
+
+def ratio(a: dict, b: dict) -> float:
+    """Median over rounds of a's time over b's in the same round (neighbours in time share
+    the machine's state, so their ratio is steadier than a ratio of medians)."""
+    return statistics.median(x / y for x, y in zip(a["all"], b["all"]))
 
 
 @contextmanager
@@ -118,30 +126,17 @@ def short(cfg: Config) -> Config:
     return dataclasses.replace(cfg, max_new_tokens=4)
 
 
-def same_tokens(raw: torch.Tensor, calls: list[Call]) -> bool:
-    """Whether the rollout's completions are the raw generate's, cut at their first eos."""
-    return all(raw[i, : len(c.completion_ids)].tolist() == c.completion_ids
-               for i, c in enumerate(calls))
-
-
-def ratio(a: dict, b: dict) -> float:
-    """Median over rounds of a's time over b's in the same round (neighbours in time share
-    the machine's state, so their ratio is steadier than a ratio of medians)."""
-    return statistics.median(x / y for x, y in zip(a["all"], b["all"]))
-
-
 def generation(model, tok, device: str, chats: list, cfg: Config, repeats: int) -> dict:
     """One stage three ways (raw, merged, low-rank), alternating; their greedy tokens once; and
     merging alone."""
     greedy = raw_generate(model, tok, chats, cfg, greedy=True)
-    same = all(same_tokens(greedy, rollout_stage(model, tok, chats, cfg, merge, greedy=True))
-               for merge in (True, False))
-    ways = {"raw": lambda c, s: raw_generate(model, tok, c, s),
-            "merged": lambda c, s: rollout_stage(model, tok, c, s, merge=True),
-            "low_rank": lambda c, s: rollout_stage(model, tok, c, s, merge=False)}
-    r = alternate(device, {name: lambda f=f: f(chats, cfg) for name, f in ways.items()}, repeats,
-                  [lambda f=f: f(chats[:2], short(cfg)) for f in ways.values()])
-    results = {name: r[name].pop("result") for name in r}
+    same = all(  # each rollout's completions are the raw generate's, cut at their first eos
+        greedy[i, :len(c.completion_ids)].tolist() == c.completion_ids for merge in (True, False)
+        for i, c in enumerate(rollout_stage(model, tok, chats, cfg, merge, greedy=True)))
+    ways = {"raw": partial(raw_generate, model, tok),
+            "merged": partial(rollout_stage, model, tok, merge=True),
+            "low_rank": partial(rollout_stage, model, tok, merge=False)}
+    r, results = race(device, ways, (chats, cfg), (chats[:2], short(cfg)), repeats)
     calls = results["merged"]
     merge_seconds = []
     for _ in range(repeats):
@@ -180,6 +175,11 @@ def one_adapter(model, name: str, optimizer) -> TrainState:
     return TrainState(model, {}, {name: optimizer}, {}, random.Random(0), {name: {}})
 
 
+def shared_update(model, optimizer, pad: int, settings: Config, calls: list[Call]) -> dict:
+    """One update of the shared adapter over `calls` (grpo.policy_update)."""
+    return policy_update(one_adapter(model, "shared", optimizer), "shared", calls, pad, settings)
+
+
 def update_parts(model, tok, device: str, calls: list[Call], cfg: Config, repeats: int) -> dict:
     """The old-log-prob pass, one update over `calls` (one mini-batch, on-policy) and the
     diagnostics' pass over the same calls (measure.gradient_signals)."""
@@ -189,15 +189,11 @@ def update_parts(model, tok, device: str, calls: list[Call], cfg: Config, repeat
     pad = tok.pad_token_id
     parts = {"old_logp": lambda cs: old_logprobs(model, cs, "shared", pad, cfg.temperature,
                                                  cfg.micro_batch_tokens),
-             "update": lambda cs: policy_update(one_adapter(model, "shared", frozen), "shared",
-                                                cs, pad, settings),
+             "update": partial(shared_update, model, frozen, pad, settings),
              "diagnostics": lambda cs: gradient_signals(model, "shared", cs, pad, settings)}
-    r = alternate(device, {name: lambda f=f: f(calls) for name, f in parts.items()}, repeats,
-                  [lambda f=f: f(calls[:2]) for f in parts.values()])
-    tokens = sum(len(c.completion_ids) for c in calls)
+    r, _ = race(device, parts, (calls,), (calls[:2],), repeats)
     for name in r:
-        r[name].pop("result")
-        r[name]["tokens_per_s"] = tokens / r[name]["seconds"]
+        r[name]["tokens_per_s"] = sum(len(c.completion_ids) for c in calls) / r[name]["seconds"]
     return r
 
 
@@ -224,14 +220,9 @@ def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats:
     optimizers = {name: still_adapter(model, name, calls, adamw=True)
                   for name in ("shared", "generator", "aggregator")}
     settings = dataclasses.replace(cfg, one_step=False, group_size=1)  # mini-batch steps
-    few = [c for c in calls if c.episode == 0]
-    modes = ("shared", "isolated")
-    r = alternate(device, {m: lambda m=m: role_updates(model, tok.pad_token_id, calls, optimizers,
-                                                       m, settings) for m in modes}, repeats,
-                  [lambda m=m: role_updates(model, tok.pad_token_id, few, optimizers, m, settings)
-                   for m in modes])
-    for name in r:
-        r[name].pop("result")
+    modes = {m: partial(role_updates, model, tok.pad_token_id, optimizers=optimizers, mode=m,
+                        cfg=settings) for m in ("shared", "isolated")}
+    r, _ = race(device, modes, (calls,), ([c for c in calls if c.episode == 0],), repeats)
     per_adapter = sum(p.numel() for p in adapter_parameters(model, "shared")) * 4 * 4 / 2**20
     return {**r, "rollout_seconds": seconds, "rollout_peak_mb": rollout_mb, "calls": len(calls),
             "update_ratio": ratio(r["isolated"], r["shared"]),
@@ -267,11 +258,10 @@ def machine_limits(device: str, repeats: int) -> dict:
     for name in bench_dtypes(device):
         dtype = torch.bfloat16 if name == "bf16" else torch.float32
         a, b = (torch.randn(2048, 2048, device=device).to(dtype) for _ in range(2))
-        r = alternate(device, {name: lambda: a @ b}, repeats, [lambda: a @ b])
+        r, _ = race(device, {name: torch.matmul}, (a, b), (a, b), repeats)
         out[f"matmul_{name}_gflops"] = 2 * 2048 ** 3 / r[name]["seconds"] / 1e9
     src = torch.empty(2 ** 26, device=device)  # 256 MiB of fp32
-    dst = torch.empty_like(src)
-    r = alternate(device, {"copy": lambda: dst.copy_(src)}, repeats, [lambda: dst.copy_(src)])
+    r, _ = race(device, {"copy": torch.empty_like(src).copy_}, (src,), (src,), repeats)
     out["copy_gbs"] = 2 * src.numel() * 4 / r["copy"]["seconds"] / 1e9
     return out
 
@@ -297,21 +287,15 @@ def throughput(args: argparse.Namespace, questions: list[str], cfg: Config,
     for B in batches:
         chats = [chat("math", "generator", question=questions[i % len(questions)])
                  for i in range(B)]
-        runs = {f"{w} {d}": lambda f=f, m=models[d]: f(m, chats, cfg)
-                for w, f in ways.items() for d in dtypes}
-        warmups = [lambda f=f, m=models[d]: f(m, chats[:2], short(cfg))
-                   for f in ways.values() for d in dtypes]
-        r = alternate(device, runs, args.repeats, warmups)
+        runs = {f"{w} {d}": partial(f, models[d]) for w, f in ways.items() for d in dtypes}
+        r, _ = race(device, runs, (chats, cfg), (chats[:2], short(cfg)), args.repeats)
         fig["generate"][B] = {name: B * cfg.max_new_tokens / r[name]["seconds"] for name in runs}
     calls = rollout_stage(models["fp32"], tok, chats[:16], cfg)
     trained = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)  # every position
     settings = dataclasses.replace(cfg, one_step=False, minibatch_size=len(calls))
-    frozen = {d: still_adapter(models[d], "shared", calls) for d in dtypes}
-    update = {d: lambda cs, d=d: policy_update(one_adapter(models[d], "shared", frozen[d]),
-                                               "shared", cs, tok.pad_token_id, settings)
-              for d in dtypes}
-    r = alternate(device, {d: lambda d=d: update[d](calls) for d in dtypes}, args.repeats,
-                  [lambda d=d: update[d](calls[:2]) for d in dtypes])
+    update = {d: partial(shared_update, models[d], still_adapter(models[d], "shared", calls),
+                         tok.pad_token_id, settings) for d in dtypes}
+    r, _ = race(device, update, (calls,), (calls[:2],), args.repeats)
     fig["update"] = {d: trained / r[d]["seconds"] for d in dtypes}
     fig["update_positions"] = trained
     return fig
@@ -327,25 +311,21 @@ def throughput_lines(fig: dict) -> list[str]:
     # per token: a forward pass is 2 FLOP a parameter; backward adds 2 for the gradient of the
     # input (the frozen weights need none of their own; LoRA's few parameters are left out)
     gflop = {"generate": 2 * t["params"] / 1e9, "update": 4 * t["params"] / 1e9}
+    # a step of B rows writes B tokens; its floor is reading every weight once at the copy's rate
+    floor = {d: 1e3 * t["weight_bytes"][d] / (lim["copy_gbs"] * 1e9) for d in t["dtypes"]}
     lines = ["", "throughput against the machine: a 2048^3 matmul peaks at "
              + ", ".join(f"{peak[d]:.0f} GFLOP/s {d}" for d in t["dtypes"])
              + f"; copying 256 MiB runs at {lim['copy_gbs']:.1f} GB/s",
              f"  generate, one generator stage ({fig['new_tokens']} new tokens), tokens/s "
-             f"(GFLOP/s at {gflop['generate']:.2f} GFLOP a token, % of the dtype's peak):"]
-    # a step of B rows writes B tokens; its floor is reading every weight once at the copy's rate
-    floor = {d: 1e3 * t["weight_bytes"][d] / (lim["copy_gbs"] * 1e9) for d in t["dtypes"]}
-    lines.append("    ms a decoding step = 1000 x rows / tokens/s (prefill included); "
-                 "reading the weights once takes "
-                 + ", ".join(f"{floor[d]:.3f} ms in {d}" for d in t["dtypes"]))
+             f"(GFLOP/s at {gflop['generate']:.2f} GFLOP a token, % of the dtype's peak):",
+             "    ms a decoding step = 1000 x rows / tokens/s (prefill included); "
+             "reading the weights once takes "
+             + ", ".join(f"{floor[d]:.3f} ms in {d}" for d in t["dtypes"])]
     for B, row in t["generate"].items():
-        for sampler in ("decode", "loop", "generate"):
-            if f"{sampler} fp32" not in row:
-                continue
-            cells = [f"{d} {row[f'{sampler} {d}']:8.1f} "
-                     f"({1e3 * int(B) / row[f'{sampler} {d}']:6.2f} ms, "
-                     f"{row[f'{sampler} {d}'] * gflop['generate']:6.1f}, "
-                     f"{100 * row[f'{sampler} {d}'] * gflop['generate'] / peak[d]:4.1f}%)"
-                     for d in t["dtypes"]]
+        for sampler in (s for s in ("decode", "loop", "generate") if f"{s} fp32" in row):
+            rates = {d: row[f"{sampler} {d}"] for d in t["dtypes"]}
+            cells = [f"{d} {v:8.1f} ({1e3 * int(B) / v:6.2f} ms, {v * gflop['generate']:6.1f}, "
+                     f"{100 * v * gflop['generate'] / peak[d]:4.1f}%)" for d, v in rates.items()]
             lines.append(f"    batch {int(B):4d}, {sampler:8s}: " + " | ".join(cells))
     cells = [f"{d} {v:6.1f} ({v * gflop['update']:5.1f}, "
              f"{100 * v * gflop['update'] / peak[d]:4.1f}%)" for d, v in t["update"].items()]
@@ -379,20 +359,18 @@ def report(fig: dict, device_name: str) -> str:
         lines.append(f"  {label}  {u[name]['seconds']:6.2f} s  "
                      f"{u[name]['tokens_per_s']:7.1f} tokens/s")
     lines[-1] += "  (measure.py, every --diag_every steps)"
-    s = fig.get("step")
-    lines += [] if s is None else ["",
-              f"one default training step, timed once (train.py {' '.join(fig['step_flags'])}):",
-              f"  rollout {s['rollout']:.1f} s | old log-probs {s['old_logp']:.1f} s | update "
-              f"{s['update']:.1f} s | eval of {fig['step_eval_problems']} problems "
-              f"{s['eval']:.1f} s | peak {s['peak_mb']:.0f} MiB"]
-    v = fig.get("sharing")
-    if v is not None:
+    if (s := fig.get("step")) is not None:
+        lines += ["", f"one default training step, timed once (train.py "
+                  f"{' '.join(fig['step_flags'])}):",
+                  f"  rollout {s['rollout']:.1f} s | old log-probs {s['old_logp']:.1f} s | update "
+                  f"{s['update']:.1f} s | eval of {fig['step_eval_problems']} problems "
+                  f"{s['eval']:.1f} s | peak {s['peak_mb']:.0f} MiB"]
+    if (v := fig.get("sharing")) is not None:
         lines += ["", f"Voting, {v['calls']} calls: rollout {v['rollout_seconds']:.1f} s "
                   "(the same stages under either sharing), then the update:",
                   f"  {'':10s}{'seconds':>9s}{'peak MiB':>10s}{'adapters':>10s}"]
-        for name in ("shared", "isolated"):
-            lines.append(f"  {name:10s}{v[name]['seconds']:9.2f}{v[name]['peak_mb']:10.0f}"
-                         f"{v['adapters'][name]:10d}")
+        lines += [f"  {name:10s}{v[name]['seconds']:9.2f}{v[name]['peak_mb']:10.0f}"
+                  f"{v['adapters'][name]:10d}" for name in ("shared", "isolated")]
         lines.append(f"  isolated / shared update time {v['update_ratio']:.2f}; each adapter "
                      f"holds {v['adapter_state_mb']:.1f} MiB (weights, gradient, AdamW's "
                      "two moments)")
@@ -437,19 +415,18 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
         raise SystemExit(f"bench: --threads {args.threads}: from 0 (chosen as train.py does) to "
                          f"{cores}, the cores this process may use")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    parts = {"step", "sharing", "throughput"}
-    if skip - parts:
-        raise SystemExit(f"bench: --skip {','.join(sorted(skip - parts))}: "
-                         "choose from step, sharing, throughput")
+    if skip - set(PARTS):
+        raise SystemExit(f"bench: --skip {','.join(sorted(skip - set(PARTS)))}: "
+                         f"choose from {', '.join(PARTS)}")
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         raise SystemExit(f"bench: --batches {args.batches!r}: "
                          "give batch sizes as 16,32,64") from None
-    if any(b < 1 for b in batches):
-        raise SystemExit(f"bench: --batches {args.batches}: every batch size must be at least 1")
-    if len(set(batches)) < len(batches):
-        raise SystemExit(f"bench: --batches {args.batches}: a batch size is given twice")
+    why = ("every batch size must be at least 1" if min(batches) < 1 else
+           "a batch size is given twice" if len(set(batches)) < len(batches) else "")
+    if why:
+        raise SystemExit(f"bench: --batches {args.batches}: {why}")
     if "throughput" in skip and args.batches != make_parser().get_default("batches"):
         raise SystemExit("bench: --batches sizes the throughput part, which --skip leaves out: "
                          "drop one")
@@ -459,10 +436,10 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
         raise SystemExit(f"bench: --repeats {args.repeats} on a GPU: at least {GPU_REPEATS} (its "
                          "first runs pay for planning kernels; a median needs three)")
     folder = os.path.dirname(os.path.abspath(args.json))
-    if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder)
-                      or not os.access(folder, os.W_OK)):
-        why = ("is a directory" if os.path.isdir(args.json)
-               else f"cannot be written: {folder} is missing or read-only")
+    why = ("is a directory" if os.path.isdir(args.json) else
+           "" if os.path.isdir(folder) and os.access(folder, os.W_OK) else
+           f"cannot be written: {folder} is missing or read-only")
+    if args.json and why:
         raise SystemExit(f"bench: --json {args.json} {why}; name a file in a writable directory")
     if args.json and (home := enclosing_run(args.json)):  # it would replace a run's own file
         raise SystemExit(f"bench: --json {args.json} is inside the run in {home}; "
@@ -477,8 +454,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device, threads = args.device, pick_threads(args.threads, own_load=0.0)
     torch.set_num_threads(threads)
-    # the stage it times is math's
-    cfg = Config(model=args.model, max_new_tokens=TASK_TOKENS["math"])
+    cfg = Config(model=args.model, max_new_tokens=TASK_TOKENS["math"])  # it times math's stage
     resolve_dtype(args.dtype, device, args.model)  # a bad --dtype stops before any model loads
     model, tok = load_policy(args.model, device, args.dtype)
     inject_lora(model, cfg.lora_r, cfg.lora_alpha)
@@ -489,11 +465,10 @@ def main(argv: list[str] | None = None) -> dict:
     fig = {"model": args.model, "device": device, "dtype": args.dtype, "threads": threads,
            "repeats": args.repeats, "rows": len(chats), "new_tokens": cfg.max_new_tokens}
     print(f"bench: generate ({3 * (args.repeats + 1)} stages) ...", file=sys.stderr)
-    g = generation(model, tok, device, chats, cfg, args.repeats)
-    calls = g.pop("calls")
+    fig["generate"] = generation(model, tok, device, chats, cfg, args.repeats)
+    calls = fig["generate"].pop("calls")
     fig["prompt_tokens"] = max(len(c.prompt_ids) for c in calls)
     fig["update_tokens"] = sum(len(c.completion_ids) for c in calls[::2])
-    fig["generate"] = g
     print("bench: old log-probs and update ...", file=sys.stderr)
     fig["update"] = update_parts(model, tok, device, calls[::2], cfg, args.repeats)
     if "step" not in skip:

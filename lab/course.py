@@ -1,11 +1,11 @@
 """The course kit: a student version of an assignment, graded by the project's own tests.
 
 The project pins every formula with a test against a hand-computed reference. An assignment
-is a few of those functions: `make` copies the project with their bodies replaced by
-`raise NotImplementedError` (signature, docstring and every other byte of the file kept; only
-the files git tracks: no .git, .venv, runs, gpu/, .env or caches), and `grade`, run inside
-such a copy, runs exactly the tests that pin them and prints the points of each function. docs/course.md is the syllabus: what
-each assignment teaches, what runs on a laptop, and one experiment per assignment.
+is a few of those functions: `make` copies the files git tracks with their bodies replaced by
+`raise NotImplementedError` (signature, docstring and every other byte of the file kept), and
+`grade`, run inside such a copy, runs exactly the tests that pin them and prints the points of
+each function. docs/course.md is the syllabus: what each assignment teaches, what runs on a
+laptop, and one experiment per assignment.
 
     python -m lab.course list                # the assignments: functions, tests, prerequisites
     python -m lab.course make 3 --out hw3/   # assignment 3 for a student
@@ -123,13 +123,8 @@ def node_ids(number: int) -> list[str]:
 
 def prerequisites(number: int) -> set[int]:
     """The assignments whose functions an assignment's tests run, directly or through others."""
-    found, todo = set(), list(ASSIGNMENTS[number].needs)
-    while todo:
-        n = todo.pop()
-        if n not in found:
-            found.add(n)
-            todo += ASSIGNMENTS[n].needs
-    return found
+    needs = ASSIGNMENTS[number].needs
+    return set(needs).union(*(prerequisites(n) for n in needs))
 
 
 # ----------------------------------------------------------------------------

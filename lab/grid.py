@@ -10,27 +10,17 @@ training them, and their tables.
     python -m lab.grid --demo default --seeds 0,1,2  # the default run's gain, and its source
     python -m lab.grid --demo critics --results docs/results/critics  # the logs, for committing
 
-Flags this file does not know go to every cell's train.py in which they act (--n_agents to the
-cells whose workflow has agents to count), after the cell's own, so they override them (e.g.
---model Qwen/Qwen3-1.7B --task dapo_math). A cell is one train.py run in a directory of its own
-(out/seed<S>/<cell>), trained in a fresh process. A finished cell is not trained again, and one
-trained with other settings is an error rather than a silent mix; an interrupted cell resumes
-from its checkpoint, and one killed before its first starts over, so an interrupted grid goes on
+A cell is one train.py run in a directory of its own (out/seed<S>/<cell>), trained in a fresh
+process; flags this file does not know go to every cell in which they act, after its own. A
+finished cell is not trained again, one trained with other settings is an error rather than a
+silent mix, and an interrupted one resumes from its checkpoint: an interrupted grid goes on
 where it stopped when the same command runs again. A demo's cells of one seed go on from one
 warm-up and step-0 evaluation (train.py --start_from), so they differ only in how RL updates the
-adapters. The tables (lab/tables.py) are means over the seeds with their range, and differences
-paired by seed with their t intervals; diagnose.py's report on every cell follows them.
-Each cell's printed lines are also kept in its log.txt; --results DIR copies what the tables are
-made of, each cell's config.json, metrics.jsonl and log.txt (no checkpoint), to DIR/seed<S>/<cell>,
-where a figure in docs/ can be recomputed from them (tests/test_figures.py).
-
-Every cell's settings are checked as its train.py will check them before the first cell
-trains, and a flag that would set what tells the cells apart (--workflow in the main table,
---algo in the critics demo, --seed) is refused: a bad grid stops at once, not hours in.
-
-It sits on top of the project: it imports diagnose.py (the report and the detectors), the
-tables and train.py's settings and checks (lab/settings.py), runs train.py in a
-subprocess per cell, and nothing imports it.
+adapters. Every cell's settings are checked before the first trains, so a bad grid stops at
+once, not hours in. The tables (lab/tables.py) are means over the seeds with their range, and
+differences paired by seed with their t intervals; diagnose.py's report on every cell follows.
+--results DIR copies each cell's config.json, metrics.jsonl and log.txt (its printed lines) to
+DIR/seed<S>/<cell>, where a figure in docs/ is recomputed from them (tests/test_figures.py).
 
 Exercised by: pytest tests/test_grid.py
 """
@@ -47,7 +37,7 @@ from lab.checkpoint import has_checkpoint
 from lab.files import load_run
 from lab.settings import (check_goes_on_from, check_settings, flag_name, idle_settings, run_config,
                           typed_flags, with_task_tokens)
-from lab.tables import (claims, critics_differences, critics_table, demo_plot, demo_table,
+from lab.tables import (Runs, claims, critics_differences, critics_table, demo_plot, demo_table,
                         gain_table, main_table, mean_table, seed_table, signal_numbers)
 from tasks import TASK_KIND
 from train import Config, check_algorithm_settings, parse_config
@@ -81,12 +71,9 @@ def cell_flags(shared: list[str], own: list[str], train_flags: list[str]) -> lis
     reaches the Voting cells, not the single-agent one (check_cells refuses one of the caller's
     that acts in no cell)."""
     idle = idle_settings(parse_config([*shared, *own, *train_flags]))
-    return [*acting(shared, idle), *own, *acting(train_flags, idle)]
-
-
-def acting(flags: list[str], idle: dict[str, str]) -> list[str]:
-    """flags, each with its value, less those named in `idle`."""
-    return [token for name, group in flag_groups(flags) if name not in idle for token in group]
+    acting = [[token for name, group in flag_groups(flags) if name not in idle for token in group]
+              for flags in (shared, train_flags)]
+    return [*acting[0], *own, *acting[1]]
 
 
 def flag_groups(argv: list[str]) -> list[tuple[str, list[str]]]:
@@ -259,11 +246,6 @@ def check_cells(cells: list[tuple[str, list[str]]], home: str,
     return list(configs.values())
 
 
-def seed_of(run_dir: str) -> str:
-    """The seed of a demo cell's run directory, seed<S>/<cell>."""
-    return os.path.basename(os.path.dirname(os.path.normpath(run_dir))).removeprefix("seed")
-
-
 # ----------------------------------------------------------------------------
 # Training the cells
 
@@ -347,30 +329,46 @@ def keep_logs(run_dirs: list[str], home: str, results: str) -> None:
 # The grid and the demos: their cells trained, then their tables (lab/tables.py)
 
 
+def train_and_report(cells: list[tuple[str, list[str]]], home: str, results: str,
+                     shown: list[str]) -> tuple[str, Runs]:
+    """Train the cells in home (and copy their logs to `results`, the seeds' starts too: a cell's
+    step 0 is its start's), then diagnose.py's report on the cells called one of `shown`: its
+    path, and their runs, cell -> seed -> (config, rows)."""
+    trained = train_cells(home, cells)
+    if results:
+        keep_logs(trained, home, results)
+    run_dirs = [d for d in trained if os.path.basename(d) in shown]
+    path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
+    by_cell = {cell: {} for cell in shown}
+    for d in run_dirs:  # home/seed<S>/<cell>
+        seed = os.path.basename(os.path.dirname(d)).removeprefix("seed")
+        by_cell[os.path.basename(d)][seed] = load_run(d, ROLES)
+    return path, by_cell
+
+
+def head_report(path: str, head: str, picture: str) -> None:
+    """Put the grid's own title and tables, then its picture, above diagnose.py's report."""
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(f"{head}\n\n![{os.path.basename(picture)}]({os.path.basename(picture)})\n\n"
+                + text)
+
+
 def reproduce(out: str, train_flags: list[str], seeds: list[int], results: str = "") -> str:
     """Train every grid cell for every seed, then write out/report.md: the main table, Paper A's
     findings checked against it, where each cell's learning signal went, the accuracy curves
     (curves.png) and diagnose.py's report on every run."""
     cells = grid_cells(train_flags, seeds)
     check_cells(cells, out, train_flags)
-    run_dirs = train_cells(out, cells)
-    if results:
-        keep_logs(run_dirs, out, results)
-    path = report(run_dirs, out, names=lambda d: os.path.relpath(d, out))
-    by_cell = {f"{w}-{s}": {seed_of(d): load_run(d, ROLES) for d in run_dirs
-                            if os.path.basename(d) == f"{w}-{s}"}
-               for w, s in GRID}
+    path, by_cell = train_and_report(cells, out, results, [f"{w}-{s}" for w, s in GRID])
     lines = main_table(by_cell) + ["", "Paper A's findings at this scale:", ""] + claims(by_cell)
     lines += ["", "Where the learning signal went "
               "(means over the training steps, then over the seeds):", ""]
     lines += mean_table({cell: [signal_numbers(*run) for run in runs.values()]
                          for cell, runs in by_cell.items()})
-    picture = demo_plot(("accuracy",), by_cell, os.path.join(out, "curves.png"))
-    with open(path) as f:
-        text = f.read()
-    with open(path, "w") as f:
-        f.write("# Paper A's main table in miniature\n\n" + "\n".join(lines)
-                + f"\n\n![curves.png]({os.path.basename(picture)})\n\n" + text)
+    head_report(path, "# Paper A's main table in miniature\n\n" + "\n".join(lines),
+                demo_plot(("accuracy",), by_cell, os.path.join(out, "curves.png")))
     print("\n".join(lines))
     return path
 
@@ -386,14 +384,7 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int],
     if name == "default" and TASK_KIND[task] != "math":
         raise SystemExit(f"--demo default: its table splits the gain at the generator's first "
                          f"answers, which only a math task scores (--task {task})")
-    trained = train_cells(home, cells)
-    if results:  # the seeds' starts too: a cell's step 0 is its start's
-        keep_logs(trained, home, results)
-    run_dirs = [d for d in trained if os.path.basename(d) in spec.cells]
-    path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
-    by_cell = {cell: {seed_of(d): load_run(d, ROLES) for d in run_dirs
-                      if os.path.basename(d) == cell}
-               for cell in spec.cells}  # cell -> seed -> (config, rows)
+    path, by_cell = train_and_report(cells, home, results, list(spec.cells))
     lines, verdict = demo_table(by_cell) + [""] + seed_table(spec.signals[0], by_cell), []
     for cell, runs in by_cell.items() if spec.finding else ():  # a comparison asks no detector
         found = sum(any(f.startswith(spec.finding) for f in findings(*run))
@@ -405,13 +396,9 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int],
     if name == "critics":
         lines += ["", "Seed by seed:", ""] + critics_table(by_cell) + ["", "Paired by seed:", ""]
         lines += [f"- {k}: {v}" for k, v in critics_differences(by_cell).items()]
-    picture = demo_plot(spec.signals, by_cell, os.path.join(home, "demo.png"))
-    with open(path) as f:
-        text = f.read()
-    with open(path, "w") as f:
-        f.write(f"# Demo: {name}\n\n" + "\n".join(lines) + "\n\n"
-                + "\n".join(f"- {v}" for v in verdict)
-                + f"\n\n![demo.png]({os.path.basename(picture)})\n\n" + text)
+    head_report(path, f"# Demo: {name}\n\n" + "\n".join(lines) + "\n\n"
+                + "\n".join(f"- {v}" for v in verdict),
+                demo_plot(spec.signals, by_cell, os.path.join(home, "demo.png")))
     print("\n".join(lines + [""] + verdict))
     return path
 

@@ -31,9 +31,13 @@ from train import Config
 from workflows import ROLES, run_workflow
 
 
-def run_config(run_dir: str) -> Config:
-    """A run's config.json as train.py's Config (settings.read_config: every setting there, none
-    left to a default), its values checked as a launch checks them; and its log readable."""
+def checkpoint_config(ckpt: str) -> Config:
+    """The config.json of the run that saved checkpoint `ckpt`, as train.py's Config (every
+    setting there, none left to a default), its values checked as a launch checks them; and the
+    run's log readable."""
+    if not os.path.exists(os.path.join(ckpt, "state.pt")):
+        raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
+    run_dir = os.path.dirname(os.path.normpath(ckpt))
     load_run(run_dir, ROLES)  # its errors name their own file
     cfg = read_config(os.path.join(run_dir, "config.json"), train.Config)
     try:
@@ -41,13 +45,6 @@ def run_config(run_dir: str) -> Config:
     except SystemExit as e:
         raise SystemExit(f"{run_dir}/config.json: {e}") from None
     return cfg
-
-
-def checkpoint_config(ckpt: str) -> Config:
-    """The config of the run that saved checkpoint `ckpt`."""
-    if not os.path.exists(os.path.join(ckpt, "state.pt")):
-        raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
-    return run_config(os.path.dirname(os.path.normpath(ckpt)))
 
 
 def trained_model(ckpt: str) -> tuple[Config, object, object, list[str]]:

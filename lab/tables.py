@@ -62,25 +62,30 @@ def main_table(by_cell: Runs) -> list[str]:
                     "start = step 0, before any update."]
 
 
-def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """Where one run's learning signal went, each a mean over its training steps (docs/runs.md
-    says what each key is): the reward, the crowded role's own right answers, the fallbacks, the
-    calls without reward contrast, the mini-batches without a live call (summed over the adapters),
-    each adapter's change per step, the crowded role's gradient share, the supervisory role's
-    adherence, the evaluator's verdicts that agree with the verifier; and at the last evaluation,
-    the final answer's accuracy against the first one's."""
-    def mean(pattern: str, per_step=statistics.mean) -> float:
-        """The mean over the training steps of per_step(the step's values of the matching keys)."""
-        values = []
-        for r in rows:
-            hits = [v for k, v in r.items() if re.fullmatch(pattern, k)]
-            if hits and r["step"] > 0:  # step 0 is the evaluation before training
-                values.append(per_step(hits))
-        return statistics.mean(values) if values else math.nan
+def nan_mean(values: list[float]) -> float:
+    return statistics.mean(values) if values else math.nan
 
+
+def crowded_and_judge(config: dict) -> tuple[str, str | None]:
+    """The role with the most slots, and the workflow's first other role (None: no other)."""
     n = multiplicity(config)
     crowded = max(n, key=n.get)
-    judge = next((r for r in ROLES[config["workflow"]] if r != crowded), None)
+    return crowded, next((r for r in ROLES[config["workflow"]] if r != crowded), None)
+
+
+def step_mean(rows: list[dict], pattern: str, per_step=statistics.mean) -> float:
+    """The mean over the training steps (step 0 is the evaluation before them) of
+    per_step(the step's values of the keys that match `pattern`)."""
+    return nan_mean([per_step(hits) for r in rows if r["step"] > 0
+                     if (hits := [v for k, v in r.items() if re.fullmatch(pattern, k)])])
+
+
+def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
+    """Where one run's learning signal went, each a mean over its training steps (docs/runs.md
+    says what each key is; the mini-batches without a live call are summed over the adapters),
+    and at the last evaluation, the final answer's accuracy against the first one's."""
+    crowded, judge = crowded_and_judge(config)
+    mean = partial(step_mean, rows)
     last = next(r for r in reversed(rows) if "eval/accuracy" in r)
     return {"reward": mean(r"reward/mean"), "crowded solved": mean(rf"role/{crowded}/solved"),
             "fallback": mean(r"contract/fallback_rate"), "no contrast": mean(r"adv/zero_frac"),
@@ -179,9 +184,8 @@ def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, flo
     adapter's update norm, the first supervisory role's adherence, each role's gradient share,
     reward and accuracy; the critics' explained variance, and what a central critic reads that
     each role's decentral one does not (critic.unseen)."""
-    n = multiplicity(config)
-    crowded = max(n, key=n.get)  # the role with the most slots
-    judge = next((r for r in ROLES[config["workflow"]] if r != crowded), crowded)
+    crowded, judge = crowded_and_judge(config)
+    judge = judge or crowded
     adapter = "shared" if config["sharing"] == "shared" else crowded
     keys = {"kappa": f"role/{crowded}/kappa", "update norm": f"adapter/{adapter}/update_norm",
             "adherence": f"role/{judge}/adherence", "reward": "reward/mean",
@@ -194,29 +198,23 @@ def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, flo
 
 
 def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """What the demos compare, from one run: the crowded role's kappa (mean, and the share of
-    steps at >= 0.8 sqrt(N)), its adapter's update norm, the first supervisory role's
-    adherence (first and last step), the largest gradient share, reward and accuracy; the
-    critics' explained variance, the advantages' spread, the gradient noise and each role's
-    unseen share (means over the steps)."""
+    """What the demos compare, from one run's cell_series: means over the steps, the share of
+    steps whose kappa reaches the detector's KAPPA_FRAC sqrt(N), adherence and reward at the
+    first and last step, the largest gradient share, accuracy at the start, peak and end."""
     n = max(multiplicity(config).values())
     got = {name: [v for _, v in points] for name, points in cell_series(config, rows).items()}
     kappa, adh, reward, acc = got["kappa"], got["adherence"], got["reward"], got["accuracy"]
     shares = [statistics.mean(vs) for name, vs in got.items() if name.endswith(" share") and vs]
-    mean = statistics.mean
-    return {"kappa": mean(kappa) if kappa else math.nan,
-            "coherent steps": (mean(k >= KAPPA_FRAC * math.sqrt(n) for k in kappa) if kappa
-                               else math.nan),
-            "update norm": mean(got["update norm"] or [math.nan]),
-            "adherence first": adh[0] if adh else math.nan,
-            "adherence last": adh[-1] if adh else math.nan,
-            "top share": max(shares) if shares else math.nan,
-            "reward first": reward[0] if reward else math.nan,
-            "reward last": reward[-1] if reward else math.nan,
+    return {"kappa": nan_mean(kappa),
+            "coherent steps": nan_mean([k >= KAPPA_FRAC * math.sqrt(n) for k in kappa]),
+            "update norm": nan_mean(got["update norm"]),
+            "adherence first": (adh or [math.nan])[0], "adherence last": (adh or [math.nan])[-1],
+            "top share": max(shares, default=math.nan),
+            "reward first": (reward or [math.nan])[0], "reward last": (reward or [math.nan])[-1],
             "accuracy start": acc[0], "accuracy peak": max(acc), "accuracy end": acc[-1],
-            **{k: mean(got[k] or [math.nan])
+            **{k: nan_mean(got[k])
                for k in ("explained variance", "advantage std", "gradient noise")},
-            **{k: mean(vs) if vs else math.nan for k, vs in got.items() if k.endswith(" unseen")}}
+            **{k: nan_mean(vs) for k, vs in got.items() if k.endswith(" unseen")}}
 
 
 def demo_table(by_cell: Runs) -> list[str]:
@@ -264,12 +262,8 @@ def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
         parts = []
         for k in keys:
             vs = [x[k] for x in numbers if not math.isnan(x.get(k, math.nan))]
-            if not vs:
-                parts.append("-")
-            elif len(vs) == 1:
-                parts.append(f"{vs[0]:.2f}")
-            else:
-                parts.append(f"{statistics.mean(vs):.2f} ({min(vs):.2f} to {max(vs):.2f})")
+            parts.append("-" if not vs else f"{vs[0]:.2f}" if len(vs) == 1 else
+                         f"{statistics.mean(vs):.2f} ({min(vs):.2f} to {max(vs):.2f})")
         lines.append(f"| {cell} | " + " | ".join(parts) + " |")
     return lines
 
@@ -384,10 +378,6 @@ def critics_differences(by_cell: Runs) -> dict[str, str]:
     evaluation to the last for each pair of cells (its standard error at least the evaluation's
     own noise), and central minus decentral in the means over the steps of adv/std and of
     grad_noise (over the seeds where both cells logged it)."""
-    def means(cell: str, key: str) -> dict[str, float]:
-        return {seed: statistics.mean(vs) for seed, (_, rows) in by_cell[cell].items()
-                if (vs := [v for _, v in series(rows, key)])}
-
     acc = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()}
            for cell, runs in by_cell.items()}
     config = next(iter(by_cell["grpo"].values()))[0]
@@ -397,6 +387,7 @@ def critics_differences(by_cell: Runs) -> dict[str, str]:
            for a, b in (("central", "decentral"), ("central", "grpo"), ("decentral", "grpo"))}
     for name, key in (("advantages' spread", "adv/std"),
                       ("noise share", "adapter/shared/grad_noise")):
-        a, b = means("central", key), means("decentral", key)
+        a, b = ({seed: statistics.mean(vs) for seed, (_, rows) in by_cell[cell].items()
+                 if (vs := [v for _, v in series(rows, key)])} for cell in ("central", "decentral"))
         out[name] = paired_line([a[s] - b[s] for s in sorted(a.keys() & b.keys(), key=int)])
     return out
