@@ -230,11 +230,6 @@ def has_checkpoint(out: str) -> bool:
                for end in ("", ".tmp", ".old"))
 
 
-def no_checkpoint(out: str) -> str:
-    return (f"--resume: {out} has no checkpoint (the run stopped before its first one); start it "
-            "again without --resume, with --overwrite")
-
-
 def refuse_foreign(state: dict, run_id: str, path: str, then: str) -> None:
     """Stop a resume whose checkpoint in `path` (its loaded state.pt) is another run's: a state.pt
     copied in would otherwise be taken, and the logs cut back to its step. A checkpoint saved
