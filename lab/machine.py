@@ -6,13 +6,11 @@ exchange in a step, torch's CPU threads, the peak memory and the clocks that tim
         # docs/torchrun.md
     kill -TERM PID      # the run stops after its current step, its checkpoint kept (docs/runs.md)
 
-Under torchrun (WORLD_SIZE > 1) a process joins the process group. Torch's CPU threads are
-the cores that other programs leave free (a thread whose core is taken stalls the others of
-its matrix product), chosen again after every step; the peak memory logged is the
-accelerator's or the process's own. Ctrl-C (SIGINT) and SIGTERM, what a cluster sends before
-it pre-empts a job, only set a flag: the training loop reads it at the end of every step,
-where under torchrun the processes agree on it, so that all of them stop after the same step
-(lab/run.py's stop_run ends the run).
+Under torchrun (WORLD_SIZE > 1) a process joins the process group. Torch's CPU threads are the
+cores that other programs leave free, chosen again after every step. Ctrl-C (SIGINT) and SIGTERM,
+what a cluster sends before it pre-empts a job, only set a flag that the loop reads at the end of
+every step, where the processes agree on it: all of them stop after the same step (lab/run.py's
+stop_run ends the run).
 
 Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py,
 tests/test_bench.py
@@ -148,10 +146,9 @@ def join_processes(device: str) -> str:
 def log(line: str) -> None:
     """One line of the run's log: rank 0's, above the progress bar on a terminal, plain in a
     file."""
-    if rank_and_world()[0] != 0:
-        return
-    tqdm.write(line, file=sys.stdout)
-    sys.stdout.flush()  # a redirected log shows each line as it happens
+    if rank_and_world()[0] == 0:
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()  # a redirected log shows each line as it happens
 
 
 def run_main(main: Callable[[], object]) -> None:

@@ -43,9 +43,8 @@ class Run:
     """One run of train.py: its settings, processes, directory, logs, checkpoints and clock."""
 
     def __init__(self, cfg: Settings, typed: set[str] | None = None):
-        """Check the settings (a resumed run's own from its config.json), join torchrun's
-        processes, pick the threads, load the problems (`held_problems`) and check another run's
-        start (--start_from); nothing is written yet."""
+        """Check the settings, join torchrun's processes, pick the threads, load the problems and
+        check another run's start (--start_from); nothing is written yet."""
         self.cfg, self.typed = check_settings(cfg, typed), typed
         self.device = join_processes(self.cfg.device)
         self.rank, self.world = rank_and_world()
@@ -303,8 +302,7 @@ def estimate_minutes(cfg: Settings, eval_seconds: float, step_seconds: list[floa
     per_episode = eval_seconds / episodes  # an evaluation's: test and val, each sample
     step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
                  else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
-    evals_left = evals_after(cfg, step)
-    return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
+    return ((cfg.steps - step) * step_time + evals_after(cfg, step) * eval_seconds) / 60
 
 
 # ----------------------------------------------------------------------------

@@ -55,7 +55,6 @@ def parse_flags(config: type, argv: list[str] | None = None) -> Settings:
     """A Config from the command line (`config`: the class, train.py's Config)."""
     # no abbreviations: --resume checks the flags typed, by their full names (typed_flags);
     # --work voting, taken for --workflow, would escape that check
-    # --help shows the TUTORIAL flags' help only; --help-all every flag's
     every = "--help-all" in (sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description="Train an LLM workflow end to end with multi-agent GRPO or actor-critic.",
@@ -330,9 +329,8 @@ def check_start(cfg: Settings) -> dict:
                    and getattr(saved, f.name) not in f.metadata["choices"]]:
         raise SystemExit(f"--start_from {where}: its config.json names no known {unknown[0]}")
     # every adapter and critic it trained has an optimizer in state.pt, and must be there whole
-    missing = [n for n in sorted(state["optimizers"])
-               if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]
-    if missing:
+    if missing := [n for n in sorted(state["optimizers"])
+                   if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]:
         raise SystemExit(f"--start_from {where}: its checkpoint lacks the adapter(s) "
                          f"{', '.join(missing)}")
     if best is None:  # the step-0 row this run begins its log with
@@ -340,10 +338,10 @@ def check_start(cfg: Settings) -> dict:
         if not rows or rows[0]["step"] != 0 or "eval/accuracy" not in rows[0]:
             raise SystemExit(f"--start_from {where}: its metrics.jsonl lacks the evaluation "
                              "of step 0")
-    if state["step"] != 0 and best is None:
-        raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
-                         "(train the start with --steps 0, or start from its best checkpoint, "
-                         f"{where}/best)")
+        if state["step"] != 0:
+            raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, "
+                             "not 0 (train the start with --steps 0, or start from its best "
+                             f"checkpoint, {where}/best)")
     check_goes_on_from(cfg, saved, where)
     return dataclasses.asdict(saved)
 
