@@ -249,21 +249,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def reset_peak(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the resident set's high-water mark starts again from now
-    except OSError:
-        pass  # the peak then covers the whole process so far
-
-
 def timed(device: str, fn) -> tuple[float, float, object]:
     """Seconds and peak memory (MiB) of one call of fn, and what it returned."""
     sync(device)
-    reset_peak(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the resident set's high-water mark starts again from now
+        except OSError:
+            pass  # the peak then covers the whole process so far
     start = time.perf_counter()
     result = fn()
     sync(device)

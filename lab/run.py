@@ -45,12 +45,12 @@ class Run:
     def __init__(self, cfg: Settings, typed: set[str] | None = None):
         """Check the settings, join torchrun's processes, pick the threads, load the problems and
         check another run's start (--start_from); nothing is written yet."""
-        self.cfg, self.typed = check_settings(cfg, typed), typed
+        self.cfg = check_settings(cfg, typed)
         self.device = join_processes(self.cfg.device)
         self.rank, self.world = rank_and_world()
         self.procs = PROCESSES  # what the algorithm's passes exchange (rollout.ONE_PROCESS)
         torch.set_num_threads(pick_threads(self.cfg.threads, own_load=0.0))
-        self.train_set, self.held_out = self.held_problems()
+        self.cfg, self.train_set, self.held_out = load_problems(self.cfg, self.world, typed)
         self.start_config = (check_start(self.cfg) if self.cfg.start_from and not self.cfg.resume
                              else None)
         self.step_seconds: list[float] = []  # training time of each step, evaluation excluded
@@ -74,21 +74,6 @@ class Run:
         if not self.cfg.resume and self.rank == 0:
             start_run_dir(self.cfg.out, self.held,
                           {**dataclasses.asdict(self.cfg), RUN_ID: self.run_id})
-
-    def held_problems(self) -> tuple[list, dict[str, list]]:
-        """The training pool and the held-out problems (load_problems). A split that holds fewer
-        problems than asked (HumanEval's 164 in all) is refused where the number was given; a
-        default becomes what the split holds, and the plan and config.json say so."""
-        train_set, held_out = load_problems(self.cfg, self.world)
-        held = {"train_problems": len(train_set), "eval_problems": len(held_out["eval"]),
-                "val_problems": len(held_out.get("val", []))}
-        fewer = {name: n for name, n in held.items() if n < getattr(self.cfg, name)}
-        for name, n in fewer.items():
-            if chosen(self.cfg, self.typed, name):
-                raise SystemExit(f"--{name} {getattr(self.cfg, name)}: task {self.cfg.task}'s "
-                                 f"split holds {n} problems; give at most {n}")
-        self.cfg = dataclasses.replace(self.cfg, **fewer)
-        return train_set, held_out
 
     # ---- step 0
 
@@ -219,9 +204,12 @@ class Run:
 # The problems
 
 
-def load_problems(cfg: Settings, world: int) -> tuple[list, dict[str, list]]:
-    """The training pool and the held-out problems, {"eval": test, "val": val} (no "val" without
-    --val_problems)."""
+def load_problems(cfg: Settings, world: int,
+                  typed: set[str] | None = None) -> tuple[Settings, list, dict[str, list]]:
+    """cfg, the training pool and the held-out problems, {"eval": test, "val": val} (no "val"
+    without --val_problems). A split that holds fewer problems than asked (HumanEval's 164 in all)
+    is refused where the number was given (settings.chosen); a default becomes what the split
+    holds, in the cfg returned, and the plan and config.json say so."""
     if cfg.problems_per_step < world:
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than "
                          f"the {world} processes; every process needs at least one")
@@ -235,7 +223,14 @@ def load_problems(cfg: Settings, world: int) -> tuple[list, dict[str, list]]:
     if cfg.problems_per_step > len(train_set):
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} "
                          f"training pool holds {len(train_set)} problems")
-    return train_set, held_out
+    held = {"train_problems": len(train_set), "eval_problems": len(held_out["eval"]),
+            "val_problems": len(held_out.get("val", []))}
+    fewer = {name: n for name, n in held.items() if n < getattr(cfg, name)}
+    for name, n in fewer.items():
+        if chosen(cfg, typed, name):
+            raise SystemExit(f"--{name} {getattr(cfg, name)}: task {cfg.task}'s split holds {n} "
+                             f"problems; give at most {n}")
+    return dataclasses.replace(cfg, **fewer), train_set, held_out
 
 
 # ----------------------------------------------------------------------------
