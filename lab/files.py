@@ -356,7 +356,7 @@ def take_lock(out: str) -> str:
         return f"--out {out} cannot be made ({e.strerror})"
     if os.path.islink(os.path.join(out, LOCK)):
         return f"--out {out}: its {LOCK} is a symbolic link, not a lock file; remove it"
-    # (not inherited by the processes a run starts: os.open's files are not)
+    # not inherited by the programs the run starts (PEP 446): the lock ends with this process
     fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

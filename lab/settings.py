@@ -53,9 +53,9 @@ SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation
 
 def parse_flags(config: type, argv: list[str] | None = None) -> Settings:
     """A Config from the command line (`config`: the class, train.py's Config)."""
+    every = "--help-all" in (sys.argv[1:] if argv is None else argv)  # every flag's help shown
     # no abbreviations: --resume checks the flags typed, by their full names (typed_flags);
     # --work voting, taken for --workflow, would escape that check
-    every = "--help-all" in (sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description="Train an LLM workflow end to end with multi-agent GRPO or actor-critic.",
         allow_abbrev=False, usage="%(prog)s [--flag value ...]")
@@ -210,7 +210,7 @@ def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
     check_numbers(cfg)
     if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
         # no setting given where it would do nothing (ONLY_UNDER): a critic's to GRPO, a
-        # warm-up's to a run without one, a task's to another task
+        # warm-up's to a run without one, a task's to another task, a workflow's to another
         for name, why in idle_settings(cfg).items():
             if chosen(cfg, typed, name):
                 raise SystemExit(f"--{name} {why}")
