@@ -1,13 +1,10 @@
 """A run's training state, one object, and its checkpoints: what a run saves after a step and a
 resume reads back, so that the run goes on exactly where it stopped.
 
-`TrainState` holds everything training changes besides the frozen base model: the LoRA adapters
-(in the model), the critics' value heads, an AdamW optimizer and a learning-rate schedule per
-adapter and per critic, the random number states (Python's for problems and mini-batches,
-torch's for sampling, one per process) and the gradient EMAs of --damping. `save` writes it to
-out/ckpt, or with best.json to out/best (`keep_best`: the best evaluation so far); `load` reads
-out/ckpt back (--resume); `load_start` reads the part of another run's checkpoint a new run
-starts from (--start_from: adapters, critics, random states, not the optimizers).
+`TrainState` holds everything training changes besides the frozen base model. `save` writes it
+to out/ckpt, or with best.json to out/best (`keep_best`: the best evaluation so far); `load`
+reads out/ckpt back (--resume); `load_start` reads the part of another run's checkpoint a new
+run starts from (--start_from: adapters, critics, random states, not the optimizers).
 
 A checkpoint is a directory written as .tmp, flushed to the disk and swapped in whole, so a kill
 or a power loss at any moment leaves the old one or the new one: `whole_checkpoint` finds
@@ -87,8 +84,7 @@ class TrainState:
         write_files(tmp, files | {"state.part": state.getvalue()})
         os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # tmp is whole
         fsync(tmp)
-        # Swap directories so a crash leaves either the old or the new checkpoint whole
-        # (whole_checkpoint finds it).
+        # the swap: a crash leaves the old or the new checkpoint whole (whole_checkpoint finds it)
         shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
         if os.path.exists(final):
             os.replace(final, final + ".old")
@@ -230,11 +226,6 @@ def has_checkpoint(out: str) -> bool:
                for end in ("", ".tmp", ".old"))
 
 
-def no_checkpoint(out: str) -> str:
-    return (f"--resume: {out} has no checkpoint (the run stopped before its first one); start it "
-            "again without --resume, with --overwrite")
-
-
 def refuse_foreign(state: dict, run_id: str, path: str, then: str) -> None:
     """Stop a resume whose checkpoint in `path` (its loaded state.pt) is another run's: a state.pt
     copied in would otherwise be taken, and the logs cut back to its step. A checkpoint saved
@@ -246,8 +237,7 @@ def refuse_foreign(state: dict, run_id: str, path: str, then: str) -> None:
 
 
 def unreadable(path: str) -> str:
-    """Why checkpoint directory `path` does not read back whole, naming the file; "" when it
-    does."""
+    """Why checkpoint directory `path` does not read back whole, naming the file; "" if it does."""
     if not os.path.isdir(path):
         return f"{path} is not a checkpoint's directory"
     if os.path.lexists(os.path.join(path, "best.json")) and read_best(path) is None:

@@ -41,19 +41,6 @@ def fsync(*paths: str) -> None:
             os.close(fd)
 
 
-def open_here(path: str, flags: int) -> int:
-    """os.open for writing in a run directory, never through a link: a symbolic link planted in
-    the directory (its .lock, config.json.tmp, a log) is a one-line error, not a write to whatever
-    it names (O_NOFOLLOW)."""
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW, 0o644)
-    except OSError:
-        if os.path.islink(path):
-            raise SystemExit(f"{path} is a symbolic link; a run writes only its own files: "
-                             "remove it") from None
-        raise
-
-
 def cannot_write(path: str, e: OSError) -> SystemExit:
     """A write of the run's that failed (a full disk, a quota) as the one line that stops it."""
     return SystemExit(f"{path} cannot be written ({e.strerror or e}); the run stops here, the "
@@ -61,10 +48,18 @@ def cannot_write(path: str, e: OSError) -> SystemExit:
 
 
 def write_bytes(path: str, flags: int, data: bytes) -> None:
-    """`data` written to `path` (opened with `flags`, never through a link) and on the disk when
-    it returns. A write that fails leaves the file at the size it had (a log keeps no half row)
-    and raises its OSError, which os.write names (torch.save and safetensors' would not)."""
-    fd = open_here(path, os.O_WRONLY | flags)
+    """`data` written to `path` (opened with `flags`) and on the disk when it returns. A symbolic
+    link planted in the run directory (config.json.tmp, a log) is a one-line error, not a write to
+    whatever it names (O_NOFOLLOW). A write that fails leaves the file at the size it had (a log
+    keeps no half row) and raises its OSError, which os.write names (torch.save and safetensors'
+    would not)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | flags | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        if os.path.islink(path):
+            raise SystemExit(f"{path} is a symbolic link; a run writes only its own files: "
+                             "remove it") from None
+        raise
     size = os.fstat(fd).st_size
     try:
         view = memoryview(data)
@@ -359,9 +354,9 @@ def take_lock(out: str) -> str:
         os.makedirs(out, exist_ok=True)
     except OSError as e:  # a name too long, a read-only file system
         return f"--out {out} cannot be made ({e.strerror})"
-    # not inherited by children
     if os.path.islink(os.path.join(out, LOCK)):
         return f"--out {out}: its {LOCK} is a symbolic link, not a lock file; remove it"
+    # not inherited by the programs the run starts (PEP 446): the lock ends with this process
     fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -464,8 +459,7 @@ def start_run_dir(out: str, held: list[str], config: dict) -> None:
 
 def start_logs(out: str, first: dict) -> None:
     """metrics.jsonl holding the step-0 row, and an empty samples.jsonl (rank 0 writes)."""
-    if rank_and_world()[0] != 0:
-        return
-    write_whole(os.path.join(out, "metrics.jsonl"), json.dumps(first) + "\n")
-    write_whole(os.path.join(out, "samples.jsonl"), "")
-    tensorboard_row(out, first)
+    if rank_and_world()[0] == 0:
+        write_whole(os.path.join(out, "metrics.jsonl"), json.dumps(first) + "\n")
+        write_whole(os.path.join(out, "samples.jsonl"), "")
+        tensorboard_row(out, first)

@@ -6,13 +6,11 @@ exchange in a step, torch's CPU threads, the peak memory and the clocks that tim
         # docs/torchrun.md
     kill -TERM PID      # the run stops after its current step, its checkpoint kept (docs/runs.md)
 
-Under torchrun (WORLD_SIZE > 1) a process joins the process group. Torch's CPU threads are
-the cores that other programs leave free (a thread whose core is taken stalls the others of
-its matrix product), chosen again after every step; the peak memory logged is the
-accelerator's or the process's own. Ctrl-C (SIGINT) and SIGTERM, what a cluster sends before
-it pre-empts a job, only set a flag: the training loop reads it at the end of every step,
-where under torchrun the processes agree on it, so that all of them stop after the same step
-(lab/run.py's stop_run ends the run).
+Under torchrun (WORLD_SIZE > 1) a process joins the process group. Torch's CPU threads are the
+cores that other programs leave free, chosen again after every step. Ctrl-C (SIGINT) and SIGTERM,
+what a cluster sends before it pre-empts a job, only set a flag that the loop reads at the end of
+every step, where the processes agree on it: all of them stop after the same step (lab/run.py's
+stop_run ends the run).
 
 Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py,
 tests/test_bench.py
@@ -108,8 +106,9 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
 # Processes (joining, exchanging a step's episodes and statistics), threads, memory
 
 
-def check_device(device: str) -> None:
-    """A one-line error for a device that is not one of this project's, or not here."""
+def check_device(device: str) -> bool:
+    """A one-line error for a device that is not one of this project's, or not here; whether it
+    is a GPU."""
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise SystemExit(f"--device {device}: not a device of this project; "
                          "use auto, cpu, cuda or cuda:N")
@@ -121,15 +120,19 @@ def check_device(device: str) -> None:
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
         raise SystemExit(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s), "
                          "from cuda:0")
+    return cuda
+
+
+def alone() -> bool:
+    """Whether this process runs by itself, not under torchrun (WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) == 1
 
 
 def join_processes(device: str) -> str:
-    """This process's device (one that is not here: a one-line error); under torchrun
-    (WORLD_SIZE > 1) also join the process group: nccl and one GPU per local rank on CUDA, gloo on
-    CPU."""
-    check_device(device)
-    cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    """This process's device (one that is not here: a one-line error); under torchrun also join
+    the process group: nccl and one GPU per local rank on CUDA, gloo on CPU."""
+    cuda = check_device(device)
+    if alone():
         return ("cuda" if cuda else "cpu") if device == "auto" else device
     if cuda:
         local = int(os.environ["LOCAL_RANK"])
@@ -143,10 +146,9 @@ def join_processes(device: str) -> str:
 def log(line: str) -> None:
     """One line of the run's log: rank 0's, above the progress bar on a terminal, plain in a
     file."""
-    if rank_and_world()[0] != 0:
-        return
-    tqdm.write(line, file=sys.stdout)
-    sys.stdout.flush()  # a redirected log shows each line as it happens
+    if rank_and_world()[0] == 0:
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()  # a redirected log shows each line as it happens
 
 
 def run_main(main: Callable[[], object]) -> None:
@@ -154,7 +156,7 @@ def run_main(main: Callable[[], object]) -> None:
     shutdown: the run is saved and its process group destroyed, but on CPU gloo's threads could
     still abort that shutdown (SIGABRT); a SystemExit (a one-line error, or a run stopped early)
     becomes the exit status."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if alone():
         main()
         return
     try:
@@ -247,21 +249,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def reset_peak(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the resident set's high-water mark starts again from now
-    except OSError:
-        pass  # the peak then covers the whole process so far
-
-
 def timed(device: str, fn) -> tuple[float, float, object]:
     """Seconds and peak memory (MiB) of one call of fn, and what it returned."""
     sync(device)
-    reset_peak(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the resident set's high-water mark starts again from now
+        except OSError:
+            pass  # the peak then covers the whole process so far
     start = time.perf_counter()
     result = fn()
     sync(device)
@@ -286,6 +284,11 @@ def alternate(device: str, runs: dict, repeats: int, warmups: list) -> dict[str,
                    "peak_mb": max(peaks[name]), "result": results[name]} for name in runs}
 
 
+try:  # glibc, if this process runs on it (malloc_trim is glibc's own)
+    LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+except OSError:
+    LIBC = None
+
 
 def release_free_memory() -> float:
     """Give the memory that the C allocator keeps after a phase frees it back to the system
@@ -294,21 +297,9 @@ def release_free_memory() -> float:
     tensors of other sizes do not fit: without this, each rollout's peak sits on top of the
     update's leftovers (docs/performance.md)."""
     start = time.perf_counter()
-    if LIBC is not None:
+    if hasattr(LIBC, "malloc_trim"):
         LIBC.malloc_trim(0)
     return time.perf_counter() - start
-
-
-def _libc():
-    """glibc, if this process runs on it (malloc_trim is glibc's own)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-LIBC = _libc()
 
 
 # ----------------------------------------------------------------------------
@@ -328,9 +319,8 @@ def ask_to_stop(signum: int, frame: object = None) -> None:
     at once, as it would without the handler. Not under torchrun: it passes a signal on to its
     processes, which may have had it already (Ctrl-C, a cluster signalling a whole job), and
     kills them itself 30 s later."""
-    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
     if requested:
-        if not alone:
+        if not alone():
             return
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
@@ -339,7 +329,7 @@ def ask_to_stop(signum: int, frame: object = None) -> None:
         return
     requested.append(signum)
     if rank_and_world()[0] == 0:  # unbuffered: the signal may have come in the middle of a print
-        again = "; again to stop at once" if alone else ""
+        again = "; again to stop at once" if alone() else ""
         os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step{again}\n".encode())
 
 

@@ -43,15 +43,14 @@ class Run:
     """One run of train.py: its settings, processes, directory, logs, checkpoints and clock."""
 
     def __init__(self, cfg: Settings, typed: set[str] | None = None):
-        """Check the settings (a resumed run's own from its config.json), join torchrun's
-        processes, pick the threads, load the problems (`held_problems`) and check another run's
-        start (--start_from); nothing is written yet."""
-        self.cfg, self.typed = check_settings(cfg, typed), typed
+        """Check the settings, join torchrun's processes, pick the threads, load the problems and
+        check another run's start (--start_from); nothing is written yet."""
+        self.cfg = check_settings(cfg, typed)
         self.device = join_processes(self.cfg.device)
         self.rank, self.world = rank_and_world()
         self.procs = PROCESSES  # what the algorithm's passes exchange (rollout.ONE_PROCESS)
         torch.set_num_threads(pick_threads(self.cfg.threads, own_load=0.0))
-        self.train_set, self.held_out = self.held_problems()
+        self.cfg, self.train_set, self.held_out = load_problems(self.cfg, self.world, typed)
         self.start_config = (check_start(self.cfg) if self.cfg.start_from and not self.cfg.resume
                              else None)
         self.step_seconds: list[float] = []  # training time of each step, evaluation excluded
@@ -76,30 +75,47 @@ class Run:
             start_run_dir(self.cfg.out, self.held,
                           {**dataclasses.asdict(self.cfg), RUN_ID: self.run_id})
 
-    def held_problems(self) -> tuple[list, dict[str, list]]:
-        """The training pool and the held-out problems (load_problems). A split that holds fewer
-        problems than asked (HumanEval's 164 in all) is refused where the number was given; a
-        default becomes what the split holds, and the plan and config.json say so."""
-        train_set, held_out = load_problems(self.cfg, self.world)
-        held = {"train_problems": len(train_set), "eval_problems": len(held_out["eval"]),
-                "val_problems": len(held_out.get("val", []))}
-        fewer = {name: n for name, n in held.items() if n < getattr(self.cfg, name)}
-        for name, n in fewer.items():
-            if chosen(self.cfg, self.typed, name):
-                raise SystemExit(f"--{name} {getattr(self.cfg, name)}: task {self.cfg.task}'s "
-                                 f"split holds {n} problems; give at most {n}")
-        self.cfg = dataclasses.replace(self.cfg, **fewer)
-        return train_set, held_out
-
     # ---- step 0
 
     def resume(self, state: TrainState) -> None:
-        """Go on from the newest checkpoint, the logs cut back to it (resume_run)."""
-        cfg = self.cfg
-        self.saved, self.first, self.last = resume_run(cfg.out, state,
-                                                       {k: getattr(cfg, k) for k in NEW_LR},
-                                                       cfg.steps)
-        log(f"resuming {cfg.out} at step {self.saved}")
+        """Load the newest checkpoint (the KL anchors' too, made before it) and cut the logs back
+        to it; the first evaluation (step 0) and the last one kept are read back. A resumed run's
+        config.json records the learning rates from now on (NEW_LR)."""
+        out, steps = self.cfg.out, self.cfg.steps
+        lrs = {k: getattr(self.cfg, k) for k in NEW_LR}
+        start = state.load(out)
+        with open(os.path.join(out, "config.json")) as f:
+            saved = json.load(f)
+        if start == steps and (new := [k for k, v in lrs.items() if saved[k] != v]):
+            raise SystemExit(f"--resume: {out} is finished (step {start} of {steps}): a new "
+                             f"--{new[0]} would train nothing")
+        metrics_path, samples_path = (os.path.join(out, n)
+                                      for n in ("metrics.jsonl", "samples.jsonl"))
+        read_jsonl(samples_path)  # a damaged line stops the resume here, before either log is cut
+        # every step writes its row before its checkpoint: the log holds steps 0 to `start`, once
+        kept = [row["step"] for row in read_jsonl(metrics_path) if row["step"] <= start]
+        if kept != list(range(start + 1)):
+            first = next(i for i, s in enumerate(kept + [None]) if s != i)
+            what = (f"step {first}'s row is missing or out of place" if first <= start
+                    else f"step {kept[first]}'s row is there twice")
+            raise SystemExit(f"--resume: {metrics_path} does not hold steps 0 to {start} once "
+                             f"each, as the checkpoint of step {start} does ({what}: a torn, lost "
+                             "or repeated line); start the run again with --overwrite")
+        if self.rank == 0:
+            # kept whatever its step: a peak past the checkpoint was evaluated all the same
+            restore_best(out, state.run_id)  # a damaged one stops the resume here, the logs whole
+            for path in (metrics_path, samples_path):  # the lines written after the checkpoint go
+                write_whole(path, "".join(json.dumps(row) + "\n" for row in read_jsonl(path)
+                                          if row["step"] <= start))
+            write_whole(os.path.join(out, "config.json"),
+                        json.dumps({**saved, **lrs, RUN_ID: state.run_id}, indent=2))
+        barrier()
+        evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
+        if not evaluated or evaluated[0]["step"] != 0:
+            raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training "
+                             "(step 0)")
+        self.saved, self.first, self.last = start, evaluated[0], evaluated[-1]
+        log(f"resuming {out} at step {start}")
 
     def begin(self, state: TrainState, first: dict) -> None:
         """A new run's step 0 (`first`: its metrics row) logged, kept as the best so far and
@@ -146,11 +162,16 @@ class Run:
         self.step_seconds.append(row["time/step"] - row.get("time/eval", 0.0))
         if "time/eval" in row:
             self.last = row
-        calls, outcomes, problems, rewards = episodes
-        samples = episode_samples(row["step"], calls, outcomes, problems, rewards,
-                                  cfg.group_size, cfg.log_samples)
-        write_step(cfg.out, row, samples)
-        log(step_line(cfg, row, self.last.get("time/eval", 0.0), self.step_seconds))
+        step = row["step"]
+        write_step(cfg.out, row, episode_samples(step, *episodes, cfg.group_size, cfg.log_samples))
+        line = (f"step {step}/{cfg.steps} | reward {row['reward/mean']:.3f} | "
+                f"{row['time/step']:.1f}s")
+        if "eval/accuracy" in row:
+            line += f" | eval/accuracy {row['eval/accuracy']:.3f}"
+        if step < cfg.steps:  # the last evaluation's seconds stand for those to come
+            left = estimate_minutes(cfg, self.last.get("time/eval", 0.0), self.step_seconds, step)
+            line += f" | about {left:.0f} min left"
+        log(line)
 
     def save(self, state: TrainState, row: dict) -> None:
         """After a step's row is logged: out/best when its evaluation beats the best so far, the
@@ -183,9 +204,12 @@ class Run:
 # The problems
 
 
-def load_problems(cfg: Settings, world: int) -> tuple[list, dict[str, list]]:
-    """The training pool and the held-out problems, {"eval": test, "val": val} (no "val" without
-    --val_problems)."""
+def load_problems(cfg: Settings, world: int,
+                  typed: set[str] | None = None) -> tuple[Settings, list, dict[str, list]]:
+    """cfg, the training pool and the held-out problems, {"eval": test, "val": val} (no "val"
+    without --val_problems). A split that holds fewer problems than asked (HumanEval's 164 in all)
+    is refused where the number was given (settings.chosen); a default becomes what the split
+    holds, in the cfg returned, and the plan and config.json say so."""
     if cfg.problems_per_step < world:
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than "
                          f"the {world} processes; every process needs at least one")
@@ -199,7 +223,14 @@ def load_problems(cfg: Settings, world: int) -> tuple[list, dict[str, list]]:
     if cfg.problems_per_step > len(train_set):
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: the {cfg.task} "
                          f"training pool holds {len(train_set)} problems")
-    return train_set, held_out
+    held = {"train_problems": len(train_set), "eval_problems": len(held_out["eval"]),
+            "val_problems": len(held_out.get("val", []))}
+    fewer = {name: n for name, n in held.items() if n < getattr(cfg, name)}
+    for name, n in fewer.items():
+        if chosen(cfg, typed, name):
+            raise SystemExit(f"--{name} {getattr(cfg, name)}: task {cfg.task}'s split holds {n} "
+                             f"problems; give at most {n}")
+    return dataclasses.replace(cfg, **fewer), train_set, held_out
 
 
 # ----------------------------------------------------------------------------
@@ -266,67 +297,7 @@ def estimate_minutes(cfg: Settings, eval_seconds: float, step_seconds: list[floa
     per_episode = eval_seconds / episodes  # an evaluation's: test and val, each sample
     step_time = (sum(step_seconds) / len(step_seconds) if step_seconds
                  else 1.5 * per_episode * cfg.problems_per_step * cfg.group_size)
-    evals_left = evals_after(cfg, step)
-    return ((cfg.steps - step) * step_time + evals_left * eval_seconds) / 60
-
-
-def step_line(cfg: Settings, row: dict, eval_seconds: float, step_seconds: list[float]) -> str:
-    """A training step's log line: its reward and seconds, its accuracy when it was evaluated,
-    and the time left; `eval_seconds`: the last evaluation's."""
-    step = row["step"]
-    line = f"step {step}/{cfg.steps} | reward {row['reward/mean']:.3f} | {row['time/step']:.1f}s"
-    if "eval/accuracy" in row:
-        line += f" | eval/accuracy {row['eval/accuracy']:.3f}"
-    if step < cfg.steps:
-        line += f" | about {estimate_minutes(cfg, eval_seconds, step_seconds, step):.0f} min left"
-    return line
-
-
-# ----------------------------------------------------------------------------
-# --resume: the newest checkpoint (TrainState.save writes it) and the logs cut back to it
-
-
-def resume_run(out: str, state: TrainState, lrs: dict[str, float],
-               steps: int) -> tuple[int, dict, dict]:
-    """Load the newest checkpoint (the KL anchors' too, made before it) and cut the logs back to
-    it; returns its step and the metrics rows of the first evaluation (step 0) and of the last one
-    kept. `lrs`: the learning rates from now on (NEW_LR), which config.json records; `steps`: the
-    run's."""
-    start = state.load(out)
-    with open(os.path.join(out, "config.json")) as f:
-        saved = json.load(f)
-    if start == steps and (new := [k for k, v in lrs.items() if saved[k] != v]):
-        raise SystemExit(f"--resume: {out} is finished (step {start} of {steps}): a new "
-                         f"--{new[0]} would train nothing")
-    metrics_path, samples_path = (os.path.join(out, n) for n in ("metrics.jsonl", "samples.jsonl"))
-    read_jsonl(samples_path)  # a damaged line stops the resume here, before either log is cut
-    # every step writes its row before its checkpoint: the log holds steps 0 to `start`, each once
-    kept = [row["step"] for row in read_jsonl(metrics_path) if row["step"] <= start]
-    if kept != list(range(start + 1)):
-        first = next(i for i, s in enumerate(kept + [None]) if s != i)
-        what = (f"step {first}'s row is missing or out of place" if first <= start
-                else f"step {kept[first]}'s row is there twice")
-        raise SystemExit(f"--resume: {metrics_path} does not hold steps 0 to {start} once each, "
-                         f"as the checkpoint of step {start} does ({what}: a torn, lost or "
-                         "repeated line); start the run again with --overwrite")
-    if rank_and_world()[0] == 0:
-        # kept whatever its step: a peak past the checkpoint was evaluated all the same
-        restore_best(out, state.run_id)  # a damaged one stops the resume here, the logs whole
-        truncate_jsonl(metrics_path, start)
-        truncate_jsonl(samples_path, start)
-        write_whole(os.path.join(out, "config.json"),
-                    json.dumps({**saved, **lrs, RUN_ID: state.run_id}, indent=2))
-    barrier()
-    evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
-    if not evaluated or evaluated[0]["step"] != 0:
-        raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training (step 0)")
-    return start, evaluated[0], evaluated[-1]
-
-
-def truncate_jsonl(path: str, last_step: int) -> None:
-    """Drop log lines written after the checkpoint we resume from."""
-    write_whole(path, "".join(json.dumps(row) + "\n" for row in read_jsonl(path)
-                              if row["step"] <= last_step))
+    return ((cfg.steps - step) * step_time + evals_after(cfg, step) * eval_seconds) / 60
 
 
 # ----------------------------------------------------------------------------

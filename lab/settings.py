@@ -22,8 +22,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from lab.checkpoint import (has_checkpoint, is_state, load_state, no_checkpoint, read_best,
-                            start_checkpoint)
+from lab.checkpoint import has_checkpoint, is_state, load_state, read_best, start_checkpoint
 from lab.files import RUN_ID, read_jsonl
 from tasks import TASK_KIND
 
@@ -54,10 +53,9 @@ SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation
 
 def parse_flags(config: type, argv: list[str] | None = None) -> Settings:
     """A Config from the command line (`config`: the class, train.py's Config)."""
+    every = "--help-all" in (sys.argv[1:] if argv is None else argv)  # every flag's help shown
     # no abbreviations: --resume checks the flags typed, by their full names (typed_flags);
     # --work voting, taken for --workflow, would escape that check
-    # --help shows the TUTORIAL flags' help only; --help-all every flag's
-    every = "--help-all" in (sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         description="Train an LLM workflow end to end with multi-agent GRPO or actor-critic.",
         allow_abbrev=False, usage="%(prog)s [--flag value ...]")
@@ -129,14 +127,6 @@ def chosen(cfg: Settings, typed: set[str] | None, name: str) -> bool:
     return name in typed if typed is not None else getattr(cfg, name) != getattr(type(cfg), name)
 
 
-def check_idle_flags(cfg: Settings, typed: set[str] | None) -> None:
-    """No setting given to a run where it would do nothing (ONLY_UNDER): a critic's to GRPO, a
-    warm-up's to a run without one, a task's to another task, a workflow's to another workflow."""
-    for name, why in idle_settings(cfg).items():
-        if chosen(cfg, typed, name):
-            raise SystemExit(f"--{name} {why}")
-
-
 def in_bounds(value: float, bounds: str) -> bool:
     """Whether value lies in an interval written "[low, high)", "(0, inf)" and so on."""
     low, high = (float(x) for x in bounds[1:-1].split(","))
@@ -206,20 +196,24 @@ def lora_targets(cfg: Settings) -> tuple[str, ...]:
     return names
 
 
-# ----------------------------------------------------------------------------
-# The settings: checked before a file or the model is touched
-
-
 def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
     """The run's config (a resumed run's own), checked before a file or the model is touched
     (train.py checks what the algorithm reads of it; check_start, another run's start)."""
     if cfg.resume and cfg.overwrite:
         raise SystemExit("--resume continues the run in --out and --overwrite starts it over: "
                          "give one")
-    cfg = resolve_resume(cfg, typed) if cfg.resume else cfg
+    if cfg.resume:  # the run's saved config, from its newest checkpoint on
+        cfg = run_config(cfg, typed)
+        if not has_checkpoint(cfg.out):
+            raise SystemExit(f"--resume: {cfg.out} has no checkpoint (the run stopped before its "
+                             "first one); start it again without --resume, with --overwrite")
     check_numbers(cfg)
     if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
-        check_idle_flags(cfg, typed)
+        # no setting given where it would do nothing (ONLY_UNDER): a critic's to GRPO, a
+        # warm-up's to a run without one, a task's to another task, a workflow's to another
+        for name, why in idle_settings(cfg).items():
+            if chosen(cfg, typed, name):
+                raise SystemExit(f"--{name} {why}")
         # (the default warm-up of 1 passes with --steps 1)
         if chosen(cfg, typed, "warmup_steps") and cfg.warmup_steps >= cfg.steps > 0:
             raise SystemExit(f"--warmup_steps {cfg.warmup_steps}: not fewer than the run's --steps "
@@ -258,15 +252,6 @@ def flag_name(token: str) -> str:
 def typed_flags(argv: list[str]) -> set[str]:
     """The flags named on a command line, any tool's: --lr 0.1, --lr=0.1, --no-one_step."""
     return {flag_name(a) for a in argv if a.startswith("--")}
-
-
-def resolve_resume(cfg: Settings, typed: set[str] | None = None,
-                   new_lr: tuple[str, ...] = NEW_LR) -> Settings:
-    """--resume takes the run's saved config (run_config), from its newest checkpoint on."""
-    saved = run_config(cfg, typed, new_lr)
-    if not has_checkpoint(cfg.out):
-        raise SystemExit(no_checkpoint(cfg.out))
-    return saved
 
 
 def run_config(cfg: Settings, typed: set[str] | None = None,
@@ -321,7 +306,8 @@ def check_start(cfg: Settings) -> dict:
     if os.path.realpath(run) == os.path.realpath(cfg.out):
         raise SystemExit(f"--start_from {where} is this run's own --out; "
                          "start it in another directory")
-    if os.path.exists(os.path.join(ckpt, "best.json")) and read_best(ckpt) is None:
+    best = read_best(ckpt)  # a best checkpoint: RL goes on from its step
+    if os.path.exists(os.path.join(ckpt, "best.json")) and best is None:
         raise SystemExit(f"--start_from {where}: its best.json is not a best checkpoint's "
                          "(an integer step, a metric, a score and an evaluation)")
     try:
@@ -343,21 +329,19 @@ def check_start(cfg: Settings) -> dict:
                    and getattr(saved, f.name) not in f.metadata["choices"]]:
         raise SystemExit(f"--start_from {where}: its config.json names no known {unknown[0]}")
     # every adapter and critic it trained has an optimizer in state.pt, and must be there whole
-    missing = [n for n in sorted(state["optimizers"])
-               if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]
-    if missing:
+    if missing := [n for n in sorted(state["optimizers"])
+                   if not os.path.isfile(os.path.join(ckpt, n, "adapter_model.safetensors"))]:
         raise SystemExit(f"--start_from {where}: its checkpoint lacks the adapter(s) "
                          f"{', '.join(missing)}")
-    if read_best(ckpt) is None:  # the step-0 row this run begins its log with
+    if best is None:  # the step-0 row this run begins its log with
         rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
         if not rows or rows[0]["step"] != 0 or "eval/accuracy" not in rows[0]:
             raise SystemExit(f"--start_from {where}: its metrics.jsonl lacks the evaluation "
                              "of step 0")
-    # a best checkpoint: RL goes on from its step
-    if state["step"] != 0 and read_best(ckpt) is None:
-        raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, not 0 "
-                         "(train the start with --steps 0, or start from its best checkpoint, "
-                         f"{where}/best)")
+        if state["step"] != 0:
+            raise SystemExit(f"--start_from {where}: its checkpoint is at step {state['step']}, "
+                             "not 0 (train the start with --steps 0, or start from its best "
+                             f"checkpoint, {where}/best)")
     check_goes_on_from(cfg, saved, where)
     return dataclasses.asdict(saved)
 
