@@ -363,7 +363,7 @@ def report(fig: dict, device_name: str) -> str:
         lines += ["", f"one default training step, timed once (train.py "
                   f"{' '.join(fig['step_flags'])}):",
                   f"  rollout {s['rollout']:.1f} s | old log-probs {s['old_logp']:.1f} s | update "
-                  f"{s['update']:.1f} s | eval of {fig['step_eval_problems']} problems "
+                  f"{s['update']:.1f} s | eval of {fig['step_eval_problems']} test problems "
                   f"{s['eval']:.1f} s | peak {s['peak_mb']:.0f} MiB"]
     if (v := fig.get("sharing")) is not None:
         lines += ["", f"Voting, {v['calls']} calls: rollout {v['rollout_seconds']:.1f} s "
@@ -474,10 +474,11 @@ def main(argv: list[str] | None = None) -> dict:
     if "step" not in skip:
         print("bench: one default training step ...", file=sys.stderr)
         fig["step_eval_problems"] = 2
-        fig["step_flags"] = ["--steps", "1", "--eval_problems", "2"]
+        fig["step_flags"] = ["--steps", "1", "--eval_problems", "2", "--val_problems", "0"]
         with tempfile.TemporaryDirectory() as tmp:
             fig["step"] = step_parts(args, threads, os.path.join(tmp, "step"),
-                                     ["--eval_problems", "2", "--dtype", args.dtype])
+                                     ["--eval_problems", "2", "--val_problems", "0",
+                                      "--dtype", args.dtype])
     if "sharing" not in skip:
         print("bench: Voting, shared vs isolated ...", file=sys.stderr)
         fig["sharing"] = sharing(model, tok, device, [pool[0].question] * 2, cfg, args.repeats)

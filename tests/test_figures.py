@@ -8,8 +8,11 @@ Only Paper B's runs have committed logs (`python -m lab.grid --demo critics --re
 docs/results/critics`, and `--level 4` into docs/results/critics-level4); every other figure is
 left out of the text until its command's logs are committed the same way. docs/tasks.md's counts
 of test facts whose inverse is trained on, and its sizes of the splits, are recounted from
-tasks.py's splits; docs/course.md's count of each assignment's tests from lab.course.
+tasks.py's splits; docs/course.md's count of each assignment's tests from lab.course; and
+docs/performance.md's opening tables are the committed `python -m lab.bench` run's
+(docs/results/bench).
 """
+import json
 import os
 import re
 import statistics
@@ -330,3 +333,41 @@ def test_docs_course_md_counts_each_assignment_s_tests():
     stated = {int(row[0]): int(row[3])
               for row in ([c.strip() for c in line.strip("|").split("|")] for line in table[2:])}
     assert stated == {n: len(course.node_ids(n)) for n in course.ASSIGNMENTS}
+
+
+def test_performance_md_s_first_tables_are_the_committed_bench_s():
+    """docs/performance.md's two opening tables, row by row, are the figures of the committed
+    `python -m lab.bench --json docs/results/bench/bench.json` (docs/results/bench/bench.txt holds
+    its printed lines), rounded as the tables write them."""
+    bench = json.loads(read("docs/results/bench/bench.json"))
+    g, u, s, v = bench["generate"], bench["update"], bench["step"], bench["sharing"]
+    rows = {
+        "the base model's own `generate`": [g["raw"]["seconds"], g["raw"]["tokens_per_s"], 1.0,
+                                            g["raw"]["peak_mb"]],
+        "the rollout, adapter merged": [g["merged"]["seconds"], g["merged"]["tokens_per_s"],
+                                        g["rollout_over_raw"], g["merged"]["peak_mb"]],
+        "the rollout, low-rank path": [g["low_rank"]["seconds"], g["low_rank"]["tokens_per_s"],
+                                       g["low_rank_over_raw"], g["low_rank"]["peak_mb"]],
+        "old-log-prob pass": [u["old_logp"]["seconds"], u["old_logp"]["tokens_per_s"]],
+        "forward + backward of the policy loss": [u["update"]["seconds"],
+                                                  u["update"]["tokens_per_s"]],
+        "the diagnostics' pass": [u["diagnostics"]["seconds"], u["diagnostics"]["tokens_per_s"]],
+        "one training step of the default": [s["rollout"], s["old_logp"], s["update"]],
+        "that step's evaluation": [s["eval"]],
+        "Voting, 8 calls": [v["shared"]["seconds"], v["isolated"]["seconds"]],
+    }
+    text = section(read("docs/performance.md"), "# Speed and memory")
+    for start, figures in rows.items():
+        line = next(line for line in text.splitlines() if line.startswith(f"| {start}"))
+        cells = " ".join(line.split("|")[2:])  # the figures, after the row's name
+        written = re.findall(r"\d+(?:\.\d+)?", cells)
+        assert len(written) == len(figures), (start, written)
+        for w, f in zip(written, figures):  # each as many decimals as the table writes
+            decimals = len(w.partition(".")[2])
+            assert f"{f:.{decimals}f}" == w, (start, w, f)
+    assert f"prompts of up to {bench['prompt_tokens']} tokens" in text
+    assert f"({bench['update_tokens']} completion tokens" in text
+    assert f"{g['merge_seconds']:.2f} s per stage" in flat(text)
+    assert f"{100 * g['prompt_padding']:.0f} % of the stage's prompt positions" in flat(text)
+    assert f"{v['update_ratio']:.2f} times a shared one's" in flat(text)
+    assert f"{s['peak_mb']:.0f} MiB" in text
