@@ -2,54 +2,31 @@
 
 Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens
 (B, T), pad after each row's eos, with log pi_rollout of each (B, T) (None when
-greedy). A row's eos is the first of the end tokens it is given: Qwen3 ends a
-reply with <|im_end|> or <|endoftext|>, both in its generation_config
-(`end_tokens`). Positions count real tokens only, so a left-padded row is
-positioned as it would be alone, and each distinct prompt (a GRPO group's
-samples share one) is prefilled once, its cache rows copied to every row that
-asked for it.
+greedy). A row's eos is the first of the end tokens it is given (`end_tokens`:
+Qwen3 ends a reply with <|im_end|> or <|endoftext|>). Positions count real tokens
+only, so a left-padded row is positioned as it would be alone, and each distinct
+prompt (a GRPO group's samples share one) is prefilled once, its cache rows copied
+to every row that asked for it.
 
 - `decode` (the CPU's): a cache that grows by one column a token, and rows
   that leave the batch once they wrote their eos. Every operation is a host
   call, which a CPU pays little for.
 - `graph_decode` (CUDA's): a static cache kept from stage to stage, one decoding
-  step (`StaticStep`, the model's layers written out over that cache) captured
-  as a CUDA graph per (rows, columns) bucket and replayed per token, so a step
-  costs one launch instead of about a thousand (30 layers x some 30 kernels)
-  and reads the columns its rows have written, rounded up to a length bucket,
-  not the stage's whole length. The host asks which rows are done every
-  CHECK_EVERY tokens only; finished rows write pad until then, and leave the
-  batch once the rest fit a rows bucket an eighth smaller. A bucket's graph
-  is captured once, into the step's one memory pool, and serves every later
-  stage that fits it: the cache keeps its addresses, and lora.merged_adapter
-  writes each stage's adapter into the same weight tensors. The cache holds the most
-  rows x columns a stage needed, laid out anew for a stage of other buckets
-  (each layout with its graphs); one that outgrows it, or a model whose
-  tensors moved, gets a new cache. As nano-vllm's model runner (graphs per
-  batch-size bucket, one pool) and gpt-fast's `decode_one_token` do; the
-  length buckets stand in for their attention over each row's own length.
+  step (`StaticStep`) captured as a CUDA graph per (rows, columns) bucket and
+  replayed per token, so a step costs one launch instead of about a thousand
+  (30 layers x some 30 kernels) and reads the columns its rows have written,
+  rounded up to a length bucket, not the stage's whole length. The host asks
+  which rows are done every CHECK_EVERY tokens only. As nano-vllm's model runner
+  (graphs per batch-size bucket, one pool) and gpt-fast's `decode_one_token` do;
+  the length buckets stand in for their attention over each row's own length.
 
-Which models the static step decodes. `StaticStep` writes a decoder layer out by
-hand, and a family whose layer differs would decode other tokens without an
-error (SmolLM3's layers without rotary, Granite's multipliers) or fail inside the
-step (Gemma, Gemma2, OLMo2, Phi3). So it serves the families it is written and
-tested for (STATIC_FAMILIES: Llama, Mistral, Qwen2, Qwen3; Llama 3 and YaRN rotary
-scaling included), and checks itself once per model, dtype and device: one step
-on a short probe against the model's own forward pass, within the dtype's
-rounding (`check_static_step`). Every other model, a rotary table that changes
-with the length, and a stage longer than a sliding window go to `decode`: the
-rollout asks `static_refusal` which decoder to run, `decoder_plan` says which in
-a run's plan line, and `graph_decode` refuses such a model rather than decode it
-wrong.
-
-Padding and NaN. In a left-padded batch a pad column's query may attend to
-nothing: every key before it is padding. CUDA's fused attention kernels can
-give such a row NaN (or NaN in its backward pass) where the CPU's give zeros
-(transformers issue 38690 reports it for the flash kernel; on one H200 it did
-not show: docs/performance.md), and the NaN would reach real tokens through
-the pad's keys and values in the next layer, since 0 x NaN is NaN.
-`padded_causal_mask` lets a pad query see itself: no row is empty, and no
-real query sees a pad, so real tokens' outputs do not change.
+`StaticStep` writes a decoder layer out by hand, and a family whose layer differs
+would decode other tokens without an error or fail inside the step. So it serves
+the families it is written and tested for (STATIC_FAMILIES), and checks itself
+once per model, dtype and device against the model's own forward pass. Every
+other model, a rotary table that changes with the length, and a stage longer than
+a sliding window go to `decode`: the rollout asks `static_refusal` which decoder
+to run, and `graph_decode` refuses such a model rather than decode it wrong.
 
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """
@@ -64,18 +41,17 @@ import torch
 from transformers import DynamicCache
 
 CHECK_EVERY = 8  # tokens between the GPU decoder's questions "which rows are done?"
-# The static cache's buckets: a step attends over the columns of its length bucket (the written
-# ones rounded up to a multiple of COLUMNS) and runs the rows of its rows bucket (ROW_BUCKETS up
-# to 16, then multiples of 16, as nano-vllm's batch sizes); a CUDA graph per (rows, columns)
-# bucket. Wider length buckets mean fewer graphs and more masked columns read.
+# The static cache's buckets: a step attends over the written columns rounded up to a multiple
+# of COLUMNS, and runs the rows of its rows bucket (ROW_BUCKETS up to 16, then multiples of 16,
+# as nano-vllm's batch sizes). Wider length buckets mean fewer graphs and more masked columns read.
 COLUMNS = 256
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 
-# The model types whose decoder layer `StaticStep` writes out, each tested on a tiny random model
-# (tests/test_decode.py): Llama's (Mistral's is the same; Qwen2 adds biases to q, k and v, which
-# its projections carry; Qwen3 normalises each head's query and key). Every other family decodes
-# with `decode`: Gemma, Gemma2, Granite, SmolLM3, OLMo2 and Phi3 differ in ways the step does
-# not write (scaled embeddings, multipliers, layers without rotary, other norms, fused weights).
+# The model types whose decoder layer `StaticStep` writes out, Llama 3 and YaRN rotary scaling
+# included, each tested on a tiny random model: Llama's (Mistral's is the same; Qwen2's biases on
+# q, k and v are in its projections; Qwen3 normalises each head's query and key). Gemma, Gemma2,
+# Granite, SmolLM3, OLMo2 and Phi3 differ in ways the step does not write (scaled embeddings,
+# multipliers, layers without rotary, other norms, fused weights).
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PROBE_TOKENS = 8  # the prompt length of the static step's check against the model's forward
 # How far the checked step's logits may stand from the forward pass's, as a fraction of their
@@ -90,8 +66,14 @@ CHECKED = weakref.WeakKeyDictionary()  # model -> {(dtype, device): static_refus
 
 def padded_causal_mask(attn: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
     """The (B, 1, L, L) attention mask of left-padded rows attn (B, L): causal, no query sees a
-    pad key, and a pad query sees itself (an empty row is NaN in CUDA's kernels). Boolean for
-    SDPA (True: attend), additive (0 or the dtype's min) for eager attention."""
+    pad key, and a pad query sees itself. Boolean for SDPA (True: attend), additive (0 or the
+    dtype's min) for eager attention.
+
+    Why a pad query sees itself: one that sees no key (all before it are pads) can be NaN in
+    CUDA's fused kernels or their backward pass, where the CPU's give zeros (transformers issue
+    38690, the flash kernel; on one H200 it did not show: docs/performance.md), and the NaN
+    would reach real tokens through the pad's keys and values in the next layer (0 x NaN is NaN).
+    """
     L = attn.shape[-1]
     causal = torch.ones(L, L, dtype=torch.bool, device=attn.device).tril()  # (L, L)
     itself = torch.eye(L, dtype=torch.bool, device=attn.device)  # (L, L)
@@ -203,14 +185,10 @@ def prefill(model, ids: torch.Tensor,
 @torch.no_grad()
 def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
            eos_id: int | Collection[int], pad_id: int, sampler: Sampler = Sampler()):
-    """Generate up to max_new_tokens after left-padded prompts ids/attn (B, P): the new
-    tokens (B, T), pad after each row's eos (the first of its end tokens eos_id, one id or
-    several), and log pi_rollout of each (B, T), None when greedy (`sampler`).
-
-    The loop `model.generate` runs, without its general machinery: one forward over the
-    prompts fills the KV cache, then one forward per token over the last token only, for
-    the rows still writing. Greedy decoding gives `generate`'s tokens (tests/test_rollout.py).
-    """
+    """The new tokens (B, T) after prompts ids/attn (B, P) and their log-probs (the module's
+    docstring): the loop `model.generate` runs without its general machinery, one forward over
+    the prompts, then one a token over the last token of the rows still writing. Greedy, it
+    writes `generate`'s tokens (tests/test_rollout.py)."""
     check_length(max_new_tokens)
     B, device = ids.shape[0], ids.device
     ends = torch.tensor(as_ids(eos_id), device=device)  # (E,)
@@ -276,9 +254,7 @@ def graphable(model) -> bool:
 
 def static_refusal(model, columns: int | None = None) -> str | None:
     """Why `StaticStep` cannot decode `model` (a stage of `columns` prompt and new tokens), or
-    None where it can: the model's family is one the step writes out, its rotary table is fixed,
-    a sliding window (if any) spans the stage, and the step's logits are the model's own
-    (`check_static_step`, run once per model, dtype and device)."""
+    None where it can; its check against the forward pass runs once per model, dtype and device."""
     family = model.config.model_type
     if family not in STATIC_FAMILIES:
         return f"the static step does not write {family} layers"
@@ -300,10 +276,9 @@ def static_refusal(model, columns: int | None = None) -> str | None:
 @torch.no_grad()
 def check_static_step(model) -> str | None:
     """One step of `StaticStep` on a probe (two prompts, one left-padded) against the model's own
-    forward pass over the same tokens: None where the logits agree to rounding, else how far
-    apart they stand. The step is the model's arithmetic written out by hand; a layer that
-    differs in a way it does not write (a multiplier, a layer without rotary) shows from the
-    first token, and one whose modules it does not find raises."""
+    forward pass: None where the logits agree to rounding, else how far apart they stand. A layer
+    that differs in a way the step does not write shows from the first token; one whose modules
+    it does not find raises."""
     P, device = PROBE_TOKENS, model.device
     ids = (torch.arange(2 * P, device=device).view(2, P) * 37 + 11) % model.config.vocab_size
     attn = torch.ones_like(ids)
@@ -345,17 +320,15 @@ def decoder_plan(model) -> str:
 class StaticStep:
     """One decoding step of a Llama-style model (STATIC_FAMILIES) over a static KV cache laid out
     as R rows of S columns (`lay_out`), run over the first `rows` rows and `columns` columns (a
-    bucket). Every tensor it reads or writes keeps its address from stage to stage, so the step
-    of a layout's bucket is captured as a CUDA graph once and replayed by every stage that runs in
-    that layout. It calls the model's own modules (embedding, projections, MLP, rotary table,
-    output layer) and reads its norms' weights and epsilons, so an adapter merged into the
-    weights in place (lora.merged_adapter) is in its weights as in the model's.
+    bucket). Every tensor it reads or writes keeps its address from stage to stage, so a layout's
+    bucket is captured as a CUDA graph, into the step's one memory pool, once for every stage in
+    that layout. It calls the model's own modules and reads its norms' weights and epsilons, so
+    an adapter merged into the weights in place (lora.merged_adapter) is in its weights too.
 
     Inputs, set before each step: `token` (R,) the last token of each row, `position` (R, 1)
     its position, `column` (1,) the cache column it goes in (the same for every row).
     `valid` (R, S) says which columns hold a row's real tokens; the step marks its own column,
-    so no row is empty (NaN): rows past the live ones compute from stale inputs, unread.
-    """
+    so no row is empty (NaN): rows past the live ones compute from stale inputs, unread."""
 
     def __init__(self, model, R: int, cells: int):
         """Room for R rows and `cells` cache entries (rows x columns) a layer."""
@@ -458,12 +431,12 @@ class StaticStep:
 
 
 def rows_bucket(n: int) -> int:
-    """The rows a step over n live rows runs: a ROW_BUCKET, past the last a multiple of it."""
+    """The rows bucket of n live rows."""
     return next((b for b in ROW_BUCKETS if b >= n), -(-n // ROW_BUCKETS[-1]) * ROW_BUCKETS[-1])
 
 
 def columns_bucket(n: int) -> int:
-    """The columns a step over n written columns (its own included) attends over."""
+    """The length bucket of n written columns (the step's own included)."""
     return -(-n // COLUMNS) * COLUMNS
 
 
@@ -482,9 +455,8 @@ STEPS = weakref.WeakKeyDictionary()  # model -> (signature, its StaticStep), kep
 def static_step(model, rows: int, columns: int) -> StaticStep:
     """The model's StaticStep, with the graphs earlier stages captured, laid out for a stage of
     `rows` rows and `columns` columns: in the smallest layout an earlier stage ran in that holds
-    it (its graphs serve), else in its own buckets. A new one where the stage outgrows the cache
-    (which grows to hold it), or where the model's signature changed (the graphs would be
-    stale)."""
+    it (its graphs serve), else in its own buckets. A new one, grown to hold the stage, where it
+    outgrows the cache or the model's signature changed (the graphs would be stale)."""
     now, (kept, step) = signature(model), STEPS.pop(model, (None, None))
     R, S = rows_bucket(rows), columns_bucket(columns)
     room, cells = R, R * S
@@ -532,8 +504,7 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
                  use_graph: bool = True):
     """`decode`'s contract over the model's static cache, each step one replay of the CUDA graph
     of its (rows, columns) bucket (use_graph=False runs the same steps eagerly: the CPU's tests).
-    A model that the static step cannot decode (`static_refusal`) is refused, never decoded
-    wrong."""
+    Finished rows write pad until a check, and leave once the rest fit a smaller rows bucket."""
     check_length(max_new_tokens)
     (B, P), device = ids.shape, ids.device
     why = static_refusal(model, P + max_new_tokens)
