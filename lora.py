@@ -160,20 +160,13 @@ def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
 
 @contextmanager
 def merged_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
-    """Run a block (no gradients) under adapter `name` folded into the base weights.
-
-    Same function as use_adapter(model, name) up to float rounding, at the base
-    model's cost per token. The merge is written into the same weight tensors
-    (`LoRALinear.merge`), which keeps one extra copy of the base weights while the
-    block runs; the base is written back, bit for bit, after it.
-    """
-    if name is None:
-        with torch.no_grad(), use_adapter(model, None):
-            yield
-        return
-    if name not in adapter_names(model):
+    """Run a block (no gradients) under adapter `name` folded into the base weights in place
+    (`LoRALinear.merge`): use_adapter(model, name)'s function up to float rounding, at the base
+    model's cost per token. One extra copy of the base weights is kept while the block runs and
+    written back, bit for bit, after it."""
+    if name is not None and name not in adapter_names(model):
         raise KeyError(f"unknown adapter {name!r}; have {adapter_names(model)}")
-    layers = lora_layers(model)
+    layers = [] if name is None else lora_layers(model)  # None: the base model, nothing to merge
     if any(layer.kept is not None for layer in layers):
         raise RuntimeError("an adapter is merged into the weights already")
     try:
@@ -186,12 +179,23 @@ def merged_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
             layer.unmerge()
 
 
+PEFT_PREFIX = "base_model.model."  # PeftModel wraps the model as base_model.model
+
+
+def adapter_tensors(model: nn.Module, name: str) -> dict[str, nn.Parameter]:
+    """Adapter `name`'s A and B of every layer under PEFT's key names, e.g.
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: (r, in)."""
+    tensors = {}
+    for path, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = module.lora_A[name]
+            tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = module.lora_B[name]
+    return tensors
+
+
 def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
     """The trainable tensors of one adapter (A and B of every layer)."""
-    params = []
-    for layer in lora_layers(model):
-        params += [layer.lora_A[name], layer.lora_B[name]]
-    return params
+    return list(adapter_tensors(model, name).values())
 
 
 def freeze_copy(model: nn.Module, source: str, name: str) -> None:
@@ -219,24 +223,15 @@ def setup_adapters(model: nn.Module, roles: list[str], sharing: str) -> list[str
 
 
 # ----------------------------------------------------------------------------
-# Saving and loading, in Hugging Face PEFT's LoRA format
-# One directory per adapter: adapter_config.json and adapter_model.safetensors, with
-# PEFT's key names, so that peft.PeftModel.from_pretrained(base, directory) and
-# serving engines that read PEFT adapters load it. PEFT's LoRA computes the same
+# Saving and loading, in Hugging Face PEFT's LoRA format: one directory per adapter, with
+# PEFT's file and key names, so that peft.PeftModel.from_pretrained(base, directory) and serving
+# engines that read PEFT adapters load it. PEFT's LoRA computes the same
 # W x + (lora_alpha / r) B A x with no dropout at inference.
 
-PEFT_PREFIX = "base_model.model."  # PeftModel wraps the model as base_model.model
-
-
 def adapter_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
-    """One adapter's tensors under PEFT's key names, e.g.
-    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: (r, in)."""
-    state = {}
-    for path, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = module.lora_A[name].detach().cpu().clone()
-            state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = module.lora_B[name].detach().cpu().clone()
-    return state
+    """One adapter's tensors under PEFT's key names, copied to the CPU."""
+    tensors = adapter_tensors(model, name)
+    return {key: param.detach().cpu().clone() for key, param in tensors.items()}
 
 
 def load_adapter_state(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> None:
@@ -245,14 +240,11 @@ def load_adapter_state(model: nn.Module, name: str, state: dict[str, torch.Tenso
     if name not in adapter_names(model):
         add_adapter(model, name, init=False)
     with torch.no_grad():
-        for path, module in model.named_modules():
-            if isinstance(module, LoRALinear):
-                for key, param in ((f"{PEFT_PREFIX}{path}.lora_A.weight", module.lora_A[name]),
-                                   (f"{PEFT_PREFIX}{path}.lora_B.weight", module.lora_B[name])):
-                    if key not in state or state[key].shape != param.shape:
-                        raise ValueError(f"adapter {name!r}: no tensor {key} of shape "
-                                         f"{tuple(param.shape)}")
-                    param.copy_(state[key])
+        for key, param in adapter_tensors(model, name).items():
+            if key not in state or state[key].shape != param.shape:
+                raise ValueError(f"adapter {name!r}: no tensor {key} of shape "
+                                 f"{tuple(param.shape)}")
+            param.copy_(state[key])
 
 
 def peft_config(model: nn.Module) -> dict:
@@ -277,7 +269,7 @@ def adapter_files(model: nn.Module) -> dict[str, bytes]:
 
 
 def save_adapters(model: nn.Module, directory: str) -> None:
-    """DIR/<name>/adapter_config.json and DIR/<name>/adapter_model.safetensors per adapter."""
+    """Write `adapter_files` under `directory`."""
     for path, data in adapter_files(model).items():
         os.makedirs(os.path.join(directory, os.path.dirname(path)), exist_ok=True)
         with open(os.path.join(directory, path), "wb") as f:
