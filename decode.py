@@ -246,21 +246,15 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:  # x: (...
     return norm.weight * normed.to(x.dtype)  # (..., D) in x's dtype
 
 
-def graphable(model) -> bool:
-    """Whether the model's decoding step can be a CUDA graph: not where its rotary table changes
-    with the length ("dynamic", "longrope"), which transformers decides on the host."""
-    return getattr(model.model.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope")
-
-
 def static_refusal(model, columns: int | None = None) -> str | None:
     """Why `StaticStep` cannot decode `model` (a stage of `columns` prompt and new tokens), or
     None where it can; its check against the forward pass runs once per model, dtype and device."""
     family = model.config.model_type
     if family not in STATIC_FAMILIES:
         return f"the static step does not write {family} layers"
-    if not graphable(model):
-        return (f"rope_type {model.model.rotary_emb.rope_type!r} cannot be captured in a CUDA "
-                "graph")
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope in ("dynamic", "longrope"):  # a table that changes with the length, on the host
+        return f"rope_type {rope!r} cannot be captured in a CUDA graph"
     window = getattr(model.config, "sliding_window", None)
     if columns is not None and window is not None and columns > window:
         return f"{columns} columns outgrow the {window}-token sliding window"
