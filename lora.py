@@ -14,19 +14,16 @@ reference policy for the optional KL term, unless a supervised warm-up came
 first: then the reference is a frozen copy of each adapter as RL found it
 (`freeze_copy`), as InstructGPT anchors RL to its SFT model.
 
-Generation runs merged (`merged_adapter`): for the length of a workflow stage
-the active adapter is folded into the frozen weights, W' = W + (alpha / r) B A,
-so each decode step costs what the base model's does (the paper's "no
-additional inference latency", Sec. 4.1). The merge is written into the weight
-tensors in place, so their addresses never change and a CUDA graph that reads
-them serves every stage and adapter (decode.py). The sum is formed in fp32 and
-rounded once; a copy of the base, kept for the stage, is written back after it:
-the base is bit-identical after a stage, never restored by subtracting (in bf16,
-W + D - D drifts).
+Generation runs merged (`merged_adapter`): for a workflow stage the active adapter
+is folded into the frozen weights, W' = W + (alpha / r) B A, so a decode step costs
+what the base model's does (the paper's "no additional inference latency", Sec.
+4.1). The merge is written into the weight tensors in place, so a CUDA graph that
+reads them serves every stage and adapter (decode.py); the base is put back from a
+copy, bit-identical, never by subtracting (in bf16, W + D - D drifts).
 
 Departures from loralib: no mixin classes; several adapters per layer with one
-active at a time, switched for the whole model at once. Adapters are saved in
-Hugging Face PEFT's LoRA format, one directory per adapter.
+active at a time, switched for the whole model at once; saved in Hugging Face
+PEFT's LoRA format.
 
 Exercised by: pytest tests/test_lora.py
 """
@@ -59,8 +56,7 @@ class LoRALinear(nn.Module):
     def add(self, name: str, init: bool = True) -> None:
         """A fresh adapter; init=False leaves A at zero (for a state to be copied in), which
         draws no random numbers."""
-        # Adapters stay fp32 even over a bf16 base: AdamW on bf16 weights loses
-        # the small updates that LoRA is made of.
+        # Adapters stay fp32 even over a bf16 base: AdamW on bf16 weights loses LoRA's small updates
         out_features, in_features = self.base.weight.shape
         device = self.base.weight.device
         A = torch.zeros(self.r, in_features, device=device)
@@ -104,7 +100,7 @@ def inject_lora(model: nn.Module, r: int = 64, alpha: float = 32.0,
     for p in model.parameters():
         p.requires_grad_(False)
     wrapped = []
-    for parent_name, parent in list(model.named_modules()):
+    for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child_name in targets:
                 layer = LoRALinear(child, r, alpha)
