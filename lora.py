@@ -56,7 +56,7 @@ class LoRALinear(nn.Module):
     def add(self, name: str, init: bool = True) -> None:
         """A fresh adapter; init=False leaves A at zero (for a state to be copied in), which
         draws no random numbers."""
-        # fp32 even over a bf16 base: AdamW on bf16 weights loses the small updates of LoRA
+        # Adapters are fp32 over a bf16 base too: AdamW on bf16 weights loses LoRA's small updates
         out_features, in_features = self.base.weight.shape
         device = self.base.weight.device
         A = torch.zeros(self.r, in_features, device=device)
