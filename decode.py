@@ -1,32 +1,28 @@
 """Decoding: the token loop of one workflow stage, on a CPU and on a GPU.
 
-Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens
-(B, T), pad after each row's eos, with log pi_rollout of each (B, T) (None when
-greedy). A row's eos is the first of the end tokens it is given (`end_tokens`:
-Qwen3 ends a reply with <|im_end|> or <|endoftext|>). Positions count real tokens
-only, so a left-padded row is positioned as it would be alone, and each distinct
-prompt (a GRPO group's samples share one) is prefilled once, its cache rows copied
-to every row that asked for it.
+Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens (B, T), pad
+after each row's eos, with log pi_rollout of each (B, T) (None when greedy). A row's eos is the
+first of the end tokens it is given (`end_tokens`: Qwen3 ends a reply with <|im_end|> or
+<|endoftext|>). Positions count real tokens only, so a left-padded row is positioned as it
+would be alone, and each distinct prompt (a GRPO group's samples share one) is prefilled once,
+its cache rows copied to every row that asked for it.
 
-- `decode` (the CPU's): a cache that grows by one column a token, and rows
-  that leave the batch once they wrote their eos. Every operation is a host
-  call, which a CPU pays little for.
-- `graph_decode` (CUDA's): a static cache kept from stage to stage, one decoding
-  step (`StaticStep`) captured as a CUDA graph per (rows, columns) bucket and
-  replayed per token, so a step costs one launch instead of about a thousand
-  (30 layers x some 30 kernels) and reads the columns its rows have written,
-  rounded up to a length bucket, not the stage's whole length. The host asks
-  which rows are done every CHECK_EVERY tokens only. As nano-vllm's model runner
-  (graphs per batch-size bucket, one pool) and gpt-fast's `decode_one_token` do;
-  the length buckets stand in for their attention over each row's own length.
+- `decode` (the CPU's): a cache that grows by one column a token, and rows that leave the
+  batch once they wrote their eos. Every operation is a host call, which a CPU pays little for.
+- `graph_decode` (CUDA's): a static cache kept from stage to stage, one decoding step
+  (`StaticStep`) captured as a CUDA graph per (rows, columns) bucket and replayed per token, so
+  a step costs one launch instead of about a thousand (30 layers x some 30 kernels) and reads
+  the columns its rows have written, rounded up to a length bucket, not the stage's whole
+  length. The host asks which rows are done every CHECK_EVERY tokens only. As nano-vllm's model
+  runner (graphs per batch-size bucket, one pool) and gpt-fast's `decode_one_token` do; the
+  length buckets stand in for their attention over each row's own length.
 
-`StaticStep` writes a decoder layer out by hand, and a family whose layer differs
-would decode other tokens without an error or fail inside the step. So it serves
-the families it is written and tested for (STATIC_FAMILIES), and checks itself
-once per model, dtype and device against the model's own forward pass. Every
-other model, a rotary table that changes with the length, and a stage longer than
-a sliding window go to `decode`: the rollout asks `static_refusal` which decoder
-to run, and `graph_decode` refuses such a model rather than decode it wrong.
+`StaticStep` writes a decoder layer out by hand, and a family whose layer differs would decode
+other tokens without an error or fail inside the step. So it serves the families it is written
+and tested for (STATIC_FAMILIES), and checks itself once per model, dtype and device against
+the model's own forward pass. Every other model, a rotary table that changes with the length,
+and a stage longer than a sliding window go to `decode`: the rollout asks `static_refusal`
+which decoder to run, and `graph_decode` refuses such a model rather than decode it wrong.
 
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """
@@ -253,7 +249,7 @@ def static_refusal(model, columns: int | None = None) -> str | None:
     if family not in STATIC_FAMILIES:
         return f"the static step does not write {family} layers"
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope in ("dynamic", "longrope"):  # a table that changes with the length, on the host
+    if rope in ("dynamic", "longrope"):  # transformers recomputes these tables on the host
         return f"rope_type {rope!r} cannot be captured in a CUDA graph"
     window = getattr(model.config, "sliding_window", None)
     if columns is not None and window is not None and columns > window:
