@@ -108,8 +108,7 @@ def _load_smollm2(dtype: torch.dtype):
                 raise SystemExit(f"model smollm2: {cache} holds no complete model; "
                                  "remove it and run again") from None
     # loaded in its final dtype: a float32 copy on the way to bf16 would raise the peak memory
-    return (AutoModelForCausalLM.from_pretrained(cache, dtype=dtype),
-            AutoTokenizer.from_pretrained(cache))
+    return _from_pretrained(cache, dtype, local_files_only=True)
 
 
 def _load_hf(name: str, dtype: torch.dtype):
