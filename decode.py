@@ -67,9 +67,8 @@ def padded_causal_mask(attn: torch.Tensor, implementation: str, dtype: torch.dty
 
     Why a pad query sees itself: one that sees no key (all before it are pads) can be NaN in
     CUDA's fused kernels or their backward pass, where the CPU's give zeros (transformers issue
-    38690, the flash kernel; on one H200 it did not show: docs/performance.md), and the NaN
-    would reach real tokens through the pad's keys and values in the next layer (0 x NaN is NaN).
-    """
+    38690, the flash kernel; on one H200 it did not show: docs/performance.md); the NaN would
+    reach real tokens through the pad's keys and values in the next layer, as 0 x NaN is NaN."""
     L = attn.shape[-1]
     causal = torch.ones(L, L, dtype=torch.bool, device=attn.device).tril()  # (L, L)
     itself = torch.eye(L, dtype=torch.bool, device=attn.device)  # (L, L)
@@ -115,14 +114,13 @@ def next_token(logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, to
 
 def sample_next(logits: torch.Tensor, temperature: float,
                 top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from logits (B, V) at `temperature`, within the top_p nucleus:
-    the tokens (B,) and their log pi_rollout (B,), the log-softmax of logits / temperature.
+    """One token per row from logits (B, V) at `temperature`, within the top_p nucleus: the
+    tokens (B,) and their log pi_rollout (B,), the log-softmax of logits / temperature.
 
-    A draw is one uniform number per row read through the cumulative distribution
-    (inverse-CDF sampling): on a CPU, torch.multinomial's exponential draw over a
-    49k vocabulary costs as much as a decoding step's matrix products. As in pi_old, the
-    nucleus cut is not in the recorded log-probs. No host synchronisation.
-    """
+    A draw is one uniform number per row read through the cumulative distribution (inverse-CDF
+    sampling): on a CPU, torch.multinomial's exponential draw over a 49k vocabulary costs as much
+    as a decoding step's matrix products. As in pi_old, the nucleus cut is not in the recorded
+    log-probs. No host synchronisation."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
     probs = logp.exp()
     if top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p
