@@ -2,10 +2,9 @@
 
 Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens (B, T), pad
 after each row's eos, with log pi_rollout of each (B, T) (None when greedy). A row's eos is the
-first of the end tokens it is given (`end_tokens`: Qwen3 ends a reply with <|im_end|> or
-<|endoftext|>). Positions count real tokens only, so a left-padded row is positioned as it
-would be alone, and each distinct prompt (a GRPO group's samples share one) is prefilled once,
-its cache rows copied to every row that asked for it.
+first of the end tokens it is given (`end_tokens`). Positions count real tokens only, so a
+left-padded row is positioned as it would be alone, and each distinct prompt (a GRPO group's
+samples share one) is prefilled once, its cache rows copied to every row that asked for it.
 
 - `decode` (the CPU's): a cache that grows by one column a token, and rows that leave the
   batch once they wrote their eos. Every operation is a host call, which a CPU pays little for.
