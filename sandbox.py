@@ -9,24 +9,23 @@ for one program; it never raises.
 
 The layers, strongest first; sandbox() finds, once per process, the strongest combination in
 which a known-good program passes here:
-  - `unshare` (as root, or through a user namespace): its own network (a loopback that is down: no
-    network at all), pid space and /proc, SysV shared memory and semaphores, and mount namespace in
-    which every mount of the machine is read-only, with an empty, size-limited tmpfs over /tmp
-    (its working directory), /var/tmp and /dev/shm, and an empty directory over the trainer's
-    packages (its PYTHONPATH too), caches (wherever HF_HOME and the like moved them) and project
-    (`hidden_trees`: an answer key may sit among them): it can write nowhere on the machine's
-    filesystems, and a test's answer leaves through a file the trainer opened for it; when its
-    first process exits the kernel kills everything inside, and its scratch space and shared
-    memory are gone; where no fresh uid drops its rights (a trainer that is not root), the program
-    runs in a user namespace nested in these, where the kernel has locked every mount: root there,
-    it can neither unmount its /tmp or /proc nor make a mount writable again;
+  - `unshare` (as root, or through a user namespace): its own network (loopback down: none at
+    all), pid space and /proc, SysV shared memory and semaphores, and mount namespace, in which
+    every mount is read-only, an empty, size-limited tmpfs covers /tmp (its working directory),
+    /var/tmp and /dev/shm, and an empty directory the trainer's packages and PYTHONPATH, caches
+    (wherever HF_HOME and the like moved them) and project (`hidden_trees`: an answer key may sit
+    among them). It writes nowhere on the machine (a test's answer leaves through a file the
+    trainer opened for it); when its first process exits the kernel kills everything inside, and
+    its scratch space and shared memory are gone. Where no fresh uid drops its rights (a trainer
+    that is not root) the program runs in a user namespace nested in these, where the kernel has
+    locked every mount: root there, it can neither unmount its /tmp or /proc nor make a mount
+    writable again;
   - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files,
     and RLIMIT_NPROC counts that run alone;
   - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory,
     none of the trainer's environment, stdin closed, output to a file; limits on CPU seconds,
-    address space, file size (which caps the output), open files, processes; a wall-clock
-    timeout, after which the process group is killed; then any process left with the run's uid or
-    marker.
+    address space, file size (which caps the output), open files and processes; a wall-clock
+    timeout, then the process group is killed, then any process left with the run's uid or marker.
 
 The harness is lab/harness.py (its docstring gives the protocol); each run gets a read-only copy
 next to its working directory, so the sandboxed process needs no read access to the project.
@@ -191,12 +190,10 @@ def hidden_trees(python: str) -> tuple[str, ...]:
 def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
          marker: str) -> tuple[str, str]:
     """One sandboxed run; returns (verdict, head of output)."""
-    fmt = problem.test_format
-    if not problem.tests.strip():
+    fmt, tests = problem.test_format, problem.tests.strip()
+    cases = json.loads(tests) if tests and fmt != "assert" else []
+    if not tests or fmt != "assert" and not cases:
         return "no tests", ""  # nothing to pass is not a pass
-    cases = [] if fmt == "assert" else json.loads(problem.tests)
-    if fmt != "assert" and not cases:
-        return "no tests", ""
     uid, nonce = _fresh_uid() if sb.own_uid else None, secrets.token_hex(16)
     limits = {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": MEMORY_BYTES,
               "RLIMIT_FSIZE": FILE_BYTES, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": FILES_MAX}
@@ -229,8 +226,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
         with open(harness, "w") as f:
             f.write(harness_source())
         os.chmod(harness, 0o444)
-        # each stdin/stdout test's answer goes to a file opened here, inherited: the run needs no
-        # writable directory of the machine's to give it back
+        # each stdio answer goes to a file opened here, inherited: no writable directory needed
         answers += [tempfile.TemporaryFile() for _ in (cases if fmt == "stdio" else [])]
         job["answers"] = [f.fileno() for f in answers]
         # the judge's log is its own: the program's stdout is the file it could read or rewrite
