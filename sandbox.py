@@ -1,11 +1,9 @@
-r"""Running untrusted generated code: the isolation layers, and the test harness that runs
-inside them.
+r"""Running untrusted generated code: the isolation layers, and the test harness inside them.
 
 The code reward (reward.py) runs the last python block of a completion against every test of a
 problem; this file is how, without trusting the program. Three test formats: "assert" (a HumanEval
-`check`, run by a judge outside the sandbox that asks the program for each call), "stdio" (stdin ->
-stdout, one fresh process per test) and "call" (fn(*input) == output). run_code() gives a verdict
-for one program; it never raises.
+`check`), "stdio" (stdin -> stdout, one fresh process per test) and "call" (fn(*input) == output).
+run_code() gives a verdict for one program; it never raises.
 
 The layers, strongest first; sandbox() finds, once per process, the strongest combination in
 which a known-good program passes here:
@@ -33,9 +31,9 @@ Expected outputs never enter the sandbox. For stdin/stdout and function-call tes
 vouches, with a random nonce, that every test returned, and the trainer compares the outputs itself
 (token by token or value by value: an integer answer exactly, a float one to 1e-6): early exits,
 fake output, atexit or signal tricks earn nothing. Assert-style tests run in a judge outside the
-sandbox, which asks the program for each call of its function over a pipe and reads each reply as
-data only (builtin types: an object whose __eq__ always says yes cannot cross); its exit status is
-the verdict, and the program's interpreter holds neither the tests nor the judge's frames.
+sandbox, which asks the program for each call of its function and reads each reply as data only
+(an object whose __eq__ always says yes cannot cross): the program's interpreter holds neither the
+tests nor the judge's frames.
 
 What is left: without namespaces the network is open, a program can leave files in every
 world-writable directory of the machine (/tmp, /var/tmp, /dev/shm, /run/lock...; as root, under its
