@@ -10,14 +10,13 @@ which a known-good program passes here:
   - `unshare` (as root, or through a user namespace): its own network (loopback down: none at
     all), pid space and /proc, SysV shared memory and semaphores, and mount namespace, in which
     every mount is read-only, an empty, size-limited tmpfs covers /tmp (its working directory),
-    /var/tmp and /dev/shm, and an empty directory the trainer's packages and PYTHONPATH, caches
-    (wherever HF_HOME and the like moved them) and project (`hidden_trees`: an answer key may sit
-    among them). It writes nowhere on the machine (a test's answer leaves through a file the
-    trainer opened for it); when its first process exits the kernel kills everything inside, and
-    its scratch space and shared memory are gone. Where no fresh uid drops its rights (a trainer
-    that is not root) the program runs in a user namespace nested in these, where the kernel has
-    locked every mount: root there, it can neither unmount its /tmp or /proc nor make a mount
-    writable again;
+    /var/tmp and /dev/shm, and an empty directory the trainer's packages, caches and project
+    (`hidden_trees`: an answer key may sit among them). It writes nowhere on the machine (a
+    test's answer leaves through a file the trainer opened for it); when its first process exits
+    the kernel kills everything inside, and its scratch space and shared memory are gone. Without
+    a fresh uid (a trainer that is not root) it runs in a user namespace nested in these, where
+    the kernel has locked every mount: root there, it can neither unmount its /tmp or /proc nor
+    make a mount writable again;
   - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files,
     and RLIMIT_NPROC counts that run alone;
   - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory,
