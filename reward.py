@@ -1,26 +1,25 @@
 r"""Verifiable rewards: a final text and a problem (tasks.py) in, 1 (right) or 0 (wrong) out,
 without any learned judge.
 
-Math verifier. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) it reads the *last* \boxed{...} and
-compares it with the gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" ==
-"\frac{7}{2}", "1,000" == "1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500"); else with sympy
-("\frac{\sqrt{2}}{2}" == "1/\sqrt{2}", "2(x+1)" == "2x+2", "1,000,000" == "10^6"). A set of answers
-matches in any order ("\{1, 2\}" == "2, 1"); a tuple "(1, 2)" does not. Sympy only sees short
-strings of numbers, single letters, sqrt, pi and + - * / ^ with no power inside an exponent, and
-both sides are evaluated at fixed points to 30 digits rather than simplified: a call takes
-milliseconds and cannot hang. Departure: with no complete \boxed{}, the last number in the text is
-the answer (a tiny model often states it without the box); `strict=True` switches that off.
+Math. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) the *last* \boxed{...} is compared with the
+gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" == "\frac{7}{2}", "1,000" ==
+"1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500"); else with sympy ("\frac{\sqrt{2}}{2}" ==
+"1/\sqrt{2}", "2(x+1)" == "2x+2", "1,000,000" == "10^6"). A set of answers matches in any order
+("\{1, 2\}" == "2, 1"); a tuple "(1, 2)" does not. Sympy sees only short strings of numbers, single
+letters, sqrt, pi and + - * / ^ with no power inside an exponent, evaluated at fixed points to 30
+digits rather than simplified: a call takes milliseconds and cannot hang. Departure: with no
+complete \boxed{}, the last number in the text is the answer (a tiny model often omits the box);
+`strict=True` switches that off.
 
 Units. Both sides first lose $...$, \$, ^\circ, a percent sign and the units or words that trail a
-value, as the MATH graders drop them (Hendrycks et al. 2021; Minerva's normalize_final_answer,
-Lewkowycz et al. 2022): "12 \text{ cm}^2" == "12", "5 square units" == "\text{5 apples}" == "5".
-Unlike those graders a unit goes only from the end and only after a value ("\text{no solution}"
-keeps its words), a lone letter is a unit only in text mode ("5\text{ m}" == "5", but "2x" stays
-a product), and nothing is converted ("50 cents" != "0.5"). A percent sign goes as in MATH:
-"50\%" == "50" but != "0.5".
+value, as the MATH graders do (Hendrycks et al. 2021; Minerva's normalize_final_answer, Lewkowycz
+et al. 2022): "12 \text{ cm}^2" == "12", "5 square units" == "\text{5 apples}" == "5". Unlike them
+a unit goes only from the end and only after a value ("\text{no solution}" keeps its words), a
+lone letter is a unit only in text mode ("5\text{ m}" == "5", but "2x" stays a product), nothing is
+converted ("50 cents" != "0.5"), and as in MATH "50\%" == "50" but != "0.5".
 
-Code reward. The last fenced python block runs against every test of the problem; 1.0 only if all
-pass. It runs in sandbox.py, never in the trainer's process.
+Code. The last fenced python block runs in sandbox.py, never in the trainer's process, against
+every test of the problem; 1.0 only if all pass.
 
 Each call's reward. `credit_calls` decides, in one place, what every call of a workflow is paid (the
 episode's outcome broadcast, as Paper A does, or each call's own part).
@@ -39,10 +38,9 @@ from workflows import SOLVERS, boxed_contents, parse_verdict
 
 
 # ----------------------------------------------------------------------------- math verifier
-# No regex below can match the same text in two ways (the usual cause of
-# catastrophic backtracking), so a 100k-char completion takes milliseconds.
-# a number not glued to the end of another one, nor an exponent (the 2 of "12 cm^2"):
-# 12, -3, 2.5, 1,000, 3/4
+# No regex below can match the same text in two ways (the usual cause of catastrophic
+# backtracking), so a 100k-char completion takes milliseconds.
+# 12, -3, 2.5, 1,000, 3/4, not glued to the end of another number nor an exponent (12 cm^2's 2)
 NUMBER = re.compile(r"(?<![\d.^])(?<!\^\{)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
                     r"(?:\.\d+)?(?:/\d+)?")
 FRAC = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
@@ -53,10 +51,7 @@ MAX_DIGITS = 200  # longer "numbers" are compared as strings: Fraction on them i
 TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox|operatorname)\s*\{([^{}]*)\}")
 DEGREES = re.compile(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ|\\degree|°")
 VAR_EQ = re.compile(r"[a-zA-Z]\w{0,2}\s*=([^=]*)")  # "x = 5" -> " 5"
-# Units that may trail a value, dropped one at a time from the end, as Minerva's
-# normalize_final_answer (Lewkowycz et al. 2022) drops "cm", "square", "units", "dollars"...
-# (it drops them anywhere; here only at the end)
-# cm^2, \text{ft}^{3}, m²: the unit's, not the value's
+# a trailing unit's power (cm^2, \text{ft}^{3}, m²), not the value's
 POWER = r"(?:\s*\^\s*(?:\{\s*[23]\s*\}|[23])|[²³])?"
 # words in text mode: "\text{ square units}", "\mbox{cm}^2", "\mathrm{km/h}"
 TEXT_UNIT = re.compile(r"\\(?:text|textrm|textup|textnormal|textit|textbf|mbox|mathrm)"
@@ -69,16 +64,14 @@ SHORT_UNITS = "cm|mm|km|ft|in|yd|mi|kg|mg|gm|lb|lbs|oz|hr|hrs|min|sec|mph|sq|cu|
 BARE_UNIT = re.compile(rf"(?:(?<=\s)(?:[a-zA-Z]{{4,}}|{SHORT_UNITS})|(?<=\d)(?:{SHORT_UNITS}))"
                        rf"\.?{POWER}$")
 SYMPY_MAX_CHARS = 80  # longer answers are only compared as strings
-# what the sympy step accepts, after LaTeX is rewritten:
-# numbers, sqrt, pi, single letters, operators
+# what the sympy step accepts after LaTeX is rewritten: numbers, sqrt, pi, single letters, operators
 TOKEN = re.compile(r"\d+(?:\.\d+)?|sqrt|pi|[a-z](?![a-z])|\*\*|[-+*/()]")
 LATEX = (("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", "pi"), ("\\sqrt", "sqrt"),
          ("{", "("), ("}", ")"), ("^", "**"))
 
 
 def extract_answer(text: str, strict: bool = False) -> str | None:
-    """The final answer in a completion: the last closed \\boxed{} content, else (lenient only)
-    the last number."""
+    """The last closed \\boxed{} content, else (lenient only) the last number."""
     boxes = boxed_contents(text)
     if boxes:
         return boxes[-1].strip()
@@ -89,8 +82,7 @@ def extract_answer(text: str, strict: bool = False) -> str | None:
 
 
 def _normalise(s: str) -> str:
-    """The bare answer: drops $, \\text{}, degrees, percent signs, "x =", units, spaces, a
-    trailing '.'."""
+    """The bare answer, less $, \\text{}, degrees, percent, "x =", units, spaces, a final '.'."""
     s = s.replace("\u2212", "-").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("{,}", ",")  # LaTeX's thousands separator: 1{,}000
     for junk in ("\\$", "$", "\\left", "\\right", "\\!", "\\,", "\\;", "\\:"):
@@ -109,9 +101,8 @@ def _normalise(s: str) -> str:
 
 
 def _drop_units(s: str) -> str:
-    """s less the units that trail a number or expression ("12 \\text{ cm}^2",
-    "4\\sqrt{2} square units"); s itself when none trails, or when what they trail is no value
-    ("\\text{no solution}" keeps its words)."""
+    """s less the units that trail a value ("4\\sqrt{2} square units"); s itself when what they
+    trail is no value ("\\text{no solution}" keeps its words)."""
     head = s.rstrip()
     while m := TEXT_UNIT.search(head) or BARE_UNIT.search(head):
         if m.re is TEXT_UNIT and not all(len(w) > 1 or w in UNIT_LETTERS
@@ -284,10 +275,9 @@ def extract_code(text: str) -> str | None:
 
 
 def code_reward(text: str, problem: Problem, timeout: float = CODE_TIMEOUT) -> float:
-    """1.0 if the last python block of the text passes every test of the problem, else 0.0. A
-    sandbox error (a broken problem, a judge or a machine that fails) scores 0 too, and is said,
-    once a problem and reason: every program scoring 0 would otherwise look like a policy that
-    learns nothing."""
+    """1.0 if the text's last python block passes every test of the problem, else 0.0. A sandbox
+    error (a broken problem, judge or machine) scores 0 too, and is said (once a problem and
+    reason): else every program scoring 0 would look like a policy that learns nothing."""
     code = extract_code(text)
     if code is None:
         return 0.0
@@ -320,9 +310,8 @@ def score_batch(problems: list[Problem], texts: list[str], strict: bool = False,
 
 
 # ----------------------------------------------------------------------------- each call's reward
-# A workflow's calls are rollout.Call records (read by field name here): role, slot, episode, turn,
-# text, truncated, and the fields set below, solved and reward.
-
+# A workflow's calls are rollout.Call records (read by field name here): role, episode, stage, text,
+# truncated, and the two set below, own_score and reward.
 CREDITS = ("final", "own")
 TRUNCATED = ("penalize", "mask", "keep")
 

