@@ -3,17 +3,15 @@
 A workflow episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM, arXiv
 2601.21972): every workflow stage is a time step, each agent slot acts at some of those steps, and
 the episode's outcome (1 correct / 0 wrong) is the reward of each agent's last turn (under
---credit own, each turn's own: reward.credit_calls). A critic V(s) estimates the return from what
-it reads before an agent acts, and its errors become the actor's advantages in place of GRPO's
-group means. Two critics (Paper B):
+--credit own, each turn's own). A critic V(s) estimates the return from what it reads before an
+agent acts, and its errors become the actor's advantages in place of GRPO's group means:
   CoLLM-CC, central:   one critic "critic" reading the joint history - every agent's prompt and
                        output before step t, then the prompts of step t, in [slot] blocks; one
                        value per (episode, step), shared by the agents acting then.
   CoLLM-DC, decentral: one critic per agent slot ("critic-generator0") or per role type
                        ("critic-generator") that reads only its agent's own prompt at its turn.
-A critic is the frozen base model under its own LoRA adapter (lora.py) plus a ValueHead, Linear ->
-tanh -> Linear, read at the last input token; the head starts at exactly 0 and the adapter as a
-no-op, so a fresh critic predicts 0 everywhere.
+A critic is the frozen base model under its own LoRA adapter plus a ValueHead read at the last
+input token; a fresh critic predicts 0 everywhere.
 
 Advantages are GAE (Schulman et al. 2016, arXiv 1506.02438) over each agent's own sequence of
 turns t_1 < t_2 < ... < t_K:
@@ -31,7 +29,6 @@ stage, and gamma discounts per agent turn (voting's generators act once, so thei
 R - V(s) whatever lam is); the central critic fits the mean return of the agents that act at one
 joint step; identical prompts of one step (voting's generators) are written once, labelled with
 every slot that saw them; an input longer than max_tokens keeps its most recent tokens.
-A function that takes `cfg` reads train.py's Config by field name (critic, gamma, lam, ...).
 
 Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
@@ -62,8 +59,8 @@ class ValueHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(hidden_size, hidden_size)
         self.out = nn.Linear(hidden_size, 1)
-        # A zero output layer makes a fresh critic predict exactly 0, so the first advantages
-        # are plain returns; the dense layer gets gradient once `out` has moved.
+        # A zero output layer makes a fresh critic predict exactly 0 (the first advantages are
+        # plain returns); the dense layer gets gradient once `out` has moved.
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
@@ -97,8 +94,7 @@ def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
                    id_lists: list[list[int]], pad_id: int, batch_size: int = 16,
                    procs=ONE_PROCESS) -> torch.Tensor:
     """Values of every input under its own critic, without gradient: (calls,). Identical inputs
-    of one critic (the central critic's co-acting agents) run once; under torchrun each process
-    values its share, and the values are summed across processes."""
+    of one critic (co-acting agents) run once; under torchrun each process values its share."""
     values = torch.zeros(len(keys))
     for key in sorted(set(keys)):
         rows = defaultdict(list)  # input ids -> the positions that share them
@@ -124,8 +120,6 @@ def critic_key(slot: str, role: str, critic: str, per: str = "slot") -> str:
         return "critic"
     if critic != "decentral":
         raise ValueError(f"unknown critic {critic!r}; choose one of {CRITICS}")
-    if per not in PER:
-        raise ValueError(f"unknown critic grouping {per!r}; choose one of {PER}")
     return f"critic-{slot if per == 'slot' else role}"
 
 
@@ -156,8 +150,8 @@ LIST_MARK = re.compile(r"^[\s#*-]*(?:\d+\s*[.):])?\s*")
 def unseen(calls: list[Call]) -> list[float | None]:
     """For every call, what the central critic reads and a decentral one does not: the share (in
     characters) of the lines of its episode's earlier outputs (list markers aside) that its own
-    prompt does not quote; None on an episode's first turn. A short line (a bare number) may be
-    found in other words: the share is a lower bound."""
+    prompt does not quote; None on an episode's first turn. A lower bound: a short line (a bare
+    number) may be found in other words."""
     by_episode = defaultdict(list)
     for c in calls:
         by_episode[c.episode].append(c)
