@@ -80,8 +80,7 @@ def setup_critics(model: nn.Module, names: list[str]) -> nn.ModuleDict:
 def critic_values(model: nn.Module, head: ValueHead, adapter: str,
                   prompt_id_lists: list[list[int]], pad_id: int) -> torch.Tensor:
     """V of each input under one critic (adapter + head): (B,). Differentiable."""
-    ids, attn = left_pad(prompt_id_lists, pad_id)  # (B, L), (B, L)
-    ids, attn = ids.to(model.device), attn.to(model.device)
+    ids, attn = (t.to(model.device) for t in left_pad(prompt_id_lists, pad_id))  # (B, L) each
     with use_adapter(model, adapter):
         # logits_to_keep=1: the LM head runs on one column only; we never use its output.
         out = forward_padded(model, ids, attn, output_hidden_states=True, logits_to_keep=1)
@@ -152,13 +151,10 @@ def unseen(calls: list[Call]) -> list[float | None]:
     characters) of the lines of its episode's earlier outputs (list markers aside) that its own
     prompt does not quote; None on an episode's first turn. A lower bound: a short line (a bare
     number) may be found in other words."""
-    by_episode = defaultdict(list)
-    for c in calls:
-        by_episode[c.episode].append(c)
     shares = []
     for c in calls:
-        lines = (LIST_MARK.sub("", line).strip() for d in by_episode[c.episode] if d.stage < c.stage
-                 for line in d.text.splitlines())
+        lines = (LIST_MARK.sub("", line).strip() for d in calls
+                 if d.episode == c.episode and d.stage < c.stage for line in d.text.splitlines())
         said = [line for line in lines if line]
         total = sum(map(len, said))
         hidden = sum(len(line) for line in said if line not in c.prompt)
@@ -171,13 +167,8 @@ def critic_inputs(calls: list[Call], critic: str, per: str = "slot") -> tuple[li
     keys = [critic_key(c.slot, c.role, critic, per) for c in calls]
     if critic == "decentral":
         return keys, [local_observation(c) for c in calls]
-    by_episode = defaultdict(list)
-    for c in calls:
-        by_episode[c.episode].append(c)
-    history = {}  # (episode, turn) -> text: co-acting agents share one joint step
-    for c in calls:
-        if (c.episode, c.stage) not in history:
-            history[(c.episode, c.stage)] = joint_history(by_episode[c.episode], c.stage)
+    steps = {(c.episode, c.stage) for c in calls}  # co-acting agents share one joint step
+    history = {(e, t): joint_history([c for c in calls if c.episode == e], t) for e, t in steps}
     return keys, [history[(c.episode, c.stage)] for c in calls]
 
 
@@ -328,9 +319,8 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
 
 def update_critics(state, batch: CriticBatch, pad_id: int, cfg,
                    procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass of every critic over its own rows, in mini-batches (one step each). `state`: what
-    training changes (lab/checkpoint.py's TrainState): the model, the critics' heads and
-    optimizers, the random state that shuffles the rows."""
+    """One pass of every critic over its own rows (shuffled by state.rng), in mini-batches, one
+    step each. `state`: lab/checkpoint.py's TrainState."""
     stats = defaultdict(list)
     for name in state.heads:
         rows = [i for i, k in enumerate(batch.keys) if k == name]
@@ -344,9 +334,8 @@ def update_critics(state, batch: CriticBatch, pad_id: int, cfg,
 def update_critic(state, name: str, batch: CriticBatch, order: list[int], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass of critic `name` over the rows `order` of the batch, in cfg.critic_steps batches
-    whose sizes differ by at most one (as many as there are rows, where they are fewer). A
-    mini-batch whose gradient (after the sum across processes) is not finite is not applied, and
-    counted."""
+    (at most one per row) whose sizes differ by at most one. A mini-batch whose gradient is not
+    finite is not applied, and counted."""
     model, head, optimizer = state.model, state.heads[name], state.optimizers[name]
     params = optimizer.param_groups[0]["params"]
     device = params[0].device  # the critic's: its head's and its adapter's

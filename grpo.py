@@ -390,17 +390,15 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     with use_adapter(model, adapter):
         logp, mask, entropy = sequence_logprobs(model, micro, pad_id, cfg.temperature,
                                                 with_entropy=measure)  # (b, T) each
-    ref_logp = None
-    if kl_coef > 0:
-        with torch.no_grad(), use_adapter(model, reference_of(cfg, adapter)):  # None: the base
-            ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, cfg.temperature)
     old_logp = logp.detach()  # (b, T) pi_old on-policy: the policy itself, so every ratio is 1
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
     is_weight, gap = sampler_gap(old_logp, record, mask, cfg.tis_cap, measure)
     per_token, st = policy_loss(logp, old_logp, adv, mask, cfg.eps_low, cfg.eps_high, is_weight,
                                 cfg.ratio)
-    if ref_logp is not None:  # a KL term: kl_ref is logged only where there is one
+    if kl_coef > 0:  # a KL term: kl_ref is logged only where there is one
+        with torch.no_grad(), use_adapter(model, reference_of(cfg, adapter)):  # None: the base
+            ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, cfg.temperature)
         kl, kl_stats = kl_penalty(logp, ref_logp, mask)
         per_token = per_token + kl_coef * kl
         st.update(kl_stats)

@@ -299,8 +299,8 @@ def ngrams(text: str, n: int = 3) -> set[tuple[str, ...]]:
 
 def similarity(texts_a: list[str], texts_b: list[str], n: int = 3) -> float:
     """Jaccard overlap of the word n-grams of two sets of outputs: 0 disjoint, 1 same."""
-    a = set().union(*(ngrams(t, n) for t in texts_a)) if texts_a else set()
-    b = set().union(*(ngrams(t, n) for t in texts_b)) if texts_b else set()
+    a = set().union(*(ngrams(t, n) for t in texts_a))
+    b = set().union(*(ngrams(t, n) for t in texts_b))
     return len(a & b) / len(a | b) if a | b else 0.0
 
 
