@@ -123,8 +123,8 @@ def critic_key(slot: str, role: str, critic: str, per: str = "slot") -> str:
 
 
 def joint_history(episode_calls: list[Call], turn: int) -> str:
-    """The central critic's input at one joint step: all prompts and outputs before
-    `turn`, then the prompts at `turn`, each block labelled with its agent slot(s)."""
+    """The central critic's input at one joint step: all prompts and outputs before `turn`, then
+    the prompts at `turn`, each block labelled with its agent slot(s)."""
     blocks = []
     for t in sorted({c.stage for c in episode_calls if c.stage <= turn}):
         stage = [c for c in episode_calls if c.stage == t]
@@ -264,10 +264,9 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """0.5 * mean (V - R)^2, optionally PPO-clipped around the rollout's values: (calls,) -> (),
-    and its statistics as 0-d tensors. With clip, V may move at most `clip` from old_values
-    before the loss stops rewarding the move (the max of clipped and unclipped errors, as in
-    PPO2); clip_frac is the share of values it held back."""
+    """0.5 * mean (V - R)^2, optionally PPO-clipped: (calls,) -> (), and its statistics as 0-d
+    tensors. With clip, V may move at most `clip` from old_values before the loss stops rewarding
+    the move (the max of clipped and unclipped errors, as in PPO2); clip_frac: the share held."""
     v_loss_unclipped = (values - returns) ** 2  # (calls,)
     v_loss = v_loss_unclipped
     if clip is not None:
@@ -307,7 +306,6 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     # --credit own: each call's own reward at its own turn (GAE adds the agent's later rewards to an
     # earlier turn's return); else (None) the outcome on each agent's last turn
     rewards = [c.reward for c in calls] if cfg.credit == "own" else None
-    # --truncated penalize: a call cut by the length limit returns 0
     adv, returns = call_advantages(calls, values, cfg.gamma, cfg.lam, rewards,
                                    cut_returns_zero=cfg.truncated == "penalize")  # (calls,) each
     if cfg.norm_adv:

@@ -63,8 +63,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 def group_advantages(rewards: torch.Tensor, keys: list[Hashable],
                      eps: float = 1e-6) -> torch.Tensor:
-    """(r - group mean) / (group std + eps) for each reward, grouped by key:
-    (calls,) -> (calls,)."""
+    """(r - group mean) / (group std + eps) per reward, grouped by key: (calls,) -> (calls,)."""
     groups = defaultdict(list)
     for i, key in enumerate(keys):
         groups[key].append(i)
@@ -78,8 +77,7 @@ def group_advantages(rewards: torch.Tensor, keys: list[Hashable],
 
 
 def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> None:
-    """Group-relative advantages on every call, grouped by (problem, slot, stage) or by
-    (problem, role)."""
+    """Group-relative advantages on every call, by (problem, slot, stage) or (problem, role)."""
     if by == "slot":
         keys = [(problem_of[c.episode], c.slot, c.stage) for c in calls]
     else:
@@ -146,7 +144,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """k3 to the reference per token, (B, T) (>= 0, unbiased for KL(pi || ref); Schulman 2020),
-    which the loss adds times its weight, and its mean over the completion tokens (kl_ref)."""
+    and its mean over the completion tokens (kl_ref)."""
     log_ref_ratio = ref_logp - logp  # (B, T)
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
     return kl, {"kl_ref": masked_mean(kl.detach(), mask)}
@@ -193,12 +191,11 @@ def loss_weight(mb: list[Call], role: str, balance: str) -> LossWeight:
     """Scale and denominators of one role's loss in a mini-batch.
 
     none: every call counts alike, so a role's weight is its share of calls or tokens;
-    role: each role's loss is averaged over its own calls, then roles are averaged
-          (the shared-adapter fix for role capture);
-    multiplicity: the loss of a role with N slots in the mini-batch is scaled by 1/N
-          (the isolated-adapter fix for amplification). Under AdamW a constant
-          scale of an adapter's whole loss mostly cancels: it acts through the
-          gradient clip and against other roles sharing the adapter.
+    role: each role's loss is averaged over its own calls, then roles are averaged (the
+          shared-adapter fix for role capture);
+    multiplicity: the loss of a role with N slots in the mini-batch is scaled by 1/N (the
+          isolated-adapter fix for amplification). Under AdamW a constant scale of an adapter's
+          whole loss mostly cancels: it acts through the gradient clip and against other roles.
     """
     counted = [c for c in mb if c.role == role] if balance == "role" else mb
     scale = 1.0
@@ -333,8 +330,8 @@ def has_signal(call: Call, kl: dict[str, float]) -> bool:
 
 def live_groups(mb: list[Call], kl: dict[str, float], by: str,
                 procs=ONE_PROCESS) -> list[tuple[str, list[Call]]]:
-    """The mini-batch's calls with a gradient (an advantage, or a KL term), grouped by role or
-    slot: (group, this process's share of the group's calls), every group that has any."""
+    """The mini-batch's calls with a gradient, grouped by role or slot: (group, this process's
+    share of the group's calls), every group that has any."""
     live = [c for c in mb if has_signal(c, kl)]
     return [(group, procs.share([c for c in live if getattr(c, by) == group]))
             for group in sorted({getattr(c, by) for c in live})]

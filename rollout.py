@@ -200,8 +200,7 @@ class Rollout:
         self.model, self.tok, self.sharing = model, tok, sharing
         self.decoder = decoder  # None: decode.graph_decode on a GPU, decode.decode on a CPU
         self.merge = merge  # generate with the adapter folded into the weights
-        self.max_new_tokens, self.temperature, self.top_p, self.greedy = (
-            max_new_tokens, temperature, top_p, greedy)
+        self.max_new_tokens, self.sampler = max_new_tokens, Sampler(temperature, top_p, greedy)
         self.progress = progress  # told of every finished stage: a stage can take minutes on a CPU
         self.calls: list[Call] = []
         self.stages = 0  # one per generate call; also the `stage` of its calls
@@ -221,17 +220,16 @@ class Rollout:
             prompts[i] = tok.decode(fitted[i])
         self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
-        adapter = adapter_for(role, self.sharing)
         # On a GPU each token is a replay of one CUDA graph (where the static step serves the
         # model: decode.static_refusal); on a CPU, host calls cost little.
         use_graph = (model.device.type == "cuda"
                      and static_refusal(model, ids.shape[1] + self.max_new_tokens) is None)
         decoder = self.decoder or (graph_decode if use_graph else decode)
         eos = end_tokens(model, tok)  # one id, or several where the model names more (Qwen3)
+        adapter = adapter_for(role, self.sharing)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
-            sampler = Sampler(self.temperature, self.top_p, self.greedy)
             new, sampled = decoder(model, ids, attn, self.max_new_tokens, eos, tok.pad_token_id,
-                                   sampler)  # (B, T) each
+                                   self.sampler)  # (B, T) each
         new, sampled = new.cpu(), (None if sampled is None else sampled.cpu())
         for i in range(len(chats)):
             completion = cut_at_eos(new[i].tolist(), eos)
