@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.rnn import pad_sequence
 
 from decode import forward_padded
 from lora import add_adapter, use_adapter
@@ -224,12 +225,8 @@ def call_advantages(calls: list[Call], values: torch.Tensor, gamma: float, lam: 
     length limit returns 0, A = 0 - V(s), as its reward is 0 under GRPO."""
     rewards = outcome_rewards(calls) if rewards is None else rewards
     seqs = agent_turns(calls)
-    K = max(len(s) for s in seqs)
-    index = torch.zeros(len(seqs), K, dtype=torch.long)  # (B, K): call index of each turn
-    mask = torch.zeros(len(seqs), K)  # (B, K)
-    for b, s in enumerate(seqs):
-        index[b, : len(s)] = torch.tensor(s)
-        mask[b, : len(s)] = 1
+    index = pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)  # (B, K): call indices
+    mask = pad_sequence([torch.ones(len(s)) for s in seqs], batch_first=True)  # (B, K)
     r = torch.tensor(rewards, dtype=torch.float32)[index] * mask  # (B, K)
     v = values.detach().float().cpu()[index]  # (B, K)
     adv, ret = gae(r, v, mask, gamma, lam)  # (B, K), (B, K)

@@ -28,13 +28,11 @@ to the reference policy is off by default, as in the paper; when on it is the k3
 (Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model, or, after a
 supervised warm-up, against the warmed-up adapter (`reference_of`).
 
-The update (`policy_update`), shared with the actor of the actor-critic (critic.py), is one pass
-over the calls in mini-batches, one optimizer step each (one PPO epoch, as in the paper). It
-carries Paper A's mitigations: loss weights per role, coherence damping and a KL anchor per role.
-The sampler and the trainer round differently (bf16, KV cache, merged weights), so the tokens come
-from pi_rollout, not exactly pi_old: --tis_cap weights each token's term by
-min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025). A function that
-takes `cfg` reads train.py's Config by field name; the losses themselves take plain numbers.
+The update (`policy_update`, also the actor's of critic.py) is one pass over the calls in
+mini-batches, one optimizer step each (one PPO epoch, as in the paper), with Paper A's mitigations
+(loss weights per role, coherence damping, a KL anchor per role). The sampler rounds differently
+from the trainer, so the tokens come from pi_rollout, not exactly pi_old: --tis_cap weights each
+token's term by min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025).
 
 Exercised by: pytest tests/test_grpo.py
 """
@@ -270,11 +268,12 @@ def policy_update(state, adapter: str, calls: list[Call], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass over `calls` (shuffled by state.rng) in mini-batches, one optimizer step each.
 
-    `state`: lab/checkpoint.py's TrainState. Each role's part of a mini-batch is back-propagated
-    with its own loss weight. A call with advantage 0 and no KL term is skipped: its gradient is
-    exactly 0, and it still counts in the denominators. A mini-batch whose gradient norm is not
-    finite takes no step. Under torchrun (`procs`) each process back-propagates its share with the
-    whole mini-batch's denominators, and the gradients are summed before the step.
+    `state`: lab/checkpoint.py's TrainState; `cfg`: train.py's Config. Each role's part of a
+    mini-batch is back-propagated with its own loss weight. A call with advantage 0 and no KL term
+    is skipped: its gradient is exactly 0, and it still counts in the denominators. A mini-batch
+    whose gradient norm is not finite takes no step. Under torchrun (`procs`) each process
+    back-propagates its share with the whole mini-batch's denominators, and the gradients are
+    summed before the step.
     """
     model, optimizer, ema = state.model, state.optimizers[adapter], state.emas[adapter]
     kl = kl_coefs(cfg)

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from decode import (Sampler, as_ids, decode, end_tokens, forward_padded, graph_decode,
                     static_refusal)
@@ -109,12 +110,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
 
 def left_pad(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids (B, P) and attention_mask (B, P), padded on the left: the last column is real."""
-    L = max(len(ids) for ids in id_lists)
-    ids = torch.full((len(id_lists), L), pad_id, dtype=torch.long)
-    attn = torch.zeros(len(id_lists), L, dtype=torch.long)
-    for i, row in enumerate(id_lists):
-        ids[i, L - len(row):] = torch.tensor(row, dtype=torch.long)
-        attn[i, L - len(row):] = 1
+    rows = [torch.tensor(row, dtype=torch.long) for row in id_lists]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left")
+    attn = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
     return ids, attn
 
 
