@@ -315,7 +315,7 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
 def update_critics(state, batch: CriticBatch, pad_id: int, cfg,
                    procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass of every critic over its own rows (shuffled by state.rng), in mini-batches, one
-    step each. `state`: lab/checkpoint.py's TrainState."""
+    step each. `state`: lab/checkpoint.py's TrainState; `cfg`: train.py's Config."""
     stats = defaultdict(list)
     for name in state.heads:
         rows = [i for i, k in enumerate(batch.keys) if k == name]

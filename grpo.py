@@ -28,9 +28,9 @@ to the reference policy is off by default, as in the paper; when on it is the k3
 (Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model, or, after a
 supervised warm-up, against the warmed-up adapter (`reference_of`).
 
-The update (`policy_update`, also the actor's of critic.py) is one pass over the calls in
-mini-batches, one optimizer step each (one PPO epoch, as in the paper), with Paper A's mitigations
-(loss weights per role, coherence damping, a KL anchor per role). The sampler rounds differently
+The update (`policy_update`, the actor-critic's too) is one pass over the calls in mini-batches,
+one optimizer step each (one PPO epoch, as in the paper), with Paper A's mitigations (loss
+weights per role, coherence damping, a KL anchor per role). The sampler rounds differently
 from the trainer, so the tokens come from pi_rollout, not exactly pi_old: --tis_cap weights each
 token's term by min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025).
 

@@ -79,14 +79,6 @@ def gradient_noise(g0: torch.Tensor, g1: torch.Tensor, n0: int, n1: int) -> floa
     return (n0 * n1 * (g0 / n0 - g1 / n1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
 
 
-def zero_gradients(params: list[torch.Tensor]) -> None:
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        else:
-            p.grad.zero_()
-
-
 def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
                      procs=ONE_PROCESS) -> dict[str, list[float]]:
     """Paper A's signals of the adapter's gradient before its update, from each slot's part of the
@@ -99,7 +91,8 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
         role = role_of[slot] = next(c.role for c in calls if c.slot == slot)
         weight = loss_weight(calls, role, cfg.balance)
         for half in (0, 1):
-            zero_gradients(params)
+            for p in params:  # 0, not None, where this part's loss does not reach
+                p.grad = torch.zeros_like(p)
             part = [c for c in share if c.episode // cfg.group_size % 2 == half]
             for micro in micro_batches(part, cfg.micro_batch_tokens):
                 st = micro_loss_backward(model, adapter, micro, {}, pad_id, cfg, weight,
@@ -111,7 +104,8 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
             g = procs.sum(flat_grad(params))  # (n_params,)
             slot_grads[slot] = slot_grads.get(slot, 0) + g
             halves[half] = halves[half] + g
-    zero_gradients(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
     for k, v in gradient_stats(slot_grads, role_of).items():
         stats[k].append(v)
     problems = {c.episode // cfg.group_size for c in calls}
