@@ -3,17 +3,15 @@
 A workflow episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM, arXiv
 2601.21972): every workflow stage is a time step, each agent slot acts at some of those steps, and
 the episode's outcome (1 correct / 0 wrong) is the reward of each agent's last turn (under
---credit own, each turn's own: reward.credit_calls). A critic V(s) estimates the return from what
-it reads before an agent acts, and its errors become the actor's advantages in place of GRPO's
-group means. Two critics (Paper B):
+--credit own, each turn's own). A critic V(s) estimates the return from what it reads before an
+agent acts, and its errors become the actor's advantages in place of GRPO's group means:
   CoLLM-CC, central:   one critic "critic" reading the joint history - every agent's prompt and
                        output before step t, then the prompts of step t, in [slot] blocks; one
                        value per (episode, step), shared by the agents acting then.
   CoLLM-DC, decentral: one critic per agent slot ("critic-generator0") or per role type
                        ("critic-generator") that reads only its agent's own prompt at its turn.
-A critic is the frozen base model under its own LoRA adapter (lora.py) plus a ValueHead, Linear ->
-tanh -> Linear, read at the last input token; the head starts at exactly 0 and the adapter as a
-no-op, so a fresh critic predicts 0 everywhere.
+A critic is the frozen base model under its own LoRA adapter plus a ValueHead read at the last
+input token; a fresh critic predicts 0 everywhere.
 
 Advantages are GAE (Schulman et al. 2016, arXiv 1506.02438) over each agent's own sequence of
 turns t_1 < t_2 < ... < t_K:
@@ -31,7 +29,6 @@ stage, and gamma discounts per agent turn (voting's generators act once, so thei
 R - V(s) whatever lam is); the central critic fits the mean return of the agents that act at one
 joint step; identical prompts of one step (voting's generators) are written once, labelled with
 every slot that saw them; an input longer than max_tokens keeps its most recent tokens.
-A function that takes `cfg` reads train.py's Config by field name (critic, gamma, lam, ...).
 
 Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
@@ -42,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.nn.utils.rnn import pad_sequence
 
 from decode import forward_padded
 from lora import add_adapter, use_adapter
@@ -62,8 +60,8 @@ class ValueHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(hidden_size, hidden_size)
         self.out = nn.Linear(hidden_size, 1)
-        # A zero output layer makes a fresh critic predict exactly 0, so the first advantages
-        # are plain returns; the dense layer gets gradient once `out` has moved.
+        # A zero output layer makes a fresh critic predict exactly 0 (the first advantages are
+        # plain returns); the dense layer gets gradient once `out` has moved.
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
@@ -83,8 +81,7 @@ def setup_critics(model: nn.Module, names: list[str]) -> nn.ModuleDict:
 def critic_values(model: nn.Module, head: ValueHead, adapter: str,
                   prompt_id_lists: list[list[int]], pad_id: int) -> torch.Tensor:
     """V of each input under one critic (adapter + head): (B,). Differentiable."""
-    ids, attn = left_pad(prompt_id_lists, pad_id)  # (B, L), (B, L)
-    ids, attn = ids.to(model.device), attn.to(model.device)
+    ids, attn = (t.to(model.device) for t in left_pad(prompt_id_lists, pad_id))  # (B, L) each
     with use_adapter(model, adapter):
         # logits_to_keep=1: the LM head runs on one column only; we never use its output.
         out = forward_padded(model, ids, attn, output_hidden_states=True, logits_to_keep=1)
@@ -97,8 +94,7 @@ def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
                    id_lists: list[list[int]], pad_id: int, batch_size: int = 16,
                    procs=ONE_PROCESS) -> torch.Tensor:
     """Values of every input under its own critic, without gradient: (calls,). Identical inputs
-    of one critic (the central critic's co-acting agents) run once; under torchrun each process
-    values its share, and the values are summed across processes."""
+    of one critic (co-acting agents) run once; under torchrun each process values its share."""
     values = torch.zeros(len(keys))
     for key in sorted(set(keys)):
         rows = defaultdict(list)  # input ids -> the positions that share them
@@ -124,14 +120,12 @@ def critic_key(slot: str, role: str, critic: str, per: str = "slot") -> str:
         return "critic"
     if critic != "decentral":
         raise ValueError(f"unknown critic {critic!r}; choose one of {CRITICS}")
-    if per not in PER:
-        raise ValueError(f"unknown critic grouping {per!r}; choose one of {PER}")
     return f"critic-{slot if per == 'slot' else role}"
 
 
 def joint_history(episode_calls: list[Call], turn: int) -> str:
-    """The central critic's input at one joint step: all prompts and outputs before
-    `turn`, then the prompts at `turn`, each block labelled with its agent slot(s)."""
+    """The central critic's input at one joint step: all prompts and outputs before `turn`, then
+    the prompts at `turn`, each block labelled with its agent slot(s)."""
     blocks = []
     for t in sorted({c.stage for c in episode_calls if c.stage <= turn}):
         stage = [c for c in episode_calls if c.stage == t]
@@ -156,15 +150,12 @@ LIST_MARK = re.compile(r"^[\s#*-]*(?:\d+\s*[.):])?\s*")
 def unseen(calls: list[Call]) -> list[float | None]:
     """For every call, what the central critic reads and a decentral one does not: the share (in
     characters) of the lines of its episode's earlier outputs (list markers aside) that its own
-    prompt does not quote; None on an episode's first turn. A short line (a bare number) may be
-    found in other words: the share is a lower bound."""
-    by_episode = defaultdict(list)
-    for c in calls:
-        by_episode[c.episode].append(c)
+    prompt does not quote; None on an episode's first turn. A lower bound: a short line (a bare
+    number) may be found in other words."""
     shares = []
     for c in calls:
-        lines = (LIST_MARK.sub("", line).strip() for d in by_episode[c.episode] if d.stage < c.stage
-                 for line in d.text.splitlines())
+        lines = (LIST_MARK.sub("", line).strip() for d in calls
+                 if d.episode == c.episode and d.stage < c.stage for line in d.text.splitlines())
         said = [line for line in lines if line]
         total = sum(map(len, said))
         hidden = sum(len(line) for line in said if line not in c.prompt)
@@ -177,13 +168,8 @@ def critic_inputs(calls: list[Call], critic: str, per: str = "slot") -> tuple[li
     keys = [critic_key(c.slot, c.role, critic, per) for c in calls]
     if critic == "decentral":
         return keys, [local_observation(c) for c in calls]
-    by_episode = defaultdict(list)
-    for c in calls:
-        by_episode[c.episode].append(c)
-    history = {}  # (episode, turn) -> text: co-acting agents share one joint step
-    for c in calls:
-        if (c.episode, c.stage) not in history:
-            history[(c.episode, c.stage)] = joint_history(by_episode[c.episode], c.stage)
+    steps = {(c.episode, c.stage) for c in calls}  # co-acting agents share one joint step
+    history = {(e, t): joint_history([c for c in calls if c.episode == e], t) for e, t in steps}
     return keys, [history[(c.episode, c.stage)] for c in calls]
 
 
@@ -239,12 +225,8 @@ def call_advantages(calls: list[Call], values: torch.Tensor, gamma: float, lam: 
     length limit returns 0, A = 0 - V(s), as its reward is 0 under GRPO."""
     rewards = outcome_rewards(calls) if rewards is None else rewards
     seqs = agent_turns(calls)
-    K = max(len(s) for s in seqs)
-    index = torch.zeros(len(seqs), K, dtype=torch.long)  # (B, K): call index of each turn
-    mask = torch.zeros(len(seqs), K)  # (B, K)
-    for b, s in enumerate(seqs):
-        index[b, : len(s)] = torch.tensor(s)
-        mask[b, : len(s)] = 1
+    index = pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)  # (B, K): call indices
+    mask = pad_sequence([torch.ones(len(s)) for s in seqs], batch_first=True)  # (B, K)
     r = torch.tensor(rewards, dtype=torch.float32)[index] * mask  # (B, K)
     v = values.detach().float().cpu()[index]  # (B, K)
     adv, ret = gae(r, v, mask, gamma, lam)  # (B, K), (B, K)
@@ -279,10 +261,9 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """0.5 * mean (V - R)^2, optionally PPO-clipped around the rollout's values: (calls,) -> (),
-    and its statistics as 0-d tensors. With clip, V may move at most `clip` from old_values
-    before the loss stops rewarding the move (the max of clipped and unclipped errors, as in
-    PPO2); clip_frac is the share of values it held back."""
+    """0.5 * mean (V - R)^2, optionally PPO-clipped: (calls,) -> (), and its statistics as 0-d
+    tensors. With clip, V may move at most `clip` from old_values before the loss stops rewarding
+    the move (the max of clipped and unclipped errors, as in PPO2); clip_frac: the share held."""
     v_loss_unclipped = (values - returns) ** 2  # (calls,)
     v_loss = v_loss_unclipped
     if clip is not None:
@@ -322,7 +303,6 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     # --credit own: each call's own reward at its own turn (GAE adds the agent's later rewards to an
     # earlier turn's return); else (None) the outcome on each agent's last turn
     rewards = [c.reward for c in calls] if cfg.credit == "own" else None
-    # --truncated penalize: a call cut by the length limit returns 0
     adv, returns = call_advantages(calls, values, cfg.gamma, cfg.lam, rewards,
                                    cut_returns_zero=cfg.truncated == "penalize")  # (calls,) each
     if cfg.norm_adv:
@@ -334,9 +314,8 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
 
 def update_critics(state, batch: CriticBatch, pad_id: int, cfg,
                    procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass of every critic over its own rows, in mini-batches (one step each). `state`: what
-    training changes (lab/checkpoint.py's TrainState): the model, the critics' heads and
-    optimizers, the random state that shuffles the rows."""
+    """One pass of every critic over its own rows (shuffled by state.rng), in mini-batches, one
+    step each. `state`: lab/checkpoint.py's TrainState; `cfg`: train.py's Config."""
     stats = defaultdict(list)
     for name in state.heads:
         rows = [i for i, k in enumerate(batch.keys) if k == name]
@@ -350,9 +329,8 @@ def update_critics(state, batch: CriticBatch, pad_id: int, cfg,
 def update_critic(state, name: str, batch: CriticBatch, order: list[int], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
     """One pass of critic `name` over the rows `order` of the batch, in cfg.critic_steps batches
-    whose sizes differ by at most one (as many as there are rows, where they are fewer). A
-    mini-batch whose gradient (after the sum across processes) is not finite is not applied, and
-    counted."""
+    (at most one per row) whose sizes differ by at most one. A mini-batch whose gradient is not
+    finite is not applied, and counted."""
     model, head, optimizer = state.model, state.heads[name], state.optimizers[name]
     params = optimizer.param_groups[0]["params"]
     device = params[0].device  # the critic's: its head's and its adapter's

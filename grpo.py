@@ -13,11 +13,10 @@ tokens can still grow,
     ratio = pi(a|s) / pi_old(a|s)
     loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
 
-GSPO (Zheng et al. 2025, arXiv 2507.18071; ratio_level "sequence") takes one ratio per sequence
-instead, the geometric mean of its token ratios, s_i = exp(mean_t (log pi - log pi_old)), clipped
-as a whole: the ratio has the unit of the reward (one per sequence), every token of a sequence is
-weighted alike, and a sequence is clipped or kept whole instead of token by token. Where pi_old is
-the policy itself (train.py's --one_step, the default) both ratios are exactly 1.
+GSPO (Zheng et al. 2025, arXiv 2507.18071; --ratio sequence) clips one ratio per sequence, the
+geometric mean of its token ratios, s_i = exp(mean_t (log pi - log pi_old)): it has the unit of
+the reward, and a sequence is clipped or kept whole. Where pi_old is the policy itself (train.py's
+--one_step, the default) both ratios are exactly 1.
 
 Multi-agent workflows (Paper A, Zeng et al. 2026, arXiv 2605.24202): the episode's outcome reward
 is broadcast to every call, and one group is one (problem, agent slot, stage): generator0's
@@ -29,16 +28,11 @@ to the reference policy is off by default, as in the paper; when on it is the k3
 (Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model, or, after a
 supervised warm-up, against the warmed-up adapter (`reference_of`).
 
-The update (`policy_update`), shared by GRPO and the actor of the actor-critic (critic.py), is one
-pass over the calls in mini-batches, one optimizer step each (one PPO epoch, as in the paper). Its
-first mini-batch comes before the adapter's first step, so its pi_old is its own log-probs,
-detached; only the later mini-batches need a pass of their own (rollout.old_logprobs). It carries
-Paper A's mitigations: loss weights per role (loss_weight), coherence damping (damped_step) and a
-KL anchor per role. The sampler and the trainer round differently (bf16, KV cache, merged
-weights), so the tokens come from pi_rollout, not exactly pi_old: with tis_cap > 0 each token's
-term is weighted by min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025;
-sampler_gap, which a first reading can skip). A function that takes `cfg` reads train.py's Config
-by field name; the losses themselves take plain numbers.
+The update (`policy_update`, the actor-critic's too) is one pass over the calls in mini-batches,
+one optimizer step each (one PPO epoch, as in the paper), with Paper A's mitigations (loss
+weights per role, coherence damping, a KL anchor per role). The sampler rounds differently
+from the trainer, so the tokens come from pi_rollout, not exactly pi_old: --tis_cap weights each
+token's term by min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025).
 
 Exercised by: pytest tests/test_grpo.py
 """
@@ -67,8 +61,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 def group_advantages(rewards: torch.Tensor, keys: list[Hashable],
                      eps: float = 1e-6) -> torch.Tensor:
-    """(r - group mean) / (group std + eps) for each reward, grouped by key:
-    (calls,) -> (calls,)."""
+    """(r - group mean) / (group std + eps) per reward, grouped by key: (calls,) -> (calls,)."""
     groups = defaultdict(list)
     for i, key in enumerate(keys):
         groups[key].append(i)
@@ -82,8 +75,7 @@ def group_advantages(rewards: torch.Tensor, keys: list[Hashable],
 
 
 def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> None:
-    """Group-relative advantages on every call, grouped by (problem, slot, stage) or by
-    (problem, role)."""
+    """Group-relative advantages on every call, by (problem, slot, stage) or (problem, role)."""
     if by == "slot":
         keys = [(problem_of[c.episode], c.slot, c.stage) for c in calls]
     else:
@@ -118,13 +110,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
                 is_weight: torch.Tensor | None = None,
                 ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate per completion token (a KL term to a reference is kl_penalty's).
-
-    logp, old_logp, mask, is_weight (the optional `tis_weight`): (B, T); advantages: (B,), spread
-    over each sequence's tokens. ratio_level "token" (PPO, GRPO) or "sequence" (GSPO). Returns the
-    per-token loss (B, T), for `aggregate` to reduce, and its statistics over the completion
-    tokens, 0-d tensors that `read_stats` reads after the backward pass.
-    """
+    """The clipped surrogate per completion token, (B, T), for `aggregate` to reduce, and its
+    statistics over the completion tokens (0-d tensors). logp, old_logp, mask, is_weight (the
+    optional `tis_weight`): (B, T); advantages: (B,), spread over each sequence's tokens.
+    ratio_level "token" (PPO, GRPO) or "sequence" (GSPO)."""
     adv = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = logp - old_logp  # (B, T)
     token_ratio = torch.exp(log_ratio)
@@ -132,7 +121,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"unknown ratio level {ratio_level!r}; choose one of {RATIO_LEVELS}")
     ratio = token_ratio  # (B, T)
     if ratio_level == "sequence":  # GSPO: exp(token mean of log pi - log pi_old), one per sequence
-        # (B, T)
         ratio = torch.exp(masked_mean(log_ratio, mask, dim=-1)).unsqueeze(-1).expand_as(logp)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
@@ -154,30 +142,28 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """k3 to the reference per token, (B, T) (>= 0, unbiased for KL(pi || ref); Schulman 2020),
-    which the loss adds times its weight, and its mean over the completion tokens (kl_ref)."""
+    and its mean over the completion tokens (kl_ref)."""
     log_ref_ratio = ref_logp - logp  # (B, T)
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
     return kl, {"kl_ref": masked_mean(kl.detach(), mask)}
 
 
 def read_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Statistics kept as 0-d tensors, as numbers. On a GPU reading one waits for every kernel
-    queued before it, so the update reads a micro-batch's after its backward pass is queued: the
-    GPU is not left idle while the host launches that pass."""
+    """0-d tensors as numbers. On a GPU reading one waits for every kernel queued before it, so
+    the update reads them after the backward pass is queued: the GPU is not left idle."""
     return {k: v.item() for k, v in stats.items()}
 
 
 def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025): min(pi_old / pi_rollout, cap) per token,
-    (B, T). The weight turns the sampler's expectation into the trainer's; the cap bounds its
-    variance."""
+    """Truncated importance sampling (Yao et al. 2025): min(pi_old / pi_rollout, cap) per token.
+    The weight turns the sampler's expectation into the trainer's; the cap bounds its variance."""
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # (B, T)
 
 
 def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                    mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """How far the sampler's policy is from the trainer's on the sampled tokens: the mean and max
-    of |log pi_old - log pi_rollout| and the k3 estimate of KL(pi_rollout || pi_old), 0-d each."""
+    """The mean and max of |log pi_old - log pi_rollout| over the sampled tokens and the k3
+    estimate of KL(pi_rollout || pi_old), 0-d each."""
     gap = old_logp - rollout_logp  # (B, T)
     return {"mismatch_mean": masked_mean(gap.abs(), mask),
             "mismatch_max": gap.abs().masked_fill(~mask.bool(), 0.0).max(),
@@ -203,12 +189,11 @@ def loss_weight(mb: list[Call], role: str, balance: str) -> LossWeight:
     """Scale and denominators of one role's loss in a mini-batch.
 
     none: every call counts alike, so a role's weight is its share of calls or tokens;
-    role: each role's loss is averaged over its own calls, then roles are averaged
-          (the shared-adapter fix for role capture);
-    multiplicity: the loss of a role with N slots in the mini-batch is scaled by 1/N
-          (the isolated-adapter fix for amplification). Under AdamW a constant
-          scale of an adapter's whole loss mostly cancels: it acts through the
-          gradient clip and against other roles sharing the adapter.
+    role: each role's loss is averaged over its own calls, then roles are averaged (the
+          shared-adapter fix for role capture);
+    multiplicity: the loss of a role with N slots in the mini-batch is scaled by 1/N (the
+          isolated-adapter fix for amplification). Under AdamW a constant scale of an adapter's
+          whole loss mostly cancels: it acts through the gradient clip and against other roles.
     """
     counted = [c for c in mb if c.role == role] if balance == "role" else mb
     scale = 1.0
@@ -221,12 +206,10 @@ def loss_weight(mb: list[Call], role: str, balance: str) -> LossWeight:
 
 def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float,
                 beta: float = 0.9) -> float:
-    """Coherence damping (Paper A): scale the step by 1 - damping * max(0, cos(g, EMA(g))).
-
-    A gradient that keeps pointing where the recent ones pointed is the signature of amplification;
-    its step is shortened through the learning rate, since AdamW would undo a scaled gradient.
-    `ema` holds EMA(g) across steps. Returns the factor applied.
-    """
+    """Coherence damping (Paper A): scale the step by 1 - damping * max(0, cos(g, EMA(g))), the
+    factor returned. A gradient that keeps pointing where the recent ones pointed is the signature
+    of amplification; its step is shortened through the learning rate, since AdamW would undo a
+    scaled gradient. `ema` holds EMA(g) across steps."""
     g = flat_grad(params)  # (n_params,)
     factor = 1.0
     if "g" in ema:
@@ -246,8 +229,7 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
 
 def kl_coefs(cfg) -> dict[str, float]:
     """The KL anchor's weight of every role of the workflow: cfg.kl_coef, overridden per role by
-    cfg.role_kl ("aggregator=0.05,evaluator=0"); a ValueError names what is wrong with it. Read
-    once per micro-batch, parsed once per setting (role_kl_items)."""
+    cfg.role_kl ("aggregator=0.05,evaluator=0"). Read per micro-batch, parsed once (lru_cache)."""
     return dict(role_kl_items(cfg.workflow, cfg.kl_coef, cfg.role_kl))
 
 
@@ -284,22 +266,17 @@ def reference_of(cfg, adapter: str) -> str | None:
 
 def policy_update(state, adapter: str, calls: list[Call], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass over `calls` (shuffled) in mini-batches, one optimizer step each.
+    """One pass over `calls` (shuffled by state.rng) in mini-batches, one optimizer step each.
 
-    `state`: what training changes (lab/checkpoint.py's TrainState): the model, the adapter's
-    optimizer, the random state that shuffles, the gradient EMA of --damping. Each role's part of
-    a mini-batch is back-propagated with its own loss weight (loss_weight). A call with advantage
-    0 and no KL term is skipped: its gradient is exactly 0, and it still counts in the
-    denominators. A mini-batch whose gradient norm is not finite takes no step.
-
-    Under torchrun (`procs`) each process back-propagates its share of every role's calls with the
-    whole mini-batch's denominators, and the gradients are summed before the step: every process
-    takes the step one process would take.
+    `state`: lab/checkpoint.py's TrainState; `cfg`: train.py's Config. Each role's part of a
+    mini-batch is back-propagated with its own loss weight. A call with advantage 0 and no KL term
+    is skipped: its gradient is exactly 0, and it still counts in the denominators. A mini-batch
+    whose gradient norm is not finite takes no step. Under torchrun (`procs`) each process
+    back-propagates its share with the whole mini-batch's denominators, and the gradients are
+    summed before the step.
     """
-    model, optimizer, ema = state.model, state.optimizers[adapter], state.emas.get(adapter)
+    model, optimizer, ema = state.model, state.optimizers[adapter], state.emas[adapter]
     kl = kl_coefs(cfg)
-    if cfg.damping > 0 and ema is None:
-        raise ValueError(f"--damping needs state.emas[{adapter!r}], the gradient EMA of its steps")
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)
@@ -352,15 +329,15 @@ def has_signal(call: Call, kl: dict[str, float]) -> bool:
 
 def live_groups(mb: list[Call], kl: dict[str, float], by: str,
                 procs=ONE_PROCESS) -> list[tuple[str, list[Call]]]:
-    """The mini-batch's calls with a gradient (an advantage, or a KL term), grouped by role or
-    slot: (group, this process's share of the group's calls), every group that has any."""
+    """The mini-batch's calls with a gradient, grouped by role or slot: (group, this process's
+    share of the group's calls), every group that has any."""
     live = [c for c in mb if has_signal(c, kl)]
     return [(group, procs.share([c for c in live if getattr(c, by) == group]))
             for group in sorted({getattr(c, by) for c in live})]
 
 
 def overlay(base: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor:
-    """A copy of base (b, T) with each given row (T_i,) written over the start of its own row."""
+    """A copy of base (b, T), each given row (T_i,) written over the start of its own row."""
     out = base.clone()
     for i, row in enumerate(rows):
         if row is not None:
@@ -370,9 +347,8 @@ def overlay(base: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor
 
 def sampler_record(micro: list[Call],
                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the sampler recorded of a micro-batch's tokens, laid out as its update's (b, T): the
-    log-probs under pi_rollout, and where a record is (greedy or hand-made calls have none), on
-    the device."""
+    """The micro-batch's log-probs under pi_rollout and where there is one (greedy or hand-made
+    calls have none), laid out as its update's (b, T), on the device."""
     T = max(max(len(c.completion_ids) for c in micro), 1)  # as rollout.pack lays them out
     # (b, T) each
     logp, known = torch.zeros(len(micro), T), torch.zeros(len(micro), T, dtype=torch.bool)
@@ -386,9 +362,8 @@ def sampler_record(micro: list[Call],
 def sampler_gap(old_logp: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor, tis_cap: float,
                 measure: bool) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """The precision correction laid over the update, from what the sampler recorded (None: no
-    gap): the truncated importance weight (tis_weight; None where tis_cap is 0) and, with
-    `measure`, the gap's statistics."""
+    """From the sampler's record (None: no gap), the truncated importance weight (None where
+    tis_cap is 0) and, with `measure`, the gap's statistics."""
     if record is None:
         return None, {}
     logp, known = record  # (b, T) each
@@ -400,10 +375,9 @@ def sampler_gap(old_logp: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor
 def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, torch.Tensor],
                         pad_id: int, cfg, weight: LossWeight,
                         measure: bool = False) -> dict[str, float]:
-    """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its
-    weighted loss, return its statistics. `old`: pi_old of the calls of the mini-batches
-    after the first step (old_logprobs); the first mini-batch's calls are on-policy. With
-    `measure` (the diagnostics' pass) also the tokens' entropy and the sampler's gap."""
+    """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its weighted
+    loss, return its statistics. `old`: pi_old of the calls after the first step (old_logprobs).
+    With `measure` (the diagnostics' pass) also the tokens' entropy and the sampler's gap."""
     kl_coef = kl_coefs(cfg).get(micro[0].role, 0.0)
     # to the device before the forward pass is queued: a host-to-device copy waits for the queue
     adv = torch.tensor([c.advantage for c in micro], device=model.device)  # (b,)
@@ -412,17 +386,15 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
     with use_adapter(model, adapter):
         logp, mask, entropy = sequence_logprobs(model, micro, pad_id, cfg.temperature,
                                                 with_entropy=measure)  # (b, T) each
-    ref_logp = None
-    if kl_coef > 0:
-        with torch.no_grad(), use_adapter(model, reference_of(cfg, adapter)):  # None: the base
-            ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, cfg.temperature)
     old_logp = logp.detach()  # (b, T) pi_old on-policy: the policy itself, so every ratio is 1
     if id(micro[0]) in old:  # a mini-batch after the first step: pi_old from the pass before it
         old_logp = overlay(old_logp, [old[id(c)] for c in micro])  # padding keeps logp, masked
     is_weight, gap = sampler_gap(old_logp, record, mask, cfg.tis_cap, measure)
     per_token, st = policy_loss(logp, old_logp, adv, mask, cfg.eps_low, cfg.eps_high, is_weight,
                                 cfg.ratio)
-    if ref_logp is not None:  # a KL term: kl_ref is logged only where there is one
+    if kl_coef > 0:  # a KL term: kl_ref is logged only where there is one
+        with torch.no_grad(), use_adapter(model, reference_of(cfg, adapter)):  # None: the base
+            ref_logp, _, _ = sequence_logprobs(model, micro, pad_id, cfg.temperature)
         kl, kl_stats = kl_penalty(logp, ref_logp, mask)
         per_token = per_token + kl_coef * kl
         st.update(kl_stats)

@@ -15,7 +15,6 @@ Outputs. Per role and per slot the reward, length, calls, token share and the so
 answers; whether each supervisory role does its job beyond its format (`role_jobs`); which rule
 decided each final answer; each role's contract adherence and how alike the roles' outputs are
 (role capture shows in outputs before it shows in losses). diagnose.py reads them from the logs.
-`gradient_signals` reads train.py's Config (`cfg`) by field name, as grpo.policy_update does.
 
 Exercised by: pytest tests/test_grpo.py (the gradient signals, by hand), tests/test_reward.py
 (role_jobs), tests/test_train.py, tests/test_diagnose.py
@@ -51,7 +50,7 @@ def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
 def gradient_stats(slot_grads: dict[str, torch.Tensor],
                    role_of: dict[str, str]) -> dict[str, float]:
     """Per slot and per role gradient norms, kappa and coherence of same-role slots, and each
-    role's grad_norm over the sum of every role's (grad_share: they sum to 1)."""
+    role's share of the roles' summed grad_norm (grad_share)."""
     stats, role_grads = {}, defaultdict(list)
     for slot, g in slot_grads.items():
         stats[f"slot/{slot}/grad_norm"] = g.norm().item()
@@ -80,32 +79,20 @@ def gradient_noise(g0: torch.Tensor, g1: torch.Tensor, n0: int, n1: int) -> floa
     return (n0 * n1 * (g0 / n0 - g1 / n1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
 
 
-def zero_gradients(params: list[torch.Tensor]) -> None:
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        else:
-            p.grad.zero_()
-
-
 def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
                      procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """Paper A's signals of the adapter's gradient at the start of the step, before its update.
-
-    Each slot's part of the step's on-policy loss (weighed as the update's one mini-batch under
-    --one_step weighs it) is back-propagated on its own, in two halves of the step's problems.
-    From those gradients: gradient_stats and gradient_noise; from the same passes each slot's
-    loss statistics, and each role's entropy and sampler gap (grpo.sampler_gap). The gradients
-    are zeroed after and no step is taken: the adapter, its optimizer and every random state are
-    left as they were. Under torchrun the gradients are summed across processes, as in the
-    update."""
+    """Paper A's signals of the adapter's gradient before its update, from each slot's part of the
+    on-policy loss (weighed as under --one_step) in two halves of the step's problems; also each
+    slot's loss statistics, each role's entropy and sampler gap. The adapter, its optimizer and
+    every random state are left as they were. `cfg`: train.py's Config."""
     params = adapter_parameters(model, adapter)
     stats, slot_grads, halves, role_of = defaultdict(list), {}, [0, 0], {}
     for slot, share in live_groups(calls, kl_coefs(cfg), "slot", procs):
         role = role_of[slot] = next(c.role for c in calls if c.slot == slot)
         weight = loss_weight(calls, role, cfg.balance)
         for half in (0, 1):
-            zero_gradients(params)
+            for p in params:  # 0, not None, where this part's loss does not reach
+                p.grad = torch.zeros_like(p)
             part = [c for c in share if c.episode // cfg.group_size % 2 == half]
             for micro in micro_batches(part, cfg.micro_batch_tokens):
                 st = micro_loss_backward(model, adapter, micro, {}, pad_id, cfg, weight,
@@ -117,7 +104,8 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
             g = procs.sum(flat_grad(params))  # (n_params,)
             slot_grads[slot] = slot_grads.get(slot, 0) + g
             halves[half] = halves[half] + g
-    zero_gradients(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
     for k, v in gradient_stats(slot_grads, role_of).items():
         stats[k].append(v)
     problems = {c.episode // cfg.group_size for c in calls}
@@ -162,9 +150,9 @@ def role_jobs(calls: list) -> dict[str, float]:
 
 
 def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int) -> dict[str, float]:
-    """A step's figures, from its calls and the episodes' outcomes and rewards (no pass of the
-    model): the mean reward, the share of episodes where a role broke its answer format and of
-    calls the length limit cut, and the outputs' figures of the module docstring."""
+    """A step's figures, from its calls, outcomes and rewards: the mean reward, the share of
+    episodes where a role broke its answer format and of calls the length limit cut, and the
+    outputs' figures of the module docstring."""
     m = {"reward/mean": sum(rewards) / len(rewards),
          "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes),
          "contract/truncated": sum(c.truncated for c in calls) / len(calls)}
@@ -182,9 +170,8 @@ def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int) -> 
             solved = [c.own_score for c in cs if c.own_score is not None]
             if solved:
                 m[f"{key}/{name}/solved"] = sum(solved) / len(solved)
-    m.update(role_jobs(calls))  # does each supervisory role do its job, beyond its format?
-    rules = [o.info["rule"] for o in outcomes if "rule" in o.info]
-    # which rule decided the final answer: the contract's, or a fallback
+    m.update(role_jobs(calls))
+    rules = [o.info["rule"] for o in outcomes if "rule" in o.info]  # the contract's, or a fallback
     for rule in sorted(set(rules)):
         m[f"contract/rule/{rule}"] = rules.count(rule) / len(rules)
     # role capture shows in outputs: contract adherence, and likeness to the other roles

@@ -4,7 +4,7 @@ A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once pe
 `Rollout.__call__` is that callback: it runs every call of the stage - all episodes, all agent
 slots - through one batched decode (decode.py) under the role's LoRA adapter, and keeps a `Call`
 record of each, which the trainer later turns into a loss. A prompt that leaves no room for
-max_new_tokens in the model's context is cut to its head and tail first (fit_prompt), and counted.
+max_new_tokens in the model's context is cut to its head and tail (fit_prompt), and counted.
 
 Sequence layout, shared by generation and scoring:
 
@@ -14,11 +14,10 @@ Sequence layout, shared by generation and scoring:
 so completion token j of every row sits at column P + j, and its log-prob is
 read from the logits at column P + j - 1 (the one-token shift).
 
-The sampler's own log-probs. Generation (KV cache, merged weights) and the update's scoring (one
-full forward, adapter beside the weights) round differently, so pi_rollout, the policy the tokens
-were sampled from, and pi_old, the policy the update scores them under, differ (visibly in bf16).
-`Rollout` records log pi_rollout of every sampled token, so the diagnostics can log the gap
-(measure.py) and the update can correct for it (grpo.py's tis_cap).
+Generation (KV cache, merged weights) and the update's scoring (one full forward, adapter beside
+the weights) round differently: pi_rollout, which sampled the tokens, and pi_old, which the update
+scores them under, differ (visibly in bf16). `Rollout` records log pi_rollout of every sampled
+token, so the diagnostics can log the gap and the update can correct for it (grpo.py's tis_cap).
 
 Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """
@@ -30,14 +29,15 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from decode import (Sampler, as_ids, decode, end_tokens, forward_padded, graph_decode,
                     static_refusal)
 from lora import adapter_for, merged_adapter, use_adapter
 
-# The processes a pass is split between, as the algorithm sees them: here one, which takes every
-# item of a list (share), has nothing to add up (sum, sum_grads) and gathers only its own list.
-# Under torchrun train.py hands in lab.machine.PROCESSES, whose functions do the same across them.
+# The processes a pass is split between: here one, which takes every item (share), has nothing to
+# add up (sum, sum_grads) and gathers only its own list. Under torchrun train.py hands in
+# lab.machine.PROCESSES, whose functions do the same across processes.
 ONE_PROCESS = SimpleNamespace(share=lambda items: items, sum=lambda t: t,
                               sum_grads=lambda params: None, gather=lambda items: items)
 
@@ -85,8 +85,7 @@ def fit_prompt(ids: list[int], room: int) -> list[int]:
 
 
 def cut_at_eos(ids: list[int], eos_id: int | Collection[int]) -> list[int]:
-    """Keep tokens up to and including the first eos, or the first of several end tokens (pad
-    may equal eos, so never mask by pad)."""
+    """Tokens up to and including the first end token (pad may equal eos: never mask by pad)."""
     ends = set(as_ids(eos_id))
     first = next((j for j, token in enumerate(ids) if token in ends), None)
     return ids if first is None else ids[: first + 1]
@@ -111,20 +110,16 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
 
 def left_pad(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids (B, P) and attention_mask (B, P), padded on the left: the last column is real."""
-    L = max(len(ids) for ids in id_lists)
-    ids = torch.full((len(id_lists), L), pad_id, dtype=torch.long)
-    attn = torch.zeros(len(id_lists), L, dtype=torch.long)
-    for i, row in enumerate(id_lists):
-        ids[i, L - len(row):] = torch.tensor(row, dtype=torch.long)
-        attn[i, L - len(row):] = 1
+    rows = [torch.tensor(row, dtype=torch.long) for row in id_lists]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_id, padding_side="left")
+    attn = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_side="left")
     return ids, attn
 
 
 def token_batches(sizes: list[tuple[int, int]], max_tokens: int) -> list[list[int]]:
-    """Split rows into consecutive micro-batches whose padded size fits max_tokens: sizes[i] =
-    (prompt tokens, completion tokens) of row i, and b rows cost b * (longest prompt + longest
-    completion) positions (`pack`). Bounding positions rather than rows bounds activation memory;
-    a row longer than the budget goes alone."""
+    """Consecutive micro-batches of rows whose padded size fits max_tokens: sizes[i] = (prompt,
+    completion) tokens of row i; b rows cost b * (longest prompt + longest completion) positions.
+    Bounding positions rather than rows bounds activation memory; a longer row goes alone."""
     batches, current, P, T = [], [], 0, 0
     for i, (p, t) in enumerate(sizes):
         if current and (len(current) + 1) * (max(P, p) + max(T, t)) > max_tokens:
@@ -152,8 +147,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float = 1.0,
                       with_entropy: bool = False):
-    """Per-token log-probs of the calls' completions (B, T), the mask (B, T), and
-    with_entropy the entropy of each next-token distribution (B, T), else None."""
+    """Log-probs of the calls' completion tokens (B, T), the mask (B, T), and with_entropy the
+    entropy of each next-token distribution (B, T), else None."""
     packed = pack([c.prompt_ids for c in calls], [c.completion_ids for c in calls], pad_id)
     # to the device before the forward pass is queued: a host-to-device copy waits for the queue
     ids, attn, cmask = (t.to(model.device) for t in packed)  # (B, L), (B, L), (B, T)
@@ -169,9 +164,8 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
 
 
 def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
-    """The calls in micro-batches of at most max_tokens padded positions, shortest first, so that
-    calls of like lengths share one and little of it is padding (the sum is the same in any
-    order)."""
+    """The calls in micro-batches of at most max_tokens padded positions, shortest first: calls of
+    like lengths share one, and little of it is padding."""
     calls = sorted(calls, key=lambda c: (len(c.prompt_ids), len(c.completion_ids)))
     sizes = [(len(c.prompt_ids), len(c.completion_ids)) for c in calls]
     return [[calls[i] for i in idx] for idx in token_batches(sizes, max_tokens)]
@@ -180,8 +174,7 @@ def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
 @torch.no_grad()
 def old_logprobs(model, calls: list[Call], adapter: str, pad_id: int, temperature: float,
                  micro_batch_tokens: int) -> dict[int, torch.Tensor]:
-    """pi_old of every completion token, under the adapter that generated it: id(call) -> (T_i,),
-    on the model's device (the update reads them there)."""
+    """pi_old of every completion token under `adapter`: id(call) -> (T_i,), on the device."""
     old = {}
     with use_adapter(model, adapter):
         for micro in micro_batches(calls, micro_batch_tokens):
@@ -204,17 +197,14 @@ class Rollout:
                  merge: bool = True, decoder: Callable | None = None):
         self.model, self.tok, self.sharing = model, tok, sharing
         self.decoder = decoder  # None: decode.graph_decode on a GPU, decode.decode on a CPU
-        # generate with the adapter folded into the weights (lora.merged_adapter)
-        self.merge = merge
-        self.max_new_tokens, self.temperature, self.top_p, self.greedy = (
-            max_new_tokens, temperature, top_p, greedy)
+        self.merge = merge  # generate with the adapter folded into the weights
+        self.max_new_tokens, self.sampler = max_new_tokens, Sampler(temperature, top_p, greedy)
         self.progress = progress  # told of every finished stage: a stage can take minutes on a CPU
         self.calls: list[Call] = []
         self.stages = 0  # one per generate call; also the `stage` of its calls
-        # a prompt longer than the room left for it is cut (fit_prompt)
         context = context_length(model)
-        self.room = None if context is None else context - max_new_tokens
-        self.prompts_cut = 0  # prompts cut to fit
+        self.room = None if context is None else context - max_new_tokens  # for a prompt
+        self.prompts_cut = 0
 
     @torch.no_grad()
     def __call__(self, role: str, slots: list[str], episodes: list[int],
@@ -228,31 +218,27 @@ class Rollout:
             prompts[i] = tok.decode(fitted[i])
         self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
-        adapter = adapter_for(role, self.sharing)
         # On a GPU each token is a replay of one CUDA graph (where the static step serves the
         # model: decode.static_refusal); on a CPU, host calls cost little.
         use_graph = (model.device.type == "cuda"
                      and static_refusal(model, ids.shape[1] + self.max_new_tokens) is None)
         decoder = self.decoder or (graph_decode if use_graph else decode)
         eos = end_tokens(model, tok)  # one id, or several where the model names more (Qwen3)
+        adapter = adapter_for(role, self.sharing)
         with (merged_adapter if self.merge else use_adapter)(model, adapter):
-            sampler = Sampler(self.temperature, self.top_p, self.greedy)
             new, sampled = decoder(model, ids, attn, self.max_new_tokens, eos, tok.pad_token_id,
-                                   sampler)  # (B, T) each
+                                   self.sampler)  # (B, T) each
         new, sampled = new.cpu(), (None if sampled is None else sampled.cpu())
-        texts = []
         for i in range(len(chats)):
-            prompt_ids = list(fitted[i])  # the row as left_pad got it, read from the host
             completion = cut_at_eos(new[i].tolist(), eos)
             text = tok.decode(completion, skip_special_tokens=True)
-            texts.append(text)
             truncated = completion[-1] not in as_ids(eos)
             logp = None if sampled is None else sampled[i, : len(completion)]
-            self.calls.append(Call(episodes[i], role, slots[i], self.stages, prompt_ids, completion,
-                                   prompts[i], text, truncated=truncated, rollout_logp=logp))
+            self.calls.append(Call(episodes[i], role, slots[i], self.stages, list(fitted[i]),
+                                   completion, prompts[i], text, truncated, rollout_logp=logp))
         self.stages += 1
         if self.progress:
             fits = f", {len(cut)} prompt(s) cut to fit the context" if cut else ""
             seconds = time.time() - start
             self.progress(f"stage {self.stages} {role} x{len(chats)}: {seconds:.0f}s{fits}")
-        return texts
+        return [c.text for c in self.calls[-len(chats):]]

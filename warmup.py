@@ -2,10 +2,10 @@
 contract, labelled by the verifier, and the steps that teach them.
 
 The warm-up gives RL a contract to keep, or to lose: the 135M model does not keep the
-supervisory roles' contracts by itself. Every role learns, on the adapter it trains under, replies
-that keep its contract and that a verifier labels (`contract_replies`); `supervised_steps` takes
-AdamW steps on their negative log-likelihood, on the same adapters RL goes on to train.
-train.warm_up runs both on one sampled rollout of the workflow, before the first evaluation.
+supervisory roles' contracts by itself. Every role learns replies that keep its contract and that
+a verifier labels (`contract_replies`); `supervised_steps` takes AdamW steps on their negative
+log-likelihood, on the adapters RL goes on to train. train.warm_up runs both on one sampled
+rollout of the workflow, before the first evaluation.
 
 Exercised by: pytest tests/test_train.py (the replies, balanced verdicts, varied plans, the
 warm-up's steps)
@@ -122,8 +122,7 @@ def warmup_roles(cfg) -> list[str]:
 def supervised_steps(model, calls: list[Call], adapters: list[str], cfg, rng: random.Random,
                      pad_id: int, log=print, procs=ONE_PROCESS) -> list[float]:
     """cfg.sft_warmup steps (train.py's Config), each on cfg.minibatch_size calls drawn from
-    `calls` and one AdamW step (learning rate cfg.sft_lr) per adapter; returns each step's loss,
-    the mean over the adapters."""
+    `calls` and one AdamW step per adapter; returns each step's loss, the mean over adapters."""
     optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=cfg.sft_lr,
                                           weight_decay=0.0) for name in adapters}
     losses = []
@@ -143,8 +142,7 @@ def supervised_steps(model, calls: list[Call], adapters: list[str], cfg, rng: ra
 
 def supervised_update(model, adapter: str, batch: list[Call], optimizer, pad_id: int,
                       micro_batch_tokens: int, grad_clip: float, procs=ONE_PROCESS) -> float:
-    """One optimizer step on the mean negative log-likelihood of the batch's completion tokens;
-    returns that loss."""
+    """One optimizer step on the batch's mean negative log-likelihood per token; returns it."""
     params = adapter_parameters(model, adapter)
     optimizer.zero_grad(set_to_none=False)
     n_tokens, total = sum(len(c.completion_ids) for c in batch), 0.0

@@ -2,10 +2,9 @@ r"""Multi-agent LLM workflows as plain Python: who speaks, with which prompt, in
 
 A workflow turns a batch of questions into one final text per question by calling LLM "agents"
 in stages. Each agent has a *slot* (generator0, evaluator, worker2, ...) and a *role type*
-(generator, evaluator, worker, ...); slots of one role type share a prompt and, under IP (one
-adapter per role type), a LoRA adapter. A workflow never touches tensors: it calls a
-`generate(role, slots, episodes, chats)` callback once per stage, and the callback (rollout.py)
-batches every call of that stage, across all episodes and slots, into one model call.
+(generator, evaluator, worker, ...); slots of one role type share a prompt and, under IP, a LoRA
+adapter. A workflow never touches tensors: it calls `generate(role, slots, episodes, chats)` once
+per stage, and the callback (rollout.py) batches every call of that stage into one model call.
 
 Topologies and role contracts follow Paper A (Zeng et al. 2026, arXiv 2605.24202):
   single        generator                                    final = generator
@@ -13,9 +12,8 @@ Topologies and role contracts follow Paper A (Zeng et al. 2026, arXiv 2605.24202
   voting        N generators -> aggregator picks \boxed{k}   final = candidate k
   orch_workers  orchestrator -> N workers -> synthesizer     final = synthesizer
 The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the orchestrator
-lists strategies and never solves. `adherence` says whether an output keeps its role's
-contract and `similarity` how alike two roles' outputs are: the signals of role capture
-(Paper A) that every step logs (measure.step_metrics).
+lists strategies and never solves. `adherence` (an output keeps its role's contract) and
+`similarity` (how alike two roles' outputs are) are the signals of role capture (Paper A).
 
 Departures from the paper:
   - the prompts are this project's own, short enough for a 135M model;
@@ -42,9 +40,8 @@ MAX_FEED_CHARS = 1500
 # Given to workers when the orchestrator listed fewer strategies than there are workers.
 DEFAULT_STRATEGY = "Solve it directly, step by step."
 
-# Prompts keyed by (kind, role type). "user" is the first-turn message; the generator also has
-# "refine", its eval_opt turn after an Incorrect verdict. string.Template ($question): the braces
-# of \boxed{} need no escaping.
+# Prompts keyed by (kind, role type); the generator's "refine" is its eval_opt turn after an
+# Incorrect verdict. string.Template ($question): the braces of \boxed{} need no escaping.
 PROMPTS: dict[tuple[str, str], dict[str, str]] = {
     ("math", "generator"): {
         "system": "You are a careful math solver. Write the calculation in one line, then the "
@@ -145,10 +142,9 @@ SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a 
 @dataclass
 class Outcome:
     final: str  # the text the reward scores (its last \boxed{} is the answer)
-    # What happened, for logs. Every workflow sets "fallback" (a role broke its answer contract)
-    # and all but single "rule", the parsing rule that decided the final answer (eval_opt: of
-    # the last verdict; "none" without one); eval_opt adds "rounds" and "stopped", voting
-    # "choice", orch_workers "strategies" (how many were parsed).
+    # For logs: "fallback" (a role broke its answer contract), all but single "rule" (the parsing
+    # rule that decided the final answer; eval_opt: "none" without a verdict); eval_opt adds
+    # "rounds" and "stopped", voting "choice", orch_workers "strategies" (how many were parsed).
     info: dict
 
 
@@ -197,8 +193,8 @@ def numbered(label: str, texts: list[str]) -> str:
 
 
 def stage(generate: GenerateFn, role: str, calls: list[tuple[str, int, Chat]]) -> list[str]:
-    """Run one stage: all (slot, episode, chat) calls of one role type in one generate call;
-    workflows list calls episode by episode, slots in order within an episode."""
+    """All (slot, episode, chat) calls of one role type, episode by episode, slots in order, in
+    one generate call."""
     slot_list, episodes, chats = (list(column) for column in zip(*calls))
     outs = generate(role, slot_list, episodes, chats)
     if len(outs) != len(chats):
@@ -208,7 +204,7 @@ def stage(generate: GenerateFn, role: str, calls: list[tuple[str, int, Chat]]) -
 
 # ---------------------------------------------------------------- parsing role contracts
 # Each parser returns what it read and the rule that read it, so a drift away from the
-# contract (role capture: an aggregator that writes solutions) shows up in the logs.
+# contract (role capture) shows up in the logs.
 
 BOXED = re.compile(r"\\boxed\s*\{")
 BRACE = re.compile(r"[{}]")
@@ -248,9 +244,8 @@ def parse_verdict(text: str) -> tuple[bool, str]:
 
 
 def reasons(verdict: str) -> str:
-    r"""An evaluator's output without its boxed verdict: the critique a refine reads. The refine
-    prompt already says the answer was judged incorrect; a bare \boxed{Incorrect} left in it is
-    what a small model on a shared adapter copies instead of writing a solution."""
+    r"""An evaluator's output without its boxed verdict, the critique a refine reads: a bare
+    \boxed{Incorrect} left in it is what a small model on a shared adapter copies."""
     return re.sub(r"\\boxed\s*\{\s*(?:in)?correct\s*\}", "", verdict,
                   flags=re.IGNORECASE).strip() or "(no reason given)"
 
@@ -276,18 +271,16 @@ def parse_strategies(text: str, n: int) -> list[str]:
 
 
 # ---------------------------------------------------------------- role-capture signals
-# Role capture (Paper A) shows in outputs before it shows in losses: an evaluator that
-# starts solving, an aggregator that writes essays instead of \boxed{k}.
+# Role capture (Paper A) shows in outputs before it shows in losses.
 
 SHORT_VERDICT = 300  # characters: "at most two short sentences, then the verdict"
 SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
 
 
 def adherence(role: str, text: str, n: int = 3) -> bool | None:
-    r"""Does this output keep its role's contract? None for free-form roles.
-
-    evaluator: a boxed verdict, no other boxed answer, short; aggregator: a valid \boxed{k},
-    short; orchestrator: numbered strategies and no boxed answer (it must not solve)."""
+    r"""Does this output keep its role's contract? None for free-form roles. evaluator: a boxed
+    verdict, no other boxed answer, short; aggregator: a valid \boxed{k}, short; orchestrator:
+    numbered strategies and no boxed answer (it must not solve)."""
     if role == "evaluator":
         boxed = boxed_contents(text)
         only_verdicts = all(VERDICT.fullmatch(b.strip()) for b in boxed)
@@ -306,8 +299,8 @@ def ngrams(text: str, n: int = 3) -> set[tuple[str, ...]]:
 
 def similarity(texts_a: list[str], texts_b: list[str], n: int = 3) -> float:
     """Jaccard overlap of the word n-grams of two sets of outputs: 0 disjoint, 1 same."""
-    a = set().union(*(ngrams(t, n) for t in texts_a)) if texts_a else set()
-    b = set().union(*(ngrams(t, n) for t in texts_b)) if texts_b else set()
+    a = set().union(*(ngrams(t, n) for t in texts_a))
+    b = set().union(*(ngrams(t, n) for t in texts_b))
     return len(a & b) / len(a | b) if a | b else 0.0
 
 
@@ -337,16 +330,11 @@ def eval_opt(questions: list[str], generate: GenerateFn, kind: str,
             break  # a verdict on the last turn could not change the final answer
         calls = [("evaluator", e, chat(kind, "evaluator", question=questions[e],
                                        solution=clip(solution[e]))) for e in active]
-        still_active = []
         for e, out in zip(active, stage(generate, "evaluator", calls)):
-            correct, rule = parse_verdict(out)
+            info[e]["stopped"], info[e]["rule"] = parse_verdict(out)  # of the last verdict
+            info[e]["fallback"] |= info[e]["rule"] != "boxed"
             critique[e] = reasons(out)
-            info[e]["fallback"] |= rule != "boxed"
-            info[e]["rule"] = rule  # the rule that read the last verdict
-            info[e]["stopped"] = correct
-            if not correct:
-                still_active.append(e)
-        active = still_active
+        active = [e for e in active if not info[e]["stopped"]]
         if not active:
             break
     return [Outcome(final=s, info=i) for s, i in zip(solution, info)]
@@ -401,8 +389,6 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
     check_name(name)
     if kind not in KINDS:
         raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
-    if n_agents < 1 or max_rounds < 1:
-        raise ValueError(f"need n_agents >= 1 and max_rounds >= 1, got {n_agents}, {max_rounds}")
     if not questions:
         return []
     return WORKFLOWS[name](questions, generate, kind, n_agents, max_rounds)
@@ -410,8 +396,7 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
 
 def every_prompt(name: str, question: str, kind: str = "math", n_agents: int = 3,
                  max_rounds: int = 2) -> list[Chat]:
-    """Every prompt workflow `name` builds for `question` when the agents write nothing: what
-    can be known of its prompts before a run."""
+    """Every prompt workflow `name` builds for `question` when the agents write nothing."""
     chats: list[Chat] = []
     run_workflow(name, [question], partial(silent_agents, chats), kind, n_agents, max_rounds)
     return chats
