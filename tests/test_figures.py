@@ -9,8 +9,8 @@ docs/results/critics`, and `--level 4` into docs/results/critics-level4); every 
 left out of the text until its command's logs are committed the same way. docs/tasks.md's counts
 of test facts whose inverse is trained on, and its sizes of the splits, are recounted from
 tasks.py's splits; docs/course.md's count of each assignment's tests from lab.course; and
-docs/performance.md's opening tables are the committed `python -m lab.bench` run's
-(docs/results/bench).
+docs/performance.md's opening tables, and every figure of its sections after the GPU's, are the
+committed `python -m lab.bench` run's (docs/results/bench).
 """
 import json
 import os
