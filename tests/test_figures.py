@@ -9,8 +9,8 @@ docs/results/critics`, and `--level 4` into docs/results/critics-level4); every 
 left out of the text until its command's logs are committed the same way. docs/tasks.md's counts
 of test facts whose inverse is trained on, and its sizes of the splits, are recounted from
 tasks.py's splits; docs/course.md's count of each assignment's tests from lab.course; and
-docs/performance.md's opening tables are the committed `python -m lab.bench` run's
-(docs/results/bench).
+docs/performance.md's opening tables, and every figure of its sections after the GPU's, are the
+committed `python -m lab.bench` run's (docs/results/bench).
 """
 import json
 import os
@@ -371,3 +371,149 @@ def test_performance_md_s_first_tables_are_the_committed_bench_s():
     assert f"{100 * g['prompt_padding']:.0f} % of the stage's prompt positions" in flat(text)
     assert f"{v['update_ratio']:.2f} times a shared one's" in flat(text)
     assert f"{s['peak_mb']:.0f} MiB" in text
+
+
+# docs/performance.md after its GPU section: each section's figures are the committed bench run's
+# (docs/results/bench/bench.json), or the section states none; a measurement typed there without
+# a log (a decimal, or a number with a unit of time, memory, rate or share) fails.
+BENCH_SECTIONS = ("## The sampler: decode written out",
+                  "## The update: micro-batches of like lengths",
+                  "## Throughput against the machine",
+                  "## bf16 on a CPU, and the precision gap it opens",
+                  "## Threads",
+                  "## One base model under every adapter",
+                  "## What the diagnostics cost")
+MEASURED = re.compile(r"\d[\d,]*(?:\.\d+)?(?:\s?%|x\b|\s?(?:MiB|MB|GiB|GB|ms|s|min|minutes|hours?"
+                      r"|nats|tokens/s|positions/s|GFLOP/s|GB/s)(?![\w/]))|\d+\.\d+")
+
+
+def throughput_table(bench: dict) -> list[str]:
+    """The throughput section's table as it is written: tokens/s of the rollout and of
+    `generate` by the stage's rows, each with its ms a decoding step, GFLOP/s and share of the
+    matrix product's rate, as lab.bench.throughput_lines computes them."""
+    peak, t = bench["limits"]["matmul_fp32_gflops"], bench["throughput"]
+    gflop = 2 * t["params"] / 1e9  # a generated token's FLOP
+
+    def cell(rows: str, rate: float, units: bool) -> str:
+        ms, gflops = 1e3 * int(rows) / rate, rate * gflop
+        share = f"{100 * gflops / peak:.1f} %"
+        return (f"{rate:.1f} tokens/s ({ms:.2f} ms, {gflops:.1f} GFLOP/s, {share})" if units
+                else f"{rate:.1f} ({ms:.2f} ms, {gflops:.1f}, {share})")
+
+    lines = ["| rows | the rollout, fp32 | `generate`, fp32 |", "|---|---|---|"]
+    for i, (rows, r) in enumerate(t["generate"].items()):
+        lines.append(f"| {rows} | {cell(rows, r['decode fp32'], i == 0)} | "
+                     f"{cell(rows, r['generate fp32'], False)} |")
+    return lines
+
+
+def throughput_figures(bench: dict) -> list[str]:
+    """The throughput section's prose: the machine's limits, the weights' floor of a decoding
+    step, the update's rate, and the comparisons the text draws from them."""
+    lim, t = bench["limits"], bench["throughput"]
+    assert t["dtypes"] == ["fp32"], "the text says this CPU's run measured fp32 alone"
+    peak, params = lim["matmul_fp32_gflops"], t["params"]
+    floor = 1e3 * t["weight_bytes"]["fp32"] / (lim["copy_gbs"] * 1e9)  # ms
+    faster = {rows: "faster" if r["decode fp32"] > r["generate fp32"] else "slower"
+              for rows, r in t["generate"].items()}
+    assert faster["32"] == faster["64"], "the text says 32 and 64 rows alike"
+    update = t["update"]["fp32"]
+    gflops = update * 4 * params / 1e9
+    above = " A share above 100 %" if gflops > peak else ""
+    return [f"a 2048^3 matrix product ran at {peak:.0f} GFLOP/s in fp32, and copying 256 MiB "
+            f"at {lim['copy_gbs']:.1f} GB/s",
+            f"(rows x {bench['new_tokens']} over the stage's seconds)",
+            f"the arithmetic rate at {2 * params / 1e9:.2f} GFLOP a token "
+            f"(2 x {params / 1e6:.0f} M parameters)",
+            f"each the median of {bench['repeats']} alternating runs",
+            f"At 16 rows the rollout ran {faster['16']} than `generate`, at 32 and 64 rows "
+            f"{faster['32']}",
+            f"Reading the model's {t['weight_bytes']['fp32'] / 2 ** 20:.0f} MiB of fp32 weights "
+            f"once, at the copy's rate, takes {floor:.3f} ms",
+            f"over the {t['update_positions']} positions (prompts and completions) of 16 calls: "
+            f"{update:.1f} positions/s; at 4 x {params / 1e6:.0f} M FLOP a position",
+            f"that is {gflops:.1f} GFLOP/s, {100 * gflops / peak:.1f} % of the product's "
+            f"rate.{above}"]
+
+
+def sharing_figures(bench: dict) -> list[str]:
+    """One base model's section: an adapter's state against the base's weights, the update's
+    time under isolated adapters over a shared one's, and the two peaks."""
+    v = bench["sharing"]
+    assert v["adapters"] == {"shared": 1, "isolated": 2}, "the text counts three adapters"
+    return [f"each adapter holds {v['adapter_state_mb']:.1f} MiB at rank 16",
+            f"against the base model's {bench['throughput']['weight_bytes']['fp32'] / 2 ** 20:.0f}"
+            " MiB of fp32 weights",
+            f"Voting's update of the same {v['calls']} calls",
+            f"took {v['update_ratio']:.2f} times as long under one adapter per role type",
+            f"The bench's two peaks, {v['shared']['peak_mb']:.0f} MiB shared and "
+            f"{v['isolated']['peak_mb']:.0f} MiB isolated"]
+
+
+def diagnostics_figures(bench: dict) -> list[str]:
+    """The diagnostics' pass against the update over the same calls, and what one, two and ten
+    passes would be of ten such updates."""
+    diag, update = (bench["update"][k]["seconds"] for k in ("diagnostics", "update"))
+    share = {n: f"{100 * n * diag / (10 * update + n * diag):.1f} %" for n in (1, 2, 10)}
+    return [f"the pass took {diag:.2f} s over the same {bench['rows'] // 2} calls as the update's "
+            f"forward and backward of {update:.2f} s: {diag / update:.2f} times the update",
+            f"{diag:.2f} / (10 x {update:.2f} + {diag:.2f}) = {share[1]} of the run's update "
+            f"time, two (`--diag_every 5`) {share[2]}, ten (`--diag_every 1`) {share[10]}"]
+
+
+def bench_sections(bench: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """Each of BENCH_SECTIONS: the figures its prose states and the tables it holds."""
+    out = {heading: ([], []) for heading in BENCH_SECTIONS}
+    out["## Throughput against the machine"] = (throughput_figures(bench),
+                                                [throughput_table(bench)])
+    out["## One base model under every adapter"] = (sharing_figures(bench), [])
+    out["## What the diagnostics cost"] = (diagnostics_figures(bench), [])
+    return out
+
+
+def check_bench_section(text: str, figures: list[str], tables: list[list[str]]) -> None:
+    """Every figure and table in `text` and no other measurement there: what is left once
+    they, the code blocks and the tables are taken out holds no decimal and no number with a
+    unit."""
+    for table in tables:
+        assert table_in(text, table[0]) == table, "a table differs from the bench's figures"
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    rest = flat("\n".join(line for line in prose.splitlines() if not line.startswith("|")))
+    for figure in figures:
+        assert figure in rest, f"the text no longer says: {figure}"
+    for figure in sorted(figures, key=len, reverse=True):
+        rest = rest.replace(figure, "")
+    untabled = [line for line in prose.splitlines() if line.startswith("|")
+                and not any(line in table for table in tables)]
+    left = MEASURED.findall(rest + " " + " ".join(untabled))
+    assert not left, f"figures without a log behind them: {left}"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return json.loads(read("docs/results/bench/bench.json"))
+
+
+def test_performance_md_s_cpu_sections_state_only_the_committed_bench_s_figures(bench):
+    """After the GPU section (whose figures name their commit and device), each section of
+    docs/performance.md states the committed `python -m lab.bench` run's figures, rounded as
+    bench.txt prints them, and no measurement besides."""
+    text = read("docs/performance.md")
+    for heading, (figures, tables) in bench_sections(bench).items():
+        check_bench_section(section(text, heading), figures, tables)
+
+
+def test_an_edited_bench_figure_fails_the_check(bench):
+    """The check itself: the throughput section passes as committed, and fails with a figure of
+    its table or its prose changed, or with a timing that no log gives."""
+    heading = "## Throughput against the machine"
+    text = section(read("docs/performance.md"), heading)
+    figures, tables = bench_sections(bench)[heading]
+    check_bench_section(text, figures, tables)
+    for edited in (text.replace("| 32 | 142.8", "| 32 | 142.9"),
+                   text.replace("11.8 GB/s", "11.9 GB/s"),
+                   text + "\n\nA stage took 12 s.",
+                   text + "\n\nThe update ran at 0.37 of the peak."):
+        assert edited != text
+        with pytest.raises(AssertionError):
+            check_bench_section(edited, figures, tables)
