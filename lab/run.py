@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from lab.checkpoint import TrainState, restore_best
 from lab.files import (RUN_ID, check_run_dir, close_tensorboard, config_run_id, episode_samples,
-                       lock_run, read_jsonl, start_logs, start_run_dir, unlock_run, write_step,
-                       write_whole)
+                       lock_run, read_config_json, read_jsonl, start_logs, start_run_dir,
+                       unlock_run, write_step, write_whole)
 from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, stop_requested)
 from lab.settings import NEW_LR, Settings, check_settings, check_start, chosen, run_id
@@ -84,16 +84,16 @@ class Run:
         out, steps = self.cfg.out, self.cfg.steps
         lrs = {k: getattr(self.cfg, k) for k in NEW_LR}
         start = state.load(out)
-        with open(os.path.join(out, "config.json")) as f:
-            saved = json.load(f)
+        saved = read_config_json(os.path.join(out, "config.json"))
         if start == steps and (new := [k for k, v in lrs.items() if saved[k] != v]):
             raise SystemExit(f"--resume: {out} is finished (step {start} of {steps}): a new "
                              f"--{new[0]} would train nothing")
         metrics_path, samples_path = (os.path.join(out, n)
                                       for n in ("metrics.jsonl", "samples.jsonl"))
-        read_jsonl(samples_path)  # a damaged line stops the resume here, before either log is cut
+        samples = read_jsonl(samples_path)  # a damaged line stops the resume before a log is cut
         # every step writes its row before its checkpoint: the log holds steps 0 to `start`, once
-        kept = [row["step"] for row in read_jsonl(metrics_path) if row["step"] <= start]
+        rows = [row for row in read_jsonl(metrics_path) if row["step"] <= start]
+        kept = [row["step"] for row in rows]
         if kept != list(range(start + 1)):
             first = next(i for i, s in enumerate(kept + [None]) if s != i)
             what = (f"step {first}'s row is missing or out of place" if first <= start
@@ -104,13 +104,14 @@ class Run:
         if self.rank == 0:
             # kept whatever its step: a peak past the checkpoint was evaluated all the same
             restore_best(out, state.run_id)  # a damaged one stops the resume here, the logs whole
-            for path in (metrics_path, samples_path):  # the lines written after the checkpoint go
-                write_whole(path, "".join(json.dumps(row) + "\n" for row in read_jsonl(path)
+            for path, lines in ((metrics_path, rows), (samples_path, samples)):
+                # the lines written after the checkpoint go
+                write_whole(path, "".join(json.dumps(row) + "\n" for row in lines
                                           if row["step"] <= start))
             write_whole(os.path.join(out, "config.json"),
                         json.dumps({**saved, **lrs, RUN_ID: state.run_id}, indent=2))
         barrier()
-        evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
+        evaluated = [row for row in rows if "eval/accuracy" in row]
         if not evaluated or evaluated[0]["step"] != 0:
             raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training "
                              "(step 0)")

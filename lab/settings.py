@@ -23,7 +23,7 @@ from typing import Any
 from safetensors.torch import load_file
 
 from lab.checkpoint import has_checkpoint, is_state, load_state, read_best, start_checkpoint
-from lab.files import RUN_ID, read_jsonl
+from lab.files import RUN_ID, read_config_json, read_jsonl
 from tasks import TASK_KIND
 
 # train.py's Config, as the run sees it: settings read by field name (the run imports nothing of
@@ -140,14 +140,8 @@ def read_config(path: str, config: type) -> Settings:
     type (an int where a float is asked); anything else is one line naming the file, as a setting
     that was lost would take its default (a Voting run resumed as Eval-Opt). Its values are
     check_numbers' to check. `config`: the class, train.py's Config."""
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"{path} cannot be read ({type(e).__name__})") from None
+    saved = read_config_json(path)
     fields = {f.name: f.type for f in dataclasses.fields(config)}
-    if not isinstance(saved, dict):
-        raise SystemExit(f"{path} is not a config of this project (an object of settings)")
     if unknown := sorted(set(saved) - set(fields) - {RUN_ID}):
         raise SystemExit(f"{path} is not a config of this project (it sets {', '.join(unknown)})")
     if missing := [name for name in fields if name not in saved]:
