@@ -202,15 +202,6 @@ def load_run(run_dir: str, workflows: dict) -> tuple[dict, list[dict]]:
     return config, rows
 
 
-def write_step(out: str, row: dict, samples: list[dict]) -> None:
-    """A training step's row and episodes in metrics.jsonl, samples.jsonl and TensorBoard (rank 0
-    writes)."""
-    if rank_and_world()[0] == 0:
-        append_jsonl(os.path.join(out, "metrics.jsonl"), [row])
-        append_jsonl(os.path.join(out, "samples.jsonl"), samples)
-        tensorboard_row(out, row, samples)
-
-
 tb_writers: dict[str, object] = {}  # run directory -> this process's TensorBoard writer
 
 
@@ -454,11 +445,3 @@ def start_run_dir(out: str, held: list[str], config: dict) -> None:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(out, exist_ok=True)
     write_whole(os.path.join(out, "config.json"), json.dumps(config, indent=2))
-
-
-def start_logs(out: str, first: dict) -> None:
-    """metrics.jsonl holding the step-0 row, and an empty samples.jsonl (rank 0 writes)."""
-    if rank_and_world()[0] == 0:
-        write_whole(os.path.join(out, "metrics.jsonl"), json.dumps(first) + "\n")
-        write_whole(os.path.join(out, "samples.jsonl"), "")
-        tensorboard_row(out, first)

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lab.checkpoint import TrainState, restore_best
-from lab.files import (RUN_ID, check_run_dir, close_tensorboard, config_run_id, episode_samples,
-                       lock_run, read_config_json, read_jsonl, start_logs, start_run_dir,
-                       unlock_run, write_step, write_whole)
+from lab.files import (RUN_ID, append_jsonl, check_run_dir, close_tensorboard, config_run_id,
+                       episode_samples, lock_run, read_config_json, read_jsonl, start_run_dir,
+                       tensorboard_row, unlock_run, write_whole)
 from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, stop_requested)
 from lab.settings import NEW_LR, Settings, check_settings, check_start, chosen, run_id
@@ -118,7 +118,10 @@ class Run:
         """A new run's step 0 (`first`: its metrics row) logged, kept as the best so far and
         saved: a run stopped after it resumes without its warm-up, and others start from it."""
         self.first = self.last = first
-        start_logs(self.cfg.out, first)
+        if self.rank == 0:
+            write_whole(os.path.join(self.cfg.out, "metrics.jsonl"), json.dumps(first) + "\n")
+            write_whole(os.path.join(self.cfg.out, "samples.jsonl"), "")
+            tensorboard_row(self.cfg.out, first)
         # the best first: a run stopped between the two has no checkpoint to resume and starts
         # over, where the other order would resume without step 0's best
         state.keep_best(self.cfg.out, first)
@@ -159,7 +162,11 @@ class Run:
         if "time/eval" in row:
             self.last = row
         step = row["step"]
-        write_step(cfg.out, row, episode_samples(step, *episodes, cfg.group_size, cfg.log_samples))
+        samples = episode_samples(step, *episodes, cfg.group_size, cfg.log_samples)
+        if self.rank == 0:
+            append_jsonl(os.path.join(cfg.out, "metrics.jsonl"), [row])
+            append_jsonl(os.path.join(cfg.out, "samples.jsonl"), samples)
+            tensorboard_row(cfg.out, row, samples)
         line = (f"step {step}/{cfg.steps} | reward {row['reward/mean']:.3f} | "
                 f"{row['time/step']:.1f}s")
         if "eval/accuracy" in row:
