@@ -26,9 +26,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lab.checkpoint import TrainState, restore_best
-from lab.files import (RUN_ID, append_jsonl, check_run_dir, close_tensorboard, config_run_id,
-                       episode_samples, lock_run, read_config_json, read_jsonl, start_run_dir,
-                       tensorboard_row, unlock_run, write_whole)
+from lab.files import (RUN_ID, append_jsonl, check_run_dir, close_tensorboard, episode_samples,
+                       lock_run, read_config_json, read_jsonl, start_run_dir, tensorboard_row,
+                       unlock_run, write_whole)
 from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, stop_requested)
 from lab.settings import NEW_LR, Settings, check_settings, check_start, chosen, run_id
@@ -53,8 +53,7 @@ class Run:
         self.step_seconds: list[float] = []  # training time of each step, evaluation excluded
         self.first = self.last = {}  # the metrics rows of the first and the latest evaluation
         self.saved = self.nonfinite = 0  # the newest checkpoint's step; non-finite steps in a row
-        # a resumed run's own id; one made before runs had an id gets one now
-        self.run_id = (self.cfg.resume and config_run_id(self.cfg.out)) or run_id(self.cfg)
+        self.run_id = run_id(self.cfg)
 
     def open(self) -> None:
         """Lock the run's directory, check what a new run finds there (a run is never

@@ -23,7 +23,7 @@ from typing import Any
 from safetensors.torch import load_file
 
 from lab.checkpoint import has_checkpoint, is_state, load_state, read_best, start_checkpoint
-from lab.files import RUN_ID, read_config_json, read_jsonl
+from lab.files import RUN_ID, config_run_id, read_config_json, read_jsonl
 from tasks import TASK_KIND
 
 # train.py's Config, read by field name: the run imports nothing of the algorithm nor train.py
@@ -228,8 +228,11 @@ NEW_LR = ("lr", "critic_lr")
 
 
 def run_id(cfg: Settings) -> str:
-    """A new run's id, which its config.json and checkpoints record: a hash of the settings it
-    starts with (NOT_THE_RUN's aside), so that runs of other settings have others."""
+    """The run's id, which its config.json and checkpoints record: a resumed run's own, else (a
+    new run, or one made before runs had an id) a hash of the settings it starts with
+    (NOT_THE_RUN's aside), so that runs of other settings have others."""
+    if cfg.resume and (saved := config_run_id(cfg.out)):
+        return saved
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_THE_RUN}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
