@@ -1,6 +1,6 @@
 """A run's files on disk: its directory and its lock, config.json, the metrics and samples logs
-and their TensorBoard copy, and a finished run read back for the reports (`load_run`). The rules
-in full: docs/runs.md.
+and their TensorBoard copy, and a finished run read back for the reports (`load_run`). The run
+object that writes them is lab/run.py's; the rules in full: docs/runs.md.
 
     python train.py --out runs/a              # config.json, metrics.jsonl, samples.jsonl, tb/,
                                                 ckpt/, best/
