@@ -2,13 +2,13 @@
 resume reads back, so that the run goes on exactly where it stopped.
 
 `TrainState` holds everything training changes besides the frozen base model. `save` writes it
-to out/ckpt, or with best.json to out/best (`keep_best`: the best evaluation so far); `load`
-reads out/ckpt back (--resume); `load_start` reads the part of another run's checkpoint a new
-run starts from (--start_from: adapters, critics, random states, not the optimizers).
+to out/ckpt, or with best.json to out/best (`keep_best`); `load` reads out/ckpt back (--resume);
+`load_start` reads what a new run takes of another run's checkpoint (--start_from: adapters,
+critics, random states, not the optimizers).
 
 A checkpoint is a directory written as .tmp, flushed to the disk and swapped in whole, so a kill
-or a power loss at any moment leaves the old one or the new one: `whole_checkpoint` finds
-whichever reads back; a full disk leaves the old one and no .tmp. Each records the run's id, as
+or a power loss at any moment leaves the old one or the new one (`whole_checkpoint` finds which
+reads back); a full disk leaves the old one and no .tmp. Each records the run's id, as
 config.json does: --resume refuses another run's. Under torchrun every process calls `save` (each
 one's sampling state is kept) and only rank 0 writes.
 
@@ -55,8 +55,7 @@ class TrainState:
         return next(self.model.parameters()).device
 
     def save(self, out: str, step: int, best: dict | None = None) -> None:
-        """Write out/ckpt, or with `best` (best.json's content, keep_best) out/best. Every process
-        calls it; rank 0 writes."""
+        """Write out/ckpt, or with `best` (best.json's content) out/best."""
         torch_rngs = gather_lists([torch.get_rng_state()])
         device = self.device()
         cuda_rngs = (gather_lists([torch.cuda.get_rng_state(device)]) if device.type == "cuda"
@@ -93,11 +92,10 @@ class TrainState:
         shutil.rmtree(final + ".old", ignore_errors=True)
 
     def keep_best(self, out: str, row: dict) -> None:
-        """After an evaluation (`row`): a checkpoint of its own, out/best, when its validation
-        accuracy (BEST_METRIC) beats the best so far (of equal scores the earliest stays), with
-        best.json: its step, metric, score and evaluation. Paper A's cliffs come late: the peak
-        outlives the newest checkpoints' rotation. A run without a validation split keeps none:
-        a peak chosen on the test split would make its test score an optimistic one."""
+        """After an evaluation (`row`): out/best, with best.json (its step, metric, score and
+        evaluation), when its BEST_METRIC beats the best so far (of equal scores the earliest
+        stays). Paper A's cliffs come late: the peak outlives the newest checkpoint. A run without
+        a validation split keeps none: a peak chosen on test would flatter its test score."""
         if BEST_METRIC not in row:
             return
         best = read_best(os.path.join(out, "best"))
@@ -108,10 +106,9 @@ class TrainState:
                                               "score": row[BEST_METRIC], "evaluation": evaluation})
 
     def load(self, out: str) -> int:
-        """Load out/ckpt, the newest checkpoint that reads back whole put in its place first (a
-        damaged one too: it fails to load, with one line); returns its step. An optimizer whose
-        learning rate this launch changed (--resume --lr) keeps its schedule, scaled to the new
-        peak."""
+        """Load out/ckpt, the newest checkpoint that reads back whole put in its place first;
+        returns its step. An optimizer whose learning rate this launch changed (--resume --lr)
+        keeps its schedule, scaled to the new peak."""
         path = os.path.join(out, "ckpt")
         rank0 = rank_and_world()[0] == 0  # only rank 0 puts a checkpoint back in place
         # a run without any checkpoint was refused before its model loaded (has_checkpoint)
@@ -152,8 +149,8 @@ class TrainState:
 
     def load_start(self, where: str, sharing: str, saved: dict) -> dict:
         """--start_from: the start's adapters (a shared one copied into each role's), critics and
-        random number states; `saved`: its config (settings.check_start). Returns its step-0
-        metrics, or the best checkpoint's evaluation as this run's step 0."""
+        random states; `saved`: its config. Returns its step-0 row, or the best checkpoint's
+        evaluation as this run's step 0."""
         run, path = start_checkpoint(where)
         state = load_state(path)
         fresh = {n for n in self.heads if not os.path.isdir(os.path.join(path, n))}  # start lacks
@@ -183,8 +180,8 @@ def is_state(state) -> bool:
 
 
 def set_rngs(state: dict, rng: random.Random, source: str, device: torch.device) -> None:
-    """This process's random number states from a checkpoint's state.pt, saved by as many
-    processes; a GPU run's CUDA state on the run's `device`, where it is a GPU."""
+    """This process's random states from a checkpoint's state.pt, saved by as many processes;
+    a GPU run's CUDA state on `device`, where it is a GPU."""
     rank, world = rank_and_world()
     torch_rngs = state["torch_rngs"]
     if len(torch_rngs) != world:
@@ -197,8 +194,8 @@ def set_rngs(state: dict, rng: random.Random, source: str, device: torch.device)
 
 
 def read_best(ckpt: str) -> dict | None:
-    """The best.json of checkpoint `ckpt` (keep_best); None where there is none, it cannot be read
-    or it is not what keep_best writes (an integer step, a metric, a number, an evaluation)."""
+    """The best.json of checkpoint `ckpt`; None where there is none, it cannot be read or it is
+    not what keep_best writes (an integer step, a metric, a number, an evaluation)."""
     try:
         with open(os.path.join(ckpt, "best.json")) as f:
             best = json.load(f)
@@ -227,9 +224,9 @@ def has_checkpoint(out: str) -> bool:
 
 
 def refuse_foreign(state: dict, run_id: str, path: str, then: str) -> None:
-    """Stop a resume whose checkpoint in `path` (its loaded state.pt) is another run's: a state.pt
-    copied in would otherwise be taken, and the logs cut back to its step. A checkpoint saved
-    before runs had an id is taken, as it always was."""
+    """Stop a resume whose checkpoint in `path` (its state.pt) is another run's: a state.pt copied
+    in would otherwise be taken, the logs cut back to its step. One saved before runs had an id
+    is taken."""
     owner = state.get(RUN_ID, run_id)
     if owner != run_id:
         raise SystemExit(f"--resume: the checkpoint in {path} is another run's (run id {owner}, "
@@ -270,8 +267,8 @@ def whole_checkpoint(final: str) -> bool:
 
 def restore_best(out: str, run_id: str) -> None:
     """--resume: the best checkpoint put back whole, as ckpt is. One that does not read back, or
-    another run's, stops the resume in one line, before a log is cut, and is kept as it is: it
-    may be all that is left of the run's peak. Moved aside, the resume goes on without it."""
+    another run's, stops the resume in one line, before a log is cut, and is kept: it may be all
+    that is left of the run's peak."""
     final = os.path.join(out, "best")
     if not any(os.path.lexists(final + end) for end in ("", ".tmp", ".old")):
         return

@@ -1,7 +1,6 @@
 """A run's files on disk: its directory and its lock, config.json, the metrics and samples logs
 and their TensorBoard copy, and a finished run read back for the reports (`load_run`). The run
-object that writes them is lab/run.py's; its checkpoints lab/checkpoint.py's; the rules in full:
-docs/runs.md.
+object that writes them is lab/run.py's; the rules in full: docs/runs.md.
 
     python train.py --out runs/a              # config.json, metrics.jsonl, samples.jsonl, tb/,
                                                 ckpt/, best/
@@ -11,8 +10,8 @@ A directory that holds a run is never overwritten implicitly, and a launch that 
 as it was. A kill at any moment leaves whole files: logs are appended a line at a time (a torn
 last line is dropped when read back), config.json is written through a rename, a checkpoint as a
 directory swapped in whole (lab/checkpoint.py). A write that fails (a full disk) stops the run
-in one line naming the file, and leaves the file as it was and no temporary one. One launch at a
-time: a run holds its directory with an OS lock. Under torchrun only rank 0 writes.
+in one line naming the file, leaving the file as it was and no temporary one. A run holds its
+directory with an OS lock; under torchrun only rank 0 writes.
 
 Exercised by: pytest tests/test_train.py (damaged runs, the lock), tests/test_distributed.py
 """
@@ -27,12 +26,12 @@ from lab.machine import gather_lists, rank_and_world
 
 
 # ----------------------------------------------------------------------------
-# Files: config, logs (all written atomically)
+# Files: config, logs (all written whole)
 
 
 def fsync(*paths: str) -> None:
-    """Flush files, or a directory's entries (its renames), to the disk. Before a rename names a
-    file: after a power loss the rename may be on disk and the file's data not."""
+    """Flush files, or a directory's entries (its renames), to the disk: after a power loss a
+    rename may be on disk and the renamed file's data not."""
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -49,10 +48,9 @@ def cannot_write(path: str, e: OSError) -> SystemExit:
 
 def write_bytes(path: str, flags: int, data: bytes) -> None:
     """`data` written to `path` (opened with `flags`) and on the disk when it returns. A symbolic
-    link planted in the run directory (config.json.tmp, a log) is a one-line error, not a write to
-    whatever it names (O_NOFOLLOW). A write that fails leaves the file at the size it had (a log
-    keeps no half row) and raises its OSError, which os.write names (torch.save and safetensors'
-    would not)."""
+    link planted in the run directory is a one-line error, not a write to whatever it names. A
+    write that fails leaves the file at the size it had (a log keeps no half row) and raises its
+    OSError, which os.write names (torch.save and safetensors' would not)."""
     try:
         fd = os.open(path, os.O_WRONLY | flags | os.O_NOFOLLOW, 0o644)
     except OSError:
@@ -75,8 +73,7 @@ def write_bytes(path: str, flags: int, data: bytes) -> None:
 
 def write_whole(path: str, text: str) -> None:
     """Write a file through a rename, on the disk first: a kill, a power loss or a full disk
-    leaves the old or the new, and no temporary file. The rename replaces a link at `path`
-    itself, and the temporary file is made anew."""
+    leaves the old or the new, and no temporary file (a link at `path` is replaced itself)."""
     tmp = path + ".tmp"
     try:
         if os.path.lexists(tmp):  # left by a kill, or planted
@@ -90,8 +87,8 @@ def write_whole(path: str, text: str) -> None:
 
 
 def write_files(directory: str, files: dict[str, bytes]) -> None:
-    """A new directory holding `files` (a path in it -> its bytes), every file and entry on the
-    disk when it returns. A write that fails removes the directory: nothing half written stays."""
+    """A new directory holding `files` (a path in it -> its bytes), on the disk when it returns.
+    A write that fails removes the directory: nothing half written stays."""
     path = directory
     try:
         for name, data in files.items():
@@ -115,8 +112,8 @@ def append_jsonl(path: str, rows: list[dict]) -> None:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """The rows of a log. A torn last line (the process was killed while writing it) and blank
-    lines are dropped; any other unreadable line is an error, as is a log that cannot be read."""
+    """The rows of a log. A torn last line (a kill while it was written) and blank lines are
+    dropped; any other unreadable line is an error, as is a log that cannot be read."""
     if not os.path.exists(path):
         raise SystemExit(f"{path} is missing: not a complete run directory")
     try:
@@ -148,10 +145,22 @@ READ = {"workflow": str, "sharing": str, "algo": str, "n_agents": int, "steps": 
         "eval_problems": int, "val_problems": int}
 
 
+def read_config_json(path: str) -> dict:
+    """The object of settings in a run's config.json (`path`), or one line naming the file."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not JSON"
+        raise SystemExit(f"{path} cannot be read ({why})") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"{path} is not a config of this project (an object of settings)")
+    return config
+
+
 def config_run_id(out: str) -> str:
     """The run id in out/config.json, "" where the run was made before runs had one."""
-    with open(os.path.join(out, "config.json")) as f:
-        return json.load(f).get(RUN_ID, "")
+    return read_config_json(os.path.join(out, "config.json")).get(RUN_ID, "")
 
 
 def load_run(run_dir: str, workflows: dict) -> tuple[dict, list[dict]]:
@@ -164,15 +173,7 @@ def load_run(run_dir: str, workflows: dict) -> tuple[dict, list[dict]]:
     for name in ("metrics.jsonl", "config.json"):
         if not os.path.exists(os.path.join(run_dir, name)):
             raise SystemExit(f"{run_dir}: no {name} (not a train.py run directory)")
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise SystemExit(f"{run_dir}/config.json is not JSON") from None
-    except OSError as e:
-        raise SystemExit(f"{run_dir}/config.json cannot be read ({e.strerror})") from None
-    if not isinstance(config, dict):
-        raise SystemExit(f"{run_dir}/config.json is not a run's config (an object of settings)")
+    config = read_config_json(os.path.join(run_dir, "config.json"))
     if missing := [name for name in READ if name not in config]:
         raise SystemExit(f"{run_dir}/config.json lacks {', '.join(missing)} "
                          "(a run's config holds every setting of train.py)")
@@ -201,24 +202,14 @@ def load_run(run_dir: str, workflows: dict) -> tuple[dict, list[dict]]:
     return config, rows
 
 
-def write_step(out: str, row: dict, samples: list[dict]) -> None:
-    """A training step's row of metrics.jsonl and its episodes for samples.jsonl, both also in
-    TensorBoard (rank 0 writes)."""
-    if rank_and_world()[0] == 0:
-        append_jsonl(os.path.join(out, "metrics.jsonl"), [row])
-        append_jsonl(os.path.join(out, "samples.jsonl"), samples)
-        tensorboard_row(out, row, samples)
-
-
 tb_writers: dict[str, object] = {}  # run directory -> this process's TensorBoard writer
 
 
 def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> None:
     """Every number of a metrics.jsonl row as a TensorBoard scalar in <out>/tb, and the step's
-    episodes as text (`transcript`), so that `tensorboard --logdir runs` shows runs as they
-    train. A process opens its writer at its first row with purge_step at that row's step: after
-    --resume, TensorBoard drops what the stopped run wrote past the checkpoint, as metrics.jsonl
-    does."""
+    episodes as text (`transcript`): `tensorboard --logdir runs` shows runs as they train. A
+    writer opens with purge_step at its first row's step: after --resume, TensorBoard drops what
+    the stopped run wrote past the checkpoint, as metrics.jsonl does."""
     from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
     try:
@@ -239,8 +230,8 @@ def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> N
 
 def quiet_tensorboard_thread(args) -> None:
     """threading.excepthook: an OSError in TensorBoard's writing thread (a full disk) is raised
-    again in the main thread at the writer's next flush, where tensorboard_row says it in one
-    line; the thread's own traceback is left out. Any other thread's error prints as before."""
+    again at the writer's next flush, where tensorboard_row says it in one line; its traceback
+    is left out. Any other thread's error prints as before."""
     if not (isinstance(args.exc_value, OSError)
             and type(args.thread).__module__.startswith("tensorboard.")):
         threading.__excepthook__(args)
@@ -274,8 +265,7 @@ def close_tensorboard() -> None:
 
 def episode_samples(step: int, calls: list, outcomes, problems, rewards: list[float],
                     group_size: int, count: int) -> list[dict]:
-    """Complete episodes for samples.jsonl, the first of each of the first `count` groups: every
-    call's prompt and output, the outcome."""
+    """samples.jsonl's episodes, the first of each of the first `count` groups, whole."""
     rows = []
     for e in list(range(0, len(problems), group_size))[:count]:
         rows.append({"step": step, "episode": e, "problem": problems[e].id,
@@ -455,11 +445,3 @@ def start_run_dir(out: str, held: list[str], config: dict) -> None:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(out, exist_ok=True)
     write_whole(os.path.join(out, "config.json"), json.dumps(config, indent=2))
-
-
-def start_logs(out: str, first: dict) -> None:
-    """metrics.jsonl holding the step-0 row, and an empty samples.jsonl (rank 0 writes)."""
-    if rank_and_world()[0] == 0:
-        write_whole(os.path.join(out, "metrics.jsonl"), json.dumps(first) + "\n")
-        write_whole(os.path.join(out, "samples.jsonl"), "")
-        tensorboard_row(out, first)

@@ -3,14 +3,11 @@ exchange in a step, torch's CPU threads, the peak memory and the clocks that tim
 (lab/bench.py), and the signals that ask a run to stop.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --out runs/two
-        # docs/torchrun.md
     kill -TERM PID      # the run stops after its current step, its checkpoint kept (docs/runs.md)
 
-Under torchrun (WORLD_SIZE > 1) a process joins the process group. Torch's CPU threads are the
-cores that other programs leave free, chosen again after every step. Ctrl-C (SIGINT) and SIGTERM,
-what a cluster sends before it pre-empts a job, only set a flag that the loop reads at the end of
-every step, where the processes agree on it: all of them stop after the same step (lab/run.py's
-stop_run ends the run).
+Torch's CPU threads are the cores that other programs leave free, chosen again after every step.
+Ctrl-C (SIGINT) and SIGTERM, what a cluster sends before it pre-empts a job, only set a flag that
+the processes agree on at the end of every step: all of them stop after the same step.
 
 Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py,
 tests/test_bench.py
@@ -34,11 +31,8 @@ from tqdm import tqdm
 
 
 # ----------------------------------------------------------------------------
-# Several processes (torchrun): data parallel over problems
-# Every process rolls out its block of the step's problems; the calls are then
-# gathered, so every process holds the same list of all of them, and the update
-# splits each mini-batch's forward and backward passes between the processes and
-# sums their gradients. With one process these are no-ops.
+# Several processes (torchrun, docs/torchrun.md): data parallel over problems; with one process
+# each of these hands back what it is given
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -63,9 +57,8 @@ def block(n: int) -> range:
 
 
 def gather_lists(items: list) -> list:
-    """Every process's list, concatenated in rank order (picklable items; the list itself
-    in one process)."""
-    _, world = rank_and_world()
+    """Every process's list of picklable items, concatenated in rank order."""
+    world = rank_and_world()[1]
     if world == 1:
         return items
     parts = [None] * world
@@ -103,12 +96,12 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
 
 
 # ----------------------------------------------------------------------------
-# Processes (joining, exchanging a step's episodes and statistics), threads, memory
+# Joining the processes, what they exchange in a step; threads, memory
 
 
 def check_device(device: str) -> bool:
-    """A one-line error for a device that is not one of this project's, or not here; whether it
-    is a GPU."""
+    """Whether --device is a GPU; a one-line error where it is not one of this project's, or not
+    here."""
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise SystemExit(f"--device {device}: not a device of this project; "
                          "use auto, cpu, cuda or cuda:N")
@@ -144,8 +137,7 @@ def join_processes(device: str) -> str:
 
 
 def log(line: str) -> None:
-    """One line of the run's log: rank 0's, above the progress bar on a terminal, plain in a
-    file."""
+    """One line of the run's log (rank 0), above the progress bar on a terminal."""
     if rank_and_world()[0] == 0:
         tqdm.write(line, file=sys.stdout)
         sys.stdout.flush()  # a redirected log shows each line as it happens
@@ -153,9 +145,8 @@ def log(line: str) -> None:
 
 def run_main(main: Callable[[], object]) -> None:
     """Run a script's `main`. Under torchrun the process then leaves without the interpreter's
-    shutdown: the run is saved and its process group destroyed, but on CPU gloo's threads could
-    still abort that shutdown (SIGABRT); a SystemExit (a one-line error, or a run stopped early)
-    becomes the exit status."""
+    shutdown, which gloo's threads could abort (SIGABRT) on CPU; a SystemExit becomes the exit
+    status."""
     if alone():
         main()
         return
@@ -170,8 +161,7 @@ def run_main(main: Callable[[], object]) -> None:
 
 
 def gather_episodes(calls: list, outcomes, rewards: list[float], problem_of: list[int]):
-    """Every process's episodes, in rank order, episodes numbered across the processes
-    (the lists themselves in one process)."""
+    """Every process's episodes in rank order, numbered across the processes."""
     offset = sum(gather_lists([len(problem_of)])[: rank_and_world()[0]])
     for c in calls:
         c.episode += offset
@@ -189,8 +179,7 @@ def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
 
 
 # The processes as train.py hands them to the algorithm's passes (rollout.ONE_PROCESS's share, sum,
-# sum_grads and gather, across the processes under torchrun; in one process each hands back what
-# it is given) and to its training step (block, episodes, stats)
+# sum_grads and gather) and to its training step (block, episodes, stats)
 PROCESSES = SimpleNamespace(share=share_of, sum=sum_across, sum_grads=sum_gradients,
                             gather=gather_lists, block=block, episodes=gather_episodes,
                             stats=gather_stats)
@@ -206,11 +195,10 @@ def running_threads() -> int:
 
 
 def pick_threads(requested: int, own_load: float) -> int:
-    """Torch's CPU threads: --threads, else the cores this process may use less what other
-    processes keep busy. Those are the 1-minute load average minus this process's own share,
-    or the threads running right now besides this one when fewer (the average trails a
-    program that just stopped). Threads of one matmul wait for each other, so a thread
-    whose core is taken stalls them all."""
+    """Torch's CPU threads: --threads, else the cores this process may use less those other
+    processes keep busy: the 1-minute load average less this process's own, or the threads
+    running now besides this one when fewer (the average trails a program that just stopped).
+    Threads of one matmul wait for each other: one whose core is taken stalls them all."""
     if requested:
         return requested
     cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
@@ -219,8 +207,8 @@ def pick_threads(requested: int, own_load: float) -> int:
 
 
 def pick_threads_again(requested: int, t0: float, cpu_before: float) -> float:
-    """The threads of the next step: this process's own load is its CPU time over the wall time
-    of the step that began at t0. Returns the CPU time now, where the next step's load starts."""
+    """The next step's threads, this process's own load being its CPU time over the wall time
+    of the step begun at t0. Returns the CPU time now, where the next step's load starts."""
     own_load = (time.process_time() - cpu_before) / (time.time() - t0)
     torch.set_num_threads(pick_threads(requested, own_load))
     return time.process_time()
@@ -240,7 +228,7 @@ def peak_memory_mb(device: str) -> float:
 
 
 def gpu_rngs(device: torch.device) -> list:
-    """The devices whose random state torch.random.fork_rng must set aside besides the CPU's."""
+    """The devices whose random state torch.random.fork_rng sets aside besides the CPU's."""
     return [device] if device.type == "cuda" else []
 
 
@@ -272,16 +260,11 @@ def alternate(device: str, runs: dict, repeats: int, warmups: list) -> dict[str,
     largest peak and the last result."""
     for fn in warmups:
         fn()
-    seconds = {name: [] for name in runs}
-    peaks = {name: [] for name in runs}
-    results = {}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            s, mb, results[name] = timed(device, fn)
-            seconds[name].append(s)
-            peaks[name].append(mb)
+    rounds = [{name: timed(device, fn) for name, fn in runs.items()} for _ in range(repeats)]
+    seconds = {name: [r[name][0] for r in rounds] for name in runs}
     return {name: {"seconds": statistics.median(seconds[name]), "all": seconds[name],
-                   "peak_mb": max(peaks[name]), "result": results[name]} for name in runs}
+                   "peak_mb": max(r[name][1] for r in rounds), "result": rounds[-1][name][2]}
+            for name in runs}
 
 
 try:  # glibc, if this process runs on it (malloc_trim is glibc's own)
@@ -290,16 +273,14 @@ except OSError:
     LIBC = None
 
 
-def release_free_memory() -> float:
+def release_free_memory() -> None:
     """Give the memory that the C allocator keeps after a phase frees it back to the system
-    (glibc's malloc_trim; nothing elsewhere); returns the seconds it took. The update's backward
-    pass frees about 1.2 GB of activations that glibc keeps in its heap, where the next rollout's
-    tensors of other sizes do not fit: without this, each rollout's peak sits on top of the
-    update's leftovers (docs/performance.md)."""
-    start = time.perf_counter()
+    (glibc's malloc_trim; nothing elsewhere). The update's backward pass frees about 1.2 GB of
+    activations that glibc keeps in its heap, where the next rollout's tensors of other sizes do
+    not fit: without this, each rollout's peak sits on top of the update's leftovers
+    (docs/performance.md)."""
     if hasattr(LIBC, "malloc_trim"):
         LIBC.malloc_trim(0)
-    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------
@@ -316,9 +297,9 @@ def catch_stop_signals() -> None:
 
 def ask_to_stop(signum: int, frame: object = None) -> None:
     """The handler: the first signal is noted for stop_requested; a second one stops the process
-    at once, as it would without the handler. Not under torchrun: it passes a signal on to its
-    processes, which may have had it already (Ctrl-C, a cluster signalling a whole job), and
-    kills them itself 30 s later."""
+    at once, as without the handler. Not under torchrun: it passes a signal on to its processes,
+    which may have had it already (Ctrl-C, a cluster signalling a whole job), and kills them
+    itself 30 s later."""
     if requested:
         if not alone():
             return

@@ -1,13 +1,10 @@
-"""A training run as the loop sees it: one object (`Run`) that holds everything about the run on
-disk and on its machine, so that train.py's loop makes a few calls a step and reads as the
-algorithm. Made, it has checked the settings (lab/settings.py: a resumed run's own, another run's
-start), joined torchrun's processes, picked torch's threads and loaded the problems; `open` locks
-its directory and logs its plan; then, a step at a time, it says which step comes next and whether
-it is evaluated, logs the step's row and episodes (metrics.jsonl, samples.jsonl, TensorBoard),
-keeps the newest and the best checkpoint (lab/checkpoint.py) and stops the run after a signal or
-after steps that could not be applied; its clock estimates the time left. The directory is
-written only once the model has loaded and the flags fit it (`write_config`), so a launch that
-fails leaves --out as it was.
+"""A training run as the loop sees it: one object (`Run`) that holds the run on disk and on its
+machine, so that train.py's loop makes a few calls a step and reads as the algorithm. Made, it
+has checked the settings (lab/settings.py), joined torchrun's processes, picked torch's threads
+and loaded the problems. The directory is written only once the model has loaded and the flags
+fit it (`write_config`), so a launch that fails leaves --out as it was. Then, a step at a time,
+it logs the step, keeps the newest and the best checkpoint (lab/checkpoint.py), stops the run
+after a signal or after steps that could not be applied, and estimates the time left.
 
     python train.py --out runs/a --resume                   # on from its last checkpoint, exactly
     python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation
@@ -29,9 +26,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lab.checkpoint import TrainState, restore_best
-from lab.files import (RUN_ID, check_run_dir, close_tensorboard, config_run_id, episode_samples,
-                       lock_run, read_jsonl, start_logs, start_run_dir, unlock_run, write_step,
-                       write_whole)
+from lab.files import (RUN_ID, append_jsonl, check_run_dir, close_tensorboard, episode_samples,
+                       lock_run, read_config_json, read_jsonl, start_run_dir, tensorboard_row,
+                       unlock_run, write_whole)
 from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
                          pick_threads_again, rank_and_world, release_free_memory, stop_requested)
 from lab.settings import NEW_LR, Settings, check_settings, check_start, chosen, run_id
@@ -43,8 +40,8 @@ class Run:
     """One run of train.py: its settings, processes, directory, logs, checkpoints and clock."""
 
     def __init__(self, cfg: Settings, typed: set[str] | None = None):
-        """Check the settings, join torchrun's processes, pick the threads, load the problems and
-        check another run's start (--start_from); nothing is written yet."""
+        """Check the settings (another run's start too), join torchrun's processes, pick the
+        threads, load the problems; nothing is written yet."""
         self.cfg = check_settings(cfg, typed)
         self.device = join_processes(self.cfg.device)
         self.rank, self.world = rank_and_world()
@@ -56,13 +53,11 @@ class Run:
         self.step_seconds: list[float] = []  # training time of each step, evaluation excluded
         self.first = self.last = {}  # the metrics rows of the first and the latest evaluation
         self.saved = self.nonfinite = 0  # the newest checkpoint's step; non-finite steps in a row
-        # what config.json and each checkpoint record (settings.run_id): a resumed run's own, and
-        # one made before runs had an id gets one now
-        self.run_id = (self.cfg.resume and config_run_id(self.cfg.out)) or run_id(self.cfg)
+        self.run_id = run_id(self.cfg)
 
     def open(self) -> None:
-        """Lock the run's directory (files.lock_run) and check what a new run finds there
-        (files.check_run_dir: a run is never overwritten implicitly); log the plan."""
+        """Lock the run's directory, check what a new run finds there (a run is never
+        overwritten implicitly), log the plan."""
         lock_run(self.cfg.out)
         self.held = [] if self.cfg.resume else check_run_dir(self.cfg.out, self.cfg.overwrite)
         log(plan(self.cfg, self.device))
@@ -84,16 +79,16 @@ class Run:
         out, steps = self.cfg.out, self.cfg.steps
         lrs = {k: getattr(self.cfg, k) for k in NEW_LR}
         start = state.load(out)
-        with open(os.path.join(out, "config.json")) as f:
-            saved = json.load(f)
+        saved = read_config_json(os.path.join(out, "config.json"))
         if start == steps and (new := [k for k, v in lrs.items() if saved[k] != v]):
             raise SystemExit(f"--resume: {out} is finished (step {start} of {steps}): a new "
                              f"--{new[0]} would train nothing")
         metrics_path, samples_path = (os.path.join(out, n)
                                       for n in ("metrics.jsonl", "samples.jsonl"))
-        read_jsonl(samples_path)  # a damaged line stops the resume here, before either log is cut
+        samples = read_jsonl(samples_path)  # a damaged line stops the resume before a log is cut
         # every step writes its row before its checkpoint: the log holds steps 0 to `start`, once
-        kept = [row["step"] for row in read_jsonl(metrics_path) if row["step"] <= start]
+        rows = [row for row in read_jsonl(metrics_path) if row["step"] <= start]
+        kept = [row["step"] for row in rows]
         if kept != list(range(start + 1)):
             first = next(i for i, s in enumerate(kept + [None]) if s != i)
             what = (f"step {first}'s row is missing or out of place" if first <= start
@@ -104,13 +99,14 @@ class Run:
         if self.rank == 0:
             # kept whatever its step: a peak past the checkpoint was evaluated all the same
             restore_best(out, state.run_id)  # a damaged one stops the resume here, the logs whole
-            for path in (metrics_path, samples_path):  # the lines written after the checkpoint go
-                write_whole(path, "".join(json.dumps(row) + "\n" for row in read_jsonl(path)
+            for path, lines in ((metrics_path, rows), (samples_path, samples)):
+                # the lines written after the checkpoint go
+                write_whole(path, "".join(json.dumps(row) + "\n" for row in lines
                                           if row["step"] <= start))
             write_whole(os.path.join(out, "config.json"),
                         json.dumps({**saved, **lrs, RUN_ID: state.run_id}, indent=2))
         barrier()
-        evaluated = [row for row in read_jsonl(metrics_path) if "eval/accuracy" in row]
+        evaluated = [row for row in rows if "eval/accuracy" in row]
         if not evaluated or evaluated[0]["step"] != 0:
             raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training "
                              "(step 0)")
@@ -119,9 +115,12 @@ class Run:
 
     def begin(self, state: TrainState, first: dict) -> None:
         """A new run's step 0 (`first`: its metrics row) logged, kept as the best so far and
-        saved: a run stopped after it resumes without its warm-up, and others can start from it."""
+        saved: a run stopped after it resumes without its warm-up, and others start from it."""
         self.first = self.last = first
-        start_logs(self.cfg.out, first)
+        if self.rank == 0:
+            write_whole(os.path.join(self.cfg.out, "metrics.jsonl"), json.dumps(first) + "\n")
+            write_whole(os.path.join(self.cfg.out, "samples.jsonl"), "")
+            tensorboard_row(self.cfg.out, first)
         # the best first: a run stopped between the two has no checkpoint to resume and starts
         # over, where the other order would resume without step 0's best
         state.keep_best(self.cfg.out, first)
@@ -145,17 +144,16 @@ class Run:
             cpu_before = pick_threads_again(cfg.threads, self.t0, cpu_before)
 
     def evaluate_due(self, step: int) -> bool:
-        """Whether the workflow is evaluated after `step` (is_eval_step); the memory the update
-        freed goes back first."""
+        """Whether the workflow is evaluated after `step`; the memory the update freed goes back
+        first."""
         due = is_eval_step(self.cfg, step)
         if due:
             release_free_memory()
         return due
 
     def log(self, row: dict, episodes: tuple) -> None:
-        """A step's metrics row (time/step and the largest process's peak memory added) and its
-        first episodes (`episodes`: calls, outcomes, problems, rewards) in the logs, and its
-        line."""
+        """A step's row (time/step and the largest process's peak memory added), its first
+        episodes (`episodes`: calls, outcomes, problems, rewards) and its line."""
         cfg = self.cfg
         row["time/step"] = time.time() - self.t0
         row["mem/peak_mb"] = max(self.procs.gather([peak_memory_mb(self.device)]))
@@ -163,7 +161,11 @@ class Run:
         if "time/eval" in row:
             self.last = row
         step = row["step"]
-        write_step(cfg.out, row, episode_samples(step, *episodes, cfg.group_size, cfg.log_samples))
+        samples = episode_samples(step, *episodes, cfg.group_size, cfg.log_samples)
+        if self.rank == 0:
+            append_jsonl(os.path.join(cfg.out, "metrics.jsonl"), [row])
+            append_jsonl(os.path.join(cfg.out, "samples.jsonl"), samples)
+            tensorboard_row(cfg.out, row, samples)
         line = (f"step {step}/{cfg.steps} | reward {row['reward/mean']:.3f} | "
                 f"{row['time/step']:.1f}s")
         if "eval/accuracy" in row:
@@ -208,8 +210,8 @@ def load_problems(cfg: Settings, world: int,
                   typed: set[str] | None = None) -> tuple[Settings, list, dict[str, list]]:
     """cfg, the training pool and the held-out problems, {"eval": test, "val": val} (no "val"
     without --val_problems). A split that holds fewer problems than asked (HumanEval's 164 in all)
-    is refused where the number was given (settings.chosen); a default becomes what the split
-    holds, in the cfg returned, and the plan and config.json say so."""
+    is refused where the number was given; a default becomes what the split holds, in the cfg
+    returned, which the plan and config.json say."""
     if cfg.problems_per_step < world:
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than "
                          f"the {world} processes; every process needs at least one")
@@ -301,17 +303,15 @@ def estimate_minutes(cfg: Settings, eval_seconds: float, step_seconds: list[floa
 
 
 # ----------------------------------------------------------------------------
-# The end of a run: its directory let go, its process group left; stopping early, after a
-# signal (lab/machine.py) or after steps that could not be applied
+# The end of a run, and stopping early: after a signal or after steps that could not be applied
 
 # training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
 NONFINITE_STOP = 3
 
 
 def leave_processes() -> None:
-    """The run is over: let its directory go, and under torchrun leave the process group once
-    every process is done with it (gloo aborts a process whose group is torn down while another
-    still uses it)."""
+    """Let the run's directory go; under torchrun leave the process group once every process is
+    done with it (gloo aborts a process whose group is torn down while another still uses it)."""
     close_tensorboard()
     unlock_run()
     if rank_and_world()[1] > 1:
@@ -320,9 +320,9 @@ def leave_processes() -> None:
 
 
 def stop_run(out: str, step: int, saved: int, signum: int) -> None:
-    """End the run after `step`, its checkpoint of step `saved` kept, with one line that says how
-    to go on: after a signal (`signum`; exit status 128 + signum), or after NONFINITE_STOP steps
-    in a row with a mini-batch not applied (signum 0; exit status 1)."""
+    """End the run after `step`, its checkpoint of step `saved` kept, in one line that says how
+    to go on: after a signal (exit status 128 + signum), or after NONFINITE_STOP steps in a row
+    with a mini-batch not applied (signum 0, exit status 1)."""
     rank, world = rank_and_world()
     launcher = f"torchrun --nproc_per_node {world}" if world > 1 else "python"
     resume = f"{launcher} train.py --resume --out {shlex.quote(out)}"

@@ -1,9 +1,9 @@
-"""A run's settings as the command line and the checks see them: train.py's `Config` (every flag
-with its default, its --help line, its choices and its bounds, each field made by `arg`) read
-from the command line (`parse_flags`), the checks a launch makes before a file or the model is
-touched (`check_settings`, with a resumed run's own config and another run's start), and a run's
-config.json read back whole (`read_config`: --resume, --start_from, the probe). The settings are
-read by field name: the run knows no algorithm.
+"""A run's settings as the command line and the checks see them: train.py's `Config` (each field
+made by `arg`: its default, --help line, choices and bounds) read from the command line
+(`parse_flags`), the checks a launch makes before a file or the model is touched
+(`check_settings`, with a resumed run's own config and another run's start), and a run's
+config.json read back whole (`read_config`). Settings are read by field name: the run knows no
+algorithm.
 
     python train.py --help          # the flags a first week changes
     python train.py --help-all      # every flag, in groups
@@ -23,19 +23,18 @@ from typing import Any
 from safetensors.torch import load_file
 
 from lab.checkpoint import has_checkpoint, is_state, load_state, read_best, start_checkpoint
-from lab.files import RUN_ID, read_jsonl
+from lab.files import RUN_ID, config_run_id, read_config_json, read_jsonl
 from tasks import TASK_KIND
 
-# train.py's Config, as the run sees it: settings read by field name (the run imports nothing of
-# the algorithm, train.py included)
+# train.py's Config, read by field name: the run imports nothing of the algorithm nor train.py
 Settings = Any
 
 TASK_TOKENS = {"math": 48, "code": 320}  # --max_new_tokens 0: code needs room for a whole function
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
-    """A Config field: its default, its --help line, its choices, and for a number the interval it
-    must lie in, "[0, 1)" or "(0, inf)" (checked by check_numbers before any model work)."""
+    """A Config field: its default, --help line, choices, and for a number the interval it must
+    lie in, "[0, 1)" or "(0, inf)" (check_numbers)."""
     return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
 
 
@@ -79,8 +78,7 @@ def parse_flags(config: type, argv: list[str] | None = None) -> Settings:
 # The checks before a file or the model is touched
 
 
-# The actor-critic's settings: with --algo grpo they would change nothing, so giving one is an
-# error.
+# The actor-critic's settings: with --algo grpo they would change nothing
 MAAC_ONLY = ("critic", "critic_per", "gamma", "lam", "critic_lr", "critic_steps", "vf_coef",
              "value_clip", "norm_adv", "critic_max_tokens")
 
@@ -123,7 +121,7 @@ def idle_settings(cfg: Settings) -> dict[str, str]:
 
 def chosen(cfg: Settings, typed: set[str] | None, name: str) -> bool:
     """Whether setting `name` was given: named on the command line (`typed`), or, for a Config
-    built in Python (typed None), set apart from its default."""
+    built in Python (typed None), unlike its default."""
     return name in typed if typed is not None else getattr(cfg, name) != getattr(type(cfg), name)
 
 
@@ -136,18 +134,12 @@ def in_bounds(value: float, bounds: str) -> bool:
 
 
 def read_config(path: str, config: type) -> Settings:
-    """A run's config.json as the Config it was written from: every setting there, each of its
-    type (an int where a float is asked); anything else is one line naming the file, as a setting
-    that was lost would take its default (a Voting run resumed as Eval-Opt). Its values are
-    check_numbers' to check. `config`: the class, train.py's Config."""
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"{path} cannot be read ({type(e).__name__})") from None
+    """A run's config.json as the Config (`config`, the class) it was written from: every
+    setting there, each of its type (an int where a float is asked), or one line naming the file:
+    a lost setting would take its default (a Voting run resumed as Eval-Opt). Its values are
+    check_numbers' to check."""
+    saved = read_config_json(path)
     fields = {f.name: f.type for f in dataclasses.fields(config)}
-    if not isinstance(saved, dict):
-        raise SystemExit(f"{path} is not a config of this project (an object of settings)")
     if unknown := sorted(set(saved) - set(fields) - {RUN_ID}):
         raise SystemExit(f"{path} is not a config of this project (it sets {', '.join(unknown)})")
     if missing := [name for name in fields if name not in saved]:
@@ -161,8 +153,7 @@ def read_config(path: str, config: type) -> Settings:
 
 
 def with_task_tokens(cfg: Settings) -> Settings:
-    """cfg with --max_new_tokens 0 resolved to its task's own (TASK_TOKENS), as a run's
-    config.json holds it."""
+    """cfg with --max_new_tokens 0 resolved to its task's own, as a run's config.json holds it."""
     return dataclasses.replace(cfg, max_new_tokens=cfg.max_new_tokens
                                or TASK_TOKENS[TASK_KIND[cfg.task]])
 
@@ -188,7 +179,7 @@ def check_numbers(cfg: Settings) -> None:
 
 def lora_targets(cfg: Settings) -> tuple[str, ...]:
     """--lora_targets as layer names: "q_proj, v_proj" names q_proj and v_proj (whether the
-    model has such layers is known once it has loaded: lora.inject_lora says)."""
+    model has them, lora.inject_lora says once it has loaded)."""
     names = tuple(t.strip() for t in cfg.lora_targets.split(","))
     if "" in names or len(set(names)) < len(names):
         raise SystemExit(f"--lora_targets {cfg.lora_targets!r}: give distinct layer names "
@@ -198,7 +189,7 @@ def lora_targets(cfg: Settings) -> tuple[str, ...]:
 
 def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
     """The run's config (a resumed run's own), checked before a file or the model is touched
-    (train.py checks what the algorithm reads of it; check_start, another run's start)."""
+    (what only the algorithm reads, train.py checks)."""
     if cfg.resume and cfg.overwrite:
         raise SystemExit("--resume continues the run in --out and --overwrite starts it over: "
                          "give one")
@@ -237,8 +228,11 @@ NEW_LR = ("lr", "critic_lr")
 
 
 def run_id(cfg: Settings) -> str:
-    """A new run's id, which its config.json and every checkpoint of it record: a hash of the
-    settings it starts with (NOT_THE_RUN's aside), so that runs of other settings have others."""
+    """The run's id, which its config.json and checkpoints record: a resumed run's own, else (a
+    new run, or one made before runs had an id) a hash of the settings it starts with
+    (NOT_THE_RUN's aside), so that runs of other settings have others."""
+    if cfg.resume and (saved := config_run_id(cfg.out)):
+        return saved
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_THE_RUN}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -256,9 +250,8 @@ def typed_flags(argv: list[str]) -> set[str]:
 
 def run_config(cfg: Settings, typed: set[str] | None = None,
                new_lr: tuple[str, ...] = NEW_LR) -> Settings:
-    """The saved config of the run in --out, as --resume takes it: a flag that contradicts it is
-    an error, whether it was typed (`typed`, from the command line) or differs from its default
-    (settings.chosen), except the learning rates in `new_lr` and --device, which a chosen flag
+    """The saved config of the run in --out, as --resume takes it: a chosen flag that
+    contradicts it is an error, except the learning rates in `new_lr` and --device, which it
     changes, and the rest of NOT_THE_RUN, this command's own. The run lives wherever --out now
     points, however that path is spelled."""
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
@@ -347,9 +340,9 @@ def check_start(cfg: Settings) -> dict:
 
 
 def check_goes_on_from(cfg: Settings, start: Settings, where: str) -> None:
-    """Can a run of `cfg` take its step 0 from a run of `start` (in `where`)? A setting that
-    acted nowhere in the start (settings.ONLY_UNDER: --minibatch_size without a warm-up or
-    mini-batch steps) did not shape it, and may differ as RL settings may."""
+    """Can a run of `cfg` take its step 0 from a run of `start` (in `where`)? A setting idle in
+    the start (ONLY_UNDER: --minibatch_size without a warm-up or mini-batch steps) did not shape
+    it, and may differ as RL settings may."""
     idle = idle_settings(start)
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(start, f.name)
