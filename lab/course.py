@@ -150,8 +150,7 @@ def body_range(lines: list[str], fn: ast.FunctionDef) -> tuple[int, int, str]:
     if len(fn.body) <= has_doc or fn.body[0].lineno == fn.lineno:
         raise ValueError(f"{fn.name}: no body to replace, or a body on the def line")
     start = fn.body[has_doc].lineno - 1
-    # the docstring's or the header's last line
-    floor = fn.body[0].end_lineno if has_doc else fn.lineno
+    floor = fn.body[0].end_lineno if has_doc else fn.lineno  # the docstring's or header's end
     while start > floor and lines[start - 1].strip()[:1] in ("", "#"):
         start -= 1
     return start, fn.end_lineno, " " * fn.body[has_doc].col_offset
@@ -188,9 +187,9 @@ def tracked_files(root: str) -> list[str] | None:
 
 def skipped(root: str, out: str, ignored: list[str], directory: str,
             names: list[str]) -> set[str]:
-    """What a copy of a project without git leaves out of a directory: SKIP, names that match
-    `ignored` (the .gitignore's patterns) or begin .env, run directories (a config.json beside a
-    metrics.jsonl), the instructor's test, other student copies, and the copy itself."""
+    """What a copy of a project without git leaves out of a directory: SKIP, names matching
+    `ignored` (the .gitignore's) or beginning .env, run directories, the instructor's test, other
+    student copies, and the copy itself."""
     paths = {n: os.path.join(directory, n) for n in names}
     return {n for n, p in paths.items() if n in SKIP or n.startswith(".env")
             or any(fnmatch(n, pattern) for pattern in ignored)
@@ -211,8 +210,8 @@ def ignored_names(root: str) -> list[str]:
 
 
 def copy_project(root: str, out: str) -> None:
-    """What a student needs of the project: the files git tracks (the working tree's version),
-    the instructor's test aside; without git, the tree less what `skipped` names."""
+    """Copy what a student needs: the files git tracks (as the working tree holds them), the
+    instructor's test aside; without git, the tree less what `skipped` names."""
     tracked = tracked_files(root)
     if tracked is None:
         shutil.copytree(root, out, dirs_exist_ok=True, ignore=partial(
@@ -242,11 +241,9 @@ def make(number: int, out: str, root: str = ROOT) -> None:
     except OSError as e:  # a name too long, a full or read-only disk
         why = e.strerror or type(e).__name__
         raise SystemExit(f"--out {out}: cannot be written ({why})") from None
-    by_module: dict[str, list[str]] = {}
-    for name in ASSIGNMENTS[number].tests:
-        module, function = name.split(".", 1)
-        by_module.setdefault(module, []).append(function)
-    for module, functions in by_module.items():
+    names = [name.split(".", 1) for name in ASSIGNMENTS[number].tests]
+    for module in dict.fromkeys(module for module, _ in names):
+        functions = [function for m, function in names if m == module]
         path = os.path.join(out, f"{module}.py")
         with open(path, encoding="utf-8", newline="") as f:
             source = f.read()
