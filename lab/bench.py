@@ -46,7 +46,7 @@ import torch
 from decode import decode
 from grpo import policy_update
 from lab.checkpoint import TrainState
-from lab.files import enclosing_run, read_jsonl
+from lab.files import PROJECT, enclosing_run, read_jsonl
 from lab.machine import alternate, check_device, pick_threads, sync, timed
 from lab.settings import TASK_TOKENS
 from lora import (LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora,
@@ -58,7 +58,6 @@ from tasks import DEFAULT_LEVEL, load_task
 from train import Config
 from workflows import chat, run_workflow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 GPU_REPEATS = 3  # the fewest timed runs of a part on a GPU
 PARTS = ("step", "sharing", "throughput")  # the parts --skip may leave out
 
@@ -224,7 +223,7 @@ def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats:
 
 def step_parts(args: argparse.Namespace, threads: int, out: str, flags: list[str]) -> dict:
     """One training step of train.py in a fresh process, split as its metrics.jsonl logs it."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "1", "--model", args.model,
+    cmd = [sys.executable, os.path.join(PROJECT, "train.py"), "--steps", "1", "--model", args.model,
            "--device", args.device, "--threads", str(threads), "--out", out, "--overwrite", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -422,9 +421,7 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
     if "throughput" in skip and args.batches != make_parser().get_default("batches"):
         raise SystemExit("bench: --batches sizes the throughput part, which --skip leaves out: "
                          "drop one")
-    check_device(args.device)
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
-    if cuda and args.repeats < GPU_REPEATS:
+    if check_device(args.device) and args.repeats < GPU_REPEATS:
         raise SystemExit(f"bench: --repeats {args.repeats} on a GPU: at least {GPU_REPEATS} (its "
                          "first runs pay for planning kernels; a median needs three)")
     folder = os.path.dirname(os.path.abspath(args.json))

@@ -1,20 +1,17 @@
 """The course kit: a student version of an assignment, graded by the project's own tests.
 
-The project pins every formula with a test against a hand-computed reference. An assignment
-is a few of those functions: `make` copies the files git tracks with their bodies replaced by
-`raise NotImplementedError` (signature, docstring and every other byte of the file kept), and
-`grade`, run inside such a copy, runs exactly the tests that pin them and prints the points of
-each function. docs/course.md is the syllabus: what each assignment teaches, what runs on a
-laptop, and one experiment per assignment.
+An assignment is a few of the functions the project pins with hand-computed tests: `make`
+copies the files git tracks with those bodies replaced by `raise NotImplementedError` (every
+other byte kept), and `grade`, run inside the copy, runs exactly the tests that pin them and
+prints each function's points. docs/course.md is the syllabus.
 
     python -m lab.course list                # the assignments: functions, tests, prerequisites
     python -m lab.course make 3 --out hw3/   # assignment 3 for a student
     cd hw3 && python -m lab.course grade 3   # its tests; points per function
 
-Functions are found by name with the standard library's ast (`Class.method` for a method),
-so a changed signature does not break the kit; a renamed function or test does, and
-tests/test_course.py says which. The body that `make` removes runs from the line after the
-docstring (or the signature) to the function's last line, comments included.
+Functions are found by name with ast (`Class.method` for a method), so a changed signature does
+not break the kit; a renamed function or test does, and tests/test_course.py says which. `make`
+removes from the line after the docstring (or the signature) to the function's last line.
 
 Exercised by: pytest tests/test_course.py
 """
@@ -32,9 +29,8 @@ from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project, above lab/
 MARKER = ".assignment"  # in a student copy: the number of its assignment
-# Never copied where the project is no git checkout (one is copied as git tracks it): history,
-# environments, runs, the GPU checks' outputs, caches, secrets; also what its .gitignore names
-# and any run directory. The kit's own test needs the reference solutions: never copied either.
+# Never copied where the project is no git checkout (a checkout is copied as git tracks it), nor
+# what its .gitignore names, nor a run directory; the kit's own test holds the reference solutions.
 SKIP = {".git", ".venv", "runs", "gpu", "__pycache__", ".pytest_cache", ".env"}
 INSTRUCTOR_ONLY = os.path.join("tests", "test_course.py")
 

@@ -32,7 +32,7 @@ import time
 
 from diagnose import findings, report
 from lab.checkpoint import has_checkpoint
-from lab.files import load_run
+from lab.files import PROJECT, load_run
 from lab.settings import (check_goes_on_from, check_settings, flag_name, idle_settings, run_config,
                           typed_flags, with_task_tokens)
 from lab.tables import (Runs, claims, critics_differences, critics_table, demo_plot, demo_table,
@@ -40,8 +40,6 @@ from lab.tables import (Runs, claims, critics_differences, critics_table, demo_p
 from tasks import TASK_KIND
 from train import Config, check_algorithm_settings, parse_config
 from workflows import ROLES
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 
 # ----------------------------------------------------------------------------
 # Paper A's main table in miniature
@@ -101,8 +99,7 @@ class Demo:
     flags: tuple[str, ...]            # train.py flags of every cell
     cells: dict[str, tuple[str, ...]]  # cell name -> its own flags
     shows: tuple[str, ...]            # the cells meant to show it; the others mitigate or contrast
-    signals: tuple[str, ...]          # what demo.png shows, a panel each (cell_series names);
-                                      # the first is also tabled seed by seed
+    signals: tuple[str, ...]          # demo.png's panels (cell_series names); the first is tabled
     start: tuple[str, ...] = ()       # flags of a warm-up that every cell of a seed starts from
                                       # (train.py --start_from); () = each cell warms up itself
 
@@ -161,13 +158,11 @@ DEMOS = {
                                       "--role_kl", "aggregator=0.5")},
         ("per-token", "per-token-steps"), ("adherence", "generator share"),
         start=("--sharing", "shared")),
-    # Paper B in miniature: in Orch-Workers a worker is shown one strategy, not the plan or the
-    # other workers' (critic.unseen: 0.46-0.66 of what was said before it), so the central critic
-    # reads what a decentral one cannot. GRPO's group baseline against the two critics, from one
-    # warm-up per seed, at the main table's recipe on 4 problems a step (an episode is 5 calls).
-    # `--level 4` after the demo's name asks two-digit sums and differences and one-digit
-    # products, where fewer episodes are right: the sparse reward.
-    # No mechanism to find: the detector is not asked.
+    # Paper B in miniature: an Orch-Workers worker is shown one strategy, not the plan or the other
+    # workers' (critic.unseen: 0.46-0.66 of what was said before it), so the central critic reads
+    # what a decentral one cannot: GRPO's group baseline against the two critics, at the main
+    # table's recipe on 4 problems a step. `--level 4` after the demo's name gives the sparse
+    # reward (two-digit sums and differences, one-digit products). No detector is asked.
     "critics": Demo(
         "",
         ("--workflow", "orch_workers", "--problems_per_step", "4", "--steps", "8",
@@ -254,14 +249,12 @@ def finished(run_dir: str) -> bool:
 
 
 def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
-    """Train each (name, train.py flags) cell in out/name; finished cells are skipped,
-    interrupted ones resumed. A finished cell trained with other settings is an error, never
-    reused."""
-    run_dirs = []
-    for name, flags in cells:
-        run_dir = os.path.join(out, name)
-        run_dirs.append(run_dir)
-        if finished(run_dir) or has_checkpoint(run_dir):
+    """Train each (name, train.py flags) cell in out/name: a finished cell is skipped, an
+    interrupted one resumed, and one trained with other settings is an error, never reused."""
+    run_dirs = [os.path.join(out, name) for name, _ in cells]
+    for (_, flags), run_dir in zip(cells, run_dirs):
+        done, resumed = finished(run_dir), has_checkpoint(run_dir)
+        if done or resumed:
             argv = [*flags, "--out", run_dir]
             # the check --resume makes, of every setting that acts in the cell (a flag left out
             # this time takes its default, which the cell may not have been trained with), --lr
@@ -274,16 +267,16 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
                 raise SystemExit(f"{run_dir} was trained with other settings "
                                  f"({str(e).removeprefix('--resume: ')}): "
                                  "remove it or choose another --out") from None
-        if finished(run_dir):
+        if done:
             print(f"{run_dir}: already finished")
             continue
         # an interrupted cell resumes (a checkpoint left in ckpt.tmp or ckpt.old by a kill
         # between a save's two renames, train.py puts back); one killed before its first restarts
-        again = ["--resume"] if has_checkpoint(run_dir) else ["--overwrite"]
-        cmd = [sys.executable, "train.py", *flags, "--out", run_dir, *again]
+        cmd = [sys.executable, "train.py", *flags, "--out", run_dir,
+               "--resume" if resumed else "--overwrite"]
         print(" ".join(cmd[1:]), flush=True)
         t0 = time.time()
-        if train_cell(cmd, run_dir, resumed=again == ["--resume"]) != 0:
+        if train_cell(cmd, run_dir, resumed) != 0:
             raise SystemExit(f"{run_dir}: train.py failed (see its output above)")
         print(f"{run_dir}: {time.time() - t0:.0f} s", flush=True)
     return run_dirs
@@ -298,7 +291,7 @@ def train_cell(cmd: list[str], run_dir: str, resumed: bool) -> int:
     os.makedirs(run_dir, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it happens, through the pipe
     with open(os.path.join(run_dir, "log.txt"), "a" if resumed else "w") as log, \
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) as proc:
+            subprocess.Popen(cmd, cwd=PROJECT, env=env, stdout=subprocess.PIPE, text=True) as proc:
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
