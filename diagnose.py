@@ -123,9 +123,9 @@ def peak_step(rows: list[dict], steps: list[int]) -> int:
 def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float | None],
                       floor: float) -> str | None:
     """How a fall from `high` to `low` ((accuracy, standard error) each) compares with its noise,
-    if it is >= floor and beyond FALL_Z standard errors of the difference; else None. The error
-    treats the two evaluations as independent: of the same problems, they are not, so the test
-    is conservative. Unknown errors: the floor alone decides."""
+    if it is >= floor and beyond FALL_Z standard errors of the difference; else None. Taking the
+    two evaluations (of the same problems) as independent overestimates the error: the test is
+    conservative. Unknown errors: the floor alone decides."""
     (a, se_a), (b, se_b) = high, low
     if a - b < floor:
         return None

@@ -17,7 +17,7 @@ silent mix, and an interrupted one resumes: the same command again goes on where
 demo's cells of one seed go on from one warm-up and step-0 evaluation (train.py --start_from), so
 they differ only in how RL updates the adapters. Every cell's settings are checked before the
 first trains, so a bad grid stops at once, not hours in. The tables are lab/tables.py's;
-diagnose.py's report on every cell follows. --results DIR copies each cell's logs to
+diagnose.py's report on every cell follows. --results DIR copies each cell's LOGS to
 DIR/seed<S>/<cell>, where a figure in docs/ is recomputed from them (tests/test_figures.py).
 
 Exercised by: pytest tests/test_grid.py
