@@ -320,7 +320,7 @@ def critics_table(by_cell: Runs, unseen: bool = True) -> list[str]:
     head += ["unseen: worker, synthesizer"] * unseen + ["mean reward"]
     table, seeds = [], sorted({seed for runs in by_cell.values() for seed in runs}, key=int)
     for seed, cell in ((s, c) for s in seeds for c in CRITIC_CELLS if s in by_cell.get(c, {})):
-        config, rows = by_cell[cell][seed]
+        _, rows = by_cell[cell][seed]
         got = {k: [v for _, v in series(rows, key)] for k, key in (
             ("test", "eval/accuracy"), ("val", "val/accuracy"), ("len", "role/worker/len"),
             ("ev", "critic/explained_variance"), ("adv", "adv/std"),
