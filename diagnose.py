@@ -20,10 +20,9 @@ two ways, one per way of sharing the LoRA policy:
   workflows.similarity).
 
 This file reads train.py's logs (metrics.jsonl), plots them and applies three detectors (a cliff,
-the two mechanisms' signatures) with explicit thresholds, this project's choices; a fall counts
-only beyond its noise, a peak is chosen on the val split where a run has one. A checkpoint's
-gradient probe (and where kappa would align) and a trained workflow watched are lab/probe.py's;
-lab/tables.py builds the grid's tables on this file.
+the two mechanisms' signatures) with thresholds of this project's choosing; a fall counts only
+beyond its noise, a peak is chosen on val where a run has one. --probe and --watch are
+lab/probe.py's; lab/tables.py builds the grid's tables on this file.
 
 Exercised by: pytest tests/test_diagnose.py
 """
@@ -58,8 +57,7 @@ KAPPA_FRAC = 0.8  # where kappa is logged at the spike, it must be >= 0.8 sqrt(N
 FALL_WITHIN = 5  # the validation fall shows at an evaluation at most 5 steps after the spike,
 DROP = 0.10  # and is at least 0.10 (as well as beyond noise)
 SHARE = 0.70  # a role owning this share of a shared adapter's gradient dominates it
-# each capture window holds >= 32 of the role's calls (a standard error <= 0.09 each)
-MIN_CALLS = 32
+MIN_CALLS = 32  # each capture window holds >= 32 of the role's calls (a standard error <= 0.09)
 ADHERENCE_FALL = 0.20  # the captured role's adherence falls by this much, early window to late,
 LEN_RISE = 1.2  # while its completions grow by 20 %
 SIM_RISE = 0.05  # and its word-trigram similarity to the dominant role rises by 0.05
@@ -91,15 +89,20 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in rows if key in r]
 
 
+def markdown(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines: the head, its rule, a line per row."""
+    rule = "|" + "---|" * len(head)
+    return [f"| {' | '.join(head)} |", rule, *(f"| {' | '.join(row)} |" for row in rows)]
+
+
 def multiplicity(config: dict) -> dict[str, int]:
     """Slots per role type: voting with 3 agents -> generator 3, aggregator 1."""
     return dict(Counter(role_of(s) for s in slots(config["workflow"], config.get("n_agents", 3))))
 
 
 def accuracies(config: dict, rows: list[dict], split: str) -> dict[int, tuple[float, float | None]]:
-    """step -> (accuracy, its standard error) on one split (eval: test, val: validation). The
-    error is the logged one (over problems), else the binomial one of the split's size in the
-    config, else None (unknown)."""
+    """step -> (accuracy, its standard error) on one split (eval: test, val: validation): the
+    logged error, else the binomial one of the split's size in the config, else None."""
     logged, n = dict(series(rows, f"{split}/accuracy_se")), config.get(f"{split}_problems", 0)
     return {s: (a, logged.get(s, math.sqrt(a * (1 - a) / n) if n else None))
             for s, a in series(rows, f"{split}/accuracy")}
@@ -112,8 +115,7 @@ def validation(rows: list[dict]) -> str:
 
 
 def peak_step(rows: list[dict], steps: list[int]) -> int:
-    """The step of `steps` with the best accuracy on validation(rows); the earliest of equal
-    bests."""
+    """The step of `steps` with the best accuracy on validation(rows), the earliest of ties."""
     chosen = dict(series(rows, f"{validation(rows)}/accuracy"))
     return max(steps, key=lambda s: (chosen.get(s, -math.inf), -s))
 
@@ -121,9 +123,9 @@ def peak_step(rows: list[dict], steps: list[int]) -> int:
 def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float | None],
                       floor: float) -> str | None:
     """How a fall from `high` to `low` ((accuracy, standard error) each) compares with its noise,
-    if it is >= floor and more than FALL_Z standard errors of the difference; else None. The error
-    of the difference treats the two evaluations as independent: they are of the same problems,
-    so it overestimates, and the test is conservative. Unknown errors: the floor alone decides."""
+    if it is >= floor and beyond FALL_Z standard errors of the difference; else None. Taking the
+    two evaluations (of the same problems) as independent overestimates the error: the test is
+    conservative. Unknown errors: the floor alone decides."""
     (a, se_a), (b, se_b) = high, low
     if a - b < floor:
         return None
@@ -141,9 +143,9 @@ def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float 
 
 def find_cliff(config: dict, rows: list[dict], threshold: float = CLIFF) -> list[str]:
     """Test accuracy falling from the peak to the end (a cliff) or, failing that, to the lowest
-    point after the peak (a dip), by >= threshold and beyond FALL_Z standard errors. The peak
-    and the low are chosen on the val split where the run has one and read on the test split,
-    so the choice does not inflate the fall; without val both are chosen on test."""
+    point after the peak (a dip), by >= threshold and beyond FALL_Z standard errors. Both points
+    are chosen on val where the run has one (so the choice does not inflate the fall), else on
+    test."""
     test = accuracies(config, rows, "eval")
     steps = sorted(test)
     if len(steps) < 2:
@@ -183,7 +185,7 @@ def validation_fall(config: dict, rows: list[dict], step: int) -> str | None:
     before = [s for s in sorted(points) if s < step]
     if not before:
         return None
-    for s in (s for s in sorted(points) if step <= s <= step + FALL_WITHIN):
+    for s in sorted(s for s in points if step <= s <= step + FALL_WITHIN):
         noise = fall_beyond_noise(points[before[-1]], points[s], DROP)
         if noise is not None:
             return (f"{split} accuracy falls from {points[before[-1]][0]:.3f} at step "
@@ -197,9 +199,8 @@ def find_amplification(config: dict, rows: list[dict]) -> list[str]:
     slots also multiply the role's steps): its gradient norm (>= GRAD_SPIKE) or training perplexity
     (>= PPL_SPIKE) spikes against its running median, with kappa >= KAPPA_FRAC sqrt(N) at that step
     where kappa was logged, and then validation accuracy falls (validation_fall). Reports the first
-    such spike per role. Both signals are logged before the clip. The adapter's update norm is no
-    signal: under AdamW the first steps are already the largest (about lr per weight) and the
-    learning rate decays."""
+    such spike per role. Both signals are logged before the clip. The update norm is no signal:
+    under AdamW the first steps are the largest (about lr per weight) and the rate decays."""
     if config["sharing"] == "shared":
         return []
     found = []
@@ -245,8 +246,7 @@ def windows(rows: list[dict], role: str) -> tuple[list[dict], list[dict]] | None
 
 
 def weighted(rows: list[dict], role: str, signal: str) -> tuple[float | None, int]:
-    """The mean of role/<role>/<signal> over the rows that log it, weighted by their calls; and the
-    calls."""
+    """The mean of role/<role>/<signal> over the rows that log it, weighted by calls; the calls."""
     pairs = [(r[f"role/{role}/{signal}"], r[f"role/{role}/calls"]) for r in rows
              if f"role/{role}/{signal}" in r]
     calls = sum(c for _, c in pairs)
@@ -376,9 +376,7 @@ def report(run_dirs: list[str], out: str, names=None) -> str:
     runs = {name: load_run(d, ROLES) for name, d in named.items()}  # name -> (config, rows)
     writable(out, "report.md")
     table = [{"run": name, **summary(config, rows)} for name, (config, rows) in runs.items()]
-    header = list(table[0])
-    lines = ["# Diagnosis", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r[h] for h in header) + " |" for r in table]
+    lines = ["# Diagnosis", "", *markdown(list(table[0]), [list(r.values()) for r in table])]
     lines += ["", "accuracy: before / peak (chosen on val where logged) / final, test split; "
               "kappa, grad_share, adherence: means over the logged steps, per role.",
               "", "## Findings", ""]
@@ -402,8 +400,7 @@ def report(run_dirs: list[str], out: str, names=None) -> str:
 
 
 # ----------------------------------------------------------------------------
-# The command: a report of runs, a trained run's gradient probe or its calls watched
-# (lab/probe.py)
+# The command: a report of runs, or a trained run probed or watched (lab/probe.py)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -46,7 +46,7 @@ import torch
 from decode import decode
 from grpo import policy_update
 from lab.checkpoint import TrainState
-from lab.files import enclosing_run
+from lab.files import PROJECT, enclosing_run, read_jsonl
 from lab.machine import alternate, check_device, pick_threads, sync, timed
 from lab.settings import TASK_TOKENS
 from lora import (LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora,
@@ -58,7 +58,6 @@ from tasks import DEFAULT_LEVEL, load_task
 from train import Config
 from workflows import chat, run_workflow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 GPU_REPEATS = 3  # the fewest timed runs of a part on a GPU
 PARTS = ("step", "sharing", "throughput")  # the parts --skip may leave out
 
@@ -84,17 +83,14 @@ def ratio(a: dict, b: dict) -> float:
 @contextmanager
 def without_lora(model):
     """The plain base model: every LoRALinear replaced by the nn.Linear it wraps, then put back."""
-    swapped = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, LoRALinear):
-                setattr(parent, name, child.base)
-                swapped.append((parent, name, child))
+    swapped = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name, layer in swapped:
+        model.set_submodule(name, layer.base)
     try:
         yield
     finally:
-        for parent, name, child in swapped:
-            setattr(parent, name, child)
+        for name, layer in swapped:
+            model.set_submodule(name, layer)
 
 
 def raw_generate(model, tok, chats: list, cfg: Config, greedy: bool = False) -> torch.Tensor:
@@ -121,11 +117,6 @@ def rollout_stage(model, tok, chats: list, cfg: Config, merge: bool = True, gree
     return rollout.calls
 
 
-def short(cfg: Config) -> Config:
-    """A warm-up's settings: the same code over 4 new tokens."""
-    return dataclasses.replace(cfg, max_new_tokens=4)
-
-
 def generation(model, tok, device: str, chats: list, cfg: Config, repeats: int) -> dict:
     """One stage three ways (raw, merged, low-rank), alternating; their greedy tokens once; and
     merging alone."""
@@ -136,7 +127,8 @@ def generation(model, tok, device: str, chats: list, cfg: Config, repeats: int) 
     ways = {"raw": partial(raw_generate, model, tok),
             "merged": partial(rollout_stage, model, tok, merge=True),
             "low_rank": partial(rollout_stage, model, tok, merge=False)}
-    r, results = race(device, ways, (chats, cfg), (chats[:2], short(cfg)), repeats)
+    short = dataclasses.replace(cfg, max_new_tokens=4)  # the warm-up: the same code, 4 tokens
+    r, results = race(device, ways, (chats, cfg), (chats[:2], short), repeats)
     calls = results["merged"]
     merge_seconds = []
     for _ in range(repeats):
@@ -184,7 +176,6 @@ def update_parts(model, tok, device: str, calls: list[Call], cfg: Config, repeat
     """The old-log-prob pass, one update over `calls` (one mini-batch, on-policy) and the
     diagnostics' pass over the same calls (measure.gradient_signals)."""
     frozen = still_adapter(model, "shared", calls)
-    # one mini-batch of every call, each alone in its group
     settings = dataclasses.replace(cfg, one_step=False, minibatch_size=len(calls), group_size=1)
     pad = tok.pad_token_id
     parts = {"old_logp": lambda cs: old_logprobs(model, cs, "shared", pad, cfg.temperature,
@@ -232,14 +223,13 @@ def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats:
 
 def step_parts(args: argparse.Namespace, threads: int, out: str, flags: list[str]) -> dict:
     """One training step of train.py in a fresh process, split as its metrics.jsonl logs it."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "1", "--model", args.model,
+    cmd = [sys.executable, os.path.join(PROJECT, "train.py"), "--steps", "1", "--model", args.model,
            "--device", args.device, "--threads", str(threads), "--out", out, "--overwrite", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         said = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise SystemExit(f"bench: {' '.join(cmd[1:])} failed: {said}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        row = [json.loads(line) for line in f][-1]
+    row = read_jsonl(os.path.join(out, "metrics.jsonl"))[-1]
     return {"rollout": row["time/rollout"], "old_logp": row["time/old_logp"],
             "update": row["time/update"] - row["time/old_logp"],
             "eval": row.get("time/eval", 0.0), "peak_mb": row["mem/peak_mb"]}
@@ -271,6 +261,7 @@ def throughput(args: argparse.Namespace, questions: list[str], cfg: Config,
     """Tokens/s of one generator stage by batch size and dtype, and positions/s of the update's
     forward and backward, alternating the dtypes (bench_dtypes)."""
     device, dtypes, models = args.device, bench_dtypes(args.device), {}
+    short = dataclasses.replace(cfg, max_new_tokens=4)
     for d in dtypes:
         models[d], tok = load_policy(args.model, device, d)
         inject_lora(models[d], cfg.lora_r, cfg.lora_alpha)
@@ -288,7 +279,7 @@ def throughput(args: argparse.Namespace, questions: list[str], cfg: Config,
         chats = [chat("math", "generator", question=questions[i % len(questions)])
                  for i in range(B)]
         runs = {f"{w} {d}": partial(f, models[d]) for w, f in ways.items() for d in dtypes}
-        r, _ = race(device, runs, (chats, cfg), (chats[:2], short(cfg)), args.repeats)
+        r, _ = race(device, runs, (chats, cfg), (chats[:2], short), args.repeats)
         fig["generate"][B] = {name: B * cfg.max_new_tokens / r[name]["seconds"] for name in runs}
     calls = rollout_stage(models["fp32"], tok, chats[:16], cfg)
     trained = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)  # every position
@@ -430,9 +421,7 @@ def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list
     if "throughput" in skip and args.batches != make_parser().get_default("batches"):
         raise SystemExit("bench: --batches sizes the throughput part, which --skip leaves out: "
                          "drop one")
-    check_device(args.device)
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
-    if cuda and args.repeats < GPU_REPEATS:
+    if check_device(args.device) and args.repeats < GPU_REPEATS:
         raise SystemExit(f"bench: --repeats {args.repeats} on a GPU: at least {GPU_REPEATS} (its "
                          "first runs pay for planning kernels; a median needs three)")
     folder = os.path.dirname(os.path.abspath(args.json))
@@ -473,12 +462,11 @@ def main(argv: list[str] | None = None) -> dict:
     fig["update"] = update_parts(model, tok, device, calls[::2], cfg, args.repeats)
     if "step" not in skip:
         print("bench: one default training step ...", file=sys.stderr)
-        fig["step_eval_problems"] = 2
-        fig["step_flags"] = ["--steps", "1", "--eval_problems", "2", "--val_problems", "0"]
+        flags = ["--eval_problems", "2", "--val_problems", "0"]
+        fig["step_eval_problems"], fig["step_flags"] = 2, ["--steps", "1", *flags]
         with tempfile.TemporaryDirectory() as tmp:
             fig["step"] = step_parts(args, threads, os.path.join(tmp, "step"),
-                                     ["--eval_problems", "2", "--val_problems", "0",
-                                      "--dtype", args.dtype])
+                                     [*flags, "--dtype", args.dtype])
     if "sharing" not in skip:
         print("bench: Voting, shared vs isolated ...", file=sys.stderr)
         fig["sharing"] = sharing(model, tok, device, [pool[0].question] * 2, cfg, args.repeats)

@@ -1,20 +1,17 @@
 """The course kit: a student version of an assignment, graded by the project's own tests.
 
-The project pins every formula with a test against a hand-computed reference. An assignment
-is a few of those functions: `make` copies the files git tracks with their bodies replaced by
-`raise NotImplementedError` (signature, docstring and every other byte of the file kept), and
-`grade`, run inside such a copy, runs exactly the tests that pin them and prints the points of
-each function. docs/course.md is the syllabus: what each assignment teaches, what runs on a
-laptop, and one experiment per assignment.
+An assignment is a few of the functions the project pins with hand-computed tests: `make`
+copies the files git tracks with those bodies replaced by `raise NotImplementedError` (every
+other byte kept), and `grade`, run inside the copy, runs exactly the tests that pin them and
+prints each function's points. docs/course.md is the syllabus.
 
     python -m lab.course list                # the assignments: functions, tests, prerequisites
     python -m lab.course make 3 --out hw3/   # assignment 3 for a student
     cd hw3 && python -m lab.course grade 3   # its tests; points per function
 
-Functions are found by name with the standard library's ast (`Class.method` for a method),
-so a changed signature does not break the kit; a renamed function or test does, and
-tests/test_course.py says which. The body that `make` removes runs from the line after the
-docstring (or the signature) to the function's last line, comments included.
+Functions are found by name with ast (`Class.method` for a method), so a changed signature does
+not break the kit; a renamed function or test does, and tests/test_course.py says which. `make`
+removes from the line after the docstring (or the signature) to the function's last line.
 
 Exercised by: pytest tests/test_course.py
 """
@@ -32,9 +29,8 @@ from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project, above lab/
 MARKER = ".assignment"  # in a student copy: the number of its assignment
-# Never copied where the project is no git checkout (one is copied as git tracks it): history,
-# environments, runs, the GPU checks' outputs, caches, secrets; also what its .gitignore names
-# and any run directory. The kit's own test needs the reference solutions: never copied either.
+# Never copied where the project is no git checkout (a checkout is copied as git tracks it), nor
+# what its .gitignore names, nor a run directory; the kit's own test holds the reference solutions.
 SKIP = {".git", ".venv", "runs", "gpu", "__pycache__", ".pytest_cache", ".env"}
 INSTRUCTOR_ONLY = os.path.join("tests", "test_course.py")
 
@@ -150,8 +146,7 @@ def body_range(lines: list[str], fn: ast.FunctionDef) -> tuple[int, int, str]:
     if len(fn.body) <= has_doc or fn.body[0].lineno == fn.lineno:
         raise ValueError(f"{fn.name}: no body to replace, or a body on the def line")
     start = fn.body[has_doc].lineno - 1
-    # the docstring's or the header's last line
-    floor = fn.body[0].end_lineno if has_doc else fn.lineno
+    floor = fn.body[0].end_lineno if has_doc else fn.lineno  # the docstring's or header's end
     while start > floor and lines[start - 1].strip()[:1] in ("", "#"):
         start -= 1
     return start, fn.end_lineno, " " * fn.body[has_doc].col_offset
@@ -188,9 +183,9 @@ def tracked_files(root: str) -> list[str] | None:
 
 def skipped(root: str, out: str, ignored: list[str], directory: str,
             names: list[str]) -> set[str]:
-    """What a copy of a project without git leaves out of a directory: SKIP, names that match
-    `ignored` (the .gitignore's patterns) or begin .env, run directories (a config.json beside a
-    metrics.jsonl), the instructor's test, other student copies, and the copy itself."""
+    """What a copy of a project without git leaves out of a directory: SKIP, names matching
+    `ignored` (the .gitignore's) or beginning .env, run directories, the instructor's test, other
+    student copies, and the copy itself."""
     paths = {n: os.path.join(directory, n) for n in names}
     return {n for n, p in paths.items() if n in SKIP or n.startswith(".env")
             or any(fnmatch(n, pattern) for pattern in ignored)
@@ -211,8 +206,8 @@ def ignored_names(root: str) -> list[str]:
 
 
 def copy_project(root: str, out: str) -> None:
-    """What a student needs of the project: the files git tracks (the working tree's version),
-    the instructor's test aside; without git, the tree less what `skipped` names."""
+    """Copy what a student needs: the files git tracks (as the working tree holds them), the
+    instructor's test aside; without git, the tree less what `skipped` names."""
     tracked = tracked_files(root)
     if tracked is None:
         shutil.copytree(root, out, dirs_exist_ok=True, ignore=partial(
@@ -242,11 +237,9 @@ def make(number: int, out: str, root: str = ROOT) -> None:
     except OSError as e:  # a name too long, a full or read-only disk
         why = e.strerror or type(e).__name__
         raise SystemExit(f"--out {out}: cannot be written ({why})") from None
-    by_module: dict[str, list[str]] = {}
-    for name in ASSIGNMENTS[number].tests:
-        module, function = name.split(".", 1)
-        by_module.setdefault(module, []).append(function)
-    for module, functions in by_module.items():
+    names = [name.split(".", 1) for name in ASSIGNMENTS[number].tests]
+    for module in dict.fromkeys(module for module, _ in names):
+        functions = [function for m, function in names if m == module]
         path = os.path.join(out, f"{module}.py")
         with open(path, encoding="utf-8", newline="") as f:
             source = f.read()

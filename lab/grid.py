@@ -13,13 +13,11 @@ training them, and their tables.
 A cell is one train.py run in a directory of its own (out/seed<S>/<cell>), trained in a fresh
 process; flags this file does not know go to every cell in which they act, after its own. A
 finished cell is not trained again, one trained with other settings is an error rather than a
-silent mix, and an interrupted one resumes from its checkpoint: an interrupted grid goes on
-where it stopped when the same command runs again. A demo's cells of one seed go on from one
-warm-up and step-0 evaluation (train.py --start_from), so they differ only in how RL updates the
-adapters. Every cell's settings are checked before the first trains, so a bad grid stops at
-once, not hours in. The tables (lab/tables.py) are means over the seeds with their range, and
-differences paired by seed with their t intervals; diagnose.py's report on every cell follows.
---results DIR copies each cell's config.json, metrics.jsonl and log.txt (its printed lines) to
+silent mix, and an interrupted one resumes: the same command again goes on where it stopped. A
+demo's cells of one seed go on from one warm-up and step-0 evaluation (train.py --start_from), so
+they differ only in how RL updates the adapters. Every cell's settings are checked before the
+first trains, so a bad grid stops at once, not hours in. The tables are lab/tables.py's;
+diagnose.py's report on every cell follows. --results DIR copies each cell's LOGS to
 DIR/seed<S>/<cell>, where a figure in docs/ is recomputed from them (tests/test_figures.py).
 
 Exercised by: pytest tests/test_grid.py
@@ -34,7 +32,7 @@ import time
 
 from diagnose import findings, report
 from lab.checkpoint import has_checkpoint
-from lab.files import load_run
+from lab.files import PROJECT, load_run
 from lab.settings import (check_goes_on_from, check_settings, flag_name, idle_settings, run_config,
                           typed_flags, with_task_tokens)
 from lab.tables import (Runs, claims, critics_differences, critics_table, demo_plot, demo_table,
@@ -42,8 +40,6 @@ from lab.tables import (Runs, claims, critics_differences, critics_table, demo_p
 from tasks import TASK_KIND
 from train import Config, check_algorithm_settings, parse_config
 from workflows import ROLES
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where train.py is
 
 # ----------------------------------------------------------------------------
 # Paper A's main table in miniature
@@ -56,8 +52,8 @@ GRID_FLAGS = ("--eval_every", "2", "--eval_problems", "64", "--val_problems", "4
 
 
 def grid_cells(train_flags: list[str], seeds: list[int]) -> list[tuple[str, list[str]]]:
-    """The grid's (name, train.py flags) cells, seed<S>/<workflow>-<sharing> for every seed;
-    `train_flags` come after the grid's and override them."""
+    """The grid's (seed<S>/<workflow>-<sharing>, train.py flags) cells; `train_flags` override
+    the grid's."""
     return [(f"seed{seed}/{w}-{s}", cell_flags([], ["--workflow", w, "--sharing", s,
                                                     *GRID_FLAGS, "--seed", str(seed)],
                                                 train_flags))
@@ -66,10 +62,9 @@ def grid_cells(train_flags: list[str], seeds: list[int]) -> list[tuple[str, list
 
 def cell_flags(shared: list[str], own: list[str], train_flags: list[str]) -> list[str]:
     """A cell's train.py flags: those its demo gives every cell, its own, then the caller's, each
-    overriding the ones before. Of the flags that go to every cell (the demo's and the caller's),
-    a setting of settings.ONLY_UNDER that would do nothing in this one stays out: --n_agents
-    reaches the Voting cells, not the single-agent one (check_cells refuses one of the caller's
-    that acts in no cell)."""
+    overriding the ones before. Of the flags for every cell, one that would do nothing in this
+    one (settings.ONLY_UNDER) stays out: --n_agents reaches the Voting cells, not the single
+    agent (check_cells refuses one of the caller's that acts in no cell)."""
     idle = idle_settings(parse_config([*shared, *own, *train_flags]))
     acting = [[token for name, group in flag_groups(flags) if name not in idle for token in group]
               for flags in (shared, train_flags)]
@@ -79,7 +74,7 @@ def cell_flags(shared: list[str], own: list[str], train_flags: list[str]) -> lis
 def flag_groups(argv: list[str]) -> list[tuple[str, list[str]]]:
     """A train.py command line's flags, each with its value: ("lr", ["--lr", "0.1"]),
     ("lr", ["--lr=0.1"]), ("one_step", ["--no-one_step"]); a token that is no flag's is left
-    out. Which flags take no value is train.py's (Config's switches)."""
+    out. Config's bool fields take no value."""
     switches = {f.name for f in dataclasses.fields(Config) if f.type is bool}
     groups, i = [], 0
     while i < len(argv):
@@ -103,10 +98,8 @@ class Demo:
     finding: str                      # how the detector's finding starts ("": none is asked)
     flags: tuple[str, ...]            # train.py flags of every cell
     cells: dict[str, tuple[str, ...]]  # cell name -> its own flags
-    # the cells meant to show the mechanism; the others mitigate or contrast
-    shows: tuple[str, ...]
-    signals: tuple[str, ...]          # what demo.png shows, a panel each (cell_series names);
-                                      # the first is also tabled seed by seed
+    shows: tuple[str, ...]            # the cells meant to show it; the others mitigate or contrast
+    signals: tuple[str, ...]          # demo.png's panels (cell_series names); the first is tabled
     start: tuple[str, ...] = ()       # flags of a warm-up that every cell of a seed starts from
                                       # (train.py --start_from); () = each cell warms up itself
 
@@ -165,13 +158,11 @@ DEMOS = {
                                       "--role_kl", "aggregator=0.5")},
         ("per-token", "per-token-steps"), ("adherence", "generator share"),
         start=("--sharing", "shared")),
-    # Paper B in miniature: in Orch-Workers a worker is shown one strategy, not the plan or the
-    # other workers' (critic.unseen: 0.46-0.66 of what was said before it), so the central critic
-    # reads what a decentral one cannot. GRPO's group baseline against the two critics, from one
-    # warm-up per seed, at the main table's recipe on 4 problems a step (an episode is 5 calls).
-    # `--level 4` after the demo's name asks two-digit sums and differences and one-digit
-    # products, where fewer episodes are right: the sparse reward.
-    # No mechanism to find: the detector is not asked.
+    # Paper B in miniature: an Orch-Workers worker is shown one strategy, not the plan or the other
+    # workers' (critic.unseen: 0.46-0.66 of what was said before it), so the central critic reads
+    # what a decentral one cannot: GRPO's group baseline against the two critics, at the main
+    # table's recipe on 4 problems a step. `--level 4` after the demo's name gives the sparse
+    # reward (two-digit sums and differences, one-digit products). No detector is asked.
     "critics": Demo(
         "",
         ("--workflow", "orch_workers", "--problems_per_step", "4", "--steps", "8",
@@ -212,9 +203,8 @@ PLACED = {"resume": "the grid resumes an interrupted cell itself; run the same c
 
 
 def cell_fields(demo: str | None) -> set[str]:
-    """The train.py settings that tell the cells apart (--seed apart: PLACED's): a
-    train.py flag naming one would override every cell's own and make them one (the main
-    table's with demo None)."""
+    """The train.py settings that tell the cells apart (the main table's with demo None): a
+    train.py flag naming one would override every cell's own and make them one."""
     own = ([f for w, s in GRID for f in ("--workflow", w, "--sharing", s)] if demo is None else
            [f for flags in (*DEMOS[demo].cells.values(), DEMOS[demo].start) for f in flags])
     return typed_flags(own)
@@ -222,10 +212,9 @@ def cell_fields(demo: str | None) -> set[str]:
 
 def check_cells(cells: list[tuple[str, list[str]]], home: str,
                 train_flags: list[str]) -> list[Config]:
-    """Every cell's settings, checked as its train.py will check them, before any cell trains;
-    a cell that goes on from its seed's start is checked against the start cell's settings (its
-    files do not exist yet), and a flag of the grid's that acts in no cell is refused. Returns
-    the cells' configs."""
+    """The cells' configs, checked as train.py will check them, before any cell trains: a cell
+    that goes on from its seed's start against the start cell's settings (its files do not exist
+    yet); a flag of the grid's that acts in no cell is refused."""
     configs = {}
     for name, flags in cells:
         argv = [*flags, "--out", os.path.join(home, name)]
@@ -256,18 +245,16 @@ def finished(run_dir: str) -> bool:
         config, rows = load_run(run_dir, ROLES)
     except (SystemExit, OSError):
         return False
-    return bool(rows) and rows[-1]["step"] == config["steps"] and "eval/accuracy" in rows[-1]
+    return rows[-1]["step"] == config["steps"] and "eval/accuracy" in rows[-1]
 
 
 def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
-    """Train each (name, train.py flags) cell in out/name; finished cells are skipped,
-    interrupted ones resumed. A finished cell trained with other settings is an error, never
-    reused."""
-    run_dirs = []
-    for name, flags in cells:
-        run_dir = os.path.join(out, name)
-        run_dirs.append(run_dir)
-        if finished(run_dir) or has_checkpoint(run_dir):
+    """Train each (name, train.py flags) cell in out/name: a finished cell is skipped, an
+    interrupted one resumed, and one trained with other settings is an error, never reused."""
+    run_dirs = [os.path.join(out, name) for name, _ in cells]
+    for (_, flags), run_dir in zip(cells, run_dirs):
+        done, resumed = finished(run_dir), has_checkpoint(run_dir)
+        if done or resumed:
             argv = [*flags, "--out", run_dir]
             # the check --resume makes, of every setting that acts in the cell (a flag left out
             # this time takes its default, which the cell may not have been trained with), --lr
@@ -280,17 +267,16 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
                 raise SystemExit(f"{run_dir} was trained with other settings "
                                  f"({str(e).removeprefix('--resume: ')}): "
                                  "remove it or choose another --out") from None
-        if finished(run_dir):
+        if done:
             print(f"{run_dir}: already finished")
             continue
-        # an interrupted cell continues from its checkpoint (one killed between a save's two
-        # renames has it in ckpt.tmp or ckpt.old: train.py puts it back); one killed before its
-        # first starts over
-        again = ["--resume"] if has_checkpoint(run_dir) else ["--overwrite"]
-        cmd = [sys.executable, "train.py", *flags, "--out", run_dir, *again]
+        # an interrupted cell resumes (a checkpoint left in ckpt.tmp or ckpt.old by a kill
+        # between a save's two renames, train.py puts back); one killed before its first restarts
+        cmd = [sys.executable, "train.py", *flags, "--out", run_dir,
+               "--resume" if resumed else "--overwrite"]
         print(" ".join(cmd[1:]), flush=True)
         t0 = time.time()
-        if train_cell(cmd, run_dir, resumed=again == ["--resume"]) != 0:
+        if train_cell(cmd, run_dir, resumed) != 0:
             raise SystemExit(f"{run_dir}: train.py failed (see its output above)")
         print(f"{run_dir}: {time.time() - t0:.0f} s", flush=True)
     return run_dirs
@@ -305,7 +291,7 @@ def train_cell(cmd: list[str], run_dir: str, resumed: bool) -> int:
     os.makedirs(run_dir, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it happens, through the pipe
     with open(os.path.join(run_dir, "log.txt"), "a" if resumed else "w") as log, \
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True) as proc:
+            subprocess.Popen(cmd, cwd=PROJECT, env=env, stdout=subprocess.PIPE, text=True) as proc:
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
@@ -314,8 +300,8 @@ def train_cell(cmd: list[str], run_dir: str, resumed: bool) -> int:
 
 
 def keep_logs(run_dirs: list[str], home: str, results: str) -> None:
-    """Copy each run's LOGS to results/<its path under home>: the files a figure needs, never a
-    checkpoint, ready to be committed under docs/results/."""
+    """Copy each run's LOGS, never a checkpoint, to results/<its path under home>, ready to be
+    committed under docs/results/."""
     for run_dir in run_dirs:
         dest = os.path.join(results, os.path.relpath(run_dir, home))
         os.makedirs(dest, exist_ok=True)
@@ -331,9 +317,9 @@ def keep_logs(run_dirs: list[str], home: str, results: str) -> None:
 
 def train_and_report(cells: list[tuple[str, list[str]]], home: str, results: str,
                      shown: list[str]) -> tuple[str, Runs]:
-    """Train the cells in home (and copy their logs to `results`, the seeds' starts too: a cell's
-    step 0 is its start's), then diagnose.py's report on the cells called one of `shown`: its
-    path, and their runs, cell -> seed -> (config, rows)."""
+    """Train the cells in home (their logs copied to `results`, the starts' too: a cell's step 0
+    is its start's), then diagnose.py's report on the cells named in `shown`: its path, and their
+    runs."""
     trained = train_cells(home, cells)
     if results:
         keep_logs(trained, home, results)
@@ -357,8 +343,7 @@ def head_report(path: str, head: str, picture: str) -> None:
 
 def reproduce(out: str, train_flags: list[str], seeds: list[int], results: str = "") -> str:
     """Train every grid cell for every seed, then write out/report.md: the main table, Paper A's
-    findings checked against it, where each cell's learning signal went, the accuracy curves
-    (curves.png) and diagnose.py's report on every run."""
+    findings against it, where the learning signal went, curves.png and diagnose.py's report."""
     cells = grid_cells(train_flags, seeds)
     check_cells(cells, out, train_flags)
     path, by_cell = train_and_report(cells, out, results, [f"{w}-{s}" for w, s in GRID])
@@ -376,8 +361,7 @@ def reproduce(out: str, train_flags: list[str], seeds: list[int], results: str =
 def demo(name: str, out: str, train_flags: list[str], seeds: list[int],
          results: str = "") -> str:
     """Train the demo's cells for every seed (out/<name>/seed<S>/<cell>), then write
-    out/<name>/report.md and its plots, headed by a table of the cells (mean and range over the
-    seeds) and by which cells the detector names."""
+    out/<name>/report.md and its plots, headed by its tables and what the detector finds."""
     spec, home = DEMOS[name], os.path.join(out, name)
     cells = demo_cells(name, home, train_flags, seeds)
     task = check_cells(cells, home, train_flags)[0].task
@@ -405,14 +389,11 @@ def demo(name: str, out: str, train_flags: list[str], seeds: list[int],
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This file's flags, and every other flag, in order, for each cell's train.py."""
-    parser = argparse.ArgumentParser(prog="python -m lab.grid",
-                                     description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     epilog="Every other flag goes to each cell's train.py "
-                                            "in which it acts, after the cell's own "
-                                            "(e.g. --model Qwen/Qwen3-1.7B --task dapo_math), "
-                                            "but not one the cells set themselves (--seed, "
-                                            "--workflow and --sharing in the main table, a "
-                                            "demo's own cell flags).")
+    parser = argparse.ArgumentParser(
+        prog="python -m lab.grid", description=__doc__.split("\n\n")[0], allow_abbrev=False,
+        epilog="Every other flag goes to each cell's train.py in which it acts, after the cell's "
+        "own (e.g. --model Qwen/Qwen3-1.7B --task dapo_math), but not one the cells set themselves "
+        "(--seed, --workflow and --sharing in the main table, a demo's own cell flags).")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--reproduce", action="store_true",
                       help="train the main table's cells, then report")

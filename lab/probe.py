@@ -1,7 +1,6 @@
 """A trained run, from its checkpoint: the gradient probe (kappa, coherence and each role's
-gradient share on a fresh batch, measured without a step; with probes of several sizes, where
-each crowded role's kappa would align) and the trained workflow watched call by call on one
-question. diagnose.py's --probe and --watch run them.
+gradient share on a fresh batch, without a step; from several sizes, where each crowded role's
+kappa would align), and the trained workflow watched call by call on one question.
 
     python diagnose.py --probe runs/a/ckpt              # kappa, coherence, gradient shares
     python diagnose.py --watch runs/a "What is 7 + 5?"  # every call of the trained workflow
@@ -32,9 +31,8 @@ from workflows import ROLES, run_workflow
 
 
 def checkpoint_config(ckpt: str) -> Config:
-    """The config.json of the run that saved checkpoint `ckpt`, as train.py's Config (every
-    setting there, none left to a default), its values checked as a launch checks them; and the
-    run's log readable."""
+    """The config.json of the run that saved checkpoint `ckpt` as train.py's Config (no setting
+    left to a default), checked as a launch checks it; and the run's log readable."""
     if not os.path.exists(os.path.join(ckpt, "state.pt")):
         raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
     run_dir = os.path.dirname(os.path.normpath(ckpt))
@@ -75,15 +73,13 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
     if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--probe_credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs)")
-    # where main writes it, known before the work
-    writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")
+    writable(os.path.dirname(os.path.normpath(ckpt)), "probe.json")  # known before the work
     pool, results = load_task(cfg.task, "train", cfg.train_problems, cfg.level, cfg.seed), []
     if not all(1 <= n <= len(pool) for n in sizes):
         raise SystemExit(f"--probe_problems {sizes}: each must be in [1, {len(pool)}] "
                          "(the run's training pool)")
     _, model, tok, names = trained_model(ckpt)
-    # every call in one batch, no mitigation: the raw gradients of the run's loss
-    settings = dataclasses.replace(cfg, balance="none")
+    settings = dataclasses.replace(cfg, balance="none")  # no mitigation: the raw gradients
     for problems in sizes:
         # seed 0: the pool's first problems; another seed, a sample of the pool
         picked = random.Random(seed).sample(range(len(pool)), problems) if seed else range(problems)

@@ -1,8 +1,7 @@
-"""A grid's tables over seeds, from finished runs: Paper A's main table (accuracy at the start, the
-peak and the end), where each cell's learning signal went, a demo's signals cell by cell, the
-default run's gain split into the generator's first answers and what the rest of the workflow
-adds, and the plots; every difference paired by seed, with its 95 % interval from Student's t on
-n - 1 degrees of freedom and a floor from the evaluation's own size, and a verdict that says
+"""A grid's tables over seeds, from finished runs: Paper A's main table, where each cell's
+learning signal went, a demo's signals cell by cell, the default run's gain split at the
+generator's first answers, and the plots. Every difference is paired by seed, with its 95 %
+interval from Student's t on n - 1 degrees of freedom and a floor from the evaluation's own size;
 "not distinguishable" where the interval covers 0.
 
     python -m lab.grid --demo default --seeds 0,1,2   # trains the cells, then writes these tables
@@ -20,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: the plots are files
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from diagnose import KAPPA_FRAC, multiplicity, peak_step, series
+from diagnose import KAPPA_FRAC, markdown, multiplicity, peak_step, series
 from lab.run import evaluation_samples
 from train import Config
 from workflows import ROLES
@@ -29,10 +28,9 @@ Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's 
 
 
 def accuracy_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """Test accuracy of one run: at step 0 (the base model in the run's workflow), at the peak, at
-    the end, and after the evaluation nearest the middle step (NaN where none lies between the
-    first and the last). The peak is the step with the best val accuracy where the run has a val
-    split (the test split is never chosen on), else the best test."""
+    """Test accuracy of one run at step 0 (the base model in the run's workflow), the peak
+    (diagnose.peak_step: chosen on val where the run has it), the end, and the evaluation nearest
+    the middle step (NaN where none lies between the first and the last)."""
     acc = dict(series(rows, "eval/accuracy"))
     steps = sorted(acc)
     peak = acc[peak_step(rows, steps)]
@@ -45,9 +43,8 @@ def accuracy_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
 
 
 def main_table(by_cell: Runs) -> list[str]:
-    """Paper A's main table: a row per cell, accuracy at the start, peak and end with the two
-    differences, each the mean over the seeds (range); the single agent's start is the base
-    model."""
+    """Paper A's main table: a row per cell, accuracy_numbers' means over the seeds (range); the
+    single agent's start is the base model."""
     lines = mean_table({cell: [accuracy_numbers(*run) for run in runs.values()]
                         for cell, runs in by_cell.items()})
     configs = [config for runs in by_cell.values() for config, _ in runs.values()]
@@ -74,8 +71,8 @@ def crowded_and_judge(config: dict) -> tuple[str, str | None]:
 
 
 def step_mean(rows: list[dict], pattern: str, per_step=statistics.mean) -> float:
-    """The mean over the training steps (step 0 is the evaluation before them) of
-    per_step(the step's values of the keys that match `pattern`)."""
+    """per_step(the values of the keys matching `pattern`), meaned over the training steps (step
+    0 is the evaluation before them)."""
     return nan_mean([per_step(hits) for r in rows if r["step"] > 0
                      if (hits := [v for k, v in r.items() if re.fullmatch(pattern, k)])])
 
@@ -113,11 +110,10 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
 
 
 def noise_floor(accuracies: list[float], problems: int, seeds: int) -> float:
-    """The least standard error a mean over `seeds` of accuracies on `problems` problems can have:
-    one evaluation's binomial noise, sqrt(p (1 - p) / problems), over sqrt(seeds). Three seeds of 64
-    problems near p = 0.5: 0.036, whatever the seeds' own spread says. A difference of two
-    evaluations of the same problems has an error between 0 (answers that move together) and
-    sqrt(2) times this (independent ones); the floor takes one evaluation's."""
+    """The least standard error of a mean over `seeds` of accuracies on `problems` problems: one
+    evaluation's binomial noise over sqrt(seeds) (0.036 for three seeds of 64 problems near 0.5).
+    A difference of two evaluations of the same problems errs between 0 (answers that move
+    together) and sqrt(2) times this (independent ones); the floor takes one evaluation's."""
     p = statistics.mean(accuracies)
     return math.sqrt(p * (1 - p) / problems / seeds)
 
@@ -180,10 +176,7 @@ def claims(by_cell: Runs) -> list[str]:
 
 
 def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """The signals the demos follow, step by step, in one run: the crowded role's kappa, its
-    adapter's update norm, the first supervisory role's adherence, each role's gradient share,
-    reward and accuracy; the critics' explained variance, and what a central critic reads that
-    each role's decentral one does not (critic.unseen)."""
+    """The signals the demos follow, step by step, in one run (each role's unseen: maac only)."""
     crowded, judge = crowded_and_judge(config)
     judge = judge or crowded
     adapter = "shared" if config["sharing"] == "shared" else crowded
@@ -193,14 +186,13 @@ def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, flo
             "explained variance": "critic/explained_variance", "advantage std": "adv/std",
             "gradient noise": f"adapter/{adapter}/grad_noise"}
     keys |= {f"{r} share": f"role/{r}/grad_share" for r in ROLES[config["workflow"]]}
-    keys |= {f"{r} unseen": f"role/{r}/unseen" for r in ROLES[config["workflow"]]}  # maac only
+    keys |= {f"{r} unseen": f"role/{r}/unseen" for r in ROLES[config["workflow"]]}
     return {name: series(rows, key) for name, key in keys.items()}
 
 
 def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """What the demos compare, from one run's cell_series: means over the steps, the share of
-    steps whose kappa reaches the detector's KAPPA_FRAC sqrt(N), adherence and reward at the
-    first and last step, the largest gradient share, accuracy at the start, peak and end."""
+    """What the demos compare, from one run's cell_series; "coherent steps" is the share of steps
+    whose kappa reaches the detector's KAPPA_FRAC sqrt(N)."""
     n = max(multiplicity(config).values())
     got = {name: [v for _, v in points] for name, points in cell_series(config, rows).items()}
     kappa, adh, reward, acc = got["kappa"], got["adherence"], got["reward"], got["accuracy"]
@@ -227,10 +219,8 @@ def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
     """Test accuracy before -> after RL seed by seed: the workflow's, its generator's first
     answers', and the rest's (the workflow's minus the first answers'), then each gain's paired
     interval. Each run must have finished: its last evaluation at its last step."""
-    lines = ["| seed | workflow | generator's first answers | the rest of the workflow adds |",
-             "|---|---|---|---|"]
-    gains = {"workflow": [], "first answers": [], "the rest": []}
-    accuracies = []
+    head = ["seed", "workflow", "generator's first answers", "the rest of the workflow adds"]
+    gains, accuracies, table = {"workflow": [], "first answers": [], "the rest": []}, [], []
     for seed, (config, rows) in sorted(runs.items(), key=lambda item: int(item[0])):
         first, last = rows[0], rows[-1]
         if len(rows) < 2 or last["step"] != config.get("steps", last["step"]):
@@ -242,30 +232,28 @@ def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
         for key, pair in zip(gains, (acc, answer, rest)):
             gains[key].append(pair[1] - pair[0])
         accuracies += acc
-        lines.append(f"| {seed} | " + " | ".join(f"{a:.3f} -> {b:.3f}" for a, b in (acc, answer))
-                     + f" | {rest[0]:+.3f} -> {rest[1]:+.3f} |")
+        table.append([seed, *(f"{a:.3f} -> {b:.3f}" for a, b in (acc, answer)),
+                      f"{rest[0]:+.3f} -> {rest[1]:+.3f}"])
     floor = noise_floor(accuracies, config["eval_problems"], len(runs))
     verdicts = [f"- gain of {key}: {paired_verdict(diffs, floor)}" for key, diffs in gains.items()]
-    return lines + [""] + verdicts
+    return markdown(head, table) + [""] + verdicts
 
 
 def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
-    """A markdown table, a row per cell: each number's mean over the seeds, and its range when
-    there are several; NaN or absent (not logged, or a role the cell's workflow lacks) is left
-    out."""
+    """A row per cell: each number's mean over the seeds, and its range when there are several;
+    NaN or absent (not logged, or a role the cell's workflow lacks) is left out."""
     every = dict.fromkeys(k for numbers in rows.values() for x in numbers for k in x)  # in order
     keys = [k for k in every  # a number no cell logged gets no column (a role of one cell's only)
             if any(not math.isnan(x.get(k, math.nan)) for numbers in rows.values()
                    for x in numbers)]
-    lines = ["| cell | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    table = []
     for cell, numbers in rows.items():
-        parts = []
+        table.append([cell])
         for k in keys:
             vs = [x[k] for x in numbers if not math.isnan(x.get(k, math.nan))]
-            parts.append("-" if not vs else f"{vs[0]:.2f}" if len(vs) == 1 else
-                         f"{statistics.mean(vs):.2f} ({min(vs):.2f} to {max(vs):.2f})")
-        lines.append(f"| {cell} | " + " | ".join(parts) + " |")
-    return lines
+            table[-1].append("-" if not vs else f"{vs[0]:.2f}" if len(vs) == 1 else
+                             f"{statistics.mean(vs):.2f} ({min(vs):.2f} to {max(vs):.2f})")
+    return markdown(["cell", *keys], table)
 
 
 def seed_table(signal: str, by_cell: Runs) -> list[str]:
@@ -273,13 +261,9 @@ def seed_table(signal: str, by_cell: Runs) -> list[str]:
     cells = {cell: {seed: cell_series(*run)[signal] for seed, run in runs.items()}
              for cell, runs in by_cell.items()}
     seeds = sorted({seed for runs in cells.values() for seed in runs}, key=int)
-    lines = [f"{signal}, step by step:", "", "| seed | " + " | ".join(cells) + " |",
-             "|---|" + "---|" * len(cells)]
-    for seed in seeds:
-        parts = [", ".join(f"{v:.2f}" for _, v in runs.get(seed, [])) or "-"
-                 for runs in cells.values()]
-        lines.append(f"| {seed} | " + " | ".join(parts) + " |")
-    return lines
+    return [f"{signal}, step by step:", ""] + markdown(["seed", *cells], [
+        [seed, *(", ".join(f"{v:.2f}" for _, v in runs.get(seed, [])) or "-"
+                 for runs in cells.values())] for seed in seeds])
 
 
 SIGNALS = {"accuracy": "held-out accuracy (test)",
@@ -292,9 +276,7 @@ SIGNALS = {"accuracy": "held-out accuracy (test)",
 
 
 def demo_plot(signals: tuple[str, ...], by_cell: Runs, path: str) -> str:
-    """A panel per signal: every seed of a cell as a thin line, their mean as a thick one (at each
-    step, over the seeds that logged the signal there: a role with no reward contrast in a step
-    has no gradient share)."""
+    """A panel per signal: every seed of a cell as a thin line, their mean as a thick one."""
     fig, axes = plt.subplots(1, len(signals), figsize=(5.5 * len(signals), 3.8), squeeze=False)
     for ax, signal in zip(axes[0], signals):
         for i, (cell, runs) in enumerate(by_cell.items()):
@@ -331,17 +313,14 @@ CRITIC_CELLS = {"grpo": "GRPO", "central": "central", "decentral": "decentral"}
 
 def critics_table(by_cell: Runs, unseen: bool = True) -> list[str]:
     """A row per seed and cell, as docs/learning.md gives it: test accuracy at each evaluation (val
-    at the first and the last), the workers' reply length (step 1, the shortest, the last), the
-    critic's explained variance (lowest to highest step), the means over the steps of adv/std,
-    grad_noise and (with `unseen`) each role's unseen share, and the mean training reward; "-"
-    where the run logged none."""
+    at the first and the last), the workers' length (first, shortest, last), the critic's explained
+    variance's range and step means of the rest; "-" where the run logged none."""
     head = ["seed", "cell", "test accuracy", "worker length", "explained variance",
             "advantage std", "gradient noise"]
     head += ["unseen: worker, synthesizer"] * unseen + ["mean reward"]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
-    seeds = sorted({seed for runs in by_cell.values() for seed in runs}, key=int)
+    table, seeds = [], sorted({seed for runs in by_cell.values() for seed in runs}, key=int)
     for seed, cell in ((s, c) for s in seeds for c in CRITIC_CELLS if s in by_cell.get(c, {})):
-        config, rows = by_cell[cell][seed]
+        _, rows = by_cell[cell][seed]
         got = {k: [v for _, v in series(rows, key)] for k, key in (
             ("test", "eval/accuracy"), ("val", "val/accuracy"), ("len", "role/worker/len"),
             ("ev", "critic/explained_variance"), ("adv", "adv/std"),
@@ -356,15 +335,14 @@ def critics_table(by_cell: Runs, unseen: bool = True) -> list[str]:
                  mean("adv"), mean("noise")]
         if unseen:
             parts.append(f"{mean('worker')}, {mean('synthesizer')}" if got["worker"] else "-")
-        lines.append("| " + " | ".join(parts + [mean("reward")]) + " |")
-    return lines
+        table.append(parts + [mean("reward")])
+    return markdown(head, table)
 
 
 def paired_line(diffs: list[float], floor: float = 0.0) -> str:
     """A difference paired by seed as the docs write it: the mean, its standard error (at least
-    `floor`), its 95 % t interval and each seed's difference, e.g. "-0.14 (0.12; -0.65 to +0.38;
-    +0.00, -0.38, -0.03)"; with 1 degree of freedom, "1 df" after the interval. Fewer than two
-    seeds give no interval."""
+    `floor`), its 95 % t interval ("1 df" after it when that is all) and each seed's difference,
+    e.g. "-0.14 (0.12; -0.65 to +0.38; +0.00, -0.38, -0.03)"."""
     if len(diffs) < 2:
         return f"{diffs[0]:+.2f} on one seed: no interval" if diffs else "no seed logged it"
     mean, se, half = interval(diffs, floor)
@@ -374,10 +352,9 @@ def paired_line(diffs: list[float], floor: float = 0.0) -> str:
 
 
 def critics_differences(by_cell: Runs) -> dict[str, str]:
-    """The critics demo's differences paired by seed (paired_line): test accuracy from the first
-    evaluation to the last for each pair of cells (its standard error at least the evaluation's
-    own noise), and central minus decentral in the means over the steps of adv/std and of
-    grad_noise (over the seeds where both cells logged it)."""
+    """The critics demo's differences paired by seed (paired_line): the last test accuracy of each
+    pair of cells (its standard error at least the evaluation's noise), and central minus
+    decentral in the step means of adv/std and grad_noise (the seeds where both logged it)."""
     acc = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()}
            for cell, runs in by_cell.items()}
     config = next(iter(by_cell["grpo"].values()))[0]
