@@ -1,6 +1,6 @@
 """Speed and memory of the rollout, the update and a training step (as nanoGPT has a bench.py).
 
-    python -m lab.bench                 # the embedded model on a 2-core CPU: about 4.5 minutes
+    python -m lab.bench                 # the embedded model on a 2-core CPU: about 20 minutes
     python -m lab.bench --model Qwen/Qwen3-1.7B --device cuda --json bench.json
     python -m lab.bench --model random:qwen3-0.6b --device cuda  # its shape, random weights
 
@@ -47,7 +47,7 @@ from decode import decode
 from grpo import policy_update
 from lab.checkpoint import TrainState
 from lab.files import PROJECT, enclosing_run, read_jsonl
-from lab.machine import alternate, check_device, pick_threads, sync, timed
+from lab.machine import check_device, peak_memory_mb, pick_threads
 from lab.settings import TASK_TOKENS
 from lora import (LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora,
                   merged_adapter)
@@ -63,11 +63,50 @@ PARTS = ("step", "sharing", "throughput")  # the parts --skip may leave out
 
 
 # ----------------------------------------------------------------------------
+# The clocks
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def timed(device: str, fn) -> tuple[float, float, object]:
+    """Seconds and peak memory (MiB) of one call of fn, and what it returned."""
+    sync(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the resident set's high-water mark starts again from now
+        except OSError:
+            pass  # the peak then covers the whole process so far
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, peak_memory_mb(device), result
+
+
+def alternate(device: str, runs: dict, repeats: int, warmups: list) -> dict[str, dict]:
+    """Call each of `warmups` once (the same code on a smaller input), then `repeats` rounds of
+    `runs` (name -> fn) in turn. Returns per name the median seconds, every seconds figure, the
+    largest peak and the last result."""
+    for fn in warmups:
+        fn()
+    rounds = [{name: timed(device, fn) for name, fn in runs.items()} for _ in range(repeats)]
+    seconds = {name: [r[name][0] for r in rounds] for name in runs}
+    return {name: {"seconds": statistics.median(seconds[name]), "all": seconds[name],
+                   "peak_mb": max(r[name][1] for r in rounds), "result": rounds[-1][name][2]}
+            for name in runs}
+
+
+# ----------------------------------------------------------------------------
 # The parts, each returning its figures
 
 
 def race(device: str, parts: dict, args: tuple, warm: tuple, repeats: int) -> tuple[dict, dict]:
-    """Each of `parts` (name -> function) called on `args`, alternating (machine.alternate), after
+    """Each of `parts` (name -> function) called on `args`, alternating (alternate), after
     one call on the smaller `warm`: each part's figures, and what it returned."""
     r = alternate(device, {name: partial(f, *args) for name, f in parts.items()}, repeats,
                   [partial(f, *warm) for f in parts.values()])

@@ -1,6 +1,6 @@
 """A run on its machine: the processes under torchrun and the device of each, what they
-exchange in a step, torch's CPU threads, the peak memory and the clocks that time a part
-(lab/bench.py), and the signals that ask a run to stop.
+exchange in a step, torch's CPU threads, the peak memory, and the signals that ask a run to
+stop.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --out runs/two
     kill -TERM PID      # the run stops after its current step, its checkpoint kept (docs/runs.md)
@@ -18,7 +18,6 @@ import os
 import re
 import resource
 import signal
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -230,41 +229,6 @@ def peak_memory_mb(device: str) -> float:
 def gpu_rngs(device: torch.device) -> list:
     """The devices whose random state torch.random.fork_rng sets aside besides the CPU's."""
     return [device] if device.type == "cuda" else []
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def timed(device: str, fn) -> tuple[float, float, object]:
-    """Seconds and peak memory (MiB) of one call of fn, and what it returned."""
-    sync(device)
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # the resident set's high-water mark starts again from now
-        except OSError:
-            pass  # the peak then covers the whole process so far
-    start = time.perf_counter()
-    result = fn()
-    sync(device)
-    return time.perf_counter() - start, peak_memory_mb(device), result
-
-
-def alternate(device: str, runs: dict, repeats: int, warmups: list) -> dict[str, dict]:
-    """Call each of `warmups` once (the same code on a smaller input), then `repeats` rounds of
-    `runs` (name -> fn) in turn. Returns per name the median seconds, every seconds figure, the
-    largest peak and the last result."""
-    for fn in warmups:
-        fn()
-    rounds = [{name: timed(device, fn) for name, fn in runs.items()} for _ in range(repeats)]
-    seconds = {name: [r[name][0] for r in rounds] for name in runs}
-    return {name: {"seconds": statistics.median(seconds[name]), "all": seconds[name],
-                   "peak_mb": max(r[name][1] for r in rounds), "result": rounds[-1][name][2]}
-            for name in runs}
 
 
 try:  # glibc, if this process runs on it (malloc_trim is glibc's own)

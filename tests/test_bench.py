@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from lab import bench, files, machine
+from lab import bench, files
 
 
 def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, capsys,
@@ -18,7 +18,7 @@ def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, cap
 
     def alternate(device, runs, repeats, warmups):
         warmed.append((sorted(runs), len(warmups)))
-        return machine.alternate(device, runs, repeats, warmups)
+        return bench.alternate(device, runs, repeats, warmups)
     monkeypatch.setattr(bench, "alternate", alternate)
     bench.main(["--model", "tiny", "--repeats", "1", "--json", str(out)])
     fig = json.loads(out.read_text())
