@@ -15,10 +15,11 @@ def test_bench_runs_and_its_rollout_writes_generates_greedy_tokens(tmp_path, cap
                                                                    monkeypatch):
     out = tmp_path / "bench.json"
     warmed = []  # per timed comparison: its runs, and the warm-ups run before them
+    timed_alternately = bench.alternate
 
     def alternate(device, runs, repeats, warmups):
         warmed.append((sorted(runs), len(warmups)))
-        return bench.alternate(device, runs, repeats, warmups)
+        return timed_alternately(device, runs, repeats, warmups)
     monkeypatch.setattr(bench, "alternate", alternate)
     bench.main(["--model", "tiny", "--repeats", "1", "--json", str(out)])
     fig = json.loads(out.read_text())
