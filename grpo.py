@@ -275,8 +275,10 @@ def policy_update(state, adapter: str, calls: list[Call], pad_id: int, cfg,
     back-propagates its share with the whole mini-batch's denominators, and the gradients are
     summed before the step.
     """
-    model, optimizer, ema = state.model, state.optimizers[adapter], state.emas[adapter]
+    model, optimizer, ema = state.model, state.optimizers[adapter], state.emas.get(adapter)
     kl = kl_coefs(cfg)
+    if cfg.damping > 0 and ema is None:
+        raise ValueError(f"--damping needs state.emas[{adapter!r}], the gradient EMA of its steps")
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)

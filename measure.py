@@ -83,8 +83,10 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
                      procs=ONE_PROCESS) -> dict[str, list[float]]:
     """Paper A's signals of the adapter's gradient before its update, from each slot's part of the
     on-policy loss (weighed as under --one_step) in two halves of the step's problems; also each
-    slot's loss statistics, each role's entropy and sampler gap. The adapter, its optimizer and
-    every random state are left as they were. `cfg`: train.py's Config."""
+    slot's loss statistics, each role's entropy and sampler gap. No step is taken: the adapter's
+    gradients are left at zero, and the adapter, its optimizer and every random state as they were.
+    Under torchrun the gradients are summed across processes, as in the update. `cfg`: train.py's
+    Config."""
     params = adapter_parameters(model, adapter)
     stats, slot_grads, halves, role_of = defaultdict(list), {}, [0, 0], {}
     for slot, share in live_groups(calls, kl_coefs(cfg), "slot", procs):

@@ -10,7 +10,7 @@ which a known-good program passes here:
   - `unshare` (as root, or through a user namespace): its own network (loopback down: none at
     all), pid space and /proc, SysV shared memory and semaphores, and mount namespace, in which
     every mount is read-only, an empty, size-limited tmpfs covers /tmp (its working directory),
-    /var/tmp and /dev/shm, and an empty directory the trainer's packages, caches and project
+    /var/tmp and /dev/shm, and an empty directory covers the trainer's packages, caches and project
     (`hidden_trees`: an answer key may sit among them). It writes nowhere on the machine (a
     test's answer leaves through a file the trainer opened for it); when its first process exits
     the kernel kills everything inside, and its scratch space and shared memory are gone. Without

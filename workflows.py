@@ -2,9 +2,9 @@ r"""Multi-agent LLM workflows as plain Python: who speaks, with which prompt, in
 
 A workflow turns a batch of questions into one final text per question by calling LLM "agents"
 in stages. Each agent has a *slot* (generator0, evaluator, worker2, ...) and a *role type*
-(generator, evaluator, worker, ...); slots of one role type share a prompt and, under IP, a LoRA
-adapter. A workflow never touches tensors: it calls `generate(role, slots, episodes, chats)` once
-per stage, and the callback (rollout.py) batches every call of that stage into one model call.
+(generator, evaluator, worker, ...); slots of one role type share a prompt and, under isolated
+adapters (one per role type), a LoRA adapter. A workflow never touches tensors: it calls
+`generate(role, slots, episodes, chats)` once per stage, and the callback (rollout.py) batches every call of that stage into one model call.
 
 Topologies and role contracts follow Paper A (Zeng et al. 2026, arXiv 2605.24202):
   single        generator                                    final = generator
@@ -389,6 +389,8 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
     check_name(name)
     if kind not in KINDS:
         raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
+    if n_agents < 1 or max_rounds < 1:
+        raise ValueError(f"need n_agents >= 1 and max_rounds >= 1, got {n_agents}, {max_rounds}")
     if not questions:
         return []
     return WORKFLOWS[name](questions, generate, kind, n_agents, max_rounds)

@@ -239,10 +239,9 @@ except OSError:
 
 def release_free_memory() -> None:
     """Give the memory that the C allocator keeps after a phase frees it back to the system
-    (glibc's malloc_trim; nothing elsewhere). The update's backward pass frees about 1.2 GB of
-    activations that glibc keeps in its heap, where the next rollout's tensors of other sizes do
-    not fit: without this, each rollout's peak sits on top of the update's leftovers
-    (docs/performance.md)."""
+    (glibc's malloc_trim; nothing elsewhere). The update's backward pass frees its activations,
+    which glibc keeps in its heap, where the next rollout's tensors of other sizes do not fit:
+    without this, each rollout's peak sits on top of the update's leftovers."""
     if hasattr(LIBC, "malloc_trim"):
         LIBC.malloc_trim(0)
 

@@ -230,8 +230,7 @@ def recipe() -> dict:
 def update() -> dict:
     import torch
     from grpo import policy_update
-    from lab.bench import one_adapter, still_adapter
-    from lab.bench import alternate, timed
+    from lab.bench import alternate, one_adapter, still_adapter, timed
     from lora import add_adapter, inject_lora
     from model import load_policy
     from rollout import Call
