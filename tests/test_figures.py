@@ -4,9 +4,10 @@ runs' logs under docs/results/ with the project's own readers (lab.files.load_ru
 figure of the prose the one the logs give. In a checked section every two-decimal number must be
 one of these: a figure edited in the text, or typed there without a log, fails.
 
-Only Paper B's runs have committed logs (`python -m lab.grid --demo critics --results
-docs/results/critics`, and `--level 4` into docs/results/critics-level4); every other figure is
-left out of the text until its command's logs are committed the same way. docs/tasks.md's counts
+The committed runs: Paper B's (`python -m lab.grid --demo critics --results docs/results/critics`,
+and `--level 4` into docs/results/critics-level4) and one default run (docs/results/default-cpu,
+the README's, and docs/runs.md's excerpt of its printed lines); every other figure is left out
+of the text until its command's logs are committed the same way. docs/tasks.md's counts
 of test facts whose inverse is trained on, and its sizes of the splits, are recounted from
 tasks.py's splits; docs/course.md's count of each assignment's tests from lab.course; and
 docs/performance.md's opening tables, and every figure of its sections after the GPU's, are the
@@ -517,3 +518,54 @@ def test_an_edited_bench_figure_fails_the_check(bench):
         assert edited != text
         with pytest.raises(AssertionError):
             check_bench_section(edited, figures, tables)
+
+
+def default_run_figures() -> list[str]:
+    """The README's one default run, from its committed logs (docs/results/default-cpu):
+    config.json, metrics.jsonl, and log.txt (the commit, train.py's printed lines and
+    /usr/bin/time -v's)."""
+    config, rows = load_run(os.path.join(RESULTS, "default-cpu"), ROLES)
+    log = read("docs/results/default-cpu/log.txt")
+    first, last = rows[0], rows[-1]
+    evaluated = [r for r in rows if "val/accuracy" in r]
+    best = max(evaluated, key=lambda r: r["val/accuracy"])  # the first of equals, as best/ keeps
+    minutes, seconds = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): "
+                                 r"(\d+):(\d+)\.\d+", log).groups()
+    peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1))
+    commit = re.search(r"^commit ([0-9a-f]{7})", log, re.M).group(1)
+    assert "Exit status: 0" in log and config["seed"] == 0 and last["step"] == config["steps"]
+    assert first["eval/evaluator/adherence"] == last["eval/evaluator/adherence"] == 1.0
+    return [f"at commit {commit}",
+            f"test accuracy {first['eval/accuracy']:.2f} after the warm-up (step 0) and "
+            f"{last['eval/accuracy']:.2f} after step {last['step']}",
+            f"validation {first['val/accuracy']:.2f} and {last['val/accuracy']:.2f} "
+            f"(its `best/` is step {best['step']}'s)",
+            f"first answers {first['eval/first_answer']:.2f} and {last['eval/first_answer']:.2f}",
+            "the evaluator kept its contract in every call of both evaluations",
+            f"It took {int(minutes)} min {int(seconds)} s",
+            f"a peak of {peak_kb / 2 ** 20:.1f} GiB resident",
+            f"its last evaluation, with the machine to itself, took {last['time/eval']:.0f} s",
+            f"a standard error near {(0.25 / config['eval_problems']) ** 0.5:.2f}"]
+
+
+def test_the_readme_s_default_run_is_its_committed_log():
+    """Each figure of the README's default run is its log's, and no other two-decimal number
+    stands in that section; an edited figure fails."""
+    text = section(read("README.md"), "## What the default run does")
+    figures = default_run_figures()
+    check(text, figures, [])
+    for edited in (text.replace("0.59 after step 10", "0.60 after step 10"),
+                   text.replace("took 159 s", "took 150 s")):
+        assert edited != text
+        with pytest.raises(AssertionError):
+            check(edited, figures, [])
+
+
+def test_docs_runs_md_s_log_excerpt_is_the_committed_default_run_s():
+    """docs/runs.md's example of a run's printed lines: each line (but the elision) is a line of
+    the committed default run's log, in its order."""
+    text = section(read("docs/runs.md"), "## Watching a run")
+    excerpt = text.split("```\n")[1].splitlines()
+    log = read("docs/results/default-cpu/log.txt").splitlines()
+    at = [log.index(line) for line in excerpt if line != "..."]
+    assert len(at) >= 5 and at == sorted(at)
