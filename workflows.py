@@ -4,7 +4,8 @@ A workflow turns a batch of questions into one final text per question by callin
 in stages. Each agent has a *slot* (generator0, evaluator, worker2, ...) and a *role type*
 (generator, evaluator, worker, ...); slots of one role type share a prompt and, under isolated
 adapters (one per role type), a LoRA adapter. A workflow never touches tensors: it calls
-`generate(role, slots, episodes, chats)` once per stage, and the callback (rollout.py) batches every call of that stage into one model call.
+`generate(role, slots, episodes, chats)` once per stage, and the callback (rollout.py) batches
+every call of that stage into one model call.
 
 Topologies and role contracts follow Paper A (Zeng et al. 2026, arXiv 2605.24202):
   single        generator                                    final = generator
