@@ -67,6 +67,8 @@ PARTS = ("step", "sharing", "throughput")  # the parts --skip may leave out
 
 
 def sync(device: str) -> None:
+    """Wait for the kernels queued on a GPU: a clock read before they finish times only their
+    launch."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
 
