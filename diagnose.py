@@ -6,23 +6,19 @@
     python diagnose.py --watch runs/a "What is 7 + 5?"   # every call of the trained workflow
     python diagnose.py --watch runs/a/best "What is 7 + 5?"   # ... as its best evaluation left it
 
-Paper A (Zeng et al. 2026, arXiv 2605.24202) finds that multi-agent RL on one base model fails in
-two ways, one per way of sharing the LoRA policy:
+Paper A (Zeng et al. 2026, arXiv 2605.24202), one failure per way of sharing the LoRA policy:
 
-- gradient amplification (isolated adapters): N same-role slots see the same prompt and the same
-  broadcast reward, so their gradients point the same way; kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2)
-  nears sqrt(N) (measure.amplification), and with --no-one_step (the paper's steps) the role's
-  adapter takes N times the optimizer steps; the paper sees the role's gradient norm and
-  perplexity spike, then validation accuracy fall;
+- gradient amplification (isolated adapters): N same-role slots share a prompt and a reward, so
+  kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2) nears sqrt(N) (measure.amplification), and with
+  --no-one_step (the paper's steps) the role's adapter takes N times the optimizer steps; its
+  gradient norm and perplexity spike, then validation accuracy falls;
 - role capture (one shared adapter): the role with the most tokens or calls owns most of the
-  gradient, and the other roles drift towards its behaviour: their contract adherence falls while
-  their outputs grow longer and start to look like the dominant role's (workflows.adherence,
-  workflows.similarity).
+  gradient, and the others drift towards it: their contract adherence falls while their outputs
+  grow longer and alike (workflows.adherence, workflows.similarity).
 
-This file reads train.py's logs (metrics.jsonl), plots them and applies three detectors (a cliff,
-the two mechanisms' signatures) with thresholds of this project's choosing; a fall counts only
-beyond its noise, a peak is chosen on val where a run has one. --probe and --watch are
-lab/probe.py's; lab/tables.py builds the grid's tables on this file.
+This file reads train.py's metrics.jsonl, plots it and applies three detectors (a cliff and the
+two signatures) with thresholds of this project's choosing; a fall counts only beyond its noise,
+a peak is chosen on val where a run has one. --probe and --watch are lab/probe.py's.
 
 Exercised by: pytest tests/test_diagnose.py
 """
@@ -90,7 +86,6 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
 
 
 def markdown(head: list[str], rows: list[list[str]]) -> list[str]:
-    """A markdown table's lines: the head, its rule, a line per row."""
     rule = "|" + "---|" * len(head)
     return [f"| {' | '.join(head)} |", rule, *(f"| {' | '.join(row)} |" for row in rows)]
 
@@ -101,16 +96,14 @@ def multiplicity(config: dict) -> dict[str, int]:
 
 
 def accuracies(config: dict, rows: list[dict], split: str) -> dict[int, tuple[float, float | None]]:
-    """step -> (accuracy, its standard error) on one split (eval: test, val: validation): the
-    logged error, else the binomial one of the split's size in the config, else None."""
+    """step -> (accuracy, its logged standard error, else the binomial one, else None)."""
     logged, n = dict(series(rows, f"{split}/accuracy_se")), config.get(f"{split}_problems", 0)
     return {s: (a, logged.get(s, math.sqrt(a * (1 - a) / n) if n else None))
             for s, a in series(rows, f"{split}/accuracy")}
 
 
 def validation(rows: list[dict]) -> str:
-    """Where peaks are chosen and training is judged: val where the run has a val split, else the
-    test split (whose peak is then biased upward by the choice)."""
+    """The split that chooses peaks: val where logged, else eval (whose peak is then biased up)."""
     return "val" if any("val/accuracy" in r for r in rows) else "eval"
 
 
@@ -122,10 +115,9 @@ def peak_step(rows: list[dict], steps: list[int]) -> int:
 
 def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float | None],
                       floor: float) -> str | None:
-    """How a fall from `high` to `low` ((accuracy, standard error) each) compares with its noise,
-    if it is >= floor and beyond FALL_Z standard errors of the difference; else None. Taking the
-    two evaluations (of the same problems) as independent overestimates the error: the test is
-    conservative. Unknown errors: the floor alone decides."""
+    """How a fall from `high` to `low` ((accuracy, standard error) each) of >= floor compares with
+    its noise, if beyond FALL_Z standard errors; else None. Two evaluations of the same problems
+    taken as independent overestimate the error: the test is conservative."""
     (a, se_a), (b, se_b) = high, low
     if a - b < floor:
         return None
@@ -143,9 +135,8 @@ def fall_beyond_noise(high: tuple[float, float | None], low: tuple[float, float 
 
 def find_cliff(config: dict, rows: list[dict], threshold: float = CLIFF) -> list[str]:
     """Test accuracy falling from the peak to the end (a cliff) or, failing that, to the lowest
-    point after the peak (a dip), by >= threshold and beyond FALL_Z standard errors. Both points
-    are chosen on val where the run has one (so the choice does not inflate the fall), else on
-    test."""
+    point after the peak (a dip), by >= threshold and beyond noise. Both points are chosen on val
+    where the run has one, so the choice does not inflate the fall."""
     test = accuracies(config, rows, "eval")
     steps = sorted(test)
     if len(steps) < 2:
@@ -166,8 +157,7 @@ def find_cliff(config: dict, rows: list[dict], threshold: float = CLIFF) -> list
 
 
 def spikes(values: list[tuple[int, float]], factor: float) -> list[tuple[int, float, float]]:
-    """(step, value, running median) of each value >= factor x the median of the HISTORY values
-    before it (at least MIN_HISTORY of them, and a median above 0)."""
+    """(step, value, running median) of each value >= factor x the median before it (> 0)."""
     found = []
     for i, (step, value) in enumerate(values):
         before = [v for _, v in values[max(0, i - HISTORY):i]]
@@ -177,9 +167,9 @@ def spikes(values: list[tuple[int, float]], factor: float) -> list[tuple[int, fl
 
 
 def validation_fall(config: dict, rows: list[dict], step: int) -> str | None:
-    """Validation accuracy (test without a val split) falling from the last evaluation before
-    `step` to one at most FALL_WITHIN steps after it (the row of `step` is evaluated after its
-    update), by >= DROP and beyond FALL_Z standard errors; no step is chosen, so no bias."""
+    """Validation accuracy falling from the last evaluation before `step` to one at most
+    FALL_WITHIN steps after it (the row of `step` is evaluated after its update), by >= DROP and
+    beyond noise; no step is chosen, so no bias."""
     split = validation(rows)
     points = accuracies(config, rows, split)
     before = [s for s in sorted(points) if s < step]
@@ -194,13 +184,11 @@ def validation_fall(config: dict, rows: list[dict], step: int) -> str | None:
 
 
 def find_amplification(config: dict, rows: list[dict]) -> list[str]:
-    """Paper A's signature of gradient amplification on a role with N > 1 same-role slots and an
-    adapter of its own (isolated: a shared adapter's step is every role's; with --no-one_step the
-    slots also multiply the role's steps): its gradient norm (>= GRAD_SPIKE) or training perplexity
-    (>= PPL_SPIKE) spikes against its running median, with kappa >= KAPPA_FRAC sqrt(N) at that step
-    where kappa was logged, and then validation accuracy falls (validation_fall). Reports the first
-    such spike per role. Both signals are logged before the clip. The update norm is no signal:
-    under AdamW the first steps are the largest (about lr per weight) and the rate decays."""
+    """The first spike per role with N > 1 slots and an adapter of its own (a shared adapter's
+    step is every role's): its gradient norm or training perplexity spikes against its running
+    median, kappa >= KAPPA_FRAC sqrt(N) there where logged, and then validation accuracy falls.
+    Both signals are logged before the clip. The update norm is no signal: under AdamW the first
+    steps are the largest (about lr per weight) and the rate decays."""
     if config["sharing"] == "shared":
         return []
     found = []
@@ -229,9 +217,9 @@ def find_amplification(config: dict, rows: list[dict]) -> list[str]:
 
 def windows(rows: list[dict], role: str) -> tuple[list[dict], list[dict]] | None:
     """The early and the late window of the steps that log the role's adherence and calls: the
-    first and the last third, each widened step by step until it holds MIN_CALLS of the role's
-    calls; None when the two would overlap. A third of a short run can be one step of a few
-    calls, whose adherence moves by eighths: too few to tell a fall from sampling noise."""
+    first and the last third, each widened until it holds MIN_CALLS of the role's calls (a third
+    of a short run can be one step of a few calls, whose adherence moves by eighths); None when
+    the two would overlap."""
     logged = [r for r in rows if f"role/{role}/adherence" in r and f"role/{role}/calls" in r]
     third = max(1, len(logged) // 3)
     sizes = []
@@ -255,10 +243,9 @@ def weighted(rows: list[dict], role: str, signal: str) -> tuple[float | None, in
 
 def captured(rows: list[dict], role: str, dominant: str) -> str | None:
     """Evidence that `role` leaves its contract for `dominant`'s behaviour, early window against
-    late (windows): its adherence falls by >= ADHERENCE_FALL and beyond FALL_Z binomial standard
-    errors (pooled over the two windows; the calls of one step share problems, so the true noise
-    is somewhat larger), while its completions grow by LEN_RISE and its similarity to `dominant`
-    rises by SIM_RISE."""
+    late: its adherence falls by >= ADHERENCE_FALL and beyond FALL_Z binomial standard errors
+    (pooled; the calls of one step share problems, so the true noise is somewhat larger), while
+    its completions grow by LEN_RISE and its similarity to `dominant` rises by SIM_RISE."""
     if (split := windows(rows, role)) is None:
         return None
     (a1, n1), (a2, n2) = (weighted(w, role, "adherence") for w in split)
@@ -279,8 +266,7 @@ def captured(rows: list[dict], role: str, dominant: str) -> str | None:
 
 
 def find_capture(config: dict, rows: list[dict]) -> list[str]:
-    """Under one shared adapter: a role holding >= SHARE of the gradient on average, and a
-    supervisory role (one with a contract, so an adherence) captured by it (captured)."""
+    """Under one shared adapter: a role holding >= SHARE of the gradient, and one it captured."""
     roles = ROLES[config["workflow"]]
     if config["sharing"] != "shared" or len(roles) < 2:
         return []
@@ -305,9 +291,7 @@ DIAGNOSTICS = ("/grad_norm", "/grad_share", "/kappa", "/adherence")  # per role,
 
 
 def nothing_found(rows: list[dict]) -> str:
-    """The findings' line where no detector fired. Without the diagnostics' pass (--diag_every 0,
-    or more than the run's steps) a run logs no role's gradient norm, share, kappa or adherence:
-    capture is then not looked for, and amplification only in the roles' perplexity."""
+    """The findings' line where no detector fired, and what a run without --diag_every hides."""
     if any(key.startswith("role/") and key.endswith(DIAGNOSTICS) for row in rows for key in row):
         return "nothing detected"
     return ("nothing detected, but no step logged the diagnostics (--diag_every): capture was not "
@@ -346,8 +330,7 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
 
 
 def summary(config: dict, rows: list[dict]) -> dict[str, str]:
-    """One table row: what ran, test accuracy before / at the peak (chosen on val where the run
-    has it) / final, and the mean of each role signal."""
+    """One table row: what ran, test accuracy before / peak / final, each role signal's mean."""
     acc = dict(series(rows, "eval/accuracy"))
     steps = sorted(acc)
     row = {"workflow": config["workflow"], "sharing": config["sharing"], "algo": config["algo"],
@@ -364,8 +347,8 @@ def summary(config: dict, rows: list[dict]) -> dict[str, str]:
 
 
 def report(run_dirs: list[str], out: str, names=None) -> str:
-    """Write report.md and the plots into `out`; return the report's path. `names` gives each
-    run's name in the tables and plots (default: its directory's name)."""
+    """Write report.md and the plots into `out`; return the report's path. `names(run_dir)` names
+    each run in the tables and plots (default: its directory's name)."""
     named = {}  # name -> run directory: a second run of a name would replace the first
     for d in run_dirs:
         name = names(d) if names else os.path.basename(os.path.normpath(d))
@@ -439,23 +422,19 @@ def problem_counts(text: str | None) -> list[int]:
     return counts
 
 
-# The flags that act in one task only: (the flag, whether it acts, what it goes with)
-ONE_TASK = [("out", lambda a: a.runs, "run directories"),
-            ("probe_problems", lambda a: a.probe, "--probe"),
-            ("probe_credit", lambda a: a.probe, "--probe"),
-            ("sample", lambda a: a.watch, "--watch"),
-            ("seed", lambda a: a.probe or a.watch and a.sample, "--probe or --watch --sample")]
-
-
 def check_flags(args: argparse.Namespace, typed: set[str]) -> None:
-    """One task at a time (run directories, --probe or --watch), and no flag `typed` where it
-    would be ignored (ONE_TASK)."""
+    """One task at a time, and no flag `typed` where it would be ignored."""
     tasks = [task for task, given in (("run directories", args.runs), ("--probe", args.probe),
                                       ("--watch", args.watch)) if given]
     if len(tasks) > 1:
         raise SystemExit(f"{' and '.join(tasks)} given together: diagnose.py does one at a time")
-    for flag, acts, task in ONE_TASK:
-        if tasks and flag in typed and not acts(args):
+    # flag -> (whether it acts, the task it goes with)
+    one_task = {"out": (args.runs, "run directories"),
+                "probe_problems": (args.probe, "--probe"), "probe_credit": (args.probe, "--probe"),
+                "sample": (args.watch, "--watch"),
+                "seed": (args.probe or args.watch and args.sample, "--probe or --watch --sample")}
+    for flag, (acts, task) in one_task.items():
+        if tasks and flag in typed and not acts:
             raise SystemExit(f"--{flag} goes with {task} only; with {tasks[0]} it would be "
                              "ignored")
 

@@ -10,15 +10,10 @@ training them, and their tables.
     python -m lab.grid --demo default --seeds 0,1,2  # the default run's gain, and its source
     python -m lab.grid --demo critics --results docs/results/critics  # the logs, for committing
 
-A cell is one train.py run in a directory of its own (out/seed<S>/<cell>), trained in a fresh
-process; flags this file does not know go to every cell in which they act, after its own. A
-finished cell is not trained again, one trained with other settings is an error rather than a
-silent mix, and an interrupted one resumes: the same command again goes on where it stopped. A
-demo's cells of one seed go on from one warm-up and step-0 evaluation (train.py --start_from), so
-they differ only in how RL updates the adapters. Every cell's settings are checked before the
-first trains, so a bad grid stops at once, not hours in. The tables are lab/tables.py's;
-diagnose.py's report on every cell follows. --results DIR copies each cell's LOGS to
-DIR/seed<S>/<cell>, where a figure in docs/ is recomputed from them (tests/test_figures.py).
+A cell is one train.py run in out/seed<S>/<cell>, in a process of its own: a finished cell is
+not trained again, one trained with other settings is an error, an interrupted one resumes. A
+demo's cells of one seed go on from one warm-up (train.py --start_from), so they differ only in
+how RL updates the adapters. The tables are lab/tables.py's.
 
 Exercised by: pytest tests/test_grid.py
 """
@@ -52,8 +47,7 @@ GRID_FLAGS = ("--eval_every", "2", "--eval_problems", "64", "--val_problems", "4
 
 
 def grid_cells(train_flags: list[str], seeds: list[int]) -> list[tuple[str, list[str]]]:
-    """The grid's (seed<S>/<workflow>-<sharing>, train.py flags) cells; `train_flags` override
-    the grid's."""
+    """The grid's (seed<S>/<workflow>-<sharing>, train.py flags) cells."""
     return [(f"seed{seed}/{w}-{s}", cell_flags([], ["--workflow", w, "--sharing", s,
                                                     *GRID_FLAGS, "--seed", str(seed)],
                                                 train_flags))
@@ -61,10 +55,8 @@ def grid_cells(train_flags: list[str], seeds: list[int]) -> list[tuple[str, list
 
 
 def cell_flags(shared: list[str], own: list[str], train_flags: list[str]) -> list[str]:
-    """A cell's train.py flags: those its demo gives every cell, its own, then the caller's, each
-    overriding the ones before. Of the flags for every cell, one that would do nothing in this
-    one (settings.ONLY_UNDER) stays out: --n_agents reaches the Voting cells, not the single
-    agent (check_cells refuses one of the caller's that acts in no cell)."""
+    """A cell's train.py flags: its demo's, its own, then the caller's, each overriding the ones
+    before; a demo's or caller's flag idle in this cell (settings.ONLY_UNDER) stays out."""
     idle = idle_settings(parse_config([*shared, *own, *train_flags]))
     acting = [[token for name, group in flag_groups(flags) if name not in idle for token in group]
               for flags in (shared, train_flags)]
@@ -72,25 +64,21 @@ def cell_flags(shared: list[str], own: list[str], train_flags: list[str]) -> lis
 
 
 def flag_groups(argv: list[str]) -> list[tuple[str, list[str]]]:
-    """A train.py command line's flags, each with its value: ("lr", ["--lr", "0.1"]),
-    ("lr", ["--lr=0.1"]), ("one_step", ["--no-one_step"]); a token that is no flag's is left
-    out. Config's bool fields take no value."""
-    switches = {f.name for f in dataclasses.fields(Config) if f.type is bool}
-    groups, i = [], 0
-    while i < len(argv):
-        if not argv[i].startswith("--"):
-            i += 1
-            continue
-        name = flag_name(argv[i])
-        width = 1 if "=" in argv[i] or name in switches else 2
-        groups.append((name, argv[i:i + width]))
-        i += width
+    """Each flag with its value: ("lr", ["--lr", "0.1"]), ("lr", ["--lr=0.1"]), ("one_step",
+    ["--no-one_step"]). train.py takes no positional argument: a token after a flag is its
+    value."""
+    groups = []
+    for token in argv:
+        if token.startswith("--"):
+            groups.append((flag_name(token), [token]))
+        elif groups:
+            groups[-1][1].append(token)
     return groups
 
 
 # ----------------------------------------------------------------------------
-# The demos: each mechanism made to happen on the embedded model, next to its mitigations
-# The settings were found by the sweeps in docs/mechanisms.md.
+# The demos: each mechanism made to happen on the embedded model, next to its mitigations.
+# docs/mechanisms.md gives each demo's settings, the sweeps that found them and what they show.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +92,8 @@ class Demo:
                                       # (train.py --start_from); () = each cell warms up itself
 
 
-# The first two demos train Voting from one start per seed: a short supervised warm-up under a
-# shared adapter gives the aggregator its contract and keeps the generators solving; every cell
-# goes on from it (copied into each role's adapter in the isolated cells), so the cells differ
-# only in how RL updates the adapters: 5 RL steps at a learning rate (1.5e-3) where the
-# aggregator's contract breaks in some cells and not in others. Neither shows its mechanism at
-# this scale; docs/mechanisms.md gives the seeds, the sweeps and what it would take.
-# --no-one_step: the paper's mini-batch steps: more steps for a role with more slots
+# Voting from one supervised warm-up per seed, then 5 RL steps at a learning rate where the
+# aggregator's contract breaks in some cells and not in others. --no-one_step: the paper's steps.
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3",
               "--problems_per_step", "2", "--max_new_tokens", "32", "--steps", "5",
               "--eval_every", "0", "--eval_problems", "16", "--no-one_step")
@@ -127,10 +110,8 @@ DEMOS = {
          "isolated": ("--sharing", "isolated"),
          "shared-balance_role": ("--sharing", "shared", "--balance", "role")},
         ("shared",), ("adherence", "generator share"), start=("--sharing", "shared")),
-    # The optimizer channel: at a constant learning rate over 12 steps, the isolated generators'
-    # adapter takes an AdamW step per 4 of their calls (6 a step: 8 episodes x 3 slots; the
-    # aggregator's 2), against the same adapters with one step a training step, and against a
-    # single agent given as many calls and steps (6 problems x 4 episodes, 6 mini-batches).
+    # The optimizer channel: an AdamW step per 4 calls at a constant learning rate, against one
+    # step a training step, and against a single agent given as many calls and steps.
     "optimizer": Demo(
         "gradient amplification",
         ("--workflow", "voting", "--sft_warmup", "4", "--problems_per_step", "2",
@@ -141,10 +122,8 @@ DEMOS = {
          "isolated-one_step": ("--sharing", "isolated", "--one_step"),
          "single": ("--workflow", "single", "--problems_per_step", "6", "--no-one_step")},
         ("isolated",), ("accuracy", "update norm"), start=("--sharing", "shared")),
-    # Capture as a dose: one shared adapter, the generators' share of its steps raised on purpose -
-    # each call weighing the same (the default), each token (a generator's reply of 20-30 tokens
-    # outweighs a verdict of 5), each token over an AdamW step per 4 calls - at a constant learning
-    # rate over 10 steps, and the strongest dose with a KL anchor on the aggregator's warm-up.
+    # Capture as a dose: the generators' share of a shared adapter's steps raised on purpose
+    # (per call, per token, per token over more steps), and the strongest with a KL anchor.
     "capture_dose": Demo(
         "role capture",
         ("--workflow", "voting", "--sharing", "shared", "--sft_warmup", "4",
@@ -158,11 +137,8 @@ DEMOS = {
                                       "--role_kl", "aggregator=0.5")},
         ("per-token", "per-token-steps"), ("adherence", "generator share"),
         start=("--sharing", "shared")),
-    # Paper B in miniature: an Orch-Workers worker is shown one strategy, not the plan or the other
-    # workers' (critic.unseen: 0.46-0.66 of what was said before it), so the central critic reads
-    # what a decentral one cannot: GRPO's group baseline against the two critics, at the main
-    # table's recipe on 4 problems a step. `--level 4` after the demo's name gives the sparse
-    # reward (two-digit sums and differences, one-digit products). No detector is asked.
+    # Paper B in miniature: GRPO's group baseline against a central and a decentral critic on
+    # Orch-Workers, whose workers see less than a central critic reads (critic.unseen).
     "critics": Demo(
         "",
         ("--workflow", "orch_workers", "--problems_per_step", "4", "--steps", "8",
@@ -170,16 +146,14 @@ DEMOS = {
         {"grpo": (), "central": ("--algo", "maac", "--critic", "central"),
          "decentral": ("--algo", "maac", "--critic", "decentral")},
         (), ("accuracy", "explained variance", "gradient noise"), start=("--algo", "grpo")),
-    # The default run over seeds: its gain, split into the generator's first answers and what the
-    # rest of the workflow (the evaluator and its refines) adds (gain_table).
+    # The default run over seeds, its gain split at the generator's first answers (gain_table).
     "default": Demo("", (), {"default": ()}, (), ("accuracy",)),
 }
 
 
 def demo_cells(name: str, home: str, train_flags: list[str],
                seeds: list[int]) -> list[tuple[str, list[str]]]:
-    """The demo's (name, train.py flags) cells in home: seed<S>/<cell> for every seed, after the
-    seed's start (seed<S>/start) when the demo has one; `train_flags` override the demo's."""
+    """The demo's (seed<S>/<cell>, train.py flags) cells in home, each seed's start first."""
     spec, cells = DEMOS[name], []
     for seed in seeds:
         seeded, start = [*spec.flags, "--seed", str(seed)], []
@@ -203,8 +177,7 @@ PLACED = {"resume": "the grid resumes an interrupted cell itself; run the same c
 
 
 def cell_fields(demo: str | None) -> set[str]:
-    """The train.py settings that tell the cells apart (the main table's with demo None): a
-    train.py flag naming one would override every cell's own and make them one."""
+    """The settings that tell the cells apart (the main table's with demo None)."""
     own = ([f for w, s in GRID for f in ("--workflow", w, "--sharing", s)] if demo is None else
            [f for flags in (*DEMOS[demo].cells.values(), DEMOS[demo].start) for f in flags])
     return typed_flags(own)
@@ -212,9 +185,8 @@ def cell_fields(demo: str | None) -> set[str]:
 
 def check_cells(cells: list[tuple[str, list[str]]], home: str,
                 train_flags: list[str]) -> list[Config]:
-    """The cells' configs, checked as train.py will check them, before any cell trains: a cell
-    that goes on from its seed's start against the start cell's settings (its files do not exist
-    yet); a flag of the grid's that acts in no cell is refused."""
+    """The cells' configs, checked as train.py will check them before any file exists; a flag of
+    the caller's that acts in no cell is refused."""
     configs = {}
     for name, flags in cells:
         argv = [*flags, "--out", os.path.join(home, name)]
@@ -255,14 +227,12 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
     for (_, flags), run_dir in zip(cells, run_dirs):
         done, resumed = finished(run_dir), has_checkpoint(run_dir)
         if done or resumed:
-            argv = [*flags, "--out", run_dir]
-            # the check --resume makes, of every setting that acts in the cell (a flag left out
-            # this time takes its default, which the cell may not have been trained with), --lr
-            # too: a cell is one setting from its first step to its last, interrupted or not
-            cfg = with_task_tokens(parse_config(argv))
+            # the check --resume makes, of every setting that acts in the cell, --lr too: a cell
+            # is one setting from its first step to its last (its checkpoint may be let go)
+            cfg = with_task_tokens(parse_config([*flags, "--out", run_dir]))
             every = {f.name for f in dataclasses.fields(Config)} - set(idle_settings(cfg))
             try:
-                run_config(cfg, every, new_lr=())  # (its checkpoint may have been let go)
+                run_config(cfg, every, new_lr=())
             except SystemExit as e:
                 raise SystemExit(f"{run_dir} was trained with other settings "
                                  f"({str(e).removeprefix('--resume: ')}): "
@@ -270,8 +240,6 @@ def train_cells(out: str, cells: list[tuple[str, list[str]]]) -> list[str]:
         if done:
             print(f"{run_dir}: already finished")
             continue
-        # an interrupted cell resumes (a checkpoint left in ckpt.tmp or ckpt.old by a kill
-        # between a save's two renames, train.py puts back); one killed before its first restarts
         cmd = [sys.executable, "train.py", *flags, "--out", run_dir,
                "--resume" if resumed else "--overwrite"]
         print(" ".join(cmd[1:]), flush=True)
@@ -286,8 +254,7 @@ LOGS = ("config.json", "metrics.jsonl", "log.txt")  # what a figure is recompute
 
 
 def train_cell(cmd: list[str], run_dir: str, resumed: bool) -> int:
-    """Run one cell's train.py; its printed lines (the plan, a line a step) show here and are kept
-    in run_dir/log.txt, continued when the cell resumes. The progress bars (stderr) only show."""
+    """Run one cell's train.py; its stdout shows here and goes to run_dir/log.txt as well."""
     os.makedirs(run_dir, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it happens, through the pipe
     with open(os.path.join(run_dir, "log.txt"), "a" if resumed else "w") as log, \
@@ -299,30 +266,24 @@ def train_cell(cmd: list[str], run_dir: str, resumed: bool) -> int:
     return proc.returncode
 
 
-def keep_logs(run_dirs: list[str], home: str, results: str) -> None:
-    """Copy each run's LOGS, never a checkpoint, to results/<its path under home>, ready to be
-    committed under docs/results/."""
-    for run_dir in run_dirs:
-        dest = os.path.join(results, os.path.relpath(run_dir, home))
-        os.makedirs(dest, exist_ok=True)
-        for name in LOGS:
-            if os.path.exists(os.path.join(run_dir, name)):
-                shutil.copyfile(os.path.join(run_dir, name), os.path.join(dest, name))
-    print(f"{results}: config.json, metrics.jsonl and log.txt of {len(run_dirs)} runs")
-
-
 # ----------------------------------------------------------------------------
 # The grid and the demos: their cells trained, then their tables (lab/tables.py)
 
 
 def train_and_report(cells: list[tuple[str, list[str]]], home: str, results: str,
                      shown: list[str]) -> tuple[str, Runs]:
-    """Train the cells in home (their logs copied to `results`, the starts' too: a cell's step 0
-    is its start's), then diagnose.py's report on the cells named in `shown`: its path, and their
-    runs."""
+    """Train the cells in home, copy their LOGS (never a checkpoint; the starts' too) to
+    results/<path under home>, then write diagnose.py's report on the cells named in `shown`:
+    its path, and their runs."""
     trained = train_cells(home, cells)
     if results:
-        keep_logs(trained, home, results)
+        for run_dir in trained:
+            dest = os.path.join(results, os.path.relpath(run_dir, home))
+            os.makedirs(dest, exist_ok=True)
+            for name in LOGS:
+                if os.path.exists(os.path.join(run_dir, name)):
+                    shutil.copyfile(os.path.join(run_dir, name), os.path.join(dest, name))
+        print(f"{results}: config.json, metrics.jsonl and log.txt of {len(trained)} runs")
     run_dirs = [d for d in trained if os.path.basename(d) in shown]
     path = report(run_dirs, home, names=lambda d: os.path.relpath(d, home))
     by_cell = {cell: {} for cell in shown}
@@ -342,8 +303,8 @@ def head_report(path: str, head: str, picture: str) -> None:
 
 
 def reproduce(out: str, train_flags: list[str], seeds: list[int], results: str = "") -> str:
-    """Train every grid cell for every seed, then write out/report.md: the main table, Paper A's
-    findings against it, where the learning signal went, curves.png and diagnose.py's report."""
+    """Train the grid's cells, then write out/report.md: the main table, Paper A's findings,
+    where the learning signal went, curves.png and diagnose.py's report."""
     cells = grid_cells(train_flags, seeds)
     check_cells(cells, out, train_flags)
     path, by_cell = train_and_report(cells, out, results, [f"{w}-{s}" for w, s in GRID])

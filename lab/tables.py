@@ -28,9 +28,8 @@ Runs = dict[str, dict[str, tuple[dict, list[dict]]]]  # cell -> seed -> a run's 
 
 
 def accuracy_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """Test accuracy of one run at step 0 (the base model in the run's workflow), the peak
-    (diagnose.peak_step: chosen on val where the run has it), the end, and the evaluation nearest
-    the middle step (NaN where none lies between the first and the last)."""
+    """Test accuracy at step 0 (the base model in the run's workflow), the peak (chosen on val
+    where logged), the end, and the evaluation nearest the middle step (NaN: none inside)."""
     acc = dict(series(rows, "eval/accuracy"))
     steps = sorted(acc)
     peak = acc[peak_step(rows, steps)]
@@ -43,8 +42,7 @@ def accuracy_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
 
 
 def main_table(by_cell: Runs) -> list[str]:
-    """Paper A's main table: a row per cell, accuracy_numbers' means over the seeds (range); the
-    single agent's start is the base model."""
+    """Paper A's main table: a row per cell, accuracy_numbers' means over the seeds (range)."""
     lines = mean_table({cell: [accuracy_numbers(*run) for run in runs.values()]
                         for cell, runs in by_cell.items()})
     configs = [config for runs in by_cell.values() for config, _ in runs.values()]
@@ -71,16 +69,14 @@ def crowded_and_judge(config: dict) -> tuple[str, str | None]:
 
 
 def step_mean(rows: list[dict], pattern: str, per_step=statistics.mean) -> float:
-    """per_step(the values of the keys matching `pattern`), meaned over the training steps (step
-    0 is the evaluation before them)."""
+    """per_step(the values of the keys matching `pattern`), meaned over the steps after 0."""
     return nan_mean([per_step(hits) for r in rows if r["step"] > 0
                      if (hits := [v for k, v in r.items() if re.fullmatch(pattern, k)])])
 
 
 def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """Where one run's learning signal went, each a mean over its training steps (docs/runs.md
-    says what each key is; the mini-batches without a live call are summed over the adapters),
-    and at the last evaluation, the final answer's accuracy against the first one's."""
+    """Where one run's learning signal went (docs/learning.md), each a mean over its training
+    steps, and at the last evaluation the final answer's accuracy against the first one's."""
     crowded, judge = crowded_and_judge(config)
     mean = partial(step_mean, rows)
     last = next(r for r in reversed(rows) if "eval/accuracy" in r)
@@ -96,8 +92,7 @@ def signal_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
 
 def by_seed(a: dict[str, dict], b: dict[str, dict], key: str,
             key_b: str | None = None) -> list[float]:
-    """a[seed][key] - b[seed][key_b] for every seed both cells ran: a difference paired by seed, so
-    that what a seed shares (its problems, its start) cancels."""
+    """a[seed][key] - b[seed][key_b] for every seed both ran: what a seed shares cancels."""
     return [a[s][key] - b[s][key_b or key] for s in sorted(a.keys() & b.keys())]
 
 
@@ -110,25 +105,22 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
 
 
 def noise_floor(accuracies: list[float], problems: int, seeds: int) -> float:
-    """The least standard error of a mean over `seeds` of accuracies on `problems` problems: one
-    evaluation's binomial noise over sqrt(seeds) (0.036 for three seeds of 64 problems near 0.5).
-    A difference of two evaluations of the same problems errs between 0 (answers that move
-    together) and sqrt(2) times this (independent ones); the floor takes one evaluation's."""
+    """One evaluation's binomial standard error over sqrt(seeds) (0.036 for three seeds of 64
+    problems near 0.5). A paired difference of evaluations of the same problems errs between 0
+    and sqrt(2) times this; the floor takes one evaluation's."""
     p = statistics.mean(accuracies)
     return math.sqrt(p * (1 - p) / problems / seeds)
 
 
 def interval(diffs: list[float], floor: float = 0.0) -> tuple[float, float, float]:
-    """Mean of differences paired by seed, its standard error (at least `floor`), and the half-width
-    of its 95 % interval from the t distribution with n - 1 degrees of freedom."""
+    """Mean, standard error (at least `floor`) and 95 % t half-width of paired differences."""
     n = len(diffs)
     mean, se = statistics.mean(diffs), max(statistics.stdev(diffs) / math.sqrt(n), floor)
     return mean, se, T95[min(n - 1, len(T95)) - 1] * se
 
 
 def paired_verdict(diffs: list[float], floor: float = 0.0) -> str:
-    """A paired mean, its standard error and its 95 % t interval, and what the interval carries: it
-    holds where the interval lies above 0, the opposite where below, else the seeds cannot tell."""
+    """interval() in words: it holds where the interval lies above 0, the opposite below."""
     if len(diffs) < 2:
         return f"{diffs[0] if diffs else math.nan:+.3f} on one seed: no verdict"
     mean, se, half = interval(diffs, floor)
@@ -144,10 +136,10 @@ def claims(by_cell: Runs) -> list[str]:
     """Paper A's findings, a line each, with this grid's numbers as differences paired by seed."""
     numbers = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()}
                for cell, runs in by_cell.items() if runs}
-    config = next(config for runs in by_cell.values() for config, _ in runs.values())
     accuracies = [x[k] for runs in numbers.values() for x in runs.values()
                   for k in ("start", "peak", "end")]
     seeds = min(len(runs) for runs in numbers.values())
+    config = next(config for runs in by_cell.values() for config, _ in runs.values())
     verdict = partial(paired_verdict, floor=noise_floor(accuracies, config["eval_problems"], seeds))
     lines = []
     single = numbers.get("single-shared")
@@ -191,8 +183,7 @@ def cell_series(config: dict, rows: list[dict]) -> dict[str, list[tuple[int, flo
 
 
 def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
-    """What the demos compare, from one run's cell_series; "coherent steps" is the share of steps
-    whose kappa reaches the detector's KAPPA_FRAC sqrt(N)."""
+    """What the demos compare; coherent steps: kappa >= the detector's KAPPA_FRAC sqrt(N)."""
     n = max(multiplicity(config).values())
     got = {name: [v for _, v in points] for name, points in cell_series(config, rows).items()}
     kappa, adh, reward, acc = got["kappa"], got["adherence"], got["reward"], got["accuracy"]
@@ -210,7 +201,6 @@ def cell_numbers(config: dict, rows: list[dict]) -> dict[str, float]:
 
 
 def demo_table(by_cell: Runs) -> list[str]:
-    """One row per cell: each of cell_numbers' numbers, its mean over the seeds and its range."""
     return mean_table({cell: [cell_numbers(*run) for run in runs.values()]
                        for cell, runs in by_cell.items()})
 
@@ -218,7 +208,7 @@ def demo_table(by_cell: Runs) -> list[str]:
 def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
     """Test accuracy before -> after RL seed by seed: the workflow's, its generator's first
     answers', and the rest's (the workflow's minus the first answers'), then each gain's paired
-    interval. Each run must have finished: its last evaluation at its last step."""
+    interval. Each run must have finished."""
     head = ["seed", "workflow", "generator's first answers", "the rest of the workflow adds"]
     gains, accuracies, table = {"workflow": [], "first answers": [], "the rest": []}, [], []
     for seed, (config, rows) in sorted(runs.items(), key=lambda item: int(item[0])):
@@ -241,11 +231,10 @@ def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
 
 def mean_table(rows: dict[str, list[dict[str, float]]]) -> list[str]:
     """A row per cell: each number's mean over the seeds, and its range when there are several;
-    NaN or absent (not logged, or a role the cell's workflow lacks) is left out."""
+    NaN or absent (not logged, or a role the workflow lacks) is "-"; none logged: no column."""
     every = dict.fromkeys(k for numbers in rows.values() for x in numbers for k in x)  # in order
-    keys = [k for k in every  # a number no cell logged gets no column (a role of one cell's only)
-            if any(not math.isnan(x.get(k, math.nan)) for numbers in rows.values()
-                   for x in numbers)]
+    keys = [k for k in every if any(not math.isnan(x.get(k, math.nan))
+                                    for numbers in rows.values() for x in numbers)]
     table = []
     for cell, numbers in rows.items():
         table.append([cell])
@@ -340,9 +329,8 @@ def critics_table(by_cell: Runs, unseen: bool = True) -> list[str]:
 
 
 def paired_line(diffs: list[float], floor: float = 0.0) -> str:
-    """A difference paired by seed as the docs write it: the mean, its standard error (at least
-    `floor`), its 95 % t interval ("1 df" after it when that is all) and each seed's difference,
-    e.g. "-0.14 (0.12; -0.65 to +0.38; +0.00, -0.38, -0.03)"."""
+    """interval() as the docs write it, with "1 df" after it when that is all, and each seed's
+    difference: "-0.14 (0.12; -0.65 to +0.38; +0.00, -0.38, -0.03)"."""
     if len(diffs) < 2:
         return f"{diffs[0]:+.2f} on one seed: no interval" if diffs else "no seed logged it"
     mean, se, half = interval(diffs, floor)
@@ -352,9 +340,9 @@ def paired_line(diffs: list[float], floor: float = 0.0) -> str:
 
 
 def critics_differences(by_cell: Runs) -> dict[str, str]:
-    """The critics demo's differences paired by seed (paired_line): the last test accuracy of each
-    pair of cells (its standard error at least the evaluation's noise), and central minus
-    decentral in the step means of adv/std and grad_noise (the seeds where both logged it)."""
+    """The critics demo's paired differences: the last test accuracy of each pair of cells (its
+    standard error at least the evaluation's noise), and central minus decentral in the step
+    means of adv/std and grad_noise (the seeds where both logged it)."""
     acc = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()}
            for cell, runs in by_cell.items()}
     config = next(iter(by_cell["grpo"].values()))[0]
