@@ -167,9 +167,8 @@ def spikes(values: list[tuple[int, float]], factor: float) -> list[tuple[int, fl
 
 
 def validation_fall(config: dict, rows: list[dict], step: int) -> str | None:
-    """Validation accuracy falling from the last evaluation before `step` to one at most
-    FALL_WITHIN steps after it (the row of `step` is evaluated after its update), by >= DROP and
-    beyond noise; no step is chosen, so no bias."""
+    """Validation accuracy falling by >= DROP, beyond noise, from the last evaluation before `step`
+    to one at most FALL_WITHIN steps after (the row of `step` is evaluated after its update)."""
     split = validation(rows)
     points = accuracies(config, rows, split)
     before = [s for s in sorted(points) if s < step]

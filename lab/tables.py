@@ -207,8 +207,7 @@ def demo_table(by_cell: Runs) -> list[str]:
 
 def gain_table(runs: dict[str, tuple[dict, list[dict]]]) -> list[str]:
     """Test accuracy before -> after RL seed by seed: the workflow's, its generator's first
-    answers', and the rest's (the workflow's minus the first answers'), then each gain's paired
-    interval. Each run must have finished."""
+    answers' and the rest's, then each gain's paired interval. Each run must have finished."""
     head = ["seed", "workflow", "generator's first answers", "the rest of the workflow adds"]
     gains, accuracies, table = {"workflow": [], "first answers": [], "the rest": []}, [], []
     for seed, (config, rows) in sorted(runs.items(), key=lambda item: int(item[0])):
@@ -340,9 +339,8 @@ def paired_line(diffs: list[float], floor: float = 0.0) -> str:
 
 
 def critics_differences(by_cell: Runs) -> dict[str, str]:
-    """The critics demo's paired differences: the last test accuracy of each pair of cells (its
-    standard error at least the evaluation's noise), and central minus decentral in the step
-    means of adv/std and grad_noise (the seeds where both logged it)."""
+    """The critics demo's paired differences: each pair of cells' last test accuracy, and central
+    minus decentral in the step means of adv/std and grad_noise (where both logged it)."""
     acc = {cell: {seed: accuracy_numbers(*run) for seed, run in runs.items()}
            for cell, runs in by_cell.items()}
     config = next(iter(by_cell["grpo"].values()))[0]
