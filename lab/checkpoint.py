@@ -1,22 +1,16 @@
-"""A run's training state, one object, and its checkpoints: what a run saves after a step and a
-resume reads back, so that the run goes on exactly where it stopped.
+"""A run's training state, one object (`TrainState`: everything training changes besides the
+frozen base model), and its checkpoints, so that a resumed run goes on exactly where it stopped.
+`save` writes out/ckpt, or with best.json out/best (`keep_best`); `load` reads out/ckpt back;
+`load_start` takes another run's adapters, critics and random states (--start_from).
 
-`TrainState` holds everything training changes besides the frozen base model. `save` writes it
-to out/ckpt, or with best.json to out/best (`keep_best`); `load` reads out/ckpt back (--resume);
-`load_start` reads what a new run takes of another run's checkpoint (--start_from: adapters,
-critics, random states, not the optimizers).
-
-A checkpoint is a directory written as .tmp, flushed to the disk and swapped in whole, so a kill
-or a power loss at any moment leaves the old one or the new one (`whole_checkpoint` finds which
-reads back); a full disk leaves the old one and no .tmp. Each records the run's id, as
-config.json does: --resume refuses another run's. Under torchrun every process calls `save` (each
-one's sampling state is kept) and only rank 0 writes.
+A checkpoint is a directory written as .tmp, flushed and swapped in whole: a kill or a power loss
+leaves the old or the new one (`whole_checkpoint` finds which reads back). Each records the run's
+id: --resume refuses another run's. Under torchrun every process calls `save`; rank 0 writes.
 
     python train.py --out runs/a           # runs/a/ckpt every --save_every steps, runs/a/best
     python train.py --out runs/a --resume  # TrainState.load: on from runs/a/ckpt
 
-Exercised by: pytest tests/test_train.py (resume, --start_from, damaged checkpoints),
-tests/test_distributed.py
+Exercised by: pytest tests/test_train.py, tests/test_refusals.py, tests/test_distributed.py
 """
 import glob
 import io
@@ -92,10 +86,8 @@ class TrainState:
         shutil.rmtree(final + ".old", ignore_errors=True)
 
     def keep_best(self, out: str, row: dict) -> None:
-        """After an evaluation (`row`): out/best, with best.json (its step, metric, score and
-        evaluation), when its BEST_METRIC beats the best so far (of equal scores the earliest
-        stays). Paper A's cliffs come late: the peak outlives the newest checkpoint. A run without
-        a validation split keeps none: a peak chosen on test would flatter its test score."""
+        """out/best when the evaluation `row`'s BEST_METRIC beats the best so far (of equal scores
+        the earliest stays): Paper A's cliffs come late, and the peak outlives out/ckpt."""
         if BEST_METRIC not in row:
             return
         best = read_best(os.path.join(out, "best"))
@@ -107,8 +99,7 @@ class TrainState:
 
     def load(self, out: str) -> int:
         """Load out/ckpt, the newest checkpoint that reads back whole put in its place first;
-        returns its step. An optimizer whose learning rate this launch changed (--resume --lr)
-        keeps its schedule, scaled to the new peak."""
+        returns its step."""
         path = os.path.join(out, "ckpt")
         rank0 = rank_and_world()[0] == 0  # only rank 0 puts a checkpoint back in place
         # a run without any checkpoint was refused before its model loaded (has_checkpoint)
@@ -149,8 +140,8 @@ class TrainState:
 
     def load_start(self, where: str, sharing: str, saved: dict) -> dict:
         """--start_from: the start's adapters (a shared one copied into each role's), critics and
-        random states; `saved`: its config. Returns its step-0 row, or the best checkpoint's
-        evaluation as this run's step 0."""
+        random states; `saved`: its config. Returns its step-0 row (a best checkpoint's
+        evaluation)."""
         run, path = start_checkpoint(where)
         state = load_state(path)
         fresh = {n for n in self.heads if not os.path.isdir(os.path.join(path, n))}  # start lacks
@@ -167,21 +158,19 @@ class TrainState:
 
 
 def load_state(ckpt: str) -> dict:
-    """A checkpoint's state.pt, its tensors on the CPU (a GPU run's too: an optimizer moves its
-    state to its parameters' device as it loads it)."""
-    # tensors and plain data only: a pickled object in a run someone hands over runs no code
+    """A checkpoint's state.pt on the CPU (an optimizer moves its state to its parameters' device).
+    Tensors and plain data only: a pickled object in a run someone hands over runs no code."""
     return torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=True)
 
 
 def is_state(state) -> bool:
-    """Whether a loaded state.pt holds what `TrainState.save` writes, its step a whole number."""
+    """Whether a loaded state.pt holds what `TrainState.save` writes."""
     return isinstance(state, dict) and set(STATE_KEYS) <= state.keys() \
         and type(state["step"]) is int
 
 
 def set_rngs(state: dict, rng: random.Random, source: str, device: torch.device) -> None:
-    """This process's random states from a checkpoint's state.pt, saved by as many processes;
-    a GPU run's CUDA state on `device`, where it is a GPU."""
+    """This process's random states from a state.pt saved by as many processes."""
     rank, world = rank_and_world()
     torch_rngs = state["torch_rngs"]
     if len(torch_rngs) != world:
@@ -194,8 +183,7 @@ def set_rngs(state: dict, rng: random.Random, source: str, device: torch.device)
 
 
 def read_best(ckpt: str) -> dict | None:
-    """The best.json of checkpoint `ckpt`; None where there is none, it cannot be read or it is
-    not what keep_best writes (an integer step, a metric, a number, an evaluation)."""
+    """The best.json of checkpoint `ckpt`; None where there is none or it is not keep_best's."""
     try:
         with open(os.path.join(ckpt, "best.json")) as f:
             best = json.load(f)
@@ -209,24 +197,20 @@ def read_best(ckpt: str) -> dict | None:
 
 
 def start_checkpoint(where: str) -> tuple[str, str]:
-    """--start_from's run directory and checkpoint: RUN and its ckpt (of a --steps 0 run), or
-    RUN/best (a run's best checkpoint, known by its best.json)."""
+    """--start_from's run directory and checkpoint: RUN and RUN/ckpt, or for RUN/best the same."""
     if os.path.exists(os.path.join(where, "best.json")):
         return os.path.dirname(os.path.normpath(where)), where
     return where, os.path.join(where, "ckpt")
 
 
 def has_checkpoint(out: str) -> bool:
-    """Whether a run saved a checkpoint: out/ckpt, or the .tmp or .old a killed save leaves (a
-    look at the files, before the model loads; whether it reads back is whole_checkpoint's)."""
+    """Whether a run saved a checkpoint: out/ckpt, or the .tmp or .old a killed save leaves."""
     return any(os.path.exists(os.path.join(out, f"ckpt{end}", "state.pt"))
                for end in ("", ".tmp", ".old"))
 
 
 def refuse_foreign(state: dict, run_id: str, path: str, then: str) -> None:
-    """Stop a resume whose checkpoint in `path` (its state.pt) is another run's: a state.pt copied
-    in would otherwise be taken, the logs cut back to its step. One saved before runs had an id
-    is taken."""
+    """Stop a resume whose `state` is another run's (one saved before runs had an id is taken)."""
     owner = state.get(RUN_ID, run_id)
     if owner != run_id:
         raise SystemExit(f"--resume: the checkpoint in {path} is another run's (run id {owner}, "
@@ -250,9 +234,8 @@ def unreadable(path: str) -> str:
 
 
 def whole_checkpoint(final: str) -> bool:
-    """Put the newest checkpoint that reads back whole in place as `final` (out/ckpt or out/best):
-    final.tmp (a save that crashed before its swap finished), else final, else final.old; False
-    when none does."""
+    """Put the newest checkpoint that reads back whole in place as `final`: final.tmp (a save
+    that crashed before its swap), else final, else final.old; False when none does."""
     for path in (final + ".tmp", final, final + ".old"):
         if unreadable(path):
             continue
@@ -266,9 +249,8 @@ def whole_checkpoint(final: str) -> bool:
 
 
 def restore_best(out: str, run_id: str) -> None:
-    """--resume: the best checkpoint put back whole, as ckpt is. One that does not read back, or
-    another run's, stops the resume in one line, before a log is cut, and is kept: it may be all
-    that is left of the run's peak."""
+    """--resume: out/best put back whole. One that does not read back, or another run's, stops
+    the resume before a log is cut, and is kept: it may be all that is left of the run's peak."""
     final = os.path.join(out, "best")
     if not any(os.path.lexists(final + end) for end in ("", ".tmp", ".old")):
         return

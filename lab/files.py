@@ -1,19 +1,17 @@
 """A run's files on disk: its directory and its lock, config.json, the metrics and samples logs
-and their TensorBoard copy, and a finished run read back for the reports (`load_run`). The run
-object that writes them is lab/run.py's; the rules in full: docs/runs.md.
+and their TensorBoard copy, and a finished run read back for the reports (`load_run`). The rules
+in full: docs/runs.md.
 
     python train.py --out runs/a              # config.json, metrics.jsonl, samples.jsonl, tb/,
                                                 ckpt/, best/
     python train.py --out runs/a --overwrite  # start it over (its own files go, nothing else)
 
-A directory that holds a run is never overwritten implicitly, and a launch that fails leaves it
-as it was. A kill at any moment leaves whole files: logs are appended a line at a time (a torn
-last line is dropped when read back), config.json is written through a rename, a checkpoint as a
-directory swapped in whole (lab/checkpoint.py). A write that fails (a full disk) stops the run
-in one line naming the file, leaving the file as it was and no temporary one. A run holds its
-directory with an OS lock; under torchrun only rank 0 writes.
+A run is never overwritten implicitly. A kill at any moment leaves whole files: logs are appended
+a line at a time (a torn last line is dropped when read back), config.json is written through a
+rename. A write that fails (a full disk) stops the run in one line naming the file, leaving the
+file as it was. A run holds its directory with an OS lock; under torchrun only rank 0 writes.
 
-Exercised by: pytest tests/test_train.py (damaged runs, the lock), tests/test_distributed.py
+Exercised by: pytest tests/test_train.py, tests/test_refusals.py, tests/test_distributed.py
 """
 import fcntl
 import json
@@ -30,8 +28,7 @@ from lab.machine import gather_lists, rank_and_world
 
 
 def fsync(*paths: str) -> None:
-    """Flush files, or a directory's entries (its renames), to the disk: after a power loss a
-    rename may be on disk and the renamed file's data not."""
+    """Flush files or directories (their renames) to the disk."""
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -41,16 +38,14 @@ def fsync(*paths: str) -> None:
 
 
 def cannot_write(path: str, e: OSError) -> SystemExit:
-    """A write of the run's that failed (a full disk, a quota) as the one line that stops it."""
     return SystemExit(f"{path} cannot be written ({e.strerror or e}); the run stops here, the "
                       "files it wrote before kept whole")
 
 
 def write_bytes(path: str, flags: int, data: bytes) -> None:
-    """`data` written to `path` (opened with `flags`) and on the disk when it returns. A symbolic
-    link planted in the run directory is a one-line error, not a write to whatever it names. A
-    write that fails leaves the file at the size it had (a log keeps no half row) and raises its
-    OSError, which os.write names (torch.save and safetensors' would not)."""
+    """`data` written to `path` and on the disk when it returns; a symbolic link there is refused.
+    A failed write leaves the file at its size (a log keeps no half row) and raises its OSError,
+    which os.write names (torch.save and safetensors' would not)."""
     try:
         fd = os.open(path, os.O_WRONLY | flags | os.O_NOFOLLOW, 0o644)
     except OSError:
@@ -72,8 +67,8 @@ def write_bytes(path: str, flags: int, data: bytes) -> None:
 
 
 def write_whole(path: str, text: str) -> None:
-    """Write a file through a rename, on the disk first: a kill, a power loss or a full disk
-    leaves the old or the new, and no temporary file (a link at `path` is replaced itself)."""
+    """Write a file through a rename: a kill, a power loss or a full disk leaves the old or the
+    new, and no temporary file."""
     tmp = path + ".tmp"
     try:
         if os.path.lexists(tmp):  # left by a kill, or planted
@@ -87,8 +82,8 @@ def write_whole(path: str, text: str) -> None:
 
 
 def write_files(directory: str, files: dict[str, bytes]) -> None:
-    """A new directory holding `files` (a path in it -> its bytes), on the disk when it returns.
-    A write that fails removes the directory: nothing half written stays."""
+    """A new directory holding `files` (a path in it -> its bytes), on the disk when it returns;
+    removed if a write fails."""
     path = directory
     try:
         for name, data in files.items():
@@ -102,8 +97,7 @@ def write_files(directory: str, files: dict[str, bytes]) -> None:
 
 
 def append_jsonl(path: str, rows: list[dict]) -> None:
-    """Rows at the end of a log, on the disk when it returns: a step's row is there before its
-    checkpoint names the step (a power loss would otherwise keep the checkpoint, not the row)."""
+    """Rows at the end of a log, on the disk before the step's checkpoint names the step."""
     try:
         write_bytes(path, os.O_CREAT | os.O_APPEND,
                     "".join(json.dumps(row) + "\n" for row in rows).encode())
@@ -112,8 +106,7 @@ def append_jsonl(path: str, rows: list[dict]) -> None:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """The rows of a log. A torn last line (a kill while it was written) and blank lines are
-    dropped; any other unreadable line is an error, as is a log that cannot be read."""
+    """The rows of a log; a torn last line (a kill while it was written) is dropped."""
     if not os.path.exists(path):
         raise SystemExit(f"{path} is missing: not a complete run directory")
     try:
@@ -138,15 +131,14 @@ def read_jsonl(path: str) -> list[dict]:
     return rows
 
 
-# config.json's one entry that is no setting: the run's id, which its checkpoints record too
-RUN_ID = "run_id"
+RUN_ID = "run_id"  # config.json's one entry that is no setting; checkpoints record it too
 # What the reports (diagnose.py, lab/tables.py) read of a run's config, and each one's type
 READ = {"workflow": str, "sharing": str, "algo": str, "n_agents": int, "steps": int,
         "eval_problems": int, "val_problems": int}
 
 
 def read_config_json(path: str) -> dict:
-    """The object of settings in a run's config.json (`path`), or one line naming the file."""
+    """The object of settings in a run's config.json, or one line naming the file."""
     try:
         with open(path) as f:
             config = json.load(f)
@@ -164,10 +156,9 @@ def config_run_id(out: str) -> str:
 
 
 def load_run(run_dir: str, workflows: dict) -> tuple[dict, list[dict]]:
-    """A run's config and its metrics rows (step 0 holds the accuracy before training). The
-    settings the reports read (READ) must be in the config, each of its type (a lost one would
-    otherwise take a default: a Voting run read as Eval-Opt), its workflow one of `workflows`
-    (workflows.ROLES, which the reports pass), and every metric a number."""
+    """A run's config and its metrics rows, from step 0. Each setting of READ must be there, of
+    its type (a lost one would take a default: a Voting run read as Eval-Opt), its workflow one of
+    `workflows`, every metric a number."""
     if not run_dir:
         raise SystemExit("a run directory's name is empty: name the run")
     for name in ("metrics.jsonl", "config.json"):
@@ -206,10 +197,8 @@ tb_writers: dict[str, object] = {}  # run directory -> this process's TensorBoar
 
 
 def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> None:
-    """Every number of a metrics.jsonl row as a TensorBoard scalar in <out>/tb, and the step's
-    episodes as text (`transcript`): `tensorboard --logdir runs` shows runs as they train. A
-    writer opens with purge_step at its first row's step: after --resume, TensorBoard drops what
-    the stopped run wrote past the checkpoint, as metrics.jsonl does."""
+    """A metrics row's numbers as TensorBoard scalars in <out>/tb, and the step's episodes as text.
+    purge_step: after --resume, TensorBoard drops what was written past the checkpoint."""
     from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
     try:
@@ -229,18 +218,16 @@ def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> N
 
 
 def quiet_tensorboard_thread(args) -> None:
-    """threading.excepthook: an OSError in TensorBoard's writing thread (a full disk) is raised
-    again at the writer's next flush, where tensorboard_row says it in one line; its traceback
-    is left out. Any other thread's error prints as before."""
+    """threading.excepthook: an OSError in TensorBoard's thread (a full disk) is raised again at
+    the next flush, where tensorboard_row says it in one line; its traceback is left out."""
     if not (isinstance(args.exc_value, OSError)
             and type(args.thread).__module__.startswith("tensorboard.")):
         threading.__excepthook__(args)
 
 
 def transcript(episode: dict, limit: int = 600) -> str:
-    """A samples.jsonl episode as Markdown for TensorBoard's TEXT tab: the problem, every call's
-    slot, role, reward, advantage and output, the final answer. Texts are indented code blocks
-    (a model's ``` or * shows as written), each cut to `limit` characters."""
+    """A samples.jsonl episode as Markdown for TensorBoard's TEXT tab; texts are indented code
+    blocks (a model's ``` or * shows as written), each cut to `limit` characters."""
     lines = [f"**{episode['problem']}**, episode {episode['episode']}: "
              f"reward **{episode['reward']:g}**",
              code_block(episode["question"], limit), "expected:",
@@ -295,10 +282,9 @@ held_locks: list[int] = []  # the lock file this process holds (one run at a tim
 
 
 def lock_run(out: str) -> None:
-    """Hold --out for the run's whole life, before anything in it is deleted or written: an OS
-    lock (flock) on out/.lock, which the kernel drops when the process ends, however it ends
-    (kill -9 leaves no stale lock). A second launch on the same directory stops here, naming
-    the holder's pid. Under torchrun rank 0 holds it, and every process stops alike."""
+    """Hold --out for the run's life, before anything in it is touched: flock on out/.lock, which
+    the kernel drops however the process ends (kill -9 leaves no stale lock). Under torchrun rank
+    0 holds it, and every process stops alike."""
     error = ""
     if rank_and_world()[0] == 0:
         unlock_run()  # this process's earlier run (an earlier train.main) is over
@@ -309,7 +295,7 @@ def lock_run(out: str) -> None:
 
 
 def take_lock(out: str) -> str:
-    """Make --out and flock its .lock for this process; returns why it cannot ("" when held)."""
+    """Make --out and flock its .lock; returns why it cannot ("" when held)."""
     if not out:
         return "--out is empty: name the run's directory"
     if os.path.exists(out) and not os.path.isdir(out):
@@ -366,9 +352,8 @@ def take_lock(out: str) -> str:
 
 
 def holds_run(path: str) -> bool:
-    """Whether `path` is a run directory: a run's config.json (the settings READ among others)
-    beside its lock, a log or a checkpoint (a .lock alone is no sign: pytest, among others, keeps
-    one in its directories; nor is another tool's config.json)."""
+    """Whether `path` is a run directory: a config.json with READ's settings beside a lock, a log
+    or a checkpoint (pytest, among others, keeps a .lock in its directories)."""
     try:
         names = set(os.listdir(path))
         with open(os.path.join(path, "config.json")) as f:
@@ -380,8 +365,7 @@ def holds_run(path: str) -> bool:
 
 
 def enclosing_run(out: str) -> str:
-    """The run directory that holds `out` below it, or "": that run's next save or --overwrite
-    would delete what is written there."""
+    """The run directory that holds `out` below it, or ""."""
     path = os.path.realpath(out)
     while path != os.path.dirname(path):
         path = os.path.dirname(path)
@@ -392,7 +376,7 @@ def enclosing_run(out: str) -> str:
 
 def run_below(out: str, depth: int = 4) -> str:
     """A run directory at most `depth` levels below `out` (a demo grid's cells are four below
-    runs/: runs/demo-NAME/NAME/seedS/CELL), or ""."""
+    runs/), or ""."""
     top = os.path.abspath(out).rstrip(os.sep).count(os.sep)
     for root, dirs, _ in os.walk(out):
         if root != out and holds_run(root):
@@ -409,8 +393,8 @@ def unlock_run() -> None:
 
 
 def check_run_dir(out: str, overwrite: bool) -> list[str]:
-    """The run files already in --out; a directory that holds a run is never overwritten
-    implicitly. Touches nothing: a launch that fails later leaves the old run as it was."""
+    """The run files already in --out. Touches nothing: a launch that fails later leaves the old
+    run as it was."""
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if held and not holds_run(out):  # a run's names, but no run: --overwrite would delete them
         raise SystemExit(f"--out {out} holds {', '.join(held)} but no run (no run's config.json "
@@ -423,8 +407,7 @@ def check_run_dir(out: str, overwrite: bool) -> list[str]:
 
 
 def writable(directory: str, what: str) -> None:
-    """Make `directory` if it is missing; stop with one line if `what` cannot be written in it (a
-    file, a read-only run), before any work that would be lost."""
+    """Make `directory` if it is missing; stop in one line if `what` cannot be written there."""
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:  # a file in the way, or a parent that cannot be written

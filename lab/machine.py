@@ -1,16 +1,11 @@
-"""A run on its machine: the processes under torchrun and the device of each, what they
-exchange in a step, torch's CPU threads, the peak memory, and the signals that ask a run to
-stop.
+"""A run on its machine: torchrun's processes and their devices, what they exchange in a step,
+torch's CPU threads (the cores other programs leave free, chosen again after every step), the
+peak memory, and the signals that ask a run to stop after a step all processes agree on.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 train.py --out runs/two
     kill -TERM PID      # the run stops after its current step, its checkpoint kept (docs/runs.md)
 
-Torch's CPU threads are the cores that other programs leave free, chosen again after every step.
-Ctrl-C (SIGINT) and SIGTERM, what a cluster sends before it pre-empts a job, only set a flag that
-the processes agree on at the end of every step: all of them stop after the same step.
-
-Exercised by: pytest tests/test_train.py (threads, signals), tests/test_distributed.py,
-tests/test_bench.py
+Exercised by: pytest tests/test_train.py, tests/test_distributed.py, tests/test_bench.py
 """
 import ctypes
 import ctypes.util
@@ -21,6 +16,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
+from itertools import chain
 from types import SimpleNamespace
 from typing import Callable
 
@@ -30,8 +26,7 @@ from tqdm import tqdm
 
 
 # ----------------------------------------------------------------------------
-# Several processes (torchrun, docs/torchrun.md): data parallel over problems; with one process
-# each of these hands back what it is given
+# Several processes (docs/torchrun.md): data parallel over problems; alone, each hands back its input
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -81,9 +76,8 @@ def sum_across(t: torch.Tensor) -> torch.Tensor:
 
 
 def sum_gradients(params: list[torch.Tensor]) -> None:
-    """Add up the processes' gradients of `params`: each process's backward covered its
-    share of the mini-batch with the whole mini-batch's denominators, so the sum is the
-    gradient of the mini-batch's loss, as one process would have computed it."""
+    """Add up the processes' gradients: each backward used the whole mini-batch's denominators,
+    so the sum is the mini-batch's gradient, as one process would have computed it."""
     if rank_and_world()[1] == 1:
         return
     # one message, not one per tensor
@@ -99,8 +93,7 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
 
 
 def check_device(device: str) -> bool:
-    """Whether --device is a GPU; a one-line error where it is not one of this project's, or not
-    here."""
+    """Whether --device is a GPU; a one-line error where it is unknown or not here."""
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise SystemExit(f"--device {device}: not a device of this project; "
                          "use auto, cpu, cuda or cuda:N")
@@ -121,8 +114,8 @@ def alone() -> bool:
 
 
 def join_processes(device: str) -> str:
-    """This process's device (one that is not here: a one-line error); under torchrun also join
-    the process group: nccl and one GPU per local rank on CUDA, gloo on CPU."""
+    """This process's device; under torchrun also join the process group: nccl and one GPU per
+    local rank on CUDA, gloo on CPU."""
     cuda = check_device(device)
     if alone():
         return ("cuda" if cuda else "cpu") if device == "auto" else device
@@ -144,8 +137,7 @@ def log(line: str) -> None:
 
 def run_main(main: Callable[[], object]) -> None:
     """Run a script's `main`. Under torchrun the process then leaves without the interpreter's
-    shutdown, which gloo's threads could abort (SIGABRT) on CPU; a SystemExit becomes the exit
-    status."""
+    shutdown, which gloo's threads could abort (SIGABRT) on CPU."""
     if alone():
         main()
         return
@@ -171,14 +163,12 @@ def gather_episodes(calls: list, outcomes, rewards: list[float], problem_of: lis
 def gather_stats(stats: dict[str, list[float]]) -> dict[str, list[float]]:
     """The update statistics of every process, each key's lists joined."""
     joined = defaultdict(list)
-    for part in gather_lists([dict(stats)]):
-        for k, v in part.items():
-            joined[k] += v
+    for k, v in chain.from_iterable(part.items() for part in gather_lists([dict(stats)])):
+        joined[k] += v
     return joined
 
 
-# The processes as train.py hands them to the algorithm's passes (rollout.ONE_PROCESS's share, sum,
-# sum_grads and gather) and to its training step (block, episodes, stats)
+# The processes as train.py hands them to the algorithm's passes (as rollout.ONE_PROCESS)
 PROCESSES = SimpleNamespace(share=share_of, sum=sum_across, sum_grads=sum_gradients,
                             gather=gather_lists, block=block, episodes=gather_episodes,
                             stats=gather_stats)
@@ -194,10 +184,9 @@ def running_threads() -> int:
 
 
 def pick_threads(requested: int, own_load: float) -> int:
-    """Torch's CPU threads: --threads, else the cores this process may use less those other
-    processes keep busy: the 1-minute load average less this process's own, or the threads
-    running now besides this one when fewer (the average trails a program that just stopped).
-    Threads of one matmul wait for each other: one whose core is taken stalls them all."""
+    """Torch's CPU threads: --threads, else the cores less those other processes keep busy (the
+    load average less this process's own, or the threads running now when fewer: the average
+    trails a program that just stopped). One matmul thread whose core is taken stalls them all."""
     if requested:
         return requested
     cores = int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
@@ -205,18 +194,9 @@ def pick_threads(requested: int, own_load: float) -> int:
     return max(1, min(cores, round(cores - others)))
 
 
-def pick_threads_again(requested: int, t0: float, cpu_before: float) -> float:
-    """The next step's threads, this process's own load being its CPU time over the wall time
-    of the step begun at t0. Returns the CPU time now, where the next step's load starts."""
-    own_load = (time.process_time() - cpu_before) / (time.time() - t0)
-    torch.set_num_threads(pick_threads(requested, own_load))
-    return time.process_time()
-
-
 def peak_memory_mb(device: str) -> float:
-    """Peak memory so far: the accelerator's allocator on CUDA, the process's RSS on CPU.
-    Linux's VmHWM, where there is one: ru_maxrss carries over the parent's peak to a process
-    started from it (lab/grid.py --reproduce, lab/bench.py), VmHWM starts afresh."""
+    """Peak memory so far: the allocator's on CUDA, the process's RSS on CPU (VmHWM: ru_maxrss
+    carries over the parent's peak to a child, as lab/bench.py starts them)."""
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 2**20
     try:
@@ -238,10 +218,9 @@ except OSError:
 
 
 def release_free_memory() -> None:
-    """Give the memory that the C allocator keeps after a phase frees it back to the system
-    (glibc's malloc_trim; nothing elsewhere). The update's backward pass frees its activations,
-    which glibc keeps in its heap, where the next rollout's tensors of other sizes do not fit:
-    without this, each rollout's peak sits on top of the update's leftovers."""
+    """Give freed memory back to the system (glibc's malloc_trim): glibc keeps the backward's
+    activations in its heap, where the rollout's tensors of other sizes do not fit, so each
+    rollout's peak would sit on top of the update's leftovers."""
     if hasattr(LIBC, "malloc_trim"):
         LIBC.malloc_trim(0)
 
@@ -253,16 +232,14 @@ requested: list[int] = []  # the stop signal received, once one is
 
 
 def catch_stop_signals() -> None:
-    """From now on SIGINT and SIGTERM ask the run to stop after its current step (ask_to_stop)."""
+    """From now on SIGINT and SIGTERM ask the run to stop after its current step."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, ask_to_stop)
 
 
 def ask_to_stop(signum: int, frame: object = None) -> None:
-    """The handler: the first signal is noted for stop_requested; a second one stops the process
-    at once, as without the handler. Not under torchrun: it passes a signal on to its processes,
-    which may have had it already (Ctrl-C, a cluster signalling a whole job), and kills them
-    itself 30 s later."""
+    """The first signal is noted; a second stops the process at once, except under torchrun,
+    which passes on a signal its processes may have had already, and kills them 30 s later."""
     if requested:
         if not alone():
             return
@@ -278,6 +255,6 @@ def ask_to_stop(signum: int, frame: object = None) -> None:
 
 
 def stop_requested() -> int:
-    """The signal that stops the run at this step's end, 0 for none. Every process calls it at
-    the same points, and under torchrun they agree: one's signal stops them all at the same step."""
+    """The signal that stops the run at this step's end, 0 for none; every process calls it at
+    the same points, so one's signal stops them all at the same step."""
     return max(gather_lists([requested[0] if requested else 0]))

@@ -1,17 +1,14 @@
-"""A training run as the loop sees it: one object (`Run`) that holds the run on disk and on its
-machine, so that train.py's loop makes a few calls a step and reads as the algorithm. Made, it
-has checked the settings (lab/settings.py), joined torchrun's processes, picked torch's threads
-and loaded the problems. The directory is written only once the model has loaded and the flags
-fit it (`write_config`), so a launch that fails leaves --out as it was. Then, a step at a time,
-it logs the step, keeps the newest and the best checkpoint (lab/checkpoint.py), stops the run
+"""A training run as the loop sees it: one object (`Run`) holding the run on disk and on its
+machine, so that train.py's loop makes a few calls a step and reads as the algorithm. The
+directory is written only once the model has loaded (`write_config`): a launch that fails leaves
+--out as it was. A step at a time it logs, keeps the newest and the best checkpoint, stops the run
 after a signal or after steps that could not be applied, and estimates the time left.
 
     python train.py --out runs/a --resume                   # on from its last checkpoint, exactly
     python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation
     python train.py --start_from runs/start --lr 1e-3 --out runs/b  # ... that runs start from
 
-Exercised by: pytest tests/test_train.py (bad flags, resume, --start_from, damaged checkpoints,
-the clock, stopping early), tests/test_distributed.py
+Exercised by: pytest tests/test_train.py, tests/test_refusals.py, tests/test_distributed.py
 """
 import dataclasses
 import json
@@ -30,7 +27,7 @@ from lab.files import (RUN_ID, append_jsonl, check_run_dir, close_tensorboard, e
                        lock_run, read_config_json, read_jsonl, start_run_dir, tensorboard_row,
                        unlock_run, write_whole)
 from lab.machine import (PROCESSES, barrier, join_processes, log, peak_memory_mb, pick_threads,
-                         pick_threads_again, rank_and_world, release_free_memory, stop_requested)
+                         rank_and_world, release_free_memory, stop_requested)
 from lab.settings import NEW_LR, Settings, check_settings, check_start, chosen, run_id
 from sandbox import layers, sandbox
 from tasks import TASK_KIND, load_task
@@ -40,8 +37,8 @@ class Run:
     """One run of train.py: its settings, processes, directory, logs, checkpoints and clock."""
 
     def __init__(self, cfg: Settings, typed: set[str] | None = None):
-        """Check the settings (another run's start too), join torchrun's processes, pick the
-        threads, load the problems; nothing is written yet."""
+        """Check the settings, join torchrun's processes, pick the threads, load the problems;
+        nothing is written yet."""
         self.cfg = check_settings(cfg, typed)
         self.device = join_processes(self.cfg.device)
         self.rank, self.world = rank_and_world()
@@ -56,8 +53,7 @@ class Run:
         self.run_id = run_id(self.cfg)
 
     def open(self) -> None:
-        """Lock the run's directory, check what a new run finds there (a run is never
-        overwritten implicitly), log the plan."""
+        """Lock the run's directory, check what a new run finds there, log the plan."""
         lock_run(self.cfg.out)
         self.held = [] if self.cfg.resume else check_run_dir(self.cfg.out, self.cfg.overwrite)
         log(plan(self.cfg, self.device))
@@ -73,9 +69,8 @@ class Run:
     # ---- step 0
 
     def resume(self, state: TrainState) -> None:
-        """Load the newest checkpoint (the KL anchors' too, made before it) and cut the logs back
-        to it; the first evaluation (step 0) and the last one kept are read back. A resumed run's
-        config.json records the learning rates from now on (NEW_LR)."""
+        """Load the newest checkpoint (the KL anchors' too) and cut the logs back to it; a resumed
+        run's config.json records the learning rates from now on (NEW_LR)."""
         out, steps = self.cfg.out, self.cfg.steps
         lrs = {k: getattr(self.cfg, k) for k in NEW_LR}
         start = state.load(out)
@@ -129,8 +124,8 @@ class Run:
     # ---- the training steps
 
     def steps(self):
-        """The steps to train, each timed from here (`t0`), with a progress bar; torch's threads
-        chosen again after each; a stop signal before the first ends the run at once."""
+        """The steps to train, each timed from `t0`; torch's threads chosen again after each, this
+        process's own load being its CPU time over the step's wall time."""
         cfg = self.cfg
         if self.saved < cfg.steps and (stop := stop_requested()):
             stop_run(cfg.out, self.saved, self.saved, stop)
@@ -141,19 +136,20 @@ class Run:
             self.t0 = time.time()
             release_free_memory()  # what the last update freed, before this rollout
             yield step
-            cpu_before = pick_threads_again(cfg.threads, self.t0, cpu_before)
+            own_load = (time.process_time() - cpu_before) / (time.time() - self.t0)
+            torch.set_num_threads(pick_threads(cfg.threads, own_load))
+            cpu_before = time.process_time()
 
     def evaluate_due(self, step: int) -> bool:
-        """Whether the workflow is evaluated after `step`; the memory the update freed goes back
-        first."""
+        """Whether the workflow is evaluated after `step`; if so, the freed memory goes back first."""
         due = is_eval_step(self.cfg, step)
         if due:
             release_free_memory()
         return due
 
     def log(self, row: dict, episodes: tuple) -> None:
-        """A step's row (time/step and the largest process's peak memory added), its first
-        episodes (`episodes`: calls, outcomes, problems, rewards) and its line."""
+        """A step's row (time and peak memory added), its first episodes (`episodes`: calls,
+        outcomes, problems, rewards) and its line."""
         cfg = self.cfg
         row["time/step"] = time.time() - self.t0
         row["mem/peak_mb"] = max(self.procs.gather([peak_memory_mb(self.device)]))
@@ -176,10 +172,9 @@ class Run:
         log(line)
 
     def save(self, state: TrainState, row: dict) -> None:
-        """After a step's row is logged: out/best when its evaluation beats the best so far, the
-        newest checkpoint every --save_every steps and at the end; then the run stops after a
-        signal, or after NONFINITE_STOP steps in a row with a mini-batch not applied (a step with
-        one writes no checkpoint: the last one is from before the trouble)."""
+        """out/best when the step's evaluation beats the best so far, out/ckpt every --save_every
+        steps and at the end; then stop after a signal, or after NONFINITE_STOP steps in a row with
+        a mini-batch not applied (such a step saves nothing: the last save is from before it)."""
         cfg, step = self.cfg, row["step"]
         if "time/eval" in row:
             state.keep_best(cfg.out, row)  # out/best: the peak so far
@@ -208,10 +203,9 @@ class Run:
 
 def load_problems(cfg: Settings, world: int,
                   typed: set[str] | None = None) -> tuple[Settings, list, dict[str, list]]:
-    """cfg, the training pool and the held-out problems, {"eval": test, "val": val} (no "val"
-    without --val_problems). A split that holds fewer problems than asked (HumanEval's 164 in all)
-    is refused where the number was given; a default becomes what the split holds, in the cfg
-    returned, which the plan and config.json say."""
+    """cfg, the training pool and the held-out problems, {"eval": test, "val": val}. A split
+    smaller than asked (HumanEval's 164) is refused where the number was given; a default becomes
+    what the split holds, in the cfg returned."""
     if cfg.problems_per_step < world:
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than "
                          f"the {world} processes; every process needs at least one")
@@ -240,8 +234,7 @@ def load_problems(cfg: Settings, world: int,
 
 
 def is_eval_step(cfg: Settings, step: int) -> bool:
-    """Whether the workflow is evaluated after `step` (step 0 = before training): every
-    --eval_every-th step and the last."""
+    """Whether the workflow is evaluated after `step`: step 0, every --eval_every-th, the last."""
     return step in (0, cfg.steps) or bool(cfg.eval_every and step % cfg.eval_every == 0)
 
 
@@ -291,9 +284,8 @@ def plan(cfg: Settings, device: str) -> str:
 
 def estimate_minutes(cfg: Settings, eval_seconds: float, step_seconds: list[float],
                      step: int) -> float:
-    """Minutes left after `step`: the mean step so far (or, before any, a step guessed from the
-    evaluation: its episodes cost what evaluation episodes cost, and the update half as much again),
-    plus the evaluations still to come."""
+    """Minutes left after `step`: the mean step so far (before any, guessed from the evaluation's
+    episodes, the update costing half as much again), plus the evaluations to come."""
     episodes = (cfg.eval_problems + cfg.val_problems) * (cfg.eval_samples
                                                          if evaluation_samples(cfg) else 1)
     per_episode = eval_seconds / episodes  # an evaluation's: test and val, each sample
@@ -311,7 +303,7 @@ NONFINITE_STOP = 3
 
 def leave_processes() -> None:
     """Let the run's directory go; under torchrun leave the process group once every process is
-    done with it (gloo aborts a process whose group is torn down while another still uses it)."""
+    done with it (gloo aborts a process whose group is torn down while another uses it)."""
     close_tensorboard()
     unlock_run()
     if rank_and_world()[1] > 1:
@@ -320,9 +312,8 @@ def leave_processes() -> None:
 
 
 def stop_run(out: str, step: int, saved: int, signum: int) -> None:
-    """End the run after `step`, its checkpoint of step `saved` kept, in one line that says how
-    to go on: after a signal (exit status 128 + signum), or after NONFINITE_STOP steps in a row
-    with a mini-batch not applied (signum 0, exit status 1)."""
+    """End the run after `step` in one line that says how to go on: after a signal (exit status
+    128 + signum), or after NONFINITE_STOP non-finite steps (signum 0, exit status 1)."""
     rank, world = rank_and_world()
     launcher = f"torchrun --nproc_per_node {world}" if world > 1 else "python"
     resume = f"{launcher} train.py --resume --out {shlex.quote(out)}"

@@ -1,18 +1,15 @@
-"""A run's settings as the command line and the checks see them: train.py's `Config` (each field
-made by `arg`: its default, --help line, choices and bounds) read from the command line
+"""A run's settings: train.py's `Config` (each field made by `arg`) read from the command line
 (`parse_flags`), the checks a launch makes before a file or the model is touched
-(`check_settings`, with a resumed run's own config and another run's start), and a run's
-config.json read back whole (`read_config`). Settings are read by field name: the run knows no
-algorithm.
+(`check_settings`, with a resumed run's config and another run's start), and a run's config.json
+read back whole (`read_config`). Settings are read by field name: the run knows no algorithm.
 
     python train.py --help          # the flags a first week changes
     python train.py --help-all      # every flag, in groups
 
-Exercised by: pytest tests/test_train.py (bad flags, --help), tests/test_refusals.py
+Exercised by: pytest tests/test_train.py, tests/test_refusals.py
 """
 import argparse
 import dataclasses
-import glob
 import hashlib
 import json
 import os
@@ -20,21 +17,18 @@ import sys
 from dataclasses import field
 from typing import Any
 
-from safetensors.torch import load_file
-
-from lab.checkpoint import has_checkpoint, is_state, load_state, read_best, start_checkpoint
+from lab.checkpoint import (has_checkpoint, is_state, load_state, read_best, start_checkpoint,
+                            unreadable)
 from lab.files import RUN_ID, config_run_id, read_config_json, read_jsonl
 from tasks import TASK_KIND
 
-# train.py's Config, read by field name: the run imports nothing of the algorithm nor train.py
-Settings = Any
+Settings = Any  # train.py's Config, read by field name
 
 TASK_TOKENS = {"math": 48, "code": 320}  # --max_new_tokens 0: code needs room for a whole function
 
 
 def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
-    """A Config field: its default, --help line, choices, and for a number the interval it must
-    lie in, "[0, 1)" or "(0, inf)" (check_numbers)."""
+    """A Config field; `bounds`: the interval a number must lie in, "[0, 1)" or "(0, inf)"."""
     return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
 
 
@@ -51,7 +45,7 @@ SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation
 
 
 def parse_flags(config: type, argv: list[str] | None = None) -> Settings:
-    """A Config from the command line (`config`: the class, train.py's Config)."""
+    """A `config` (train.py's Config class) from the command line."""
     every = "--help-all" in (sys.argv[1:] if argv is None else argv)  # every flag's help shown
     # no abbreviations: --resume checks the flags typed, by their full names (typed_flags);
     # --work voting, taken for --workflow, would escape that check
@@ -120,8 +114,8 @@ def idle_settings(cfg: Settings) -> dict[str, str]:
 
 
 def chosen(cfg: Settings, typed: set[str] | None, name: str) -> bool:
-    """Whether setting `name` was given: named on the command line (`typed`), or, for a Config
-    built in Python (typed None), unlike its default."""
+    """Whether setting `name` was typed, or, for a Config built in Python (typed None), unlike
+    its default."""
     return name in typed if typed is not None else getattr(cfg, name) != getattr(type(cfg), name)
 
 
@@ -134,10 +128,8 @@ def in_bounds(value: float, bounds: str) -> bool:
 
 
 def read_config(path: str, config: type) -> Settings:
-    """A run's config.json as the Config (`config`, the class) it was written from: every
-    setting there, each of its type (an int where a float is asked), or one line naming the file:
-    a lost setting would take its default (a Voting run resumed as Eval-Opt). Its values are
-    check_numbers' to check."""
+    """A run's config.json as a `config`: every setting there, each of its type, or one line
+    naming the file (a lost setting would take its default: a Voting run resumed as Eval-Opt)."""
     saved = read_config_json(path)
     fields = {f.name: f.type for f in dataclasses.fields(config)}
     if unknown := sorted(set(saved) - set(fields) - {RUN_ID}):
@@ -159,12 +151,11 @@ def with_task_tokens(cfg: Settings) -> Settings:
 
 
 def check_numbers(cfg: Settings) -> None:
-    """Every numeric flag in its interval, before any file or model is touched."""
+    """Every flag in its interval or choices (argparse checks a typed one, not config.json)."""
     for f in dataclasses.fields(cfg):
         value, bounds, choices = getattr(cfg, f.name), f.metadata["bounds"], f.metadata["choices"]
         if bounds and not in_bounds(value, bounds):
             raise SystemExit(f"--{f.name} {value}: must be in {bounds}")
-        # argparse checks a typed flag; a resumed config.json too
         if choices and value not in choices:
             raise SystemExit(f"--{f.name} {value!r}: must be one of {', '.join(choices)}")
     cores = len(os.sched_getaffinity(0))
@@ -178,8 +169,7 @@ def check_numbers(cfg: Settings) -> None:
 
 
 def lora_targets(cfg: Settings) -> tuple[str, ...]:
-    """--lora_targets as layer names: "q_proj, v_proj" names q_proj and v_proj (whether the
-    model has them, lora.inject_lora says once it has loaded)."""
+    """--lora_targets as layer names (whether the model has them, lora.inject_lora says)."""
     names = tuple(t.strip() for t in cfg.lora_targets.split(","))
     if "" in names or len(set(names)) < len(names):
         raise SystemExit(f"--lora_targets {cfg.lora_targets!r}: give distinct layer names "
@@ -188,8 +178,7 @@ def lora_targets(cfg: Settings) -> tuple[str, ...]:
 
 
 def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
-    """The run's config (a resumed run's own), checked before a file or the model is touched
-    (what only the algorithm reads, train.py checks)."""
+    """The run's config (a resumed run's own), checked before a file or the model is touched."""
     if cfg.resume and cfg.overwrite:
         raise SystemExit("--resume continues the run in --out and --overwrite starts it over: "
                          "give one")
@@ -200,8 +189,6 @@ def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
                              "first one); start it again without --resume, with --overwrite")
     check_numbers(cfg)
     if not cfg.resume:  # a resumed run keeps the settings it started with, idle ones too
-        # no setting given where it would do nothing (ONLY_UNDER): a critic's to GRPO, a
-        # warm-up's to a run without one, a task's to another task, a workflow's to another
         for name, why in idle_settings(cfg).items():
             if chosen(cfg, typed, name):
                 raise SystemExit(f"--{name} {why}")
@@ -228,9 +215,8 @@ NEW_LR = ("lr", "critic_lr")
 
 
 def run_id(cfg: Settings) -> str:
-    """The run's id, which its config.json and checkpoints record: a resumed run's own, else (a
-    new run, or one made before runs had an id) a hash of the settings it starts with
-    (NOT_THE_RUN's aside), so that runs of other settings have others."""
+    """The run's id, as config.json and checkpoints record it: a resumed run's own, else a hash
+    of its settings (NOT_THE_RUN's aside)."""
     if cfg.resume and (saved := config_run_id(cfg.out)):
         return saved
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_THE_RUN}
@@ -238,22 +224,20 @@ def run_id(cfg: Settings) -> str:
 
 
 def flag_name(token: str) -> str:
-    """The setting a command-line flag names: --lr and --lr=0.1 name lr, --no-one_step one_step."""
+    """The setting a flag names: --lr and --lr=0.1 name lr, --no-one_step one_step."""
     name = token[2:].split("=")[0]
     return name[3:] if name.startswith("no-") else name
 
 
 def typed_flags(argv: list[str]) -> set[str]:
-    """The flags named on a command line, any tool's: --lr 0.1, --lr=0.1, --no-one_step."""
+    """The settings a command line names, any tool's."""
     return {flag_name(a) for a in argv if a.startswith("--")}
 
 
 def run_config(cfg: Settings, typed: set[str] | None = None,
                new_lr: tuple[str, ...] = NEW_LR) -> Settings:
-    """The saved config of the run in --out, as --resume takes it: a chosen flag that
-    contradicts it is an error, except the learning rates in `new_lr` and --device, which it
-    changes, and the rest of NOT_THE_RUN, this command's own. The run lives wherever --out now
-    points, however that path is spelled."""
+    """The saved config of the run in --out, as --resume takes it: a chosen flag that contradicts
+    it is an error, except `new_lr` and --device, which it changes, and NOT_THE_RUN's."""
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
         raise SystemExit(f"--resume: no run in {cfg.out}")
     try:
@@ -275,12 +259,10 @@ def run_config(cfg: Settings, typed: set[str] | None = None,
 # ----------------------------------------------------------------------------
 # --start_from
 
-# Settings that act only from step 1 on: a run may take its step 0 from a run that differs in
-# them (--start_from). Every other setting shapes the warm-up, the step-0 evaluation or the
-# random numbers they leave, and must match (--truncated among them: it decides whether a cut
-# final answer scores in the step-0 evaluation; --grad_clip: the warm-up's steps clip too). The
-# critics' settings are RL settings: a critic the start lacks begins fresh, as every critic
-# begins RL.
+# Settings that act only from step 1 on: --start_from may take step 0 from a run that differs
+# in them. Every other one shapes the warm-up, the step-0 evaluation or their random numbers
+# (--truncated: whether a cut answer scores; --grad_clip: the warm-up clips too). A critic the
+# start lacks begins fresh, as every critic begins RL.
 RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor", "weight_decay",
                "eps_low", "eps_high", "loss_agg", "ratio", "adv_group", "kl_coef",
                "role_kl", "balance", "one_step", "damping", "credit", "eval_every",
@@ -288,8 +270,8 @@ RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor
 
 
 def check_start(cfg: Settings) -> dict:
-    """--start_from: the start run's config, once it is known to differ from this run's in RL
-    settings only and its checkpoint to be of step 0, or its best one."""
+    """--start_from: the start run's config, once it differs from this run's in RL settings only
+    and its checkpoint is of step 0, or its best one."""
     where = cfg.start_from
     if os.path.exists(where) and not os.path.isdir(where):
         raise SystemExit(f"--start_from {where}: not a directory "
@@ -303,19 +285,16 @@ def check_start(cfg: Settings) -> dict:
     if os.path.exists(os.path.join(ckpt, "best.json")) and best is None:
         raise SystemExit(f"--start_from {where}: its best.json is not a best checkpoint's "
                          "(an integer step, a metric, a score and an evaluation)")
-    try:
-        state = load_state(ckpt)
-        for tensors in glob.glob(os.path.join(ckpt, "**", "*.safetensors"), recursive=True):
-            load_file(tensors)  # a torn adapter stops the launch here, before a file is written
-        saved = read_config(os.path.join(run, "config.json"), type(cfg))
-    except FileNotFoundError:
+    if not os.path.isfile(os.path.join(ckpt, "state.pt")):
         raise SystemExit(f"--start_from {where}: no run with a checkpoint there "
-                         "(train it with --steps 0)") from None
-    except SystemExit as e:  # its config.json, named
+                         "(train it with --steps 0)")
+    if why := unreadable(ckpt):  # a torn adapter stops the launch here, before a file is written
+        raise SystemExit(f"--start_from {where}: its run cannot be read: {why}")
+    try:
+        saved = read_config(os.path.join(run, "config.json"), type(cfg))
+    except SystemExit as e:
         raise SystemExit(f"--start_from {where}: {e}") from None
-    except Exception as e:  # a torn or foreign file: say so in one line
-        raise SystemExit(f"--start_from {where}: its run cannot be read "
-                         f"({type(e).__name__})") from None
+    state = load_state(ckpt)
     if not is_state(state):
         raise SystemExit(f"--start_from {where}: its state.pt is not a checkpoint's")
     if unknown := [f.name for f in dataclasses.fields(saved) if f.metadata["choices"]
@@ -340,9 +319,8 @@ def check_start(cfg: Settings) -> dict:
 
 
 def check_goes_on_from(cfg: Settings, start: Settings, where: str) -> None:
-    """Can a run of `cfg` take its step 0 from a run of `start` (in `where`)? A setting idle in
-    the start (ONLY_UNDER: --minibatch_size without a warm-up or mini-batch steps) did not shape
-    it, and may differ as RL settings may."""
+    """Can a run of `cfg` take its step 0 from a run of `start`? A setting idle in the start
+    (ONLY_UNDER) did not shape it, and may differ as RL settings may."""
     idle = idle_settings(start)
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(start, f.name)
