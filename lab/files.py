@@ -253,16 +253,13 @@ def close_tensorboard() -> None:
 def episode_samples(step: int, calls: list, outcomes, problems, rewards: list[float],
                     group_size: int, count: int) -> list[dict]:
     """samples.jsonl's episodes, the first of each of the first `count` groups, whole."""
-    rows = []
-    for e in list(range(0, len(problems), group_size))[:count]:
-        rows.append({"step": step, "episode": e, "problem": problems[e].id,
-                     "question": problems[e].question, "answer": problems[e].answer,
-                     "final": outcomes[e].final, "reward": rewards[e], "info": outcomes[e].info,
-                     "calls": [{"role": c.role, "slot": c.slot, "stage": c.stage,
-                                "prompt": c.prompt,
-                                "output": c.text, "reward": c.reward, "advantage": c.advantage}
-                               for c in calls if c.episode == e]})
-    return rows
+    return [{"step": step, "episode": e, "problem": problems[e].id,
+             "question": problems[e].question, "answer": problems[e].answer,
+             "final": outcomes[e].final, "reward": rewards[e], "info": outcomes[e].info,
+             "calls": [{"role": c.role, "slot": c.slot, "stage": c.stage, "prompt": c.prompt,
+                        "output": c.text, "reward": c.reward, "advantage": c.advantage}
+                       for c in calls if c.episode == e]}
+            for e in list(range(0, len(problems), group_size))[:count]]
 
 
 # ----------------------------------------------------------------------------
@@ -312,8 +309,6 @@ def take_lock(out: str) -> str:
     inside = os.path.relpath(os.path.realpath(out), os.path.realpath(PROJECT)).split(os.sep)[0]
     if inside in SOURCES:  # an --overwrite there would delete the project's own files
         return f"--out {out} is inside the project's {inside}/; choose one for the run (runs/NAME)"
-    if os.path.isdir(os.path.join(out, LOCK)):
-        return f"--out {out}: its {LOCK} is a directory, not a lock file; remove it"
     if home := enclosing_run(out):  # that run's next save or --overwrite would delete this one
         return f"--out {out} is inside the run in {home}; choose a directory outside it"
     if inner := run_below(out):  # that run could no longer be resumed inside this one
@@ -330,10 +325,12 @@ def take_lock(out: str) -> str:
         os.makedirs(out, exist_ok=True)
     except OSError as e:  # a name too long, a read-only file system
         return f"--out {out} cannot be made ({e.strerror})"
-    if os.path.islink(os.path.join(out, LOCK)):
-        return f"--out {out}: its {LOCK} is a symbolic link, not a lock file; remove it"
+    lock = os.path.join(out, LOCK)
+    if os.path.islink(lock) or os.path.isdir(lock):
+        kind = "symbolic link" if os.path.islink(lock) else "directory"
+        return f"--out {out}: its {LOCK} is a {kind}, not a lock file; remove it"
     # not inherited by the programs the run starts (PEP 446): the lock ends with this process
-    fd = os.open(os.path.join(out, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -8,13 +8,10 @@ peak memory, and the signals that ask a run to stop after a step all processes a
 Exercised by: pytest tests/test_train.py, tests/test_distributed.py, tests/test_bench.py
 """
 import ctypes
-import ctypes.util
 import os
 import re
-import resource
 import signal
 import sys
-import time
 from collections import defaultdict
 from itertools import chain
 from types import SimpleNamespace
@@ -26,11 +23,11 @@ from tqdm import tqdm
 
 
 # ----------------------------------------------------------------------------
-# Several processes (docs/torchrun.md): data parallel over problems; alone, each hands back its input
+# Several processes (docs/torchrun.md), data parallel over problems; alone, each returns its input
 
 
 def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the number of processes (0, 1 without torch.distributed)."""
+    """This process's rank and the number of processes."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -80,16 +77,13 @@ def sum_gradients(params: list[torch.Tensor]) -> None:
     so the sum is the mini-batch's gradient, as one process would have computed it."""
     if rank_and_world()[1] == 1:
         return
-    # one message, not one per tensor
-    flat = sum_across(torch.cat([p.grad.reshape(-1) for p in params]))
-    i = 0
-    for p in params:
-        p.grad.copy_(flat[i:i + p.numel()].view_as(p))
-        i += p.numel()
+    flat = sum_across(torch.cat([p.grad.reshape(-1) for p in params]))  # one message, not many
+    for p, summed in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(summed.view_as(p))
 
 
 # ----------------------------------------------------------------------------
-# Joining the processes, what they exchange in a step; threads, memory
+# Joining the processes; threads, memory
 
 
 def check_device(device: str) -> bool:
@@ -109,7 +103,7 @@ def check_device(device: str) -> bool:
 
 
 def alone() -> bool:
-    """Whether this process runs by itself, not under torchrun (WORLD_SIZE > 1)."""
+    """Whether this process runs by itself, not under torchrun."""
     return int(os.environ.get("WORLD_SIZE", "1")) == 1
 
 
@@ -136,8 +130,8 @@ def log(line: str) -> None:
 
 
 def run_main(main: Callable[[], object]) -> None:
-    """Run a script's `main`. Under torchrun the process then leaves without the interpreter's
-    shutdown, which gloo's threads could abort (SIGABRT) on CPU."""
+    """Run `main`; under torchrun then leave without the interpreter's shutdown, which gloo's
+    threads could abort (SIGABRT) on CPU."""
     if alone():
         main()
         return
@@ -175,12 +169,9 @@ PROCESSES = SimpleNamespace(share=share_of, sum=sum_across, sum_grads=sum_gradie
 
 
 def running_threads() -> int:
-    """Threads running or runnable on the machine right now, this one included (Linux)."""
-    try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return 1 << 30  # unknown: the load average alone decides
+    """Threads running or runnable on the machine right now, this one included."""
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[0])
 
 
 def pick_threads(requested: int, own_load: float) -> int:
@@ -195,15 +186,12 @@ def pick_threads(requested: int, own_load: float) -> int:
 
 
 def peak_memory_mb(device: str) -> float:
-    """Peak memory so far: the allocator's on CUDA, the process's RSS on CPU (VmHWM: ru_maxrss
-    carries over the parent's peak to a child, as lab/bench.py starts them)."""
+    """Peak memory so far: the allocator's on CUDA, else the process's RSS, as VmHWM (ru_maxrss
+    would carry over the parent's peak to a child, as lab/bench.py starts them)."""
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
-    except (OSError, AttributeError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
 
 
 def gpu_rngs(device: torch.device) -> list:
@@ -211,16 +199,12 @@ def gpu_rngs(device: torch.device) -> list:
     return [device] if device.type == "cuda" else []
 
 
-try:  # glibc, if this process runs on it (malloc_trim is glibc's own)
-    LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-except OSError:
-    LIBC = None
+LIBC = ctypes.CDLL(None)  # this process's C library: malloc_trim where it is glibc
 
 
 def release_free_memory() -> None:
-    """Give freed memory back to the system (glibc's malloc_trim): glibc keeps the backward's
-    activations in its heap, where the rollout's tensors of other sizes do not fit, so each
-    rollout's peak would sit on top of the update's leftovers."""
+    """Give freed memory back to the system: glibc keeps the backward's activations in its heap,
+    where the rollout's tensors of other sizes do not fit."""
     if hasattr(LIBC, "malloc_trim"):
         LIBC.malloc_trim(0)
 
@@ -239,7 +223,7 @@ def catch_stop_signals() -> None:
 
 def ask_to_stop(signum: int, frame: object = None) -> None:
     """The first signal is noted; a second stops the process at once, except under torchrun,
-    which passes on a signal its processes may have had already, and kills them 30 s later."""
+    which passes on a signal they may have had already, and kills them 30 s later."""
     if requested:
         if not alone():
             return
@@ -255,6 +239,5 @@ def ask_to_stop(signum: int, frame: object = None) -> None:
 
 
 def stop_requested() -> int:
-    """The signal that stops the run at this step's end, 0 for none; every process calls it at
-    the same points, so one's signal stops them all at the same step."""
+    """The signal that stops the run at this step's end (0: none), agreed by every process."""
     return max(gather_lists([requested[0] if requested else 0]))

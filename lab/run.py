@@ -1,8 +1,6 @@
 """A training run as the loop sees it: one object (`Run`) holding the run on disk and on its
-machine, so that train.py's loop makes a few calls a step and reads as the algorithm. The
-directory is written only once the model has loaded (`write_config`): a launch that fails leaves
---out as it was. A step at a time it logs, keeps the newest and the best checkpoint, stops the run
-after a signal or after steps that could not be applied, and estimates the time left.
+machine, so that train.py's loop reads as the algorithm. The directory is written only once the
+model has loaded (`write_config`): a launch that fails leaves --out as it was.
 
     python train.py --out runs/a --resume                   # on from its last checkpoint, exactly
     python train.py --steps 0 --sft_warmup 4 --out runs/start  # a warm-up and step-0 evaluation
@@ -37,12 +35,11 @@ class Run:
     """One run of train.py: its settings, processes, directory, logs, checkpoints and clock."""
 
     def __init__(self, cfg: Settings, typed: set[str] | None = None):
-        """Check the settings, join torchrun's processes, pick the threads, load the problems;
-        nothing is written yet."""
+        """Check the settings, join torchrun's processes, pick threads, load the problems."""
         self.cfg = check_settings(cfg, typed)
         self.device = join_processes(self.cfg.device)
         self.rank, self.world = rank_and_world()
-        self.procs = PROCESSES  # what the algorithm's passes exchange (rollout.ONE_PROCESS)
+        self.procs = PROCESSES
         torch.set_num_threads(pick_threads(self.cfg.threads, own_load=0.0))
         self.cfg, self.train_set, self.held_out = load_problems(self.cfg, self.world, typed)
         self.start_config = (check_start(self.cfg) if self.cfg.start_from and not self.cfg.resume
@@ -69,8 +66,7 @@ class Run:
     # ---- step 0
 
     def resume(self, state: TrainState) -> None:
-        """Load the newest checkpoint (the KL anchors' too) and cut the logs back to it; a resumed
-        run's config.json records the learning rates from now on (NEW_LR)."""
+        """Load the newest checkpoint and cut the logs back to it; config.json records NEW_LR."""
         out, steps = self.cfg.out, self.cfg.steps
         lrs = {k: getattr(self.cfg, k) for k in NEW_LR}
         start = state.load(out)
@@ -81,7 +77,7 @@ class Run:
         metrics_path, samples_path = (os.path.join(out, n)
                                       for n in ("metrics.jsonl", "samples.jsonl"))
         samples = read_jsonl(samples_path)  # a damaged line stops the resume before a log is cut
-        # every step writes its row before its checkpoint: the log holds steps 0 to `start`, once
+        # each step's row is written before its checkpoint: the log holds steps 0 to `start`, once
         rows = [row for row in read_jsonl(metrics_path) if row["step"] <= start]
         kept = [row["step"] for row in rows]
         if kept != list(range(start + 1)):
@@ -92,25 +88,24 @@ class Run:
                              f"each, as the checkpoint of step {start} does ({what}: a torn, lost "
                              "or repeated line); start the run again with --overwrite")
         if self.rank == 0:
-            # kept whatever its step: a peak past the checkpoint was evaluated all the same
-            restore_best(out, state.run_id)  # a damaged one stops the resume here, the logs whole
+            # best/ is kept whatever its step: a peak past the checkpoint was evaluated
+            restore_best(out, state.run_id)
             for path, lines in ((metrics_path, rows), (samples_path, samples)):
-                # the lines written after the checkpoint go
                 write_whole(path, "".join(json.dumps(row) + "\n" for row in lines
                                           if row["step"] <= start))
             write_whole(os.path.join(out, "config.json"),
                         json.dumps({**saved, **lrs, RUN_ID: state.run_id}, indent=2))
         barrier()
         evaluated = [row for row in rows if "eval/accuracy" in row]
-        if not evaluated or evaluated[0]["step"] != 0:
+        if "eval/accuracy" not in rows[0]:
             raise SystemExit(f"--resume: {metrics_path} lacks the evaluation before training "
                              "(step 0)")
         self.saved, self.first, self.last = start, evaluated[0], evaluated[-1]
         log(f"resuming {out} at step {start}")
 
     def begin(self, state: TrainState, first: dict) -> None:
-        """A new run's step 0 (`first`: its metrics row) logged, kept as the best so far and
-        saved: a run stopped after it resumes without its warm-up, and others start from it."""
+        """A new run's step 0 (`first`: its row) logged, kept as the best and saved: a run stopped
+        after it resumes without its warm-up, and others start from it."""
         self.first = self.last = first
         if self.rank == 0:
             write_whole(os.path.join(self.cfg.out, "metrics.jsonl"), json.dumps(first) + "\n")
@@ -124,8 +119,7 @@ class Run:
     # ---- the training steps
 
     def steps(self):
-        """The steps to train, each timed from `t0`; torch's threads chosen again after each, this
-        process's own load being its CPU time over the step's wall time."""
+        """The steps to train, each timed from `t0`; torch's threads chosen again after each."""
         cfg = self.cfg
         if self.saved < cfg.steps and (stop := stop_requested()):
             stop_run(cfg.out, self.saved, self.saved, stop)
@@ -136,20 +130,18 @@ class Run:
             self.t0 = time.time()
             release_free_memory()  # what the last update freed, before this rollout
             yield step
-            own_load = (time.process_time() - cpu_before) / (time.time() - self.t0)
+            own_load = (time.process_time() - cpu_before) / (time.time() - self.t0)  # CPU/wall
             torch.set_num_threads(pick_threads(cfg.threads, own_load))
             cpu_before = time.process_time()
 
     def evaluate_due(self, step: int) -> bool:
-        """Whether the workflow is evaluated after `step`; if so, the freed memory goes back first."""
-        due = is_eval_step(self.cfg, step)
-        if due:
+        """Whether the workflow is evaluated after `step`; if so, freed memory goes back first."""
+        if due := is_eval_step(self.cfg, step):
             release_free_memory()
         return due
 
     def log(self, row: dict, episodes: tuple) -> None:
-        """A step's row (time and peak memory added), its first episodes (`episodes`: calls,
-        outcomes, problems, rewards) and its line."""
+        """A step's row, its first episodes (calls, outcomes, problems, rewards) and its line."""
         cfg = self.cfg
         row["time/step"] = time.time() - self.t0
         row["mem/peak_mb"] = max(self.procs.gather([peak_memory_mb(self.device)]))
@@ -172,12 +164,11 @@ class Run:
         log(line)
 
     def save(self, state: TrainState, row: dict) -> None:
-        """out/best when the step's evaluation beats the best so far, out/ckpt every --save_every
-        steps and at the end; then stop after a signal, or after NONFINITE_STOP steps in a row with
-        a mini-batch not applied (such a step saves nothing: the last save is from before it)."""
+        """out/best, out/ckpt every --save_every steps and at the end, then stop after a signal or
+        NONFINITE_STOP non-finite steps (which save nothing: the last save is from before them)."""
         cfg, step = self.cfg, row["step"]
         if "time/eval" in row:
-            state.keep_best(cfg.out, row)  # out/best: the peak so far
+            state.keep_best(cfg.out, row)
         self.nonfinite = self.nonfinite + 1 if any(
             v for k, v in row.items() if k.endswith("skipped_nonfinite")) else 0
         stop = stop_requested() if step < cfg.steps else 0  # Ctrl-C or SIGTERM, in any process
@@ -203,9 +194,8 @@ class Run:
 
 def load_problems(cfg: Settings, world: int,
                   typed: set[str] | None = None) -> tuple[Settings, list, dict[str, list]]:
-    """cfg, the training pool and the held-out problems, {"eval": test, "val": val}. A split
-    smaller than asked (HumanEval's 164) is refused where the number was given; a default becomes
-    what the split holds, in the cfg returned."""
+    """cfg, the training pool and {"eval": test, "val": val}. A split smaller than asked is
+    refused where the number was given; a default becomes what the split holds."""
     if cfg.problems_per_step < world:
         raise SystemExit(f"--problems_per_step {cfg.problems_per_step}: fewer problems than "
                          f"the {world} processes; every process needs at least one")
@@ -246,7 +236,7 @@ def evals_after(cfg: Settings, step: int) -> int:
 
 
 def eval_steps_text(cfg: Settings) -> str:
-    """The evaluated steps as the plan says them: all of them, or the first and the last few."""
+    """The evaluated steps as the plan says them: all, or the first and the last few."""
     shown = [s for s in range(min(cfg.steps, 6 * max(cfg.eval_every, 1)) + 1)
              if is_eval_step(cfg, s)]
     if evals_after(cfg, 0) + 1 <= 7:
@@ -284,8 +274,8 @@ def plan(cfg: Settings, device: str) -> str:
 
 def estimate_minutes(cfg: Settings, eval_seconds: float, step_seconds: list[float],
                      step: int) -> float:
-    """Minutes left after `step`: the mean step so far (before any, guessed from the evaluation's
-    episodes, the update costing half as much again), plus the evaluations to come."""
+    """Minutes left after `step`: the mean step so far (before any, guessed from an evaluation's
+    episodes, the update half as much again), plus the evaluations to come."""
     episodes = (cfg.eval_problems + cfg.val_problems) * (cfg.eval_samples
                                                          if evaluation_samples(cfg) else 1)
     per_episode = eval_seconds / episodes  # an evaluation's: test and val, each sample
@@ -295,15 +285,14 @@ def estimate_minutes(cfg: Settings, eval_seconds: float, step_seconds: list[floa
 
 
 # ----------------------------------------------------------------------------
-# The end of a run, and stopping early: after a signal or after steps that could not be applied
+# The end of a run, and stopping early
 
-# training steps in a row with a mini-batch not applied (a non-finite loss or gradient)
-NONFINITE_STOP = 3
+NONFINITE_STOP = 3  # steps in a row with a mini-batch not applied (non-finite loss or gradient)
 
 
 def leave_processes() -> None:
-    """Let the run's directory go; under torchrun leave the process group once every process is
-    done with it (gloo aborts a process whose group is torn down while another uses it)."""
+    """Let the directory go; leave torchrun's group once every process is done with it (gloo
+    aborts a process whose group is torn down while another uses it)."""
     close_tensorboard()
     unlock_run()
     if rank_and_world()[1] > 1:
