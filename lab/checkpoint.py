@@ -28,9 +28,7 @@ from lab.machine import barrier, gather_lists, rank_and_world
 from lab.files import RUN_ID, fsync, read_jsonl, write_files
 from lora import adapter_files, adapter_names, load_adapter_state, load_adapters
 
-# the best step is chosen on the validation split; never on test (a run without val keeps none)
-BEST_METRIC = "val/accuracy"
-# what TrainState.save writes in state.pt
+BEST_METRIC = "val/accuracy"  # never test: a peak chosen on test would flatter its test score
 STATE_KEYS = ("step", "optimizers", "schedulers", "torch_rngs", "cuda_rngs", "py_rng", "emas")
 
 
@@ -67,17 +65,14 @@ class TrainState:
                     "cuda_rngs": cuda_rngs,  # of each process's own GPU
                     "py_rng": self.rng.getstate(),
                     "emas": self.emas}, state)
-        files = adapter_files(self.model)  # one PEFT LoRA directory per adapter, critics' included
-        # a critic's directory also holds its value head
+        files = adapter_files(self.model)  # a PEFT LoRA directory per adapter, critics' included
         files |= {os.path.join(name, "value_head.safetensors"): save(head.state_dict())
                   for name, head in self.heads.items()}
         files |= {"best.json": json.dumps(best, indent=2).encode()} if best else {}
-        # written here, not by torch.save or safetensors, whose errors do not say a disk is full;
-        # a write that fails removes tmp and stops the run, the last checkpoint kept whole
+        # written here, not by torch.save or safetensors, whose errors do not say a disk is full
         write_files(tmp, files | {"state.part": state.getvalue()})
         os.replace(os.path.join(tmp, "state.part"), os.path.join(tmp, "state.pt"))  # tmp is whole
         fsync(tmp)
-        # the swap: a crash leaves the old or the new checkpoint whole (whole_checkpoint finds it)
         shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash after a swap
         if os.path.exists(final):
             os.replace(final, final + ".old")
@@ -102,7 +97,6 @@ class TrainState:
         returns its step."""
         path = os.path.join(out, "ckpt")
         rank0 = rank_and_world()[0] == 0  # only rank 0 puts a checkpoint back in place
-        # a run without any checkpoint was refused before its model loaded (has_checkpoint)
         if rank0 and not whole_checkpoint(path) and not os.path.exists(f"{path}/state.pt"):
             raise SystemExit(f"--resume: no checkpoint in {out} reads back whole (a save was torn "
                              "or damaged); start the run over with --overwrite")
@@ -140,8 +134,7 @@ class TrainState:
 
     def load_start(self, where: str, sharing: str, saved: dict) -> dict:
         """--start_from: the start's adapters (a shared one copied into each role's), critics and
-        random states; `saved`: its config. Returns its step-0 row (a best checkpoint's
-        evaluation)."""
+        random states; `saved`: its config. Returns its step-0 row."""
         run, path = start_checkpoint(where)
         state = load_state(path)
         fresh = {n for n in self.heads if not os.path.isdir(os.path.join(path, n))}  # start lacks
@@ -234,9 +227,8 @@ def unreadable(path: str) -> str:
 
 
 def whole_checkpoint(final: str) -> bool:
-    """Put the newest checkpoint that reads back whole in place as `final`: final.tmp (a save
-    that crashed before its swap), else final, else final.old; False when none does."""
-    for path in (final + ".tmp", final, final + ".old"):
+    """Put the newest checkpoint that reads back whole in place as `final`; False if none does."""
+    for path in (final + ".tmp", final, final + ".old"):  # .tmp: a save that crashed in its swap
         if unreadable(path):
             continue
         if path != final:

@@ -67,8 +67,7 @@ def write_bytes(path: str, flags: int, data: bytes) -> None:
 
 
 def write_whole(path: str, text: str) -> None:
-    """Write a file through a rename: a kill, a power loss or a full disk leaves the old or the
-    new, and no temporary file."""
+    """Write a file through a rename: a kill or a full disk leaves the old or the new."""
     tmp = path + ".tmp"
     try:
         if os.path.lexists(tmp):  # left by a kill, or planted
@@ -82,8 +81,7 @@ def write_whole(path: str, text: str) -> None:
 
 
 def write_files(directory: str, files: dict[str, bytes]) -> None:
-    """A new directory holding `files` (a path in it -> its bytes), on the disk when it returns;
-    removed if a write fails."""
+    """A new directory of `files` (path -> bytes) on the disk; removed if a write fails."""
     path = directory
     try:
         for name, data in files.items():
@@ -156,9 +154,8 @@ def config_run_id(out: str) -> str:
 
 
 def load_run(run_dir: str, workflows: dict) -> tuple[dict, list[dict]]:
-    """A run's config and its metrics rows, from step 0. Each setting of READ must be there, of
-    its type (a lost one would take a default: a Voting run read as Eval-Opt), its workflow one of
-    `workflows`, every metric a number."""
+    """A run's config and its metrics rows, checked: a lost setting of READ would take a default
+    (a Voting run read as Eval-Opt)."""
     if not run_dir:
         raise SystemExit("a run directory's name is empty: name the run")
     for name in ("metrics.jsonl", "config.json"):
@@ -175,7 +172,7 @@ def load_run(run_dir: str, workflows: dict) -> tuple[dict, list[dict]]:
     if config["workflow"] not in workflows:
         raise SystemExit(f"{run_dir}/config.json: workflow {config['workflow']!r} is not one of "
                          f"{', '.join(workflows)}")
-    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))  # a torn last line is dropped
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     if not rows:
         raise SystemExit(f"{run_dir}: metrics.jsonl is empty (the run has not logged a step yet)")
     for row in rows:
@@ -200,7 +197,6 @@ def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> N
     """A metrics row's numbers as TensorBoard scalars in <out>/tb, and the step's episodes as text.
     purge_step: after --resume, TensorBoard drops what was written past the checkpoint."""
     from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
     try:
         if out not in tb_writers:
             threading.excepthook = quiet_tensorboard_thread
@@ -208,7 +204,6 @@ def tensorboard_row(out: str, row: dict, samples: list[dict] | None = None) -> N
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 tb_writers[out].add_scalar(key, value, row["step"])
-        # a tag per place in the step's list: a slider over steps
         for k, episode in enumerate(samples or []):
             tb_writers[out].add_text(f"episodes/{k}", transcript(episode), row["step"])
         tb_writers[out].flush()
@@ -240,8 +235,8 @@ def transcript(episode: dict, limit: int = 600) -> str:
 
 
 def code_block(text: str, limit: int) -> str:
-    cut = (text if len(text) <= limit
-           else text[:limit] + f" [... {len(text) - limit} more characters]")
+    more = f" [... {len(text) - limit} more characters]" if len(text) > limit else ""
+    cut = text[:limit] + more
     return "\n".join("    " + line for line in cut.splitlines() or [""])
 
 
@@ -279,9 +274,8 @@ held_locks: list[int] = []  # the lock file this process holds (one run at a tim
 
 
 def lock_run(out: str) -> None:
-    """Hold --out for the run's life, before anything in it is touched: flock on out/.lock, which
-    the kernel drops however the process ends (kill -9 leaves no stale lock). Under torchrun rank
-    0 holds it, and every process stops alike."""
+    """Hold --out for the run's life with flock on out/.lock, which the kernel drops however the
+    process ends (kill -9 leaves no stale lock); under torchrun rank 0 holds it."""
     error = ""
     if rank_and_world()[0] == 0:
         unlock_run()  # this process's earlier run (an earlier train.main) is over
@@ -372,8 +366,7 @@ def enclosing_run(out: str) -> str:
 
 
 def run_below(out: str, depth: int = 4) -> str:
-    """A run directory at most `depth` levels below `out` (a demo grid's cells are four below
-    runs/), or ""."""
+    """A run directory at most `depth` levels below `out` (a demo grid's cells are four), or ""."""
     top = os.path.abspath(out).rstrip(os.sep).count(os.sep)
     for root, dirs, _ in os.walk(out):
         if root != out and holds_run(root):
@@ -390,8 +383,7 @@ def unlock_run() -> None:
 
 
 def check_run_dir(out: str, overwrite: bool) -> list[str]:
-    """The run files already in --out. Touches nothing: a launch that fails later leaves the old
-    run as it was."""
+    """The run files already in --out; touches nothing."""
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if held and not holds_run(out):  # a run's names, but no run: --overwrite would delete them
         raise SystemExit(f"--out {out} holds {', '.join(held)} but no run (no run's config.json "
@@ -415,8 +407,7 @@ def writable(directory: str, what: str) -> None:
 
 
 def start_run_dir(out: str, held: list[str], config: dict) -> None:
-    """Clear the old run's own files and what diagnose.py made of them (--overwrite; nothing else
-    in the directory), write the config."""
+    """Clear the old run's own files and diagnose.py's (--overwrite), write the config."""
     derived = [os.path.join(out, f) for f in DERIVED if os.path.exists(os.path.join(out, f))]
     derived = derived if held else []  # a directory without a run keeps what is in it
     # config.json last: a directory left half cleared by a kill is still known as a run

@@ -32,12 +32,11 @@ def arg(default, help: str, choices: tuple | None = None, bounds: str = ""):
     return field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
 
 
-# --help: the flags a first week changes (those of the README's commands); --help-all: every flag
+# --help: the flags a first week changes (the README's); --help-all: every flag, in SECTIONS
 TUTORIAL = {"workflow", "sharing", "algo", "critic", "critic_per", "lam", "model", "task", "level",
             "steps", "problems_per_step", "group_size", "max_new_tokens", "lr", "lora_r",
             "eval_problems", "eval_every", "seed", "out", "resume", "overwrite", "threads",
             "one_step", "balance", "damping", "role_kl", "micro_batch_tokens"}
-# both in these groups; each group starts at the field named here
 SECTIONS = {"workflow": "what to train", "steps": "rollout", "lr": "optimisation",
             "balance": "mitigations of Paper A's failure modes (docs/mechanisms.md)",
             "critic": "actor-critic (--algo maac, critic.py)", "lora_r": "LoRA",
@@ -114,8 +113,7 @@ def idle_settings(cfg: Settings) -> dict[str, str]:
 
 
 def chosen(cfg: Settings, typed: set[str] | None, name: str) -> bool:
-    """Whether setting `name` was typed, or, for a Config built in Python (typed None), unlike
-    its default."""
+    """Whether setting `name` was typed, or (typed None: a Config built in Python) not default."""
     return name in typed if typed is not None else getattr(cfg, name) != getattr(type(cfg), name)
 
 
@@ -128,8 +126,8 @@ def in_bounds(value: float, bounds: str) -> bool:
 
 
 def read_config(path: str, config: type) -> Settings:
-    """A run's config.json as a `config`: every setting there, each of its type, or one line
-    naming the file (a lost setting would take its default: a Voting run resumed as Eval-Opt)."""
+    """A run's config.json as a `config`, every setting there and of its type (a lost one would
+    take its default: a Voting run resumed as Eval-Opt)."""
     saved = read_config_json(path)
     fields = {f.name: f.type for f in dataclasses.fields(config)}
     if unknown := sorted(set(saved) - set(fields) - {RUN_ID}):
@@ -182,7 +180,7 @@ def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
     if cfg.resume and cfg.overwrite:
         raise SystemExit("--resume continues the run in --out and --overwrite starts it over: "
                          "give one")
-    if cfg.resume:  # the run's saved config, from its newest checkpoint on
+    if cfg.resume:
         cfg = run_config(cfg, typed)
         if not has_checkpoint(cfg.out):
             raise SystemExit(f"--resume: {cfg.out} has no checkpoint (the run stopped before its "
@@ -199,7 +197,7 @@ def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
     if cfg.credit == "own" and TASK_KIND[cfg.task] != "math":
         raise SystemExit(f"--credit own: task {cfg.task} has no per-call verifier "
                          "(its answers are programs); use --credit final")
-    cfg = with_task_tokens(cfg)  # resolved here once (a resumed run's config holds it)
+    cfg = with_task_tokens(cfg)
     lora_targets(cfg)  # stops here on an empty or repeated layer name
     return cfg
 
@@ -207,16 +205,14 @@ def check_settings(cfg: Settings, typed: set[str] | None) -> Settings:
 # ----------------------------------------------------------------------------
 # --resume: the run's own config
 
-# Flags that say where and how a run is executed, not what it is: --resume may change them
-# (a run started on a GPU goes on on a CPU with --device cpu).
+# Where and how a run is executed, not what it is: --resume may change them
 NOT_THE_RUN = ("out", "resume", "overwrite", "threads", "device")
-# And the learning rates, from the step it resumes at on (a run stopped by non-finite steps).
+# And the learning rates, from the step it resumes at on (a run stopped by non-finite steps)
 NEW_LR = ("lr", "critic_lr")
 
 
 def run_id(cfg: Settings) -> str:
-    """The run's id, as config.json and checkpoints record it: a resumed run's own, else a hash
-    of its settings (NOT_THE_RUN's aside)."""
+    """A resumed run's own id, else a hash of the settings (NOT_THE_RUN's aside)."""
     if cfg.resume and (saved := config_run_id(cfg.out)):
         return saved
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_THE_RUN}
@@ -236,8 +232,7 @@ def typed_flags(argv: list[str]) -> set[str]:
 
 def run_config(cfg: Settings, typed: set[str] | None = None,
                new_lr: tuple[str, ...] = NEW_LR) -> Settings:
-    """The saved config of the run in --out, as --resume takes it: a chosen flag that contradicts
-    it is an error, except `new_lr` and --device, which it changes, and NOT_THE_RUN's."""
+    """The saved config of the run in --out; a chosen flag changes only `new_lr` and --device."""
     if not os.path.exists(os.path.join(cfg.out, "config.json")):
         raise SystemExit(f"--resume: no run in {cfg.out}")
     try:
@@ -270,8 +265,8 @@ RL_SETTINGS = ("start_from", "sharing", "steps", "lr", "warmup_steps", "lr_floor
 
 
 def check_start(cfg: Settings) -> dict:
-    """--start_from: the start run's config, once it differs from this run's in RL settings only
-    and its checkpoint is of step 0, or its best one."""
+    """--start_from: the start's config, once known to differ in RL settings only, its
+    checkpoint of step 0 or its best one."""
     where = cfg.start_from
     if os.path.exists(where) and not os.path.isdir(where):
         raise SystemExit(f"--start_from {where}: not a directory "
@@ -319,8 +314,7 @@ def check_start(cfg: Settings) -> dict:
 
 
 def check_goes_on_from(cfg: Settings, start: Settings, where: str) -> None:
-    """Can a run of `cfg` take its step 0 from a run of `start`? A setting idle in the start
-    (ONLY_UNDER) did not shape it, and may differ as RL settings may."""
+    """Whether `cfg` may start from `start`; a setting idle in the start did not shape it."""
     idle = idle_settings(start)
     for f in dataclasses.fields(cfg):
         given, old = getattr(cfg, f.name), getattr(start, f.name)
