@@ -228,16 +228,16 @@ def unreadable(path: str) -> str:
 
 def whole_checkpoint(final: str) -> bool:
     """Put the newest checkpoint that reads back whole in place as `final`; False if none does."""
-    for path in (final + ".tmp", final, final + ".old"):  # .tmp: a save that crashed in its swap
-        if unreadable(path):
-            continue
-        if path != final:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(path, final)
-        for other in (final + ".tmp", final + ".old"):  # torn or older: never read
-            shutil.rmtree(other, ignore_errors=True)
-        return True
-    return False
+    # .tmp: a save that crashed in its swap
+    path = next((p for p in (final + ".tmp", final, final + ".old") if not unreadable(p)), None)
+    if path is None:
+        return False
+    if path != final:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(path, final)
+    for other in (final + ".tmp", final + ".old"):  # torn or older: never read
+        shutil.rmtree(other, ignore_errors=True)
+    return True
 
 
 def restore_best(out: str, run_id: str) -> None:

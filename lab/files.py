@@ -347,12 +347,10 @@ def holds_run(path: str) -> bool:
     or a checkpoint (pytest, among others, keeps a .lock in its directories)."""
     try:
         names = set(os.listdir(path))
-        with open(os.path.join(path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = read_config_json(os.path.join(path, "config.json"))
+    except (OSError, SystemExit):  # no directory, no config of a run
         return False
-    return (isinstance(config, dict) and set(READ) <= set(config)
-            and bool(names & {LOCK, "metrics.jsonl", "ckpt", "best"}))
+    return set(READ) <= set(config) and bool(names & {LOCK, "metrics.jsonl", "ckpt", "best"})
 
 
 def enclosing_run(out: str) -> str:
