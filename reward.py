@@ -2,14 +2,13 @@ r"""Verifiable rewards: a final text and a problem (tasks.py) in, 1 (right) or 0
 without any learned judge.
 
 Math. Like Paper A (Zeng et al. 2026, arXiv 2605.24202) the *last* \boxed{...} is compared with the
-gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" == "\frac{7}{2}", "1,000" ==
-"1{,}000" == "1000", ".5" == "0.5", "1.5e3" == "1500"); else with sympy ("\frac{\sqrt{2}}{2}" ==
-"1/\sqrt{2}", "2(x+1)" == "2x+2", "1,000,000" == "10^6"). A set of answers matches in any order
-("\{1, 2\}" == "2, 1"); a tuple "(1, 2)" does not. Sympy sees only short strings of numbers, single
+gold answer by value: exactly (`Fraction`) for plain numbers ("3.50" == "\frac{7}{2}", "1{,}000" ==
+"1000", ".5" == "0.5", "1.5e3" == "1500"); else with sympy ("\frac{\sqrt{2}}{2}" == "1/\sqrt{2}",
+"2(x+1)" == "2x+2", "1,000,000" == "10^6"), which sees only short strings of numbers, single
 letters, sqrt, pi and + - * / ^ with no power inside an exponent, evaluated at fixed points to 30
-digits rather than simplified: a call takes milliseconds and cannot hang. Departure: with no
-complete \boxed{}, the last number in the text is the answer (a tiny model often omits the box);
-`strict=True` switches that off.
+digits: a call takes milliseconds and cannot hang. A set of answers matches in any order
+("\{1, 2\}" == "2, 1"); a tuple "(1, 2)" does not. Departure: with no complete \boxed{}, the last
+number in the text is the answer (a tiny model often omits the box); `strict=True` turns it off.
 
 Units. Both sides first lose $...$, \$, ^\circ, a percent sign and the units or words that trail a
 value, as the MATH graders do (Hendrycks et al. 2021; Minerva's normalize_final_answer, Lewkowycz
@@ -18,11 +17,8 @@ a unit goes only from the end and only after a value ("\text{no solution}" keeps
 lone letter is a unit only in text mode ("5\text{ m}" == "5", but "2x" stays a product), nothing is
 converted ("50 cents" != "0.5"), and as in MATH "50\%" == "50" but != "0.5".
 
-Code. The last fenced python block runs in sandbox.py, never in the trainer's process, against
-every test of the problem; 1.0 only if all pass.
-
-Each call's reward. `credit_calls` decides, in one place, what every call of a workflow is paid (the
-episode's outcome broadcast, as Paper A does, or each call's own part).
+Code. The last fenced python block runs in sandbox.py against every test; 1.0 only if all pass.
+`credit_calls` decides, in one place, what every call of a workflow is paid.
 
     pytest tests/test_reward.py tests/test_datasets.py
 """
@@ -101,8 +97,7 @@ def _normalise(s: str) -> str:
 
 
 def _drop_units(s: str) -> str:
-    """s less the units that trail a value ("4\\sqrt{2} square units"); s itself when what they
-    trail is no value ("\\text{no solution}" keeps its words)."""
+    """s less the units that trail a value ("4\\sqrt{2} square units"), if a value is left."""
     head = s.rstrip()
     while m := TEXT_UNIT.search(head) or BARE_UNIT.search(head):
         if m.re is TEXT_UNIT and not all(len(w) > 1 or w in UNIT_LETTERS
@@ -134,7 +129,6 @@ def _value(s: str) -> Fraction | None:
 
 
 def _closing(s: str, i: int) -> int | None:
-    """Index of the '}' that closes the '{' at s[i]."""
     depth = 0
     for j in range(i, len(s)):
         depth += {"{": 1, "}": -1}.get(s[j], 0)
@@ -188,7 +182,7 @@ def _sympy_expr(s: str):
 
 
 def _sympy_equal(p: str, g: str) -> bool:
-    """Equal as expressions: the same value, to 1e-9, at 3 fixed points (1 without variables)."""
+    """The same value, to 1e-9, at 3 fixed points (1 without variables)."""
     try:
         a, b = _sympy_expr(p), _sympy_expr(g)
         if a is None or b is None:
@@ -208,7 +202,7 @@ def _sympy_equal(p: str, g: str) -> bool:
 
 
 def math_equal(pred: str | None, gold: str) -> bool:
-    """True when pred and gold are the same number, expression, or normalised string."""
+    """The same number, expression, set of answers or normalised string."""
     if pred is None:
         return False
     p, g = _normalise(pred), _normalise(gold)
@@ -245,7 +239,7 @@ def _elements(s: str) -> list[str]:
 
 
 def _same_elements(ps: list[str], gs: list[str]) -> bool:
-    """The same answers in any order, each pair compared by math_equal."""
+    """The same answers in any order."""
     if len(ps) != len(gs) or len(gs) > MAX_ELEMENTS:
         return False
     left = list(ps)
@@ -258,7 +252,6 @@ def _same_elements(ps: list[str], gs: list[str]) -> bool:
 
 
 def math_reward(text: str, gold: str, strict: bool = False) -> float:
-    """1.0 if the completion's final answer equals gold, else 0.0."""
     return 1.0 if math_equal(extract_answer(text, strict), gold) else 0.0
 
 
@@ -275,9 +268,9 @@ def extract_code(text: str) -> str | None:
 
 
 def code_reward(text: str, problem: Problem, timeout: float = CODE_TIMEOUT) -> float:
-    """1.0 if the text's last python block passes every test of the problem, else 0.0. A sandbox
-    error (a broken problem, judge or machine) scores 0 too, and is said (once a problem and
-    reason): else every program scoring 0 would look like a policy that learns nothing."""
+    """1.0 if the text's last python block passes every test. A sandbox error (a broken problem,
+    judge or machine) scores 0 too, and is said: else it would look like a policy that learns
+    nothing."""
     code = extract_code(text)
     if code is None:
         return 0.0
@@ -348,15 +341,14 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
 
 
 def cut_finals(calls: list, finals: list[str]) -> list[bool]:
-    """Whether each episode's final answer is the text of one of its calls that the length limit
-    cut: an unfinished answer, scored 0 unless --truncated keep."""
+    """Whether each episode's final answer is a call's text that the length limit cut."""
     cut = {(c.episode, c.text) for c in calls if c.truncated}
     return [(e, final) in cut for e, final in enumerate(finals)]
 
 
 def read_by(calls: list) -> list[tuple]:
     """Each judging call (evaluator, aggregator, synthesizer) with the solutions it read: the
-    solving calls of its episode one stage before it, in slot order."""
+    scored calls of its episode one stage before it, in slot order."""
     made = {}
     for c in calls:
         if c.own_score is not None:
@@ -367,7 +359,6 @@ def read_by(calls: list) -> list[tuple]:
 
 
 def verdicts(calls: list) -> list[tuple]:
-    """Each evaluator call that read a scored solution, and whether its verdict agrees with the
-    verifier on that solution."""
+    """Each evaluator call that read a scored solution, and whether the verifier agrees."""
     return [(c, parse_verdict(c.text)[0] == (read[0].own_score == 1.0))
             for c, read in read_by(calls) if c.role == "evaluator"]

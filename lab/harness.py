@@ -1,16 +1,13 @@
 """What runs inside the code sandbox (sandbox.py), and the judge of assert-style tests outside it.
 
-Each run of sandbox.run_code executes a read-only copy of this file alone, as
-`python -I -S harness.py <report fd>`, with nothing of the project beside it. It reads its job
-(code, the tests' inputs or the judge's pipes, nonce, limits, uid) from stdin, applies the limits,
-drops to the uid, runs the tests, then writes "<nonce> <tests passed>" to the report fd and exits 0;
-any failure exits 1 with no such line. The same copy, run as
-`python -I harness.py judge <requests fd> <replies fd>` by the trainer's interpreter outside the
-sandbox, is an assert-style problem's judge: it runs the tests and asks the sandboxed program
-(run_assert) for each call of the candidate's function, reading each reply as plain data only
-(encode, decode); its exit status is that problem's verdict. The sandbox may run the harness on
-the system python3 (when a fresh uid cannot read the trainer's): standard library and Python 3.8
-syntax only.
+sandbox.run_code runs a read-only copy of this file alone, as `python -I -S harness.py <report
+fd>`: it reads its job (code, the tests' inputs or the judge's pipes, nonce, limits, uid) from
+stdin, applies the limits, drops to the uid, runs the tests, then writes "<nonce> <tests passed>"
+to the report fd and exits 0; any failure exits 1 with no such line. Run outside the sandbox as
+`python -I harness.py judge <requests fd> <replies fd>`, it is an assert-style problem's judge: it
+runs the tests and asks the sandboxed program (run_assert) for each call of the candidate's
+function, reading each reply as plain data only (encode, decode); its exit status is the verdict.
+Standard library and Python 3.8 syntax only: the sandbox may run it on the system python3.
 
     pytest tests/test_sandbox.py
 """
@@ -33,9 +30,8 @@ JUDGE_MEMORY = 1 << 30  # the judge's address space
 
 def encode(x, depth=0):
     """Plain data as JSON: numbers, strings, None and lists as they are; a tuple, set, frozenset,
-    dict, bytes, complex number, range or long int as {"<its type>": ...}; an iterator (a
-    generator, a map) as {"iter": [what it yields]}. Anything else is refused, a subclass of a
-    builtin type too (its __eq__ could always say yes)."""
+    dict, bytes, complex, range or long int as {"<its type>": ...}; an iterator as {"iter": [...]}.
+    Anything else is refused, a subclass of a builtin too (its __eq__ could always say yes)."""
     t = type(x)
     if t is int and x.bit_length() > BIG_BITS:
         return {"int": format(x, "x")}
@@ -93,8 +89,7 @@ def decode(x, depth=0):
 
 def run_assert(job, report):
     """Serve an assert-style problem's judge: each request one call of the candidate's function,
-    each reply its result as plain data. Returns the calls served (the judge's verdict does not
-    need them)."""
+    each reply its result as plain data. Returns the calls served."""
     ns = {"__name__": "__main__", "__builtins__": builtins}
     exec(compile(job["setup"], "<setup>", "exec"), ns)  # the prompt: its imports and helpers
     exec(compile(job["code"], "<code>", "exec"), ns)
@@ -110,8 +105,8 @@ def run_assert(job, report):
 
 
 def run_case(code, i, report, inputs, answers):
-    """One stdin/stdout run in a forked child, its stdout the trainer's file for test i (inherited);
-    returns its exit status (0: the program ended cleanly)."""
+    """Test i in a forked child, its stdout the trainer's file for it; 0 if the program ended
+    cleanly."""
     os.close(report)
     os.dup2(inputs[i], 0)
     os.dup2(answers[i], 1)
@@ -156,6 +151,7 @@ def run_call(job, report):
 
 # mount(2) flags: a remount keeps a mount's own flags (a user namespace may not drop them)
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+CLONE_NEWNS, CLONE_NEWUSER = 0x20000, 0x10000000
 KEPT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
               "relatime": 1 << 21}
 
@@ -163,8 +159,7 @@ KEPT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime
 def private_scratch(size, uid, hidden):
     """In the run's own mount namespace: every mount read-only, an empty tmpfs of `size` bytes over
     /tmp, /var/tmp and /dev/shm, the working directory moved into the private /tmp, and each
-    directory of `hidden` covered by an empty read-only tmpfs where it can be. The program can
-    write only into that scratch space, which vanishes with it, and the trainer's answer files."""
+    directory of `hidden` covered by an empty read-only tmpfs where it can be."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -193,22 +188,12 @@ def private_scratch(size, uid, hidden):
         os.chown("/tmp/work", uid, uid)
     os.chdir("/tmp/work")
     os.environ["HOME"] = "/tmp/work"
-    if uid is None:  # no fresh uid to drop to: the program would be root in these namespaces
-        lock_mounts(libc)
-
-
-CLONE_NEWNS, CLONE_NEWUSER = 0x20000, 0x10000000
-
-
-def lock_mounts(libc):
-    """Enter a user and mount namespace nested in the run's own. The kernel locks every mount
-    copied into a namespace less privileged than the one that made it (mount_namespaces(7)): the
-    program, with every capability of the nested namespace, can neither remount a read-only mount
-    writable nor unmount the private /tmp or /proc to reach what they cover. No uid is mapped in
-    it (/proc is read-only by now): its files keep the uid they had, and its capabilities reach no
-    file (user_namespaces(7))."""
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
-        import ctypes
+    # No fresh uid to drop to: the program would be root in these namespaces. In a user and mount
+    # namespace nested in them the kernel locks every mount copied from the more privileged one
+    # (mount_namespaces(7)): it can neither remount a read-only mount writable nor unmount the
+    # private /tmp or /proc to reach what they cover. No uid is mapped in it (/proc is read-only
+    # by now): its capabilities reach no file (user_namespaces(7)).
+    if uid is None and libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
         raise OSError(ctypes.get_errno(), "cannot lock the sandbox's mounts")
 
 
@@ -243,9 +228,8 @@ class NoReply(Exception):
 
 class Candidate:
     """What the judge's tests call in place of the candidate's function: each call a request to
-    the sandboxed program (run_assert), its reply taken as data only. It keeps the worst that
-    went wrong (`trouble`: a test that catches the exception is not believed) and how many calls
-    were answered."""
+    the sandboxed program (run_assert). `trouble` keeps the worst that went wrong (a test that
+    catches the exception is not believed)."""
 
     def __init__(self, requests, replies):
         self.ask, self.hear = os.fdopen(requests, "wb"), os.fdopen(replies, "rb")
