@@ -71,9 +71,7 @@ def extract_answer(text: str, strict: bool = False) -> str | None:
     boxes = boxed_contents(text)
     if boxes:
         return boxes[-1].strip()
-    if strict:
-        return None
-    numbers = NUMBER.findall(text)
+    numbers = [] if strict else NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
 
@@ -315,14 +313,13 @@ def credit_calls(calls: list, problems: list[Problem], rewards: list[float], cre
 
     final: the outcome is broadcast to every call of the episode (Paper A, Sec. 3; CoLLM).
     own: each call is paid for its own part (math only): a solver for its own answer, an evaluator
-      for a verdict that agrees with the verifier; the roles that pick or plan (aggregator,
-      orchestrator) keep the episode's outcome. A departure; docs/learning.md measures both.
+      for a verdict that agrees with the verifier; aggregator and orchestrator keep the outcome.
+      A departure; docs/learning.md measures both.
     truncated "penalize": a call cut by the length limit earns 0, the reward of a wrong answer.
       DAPO (Yu et al. 2025, Sec. 3.4) instead penalizes the last tokens before the limit, or masks
-      cut samples out of the loss ("mask" here, acting in the update). Unless "keep", a cut call's
-      own answer is no answer either, and a cut final answer scores 0 (cut_finals).
-    On math every solving call's own answer is also scored, into `own_score` (measure.role_jobs
-    reads what the later roles did to it)."""
+      cut samples out of the loss ("mask" here, in the update). Unless "keep", a cut call's own
+      answer is no answer either, and a cut final answer scores 0 (cut_finals).
+    On math every solving call's own answer is scored into `own_score` (for measure.role_jobs)."""
     for c in calls:
         c.reward = rewards[c.episode]
     if problems[0].kind == "math":

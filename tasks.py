@@ -204,6 +204,8 @@ def spread(pool: list[tuple[str, int, str]], rng: random.Random) -> list[int]:
 
 def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
     """n distinct arithmetic problems of one level; same arguments, same list."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if level not in LEVELS:
         raise ValueError(f"arith level must be one of {sorted(LEVELS)}, got {level!r}")
     pools = _pools(level)[split]

@@ -157,9 +157,8 @@ KEPT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime
 
 
 def private_scratch(size, uid, hidden):
-    """In the run's own mount namespace: every mount read-only, an empty tmpfs of `size` bytes over
-    /tmp, /var/tmp and /dev/shm, the working directory moved into the private /tmp, and each
-    directory of `hidden` covered by an empty read-only tmpfs where it can be."""
+    """In the run's own mount namespace: every mount read-only, a private tmpfs of `size` bytes
+    over /tmp (the working directory), /var/tmp and /dev/shm, `hidden` covered where it can be."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -227,9 +226,8 @@ class NoReply(Exception):
 
 
 class Candidate:
-    """What the judge's tests call in place of the candidate's function: each call a request to
-    the sandboxed program (run_assert). `trouble` keeps the worst that went wrong (a test that
-    catches the exception is not believed)."""
+    """The candidate's function, to the judge's tests: each call a request to run_assert. `trouble`
+    keeps the worst that went wrong (a test that catches the exception is not believed)."""
 
     def __init__(self, requests, replies):
         self.ask, self.hear = os.fdopen(requests, "wb"), os.fdopen(replies, "rb")
@@ -256,11 +254,9 @@ class Candidate:
 
 
 def judge(requests, replies):
-    """Outside the sandbox, with the trainer's rights but never the candidate's code: run an
-    assert-style problem's prompt and tests, the candidate's function a Candidate. Returns the
-    exit status: 0 every test passed, 1 a test failed, 2 a call got no plain reply (or none was
-    made), 3 a test called with data not plain; it raises (status 4) where the judge itself
-    fails: its job, its limit, the prompt."""
+    """Outside the sandbox, never with the candidate's code: run the prompt and tests, a Candidate
+    as the function. Exit status: 0 all passed, 1 a test failed, 2 a call got no plain reply (or
+    none was made), 3 a call with data not plain; 4 (it raises) the judge itself failed."""
     job = json.loads(sys.stdin.buffer.read())
     resource.setrlimit(resource.RLIMIT_AS, (JUDGE_MEMORY, JUDGE_MEMORY))
     candidate = Candidate(requests, replies)
