@@ -6,27 +6,26 @@ problem: "assert" (a HumanEval `check`), "stdio" (stdin -> stdout, one fresh pro
 first (docs/tasks.md#the-sandbox); sandbox() finds, once per process, the strongest combination
 in which a known-good program passes here:
   - `unshare` (as root, or through a user namespace): no network, its own pid space, /proc and
-    SysV IPC, every mount read-only, a size-limited tmpfs over /tmp (its working directory),
-    /var/tmp and /dev/shm, an empty directory over the trainer's packages, caches and project
-    (`hidden_trees`); everything inside dies with its first process. A trainer that is not root
-    runs it in a nested user namespace where the kernel has locked every mount;
+    SysV IPC, every mount read-only, a size-limited tmpfs over /tmp, /var/tmp and /dev/shm, an
+    empty directory over the trainer's packages, caches and project (`hidden_trees`); all of it
+    dies with its first process. Under a trainer that is not root the program runs in a nested
+    user namespace, where the kernel has locked every mount;
   - as root, a fresh unused uid per run: it cannot signal or read the trainer or write its files;
   - always: `python -I -S` in a new temporary directory, none of the trainer's environment, stdin
-    closed, output to a file, rlimits, a wall-clock timeout, then the process group is killed,
-    then any process left with the run's uid or marker.
-Expected outputs never enter the sandbox: for stdio and call tests the harness (a read-only copy
-of lab/harness.py) vouches with a random nonce that every test returned, and the trainer compares
-the outputs (an integer exactly, a float to 1e-6). Assert-style tests run in a judge outside the
-sandbox, which asks the program for each call of its function and reads each reply as data only.
+    closed, rlimits, a wall-clock timeout, then its process group and anything left with its uid
+    or marker are killed.
+Expected outputs never enter the sandbox: the harness (a read-only copy of lab/harness.py)
+vouches with a random nonce that every test returned, and the trainer compares the outputs (an
+integer exactly, a float to 1e-6). Assert-style tests run in a judge outside the sandbox, which
+asks the program for each call of its function and reads each reply as data only.
 
-What is left: without namespaces the network is open, files a program leaves in world-writable
-directories (as root under its own uid, which no sweep removes) and SysV shared memory stay, and
-a non-root trainer's code runs as the trainer's user; without namespaces and a fresh uid it can
-read the judge's memory, expected values included. Always: world-readable files outside the
-hidden trees stay readable; memory is capped per process (NPROC_MAX processes of MEMORY_BYTES
-each) and disk per file; a call's arguments and results are copies, so a test does not see what
-the candidate did to an argument, and a result is never the test's own object ([nan] == itself
-fails). A guard against reward hacking, not a jail for malicious code.
+What is left: without namespaces the network is open, files left in world-writable directories
+(as root under its own uid, which no sweep removes) and SysV shared memory stay, and a non-root
+trainer's code runs as the trainer's user; without namespaces and a fresh uid it can read the
+judge's memory, expected values included. Always: world-readable files outside the hidden trees
+stay readable; memory is capped per process (NPROC_MAX processes of MEMORY_BYTES each) and disk
+per file; arguments and results are copies, so a test does not see what the candidate did to an
+argument, and [nan] == itself fails. A guard against reward hacking, not a jail for malicious code.
 
     pytest tests/test_sandbox.py
 """

