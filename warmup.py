@@ -1,14 +1,12 @@
 """The supervised warm-up before RL (train.py --sft_warmup): replies that keep each role's
 contract, labelled by the verifier, and the steps that teach them.
 
-The warm-up gives RL a contract to keep, or to lose: the 135M model does not keep the
-supervisory roles' contracts by itself. Every role learns replies that keep its contract and that
-a verifier labels (`contract_replies`); `supervised_steps` takes AdamW steps on their negative
-log-likelihood, on the adapters RL goes on to train. train.warm_up runs both on one sampled
-rollout of the workflow, before the first evaluation.
+The 135M model does not keep the supervisory roles' contracts by itself: the warm-up gives RL
+one to keep, or to lose. train.warm_up labels one sampled rollout with the verifier
+(`contract_replies`), then takes AdamW steps on the replies' negative log-likelihood
+(`supervised_steps`) on the adapters RL goes on to train.
 
-Exercised by: pytest tests/test_train.py (the replies, balanced verdicts, varied plans, the
-warm-up's steps)
+Exercised by: pytest tests/test_train.py
 """
 import dataclasses
 import random
@@ -22,9 +20,8 @@ from workflows import ROLES, SOLVERS
 
 # (problems, texts) -> 1.0 where a text solves its problem
 ScoreFn = Callable[[list, list[str]], list[float]]
-# The orchestrator's warm-up plans: each episode draws its own strategies from these, so that the
-# plan varies from episode to episode and a worker, shown one strategy, does not know the others'
-# (what a central critic reads and a decentral one cannot: Paper B in miniature, docs/learning.md).
+# The orchestrator's warm-up plans: each episode draws its own, so a worker, shown one strategy,
+# does not know the others' (what a central critic reads: Paper B in miniature, docs/learning.md).
 PLANS = {"math": ["Compute it directly, one operation at a time.",
                   "Write an equation and solve it.", "Work backwards from what is asked.",
                   "Split the numbers into tens and ones.", "Count on from the larger number.",
@@ -40,11 +37,9 @@ PLANS = {"math": ["Compute it directly, one operation at a time.",
 
 def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int, rng: random.Random,
                      roles: list[str]) -> list:
-    """Warm-up pairs of the given roles: copies of a rollout's calls with the same prompt and a
-    reply (its text; the trainer sets the token ids) that keeps the role's contract: the
-    aggregator names a correct candidate (any, where none is), the evaluator gives the verifier's
-    verdict, the orchestrator lists a plan of its own, and the solving roles repeat their own
-    solutions that the verifier (`score`) accepts. `problems`: each episode's problem."""
+    """Copies of a rollout's calls of `roles` with a reply (text) that keeps the role's contract:
+    the aggregator names a correct candidate, the evaluator gives the verifier's verdict, the
+    orchestrator lists a plan, and the solvers repeat their solutions that `score` accepts."""
     solutions = {(c.episode, c.stage): [] for c in calls}  # generator outputs by episode and stage
     for c in calls:  # in slot order within each episode, as the workflow made them
         if c.role == "generator":
@@ -85,9 +80,8 @@ def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int,
 
 
 def balanced_verdicts(replies: list, rng: random.Random) -> list:
-    """The evaluator's warm-up replies with the rarer verdict repeated until both are as many: at a
-    training reward near 0.3, the verifier's labels alone would teach a constant Incorrect, and a
-    refine of every answer (Eval-Opt's final answer would be the refine's, not the generator's)."""
+    """The rarer evaluator verdict repeated until both are as many: at a reward near 0.3 the
+    verifier's labels alone would teach a constant Incorrect, and a refine of every answer."""
     by = {v: [c for c in replies if c.role == "evaluator" and c.text == f"\\boxed{{{v}}}"]
           for v in ("Correct", "Incorrect")}
     rare, common = sorted(by.values(), key=len)
@@ -97,8 +91,8 @@ def balanced_verdicts(replies: list, rng: random.Random) -> list:
 
 
 def warmup_roles(cfg) -> list[str]:
-    """The workflow's roles named in cfg.sft_roles (another workflow's are passed over); a
-    ValueError names an unknown, blank or repeated one."""
+    """The workflow's roles in cfg.sft_roles (another workflow's passed over); a ValueError names
+    an unknown, blank or repeated one."""
     roles = [r.strip() for r in cfg.sft_roles.split(",")]
     if "" in roles or len(set(roles)) < len(roles):
         raise ValueError(f"--sft_roles {cfg.sft_roles!r}: give distinct role names separated by "
@@ -121,8 +115,8 @@ def warmup_roles(cfg) -> list[str]:
 
 def supervised_steps(model, calls: list[Call], adapters: list[str], cfg, rng: random.Random,
                      pad_id: int, log=print, procs=ONE_PROCESS) -> list[float]:
-    """cfg.sft_warmup steps (train.py's Config), each on cfg.minibatch_size calls drawn from
-    `calls` and one AdamW step per adapter; returns each step's loss, the mean over adapters."""
+    """cfg.sft_warmup AdamW steps per adapter, each on cfg.minibatch_size calls drawn from
+    `calls`; each step's loss, the mean over adapters."""
     optimizers = {name: torch.optim.AdamW(adapter_parameters(model, name), lr=cfg.sft_lr,
                                           weight_decay=0.0) for name in adapters}
     losses = []
@@ -142,7 +136,7 @@ def supervised_steps(model, calls: list[Call], adapters: list[str], cfg, rng: ra
 
 def supervised_update(model, adapter: str, batch: list[Call], optimizer, pad_id: int,
                       micro_batch_tokens: int, grad_clip: float, procs=ONE_PROCESS) -> float:
-    """One optimizer step on the batch's mean negative log-likelihood per token; returns it."""
+    """One optimizer step on the batch's mean negative log-likelihood per token."""
     params = adapter_parameters(model, adapter)
     optimizer.zero_grad(set_to_none=False)
     n_tokens, total = sum(len(c.completion_ids) for c in batch), 0.0
