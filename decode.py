@@ -1,21 +1,15 @@
 """Decoding: the token loop of one workflow stage, on a CPU and on a GPU.
 
 Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens (B, T), pad
-after each row's eos (the first of its `end_tokens`), with log pi_rollout of each (B, T) (None
-when greedy). Positions count real tokens only, and each distinct prompt (a GRPO group's samples
-share one) is prefilled once, its cache rows copied to every row that asked for it.
+after each row's first end token, with their log pi_rollout (B, T) (None when greedy). Positions
+count real tokens only; each distinct prompt (a GRPO group's) is prefilled once for its rows.
 
 - `decode` (the CPU's): a cache that grows by one column a token; finished rows leave the batch.
 - `graph_decode` (CUDA's): a static cache kept from stage to stage, one decoding step
-  (`StaticStep`) captured as a CUDA graph per (rows, columns) bucket and replayed per token: one
-  launch instead of about a thousand, reading the written columns rounded up to a length bucket.
-  The host asks which rows are done every CHECK_EVERY tokens only. As nano-vllm's model runner
-  and gpt-fast's `decode_one_token` do; the length buckets stand in for their per-row lengths.
-
-`StaticStep` writes a decoder layer out by hand, so it serves the families it is tested for
-(STATIC_FAMILIES) and checks itself once per model, dtype and device against the model's own
-forward pass. Other models, a rotary table that changes with the length, and a stage longer than
-a sliding window go to `decode` (`static_refusal`).
+  (`StaticStep`) captured as a CUDA graph per (rows, columns) bucket and replayed per token, as
+  nano-vllm's model runner and gpt-fast's `decode_one_token` do: one launch instead of about a
+  thousand. The step writes a decoder layer out by hand, so it serves STATIC_FAMILIES only, after
+  a check against the model's forward pass (`static_refusal`); other models go to `decode`.
 
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """
@@ -30,21 +24,18 @@ import torch
 from transformers import DynamicCache
 
 CHECK_EVERY = 8  # tokens between the GPU decoder's questions "which rows are done?"
-# The static cache's buckets: a step attends over the written columns rounded up to a multiple
-# of COLUMNS, over the rows of its rows bucket (ROW_BUCKETS, then multiples of 16, as nano-vllm).
-# Wider length buckets mean fewer graphs and more masked columns read.
+# A step attends over the written columns rounded up to a multiple of COLUMNS (wider: fewer
+# graphs, more masked columns read), over a bucket of ROW_BUCKETS rows, then multiples of 16.
 COLUMNS = 256
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 
-# The model types whose decoder layer `StaticStep` writes out (Llama 3 and YaRN rotary scaling
-# included), each tested on a tiny random model. Gemma, Granite, SmolLM3, OLMo2 and Phi3 differ
-# in ways the step does not write (scaled embeddings, multipliers, layers without rotary, ...).
+# The model types whose decoder layer `StaticStep` writes out, each tested on a tiny random model
+# (Gemma, Granite, SmolLM3, OLMo2, Phi3 differ: scaled embeddings, multipliers, other norms).
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PROBE_TOKENS = 8  # the prompt length of the static step's check against the model's forward
-# How far the checked step's logits may stand from the forward pass's, as a fraction of their
-# range. Rounding alone, on a CPU: under 1e-6 in fp32, up to 0.015 in bf16; a layer the step does
-# not write: 0.36 (SmolLM3's layers without rotary) to 3.8 (Granite's multipliers). A check that
-# fails on a GPU's bf16 rounding costs speed (the plain loop, with a warning), never tokens.
+# The checked step's logits' distance from the forward pass's, as a fraction of their range: on a
+# CPU, rounding gives under 1e-6 in fp32 and up to 0.015 in bf16, a layer the step does not write
+# 0.36 to 3.8. A failed check costs speed (the plain loop, with a warning), never tokens.
 FP32_TOLERANCE, HALF_TOLERANCE = 1e-4, 5e-2
 CHECKED = weakref.WeakKeyDictionary()  # model -> {(dtype, device): static_refusal's check}
 
@@ -135,8 +126,8 @@ def check_length(max_new_tokens: int) -> None:
 
 def prefill(model, ids: torch.Tensor,
             attn: torch.Tensor) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-    """The KV cache and next token's logits (U, V) of the U distinct prompts among the rows, each
-    run once, and `copy` (B,): each row's distinct prompt, to copy its cache rows and logits."""
+    """The KV cache and next token's logits (U, V) of the U distinct prompts, and `copy` (B,):
+    each row's distinct prompt."""
     P = ids.shape[1]
     distinct, copy = torch.unique(torch.cat([ids, attn.to(ids.dtype)], dim=-1), dim=0,
                                   return_inverse=True)  # (U, 2P), (B,)
@@ -157,8 +148,7 @@ def prefill(model, ids: torch.Tensor,
 @torch.no_grad()
 def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
            eos_id: int | Collection[int], pad_id: int, sampler: Sampler = Sampler()):
-    """The new tokens (B, T) after prompts ids/attn (B, P) and their log-probs: `model.generate`'s
-    loop without its general machinery, and greedy its tokens (tests/test_rollout.py)."""
+    """`model.generate`'s loop without its general machinery: greedy, its tokens."""
     check_length(max_new_tokens)
     B, device = ids.shape[0], ids.device
     ends = torch.tensor(as_ids(eos_id), device=device)  # (E,)
@@ -180,8 +170,7 @@ def decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: int,
         done |= torch.isin(token, ends)
         if t == max_new_tokens - 1 or done.all():
             break
-        # Finished rows leave the batch, their cache rows with them, once they are an eighth of
-        # it: copying the cache costs about what a step does.
+        # Finished rows leave once they are an eighth: copying the cache costs about a step
         if done.sum() * 8 >= len(live):
             keep = (~done).nonzero().squeeze(-1)  # (L',)
             for layer in cache.layers:
@@ -472,8 +461,7 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
             left = int((~done).sum())
             if left == 0:
                 break
-            # Finished rows leave for a rows bucket at least an eighth smaller: moving the cache
-            # costs about what a step does.
+            # Finished rows leave for a rows bucket an eighth smaller: moving costs about a step
             if rows_bucket(left) <= rows * 7 // 8:
                 keep = (~done).nonzero().squeeze(-1)  # (L',)
                 step.keep(keep, P + t)
@@ -482,8 +470,8 @@ def graph_decode(model, ids: torch.Tensor, attn: torch.Tensor, max_new_tokens: i
         step.position[: len(live)].add_(1)
         step.column.fill_(P + t)  # the columns before it are the prompt's and the tokens'
         logits = step.run(rows, columns_bucket(P + t + 1), use_graph)[: len(live)]
-    # Rows all done before a check wrote only pad since: cut after the last row's eos (its first
-    # end token; the pad may be an end token too), as `decode` stops.
+    # Rows all done before a check wrote only pad since: cut after the last row's first end
+    # token (the pad may be one too), as `decode` stops.
     T = t + 1
     if bool(done.all()):
         T = int(torch.isin(tokens, ends).long().argmax(-1).max()) + 1

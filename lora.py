@@ -7,18 +7,13 @@ A starts Kaiming-uniform and B at zero, so a fresh adapter is an exact no-op.
 Policy sharing (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   shared   (SP): one adapter, "shared", that every role of the workflow uses;
   isolated (IP): one adapter per *role type*; generator0/1/2 all use "generator".
-All adapters live in the same LoRALinear modules: never a second copy of the base model.
-With no adapter active the model is the base model, the reference policy of the KL term, unless
-a supervised warm-up came first: then it is a frozen copy of each adapter (`freeze_copy`), as
-InstructGPT anchors RL to its SFT model.
+All adapters live in the same LoRALinear modules. With none active the model is the base model,
+the KL term's reference, unless a supervised warm-up came first (then `freeze_copy`, as
+InstructGPT anchors RL to its SFT model).
 
-Generation runs merged (`merged_adapter`): W' = W + (alpha / r) B A written into the frozen
-weights in place, so a decode step costs what the base model's does (Sec. 4.1) and one CUDA
-graph serves every adapter (decode.py); the base is put back from a copy, bit-identical, never
-by subtracting (in bf16, W + D - D drifts).
-
-Departures from loralib: no mixin classes; several adapters per layer, one active at a time for
-the whole model; saved in Hugging Face PEFT's LoRA format.
+Departures from loralib: no mixins; several adapters per layer, one active for the whole model;
+generation runs with the adapter merged into the weights in place (`merged_adapter`: the paper's
+"no additional inference latency", Sec. 4.1); saved in Hugging Face PEFT's LoRA format.
 
 Exercised by: pytest tests/test_lora.py
 """
@@ -76,13 +71,14 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self, name: str) -> None:
-        """Write W + (alpha / r) B A into the base weight in place, keeping W to put back."""
+        """Write W + (alpha / r) B A into the base weight in place (so a CUDA graph reading it
+        serves every adapter, decode.py), keeping W to put back."""
         merged = self.merged_weight(name)  # (out, in)
         self.kept = self.base.weight.detach().clone()
         self.base.weight.copy_(merged)
 
     @torch.no_grad()
-    def unmerge(self) -> None:
+    def unmerge(self) -> None:  # from the copy, bit for bit: in bf16, W + D - D drifts
         if self.kept is not None:
             self.base.weight.copy_(self.kept)
             self.kept = None
@@ -93,15 +89,14 @@ def inject_lora(model: nn.Module, r: int = 64, alpha: float = 32.0,
     """Freeze the model and wrap every nn.Linear whose name ends in a target."""
     for p in model.parameters():
         p.requires_grad_(False)
-    wrapped = []
+    wrapped, found = [], set()
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child_name in targets:
                 layer = LoRALinear(child, r, alpha)
                 setattr(parent, child_name, layer)
                 wrapped.append(layer)
-    found = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-             if isinstance(m, LoRALinear)}
+                found.add(child_name)
     if missing := [t for t in targets if t not in found]:
         raise ValueError(f"no linear layer named {', '.join(missing)} in the model")
     return wrapped
@@ -228,21 +223,18 @@ def load_adapter_state(model: nn.Module, name: str, state: dict[str, torch.Tenso
             param.copy_(state[key])
 
 
-def peft_config(model: nn.Module) -> dict:
-    """adapter_config.json of every adapter of this model (they share rank, alpha, targets)."""
-    layers = {path: m for path, m in model.named_modules() if isinstance(m, LoRALinear)}
-    first = next(iter(layers.values()))
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": getattr(model, "name_or_path", ""),
-            "r": first.r, "lora_alpha": first.alpha, "lora_dropout": 0.0, "bias": "none",
-            "target_modules": sorted({path.rsplit(".", 1)[-1] for path in layers}),
-            "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True}
-
-
 def adapter_files(model: nn.Module) -> dict[str, bytes]:
     """Each adapter's <name>/adapter_config.json and <name>/adapter_model.safetensors: path ->
-    bytes (a checkpoint writes them itself)."""
-    config = json.dumps(peft_config(model), indent=2).encode()
+    bytes (a checkpoint writes them itself). Every adapter has the same rank, alpha, targets."""
+    layers = {path: m for path, m in model.named_modules() if isinstance(m, LoRALinear)}
+    first = next(iter(layers.values()))
+    config = json.dumps({"peft_type": "LORA", "task_type": "CAUSAL_LM",
+                         "base_model_name_or_path": getattr(model, "name_or_path", ""),
+                         "r": first.r, "lora_alpha": first.alpha, "lora_dropout": 0.0,
+                         "bias": "none",
+                         "target_modules": sorted({path.rsplit(".", 1)[-1] for path in layers}),
+                         "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True},
+                        indent=2).encode()
     return {os.path.join(name, file): data for name in adapter_names(model)
             for file, data in (("adapter_config.json", config),
                                ("adapter_model.safetensors", save(adapter_state(model, name))))}

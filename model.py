@@ -58,9 +58,8 @@ def load_policy(name: str, device: str = "cpu", dtype: str = "auto"):
 
 
 def cast(model, device: str, dtype: torch.dtype):
-    """The model on `device`, its weights in `dtype`; the rotary frequencies stay fp32, as
-    transformers keeps them (in bf16 they would be off by up to 0.37 %, and every position's
-    angle with them)."""
+    """The model on `device` in `dtype`, but for the rotary frequencies: fp32, as transformers
+    keeps them (in bf16 every position's angle would be off by up to 0.37 %)."""
     rotary = {name: buffer for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
     model.to(device=device, dtype=dtype)
     for name, buffer in rotary.items():
@@ -167,9 +166,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-# Named shapes for timing where the weights cannot be had (serving engines' "dummy" weights):
-# each as its config.json on the Hugging Face hub gives it. The model cards give 0.6B / 0.44B,
-# 1.7B / 1.4B and 4.0B / 3.6B parameters in all / without the embedding.
+# Shapes for timing without the weights (serving engines' "dummy" weights), from each config.json
+# on the hub; the model cards give 0.6B / 0.44B, 1.7B / 1.4B and 4.0B / 3.6B parameters in all /
+# without the embedding.
 RANDOM_SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8),
@@ -194,9 +193,8 @@ def random_config(shape: str, tok):
 
 
 def tiny_model(shape: str | None = None):
-    """A random 2-layer Qwen3 (hidden 64) and a byte-level BPE tokenizer, in milliseconds; with
-    a `shape` of RANDOM_SHAPES, a Qwen3 of that shape: its speed with none of its sense (ids
-    past the tokenizer's 300 decode to nothing)."""
+    """A random 2-layer Qwen3 (hidden 64) and a byte-level BPE tokenizer, in milliseconds; with a
+    `shape`, a Qwen3 of that shape: its speed, none of its sense (ids past 300 decode to none)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 

@@ -1,11 +1,8 @@
 """Rollout: generate one workflow stage in one batch, score tokens.
 
 A workflow (workflows.py) calls `generate(role, slots, episodes, chats)` once per stage;
-`Rollout.__call__` runs every call of the stage - all episodes, all agent slots - through one
-batched decode (decode.py) under the role's LoRA adapter, and keeps a `Call` record of each for
-the trainer's loss. A prompt too long for the context is cut to its head and tail (fit_prompt).
-
-Sequence layout, shared by generation and scoring:
+`Rollout.__call__` decodes all its calls in one batch (decode.py) under the role's LoRA adapter
+and keeps a `Call` record of each. Sequence layout, shared by generation and scoring:
 
     [pad pad p p p p | c c c c eos pad]      prompt left-padded to P columns,
      <---- P ------>   <----- T ----->       completion right-padded to T
@@ -13,9 +10,8 @@ Sequence layout, shared by generation and scoring:
 so completion token j of every row sits at column P + j, and its log-prob is
 read from the logits at column P + j - 1 (the one-token shift).
 
-Generation (KV cache, merged weights) and the update's scoring (one forward, adapter beside the
-weights) round differently, so pi_rollout, which sampled the tokens, and pi_old differ (visibly
-in bf16): `Rollout` records log pi_rollout, for the diagnostics and grpo.py's tis_cap.
+Generation (KV cache, merged weights) and scoring (adapter beside the weights) round differently:
+`Rollout` records log pi_rollout, which differs from pi_old, for grpo.py's tis_cap.
 
 Exercised by: pytest tests/test_rollout.py, tests/test_distributed.py
 """

@@ -62,17 +62,15 @@ def contract_replies(calls: list, problems: list, score: ScoreFn, n_agents: int,
         picked = rng.sample(pool, min(n_agents, len(pool)))
         replies.append(dataclasses.replace(c, text="\n".join(f"{i}. {s}"
                                                              for i, s in enumerate(picked, 1))))
-    # the solving roles keep their own sampled solutions that the verifier accepts (rejection
-    # sampling, as in STaR, Zelikman et al. 2022), finished within the length limit: on a shared
-    # adapter, without them the other roles' replies would teach the solvers to answer \boxed{k} too
+    # the solvers keep their own finished solutions that the verifier accepts (rejection sampling,
+    # as in STaR, Zelikman et al. 2022): else on a shared adapter they would learn \boxed{k} too
     solvers = [c for c in calls if c.role in SOLVERS]
     accepted = score([problems[c.episode] for c in solvers], [c.text for c in solvers])
     right = {(c.episode, c.slot, c.stage): c.text for c, ok in zip(solvers, accepted)
              if ok == 1.0 and not c.truncated}
     replies += [dataclasses.replace(c) for c in solvers if (c.episode, c.slot, c.stage) in right]
-    # Eval-Opt's refine of a right answer keeps it (the generator's turn before sits two stages
-    # back, the verdict between): without it, on a shared adapter the refine copies the format of
-    # the verdict it has just read, \boxed{Incorrect}, instead of writing a solution
+    # Eval-Opt's refine of a right answer (two stages back) keeps it: else on a shared adapter the
+    # refine copies the verdict it has just read, \boxed{Incorrect}, instead of a solution
     replies += [dataclasses.replace(c, text=right[c.episode, c.slot, c.stage - 2]) for c in solvers
                 if c.role == "generator" and (c.episode, c.slot, c.stage) not in right
                 and (c.episode, c.slot, c.stage - 2) in right]
@@ -98,10 +96,9 @@ def warmup_roles(cfg) -> list[str]:
         raise ValueError(f"--sft_roles {cfg.sft_roles!r}: give distinct role names separated by "
                          "commas, e.g. generator,evaluator")
     known = {r for rs in ROLES.values() for r in rs}
-    for role in roles:
-        if role not in known:
-            raise ValueError(f"--sft_roles: {role!r} is not a role "
-                             f"(roles: {', '.join(sorted(known))})")
+    if unknown := [r for r in roles if r not in known]:
+        raise ValueError(f"--sft_roles: {unknown[0]!r} is not a role "
+                         f"(roles: {', '.join(sorted(known))})")
     taught = [r for r in roles if r in ROLES[cfg.workflow]]
     if cfg.sft_warmup and not taught:
         raise ValueError(f"--sft_roles: no role of {cfg.workflow} "
