@@ -145,8 +145,7 @@ def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
 @contextmanager
 def merged_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
     """Run a block (no gradients) under adapter `name` folded into the base weights in place:
-    use_adapter(model, name)'s function up to float rounding, at the base model's cost per
-    token, with one extra copy of the base weights while it runs."""
+    use_adapter's function up to rounding, at the base model's cost, with one more copy of W."""
     if name is not None and name not in adapter_names(model):
         raise KeyError(f"unknown adapter {name!r}; have {adapter_names(model)}")
     layers = [] if name is None else lora_layers(model)  # None: the base model, nothing to merge

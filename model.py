@@ -120,10 +120,16 @@ def _load_hf(name: str, dtype: torch.dtype):
     elif name.startswith(("/", "./", "../")):
         raise SystemExit(f"model {name!r}: no such directory")
     else:  # a hub id: the local cache first, then the hub
+        from huggingface_hub import HfApi
+
         try:
             return _from_pretrained(name, dtype, local_files_only=True)
         except (OSError, ValueError):
-            _hub_knows(name)  # loading would retry an unreachable hub for most of a minute
+            pass
+        try:  # in seconds: loading would retry an unreachable hub for most of a minute
+            HfApi().model_info(name, timeout=5)
+        except Exception as e:  # offline, no network, no such repository, a gated one
+            raise SystemExit(_cannot_load(name, e)) from None
     try:
         return _from_pretrained(name, dtype, local_files_only=False)
     except (OSError, ValueError) as e:
@@ -137,19 +143,6 @@ def _from_pretrained(name: str, dtype: torch.dtype, local_files_only: bool):
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype,
                                                  local_files_only=local_files_only)
     return model, tok
-
-
-def _hub_knows(name: str) -> None:
-    """Stop with one line unless the Hugging Face hub answers, within seconds, that it has it."""
-    from huggingface_hub import HfApi
-
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        why = "HF_HUB_OFFLINE is set and it is not in the local cache"
-        raise SystemExit(_cannot_load(name, why))
-    try:
-        HfApi().model_info(name, timeout=5)
-    except Exception as e:  # no network, no such repository, a gated one without a token
-        raise SystemExit(_cannot_load(name, e)) from None
 
 
 def _cannot_load(name: str, why: object) -> str:

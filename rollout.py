@@ -57,8 +57,7 @@ class Call:
 
 
 def chat_text(tok, chat: list[dict[str, str]]) -> str:
-    # enable_thinking only matters to Qwen3's template (False = no <think> block);
-    # other templates ignore the extra variable.
+    # enable_thinking=False: no <think> block in Qwen3's template; other templates ignore it
     return tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
                                    enable_thinking=False)
 
@@ -85,8 +84,7 @@ def cut_at_eos(ids: list[int], eos_id: int | Collection[int]) -> list[int]:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
-    """The module docstring's layout: input_ids (B, P+T), attention_mask (B, P+T), completion_mask
-    (B, T)."""
+    """input_ids (B, P+T), attention_mask (B, P+T), completion_mask (B, T), laid out as above."""
     P = max(len(p) for p in prompts)
     T = max(max(len(c) for c in completions), 1)
     B = len(prompts)
@@ -155,8 +153,7 @@ def sequence_logprobs(model, calls: list[Call], pad_id: int, temperature: float 
 
 
 def micro_batches(calls: list[Call], max_tokens: int) -> list[list[Call]]:
-    """The calls in micro-batches of at most max_tokens padded positions, shortest first (little
-    padding)."""
+    """The calls, shortest first (little padding), in micro-batches of `token_batches`."""
     calls = sorted(calls, key=lambda c: (len(c.prompt_ids), len(c.completion_ids)))
     sizes = [(len(c.prompt_ids), len(c.completion_ids)) for c in calls]
     return [[calls[i] for i in idx] for idx in token_batches(sizes, max_tokens)]
