@@ -103,8 +103,7 @@ def inject_lora(model: nn.Module, r: int = 64, alpha: float = 32.0,
 
 
 def narrowest(model: nn.Module, targets: tuple[str, ...] = DEFAULT_TARGETS) -> int | None:
-    """The smaller side of the narrowest linear layer named in targets: the highest rank a
-    low-rank update B A of that layer can have (None where no layer is named)."""
+    """The highest rank B A can have: the narrowest target layer's smaller side (None: none)."""
     sides = [min(m.in_features, m.out_features) for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
     return min(sides, default=None)

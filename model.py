@@ -22,8 +22,7 @@ DTYPES = ("auto", "fp32", "bf16")
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX); torch's emulation is
-    slower than fp32."""
+    """Whether this CPU has native bf16 (AVX-512 BF16 or AMX): emulated, it is slower than fp32."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
