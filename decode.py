@@ -352,9 +352,8 @@ class StaticStep:
             q, k = qk[:, :H], qk[:, H:]  # (B, H, 1, d), (B, Hkv, 1, d)
             keys.index_copy_(2, self.column, k)
             values.index_copy_(2, self.column, v)
-            # Grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245) of one query per
-            # row: the H query heads in Hkv groups, each reading its own key/value head, with no
-            # copy of the cache.
+            # Grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245), one query a row:
+            # H query heads in Hkv groups, each reading its key/value head, the cache not copied
             q = q.view(B, Hkv, H // Hkv, d)  # (B, Hkv, g, d)
             scores = torch.add(bias, q @ keys.transpose(-1, -2), alpha=self.scale)  # (B,Hkv,g,S')
             p = scores.softmax(-1).to(values.dtype)
