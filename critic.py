@@ -1,34 +1,31 @@
 """Multi-agent actor-critic: value heads, centralized and decentralized critics, GAE.
 
 A workflow episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM, arXiv
-2601.21972): every workflow stage is a time step, each agent slot acts at some of those steps, and
-the episode's outcome (1 correct / 0 wrong) is the reward of each agent's last turn (under
---credit own, each turn's own). A critic V(s) estimates the return from what it reads before an
-agent acts, and its errors become the actor's advantages in place of GRPO's group means:
+2601.21972): every stage is a time step, each agent slot acts at some of them, and the outcome
+(1 correct / 0 wrong) is the reward of each agent's last turn (--credit own: each turn's own).
+A critic V(s) estimates the return before an agent acts; its errors replace GRPO's group means:
   CoLLM-CC, central:   one critic "critic" reading the joint history - every agent's prompt and
                        output before step t, then the prompts of step t, in [slot] blocks; one
                        value per (episode, step), shared by the agents acting then.
   CoLLM-DC, decentral: one critic per agent slot ("critic-generator0") or per role type
                        ("critic-generator") that reads only its agent's own prompt at its turn.
-A critic is the frozen base model under its own LoRA adapter plus a ValueHead read at the last
-input token; a fresh critic predicts 0 everywhere.
+A critic is the frozen base model under its own LoRA adapter plus a ValueHead on the last input
+token; a fresh critic predicts 0 everywhere.
 
-Advantages are GAE (Schulman et al. 2016, arXiv 1506.02438) over each agent's own sequence of
-turns t_1 < t_2 < ... < t_K:
+Advantages are GAE (Schulman et al. 2016, arXiv 1506.02438) over each agent's own turns
+t_1 < t_2 < ... < t_K:
 
     delta_k = r_k + gamma * V(s_{k+1}) - V(s_k)        V(s_{K+1}) = 0 (terminal)
     A_k     = sum_l (gamma * lam)^l * delta_{k+l}
     R_k     = A_k + V(s_k)                             (the critic's target)
 
-lam = 0 gives the one-step TD target r_k + gamma V(s_{k+1}) of Paper B's public code
-(OpenMLRL/CoMLRL); lam = 1 the Monte-Carlo return minus V(s_k). The actor is grpo.policy_loss with
-each call's advantage spread over its tokens; the critic minimises 0.5 (V - R)^2.
+lam = 0 is the one-step TD target of Paper B's code (OpenMLRL/CoMLRL), lam = 1 Monte Carlo. The
+actor is grpo.policy_loss; the critic minimises 0.5 (V - R)^2.
 
-Departures from the paper: an agent's "next state" is its own next turn, not the next workflow
-stage, and gamma discounts per agent turn (voting's generators act once, so their advantage is
-R - V(s) whatever lam is); the central critic fits the mean return of the agents that act at one
-joint step; identical prompts of one step (voting's generators) are written once, labelled with
-every slot that saw them; an input longer than max_tokens keeps its most recent tokens.
+Departures: an agent's next state is its own next turn, and gamma discounts per agent turn (a
+voting generator's advantage is R - V(s) whatever lam is); the central critic fits the mean return
+of the agents acting at one joint step, and writes identical prompts of a step once, labelled with
+every slot that saw them; a long input keeps its most recent max_tokens tokens.
 
 Exercised by: pytest tests/test_critic.py, and
 python train.py --algo maac --critic central   (or --critic decentral)
@@ -91,7 +88,7 @@ def critic_values(model: nn.Module, head: ValueHead, adapter: str,
 
 @torch.no_grad()
 def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
-                   id_lists: list[list[int]], pad_id: int, batch_size: int = 16,
+                   id_lists: list[list[int]], pad_id: int, batch_size: int = 8,
                    procs=ONE_PROCESS) -> torch.Tensor:
     """Values of every input under its own critic, without gradient: (calls,). Identical inputs
     of one critic (co-acting agents) run once; under torchrun each process values its share."""
@@ -120,8 +117,6 @@ def critic_key(slot: str, role: str, critic: str, per: str = "slot") -> str:
         return "critic"
     if critic != "decentral":
         raise ValueError(f"unknown critic {critic!r}; choose one of {CRITICS}")
-    if per not in PER:
-        raise ValueError(f"unknown critic grouping {per!r}; choose one of {PER}")
     return f"critic-{slot if per == 'slot' else role}"
 
 
@@ -154,13 +149,10 @@ def unseen(calls: list[Call]) -> list[float | None]:
     characters) of the lines of its episode's earlier outputs (list markers aside) that its own
     prompt does not quote; None on an episode's first turn. A lower bound: a short line (a bare
     number) may be found in other words."""
-    by_episode = defaultdict(list)
-    for c in calls:
-        by_episode[c.episode].append(c)
     shares = []
     for c in calls:
-        lines = (LIST_MARK.sub("", line).strip() for d in by_episode[c.episode] if d.stage < c.stage
-                 for line in d.text.splitlines())
+        lines = (LIST_MARK.sub("", line).strip() for d in calls
+                 if d.episode == c.episode and d.stage < c.stage for line in d.text.splitlines())
         said = [line for line in lines if line]
         total = sum(map(len, said))
         hidden = sum(len(line) for line in said if line not in c.prompt)
@@ -173,11 +165,8 @@ def critic_inputs(calls: list[Call], critic: str, per: str = "slot") -> tuple[li
     keys = [critic_key(c.slot, c.role, critic, per) for c in calls]
     if critic == "decentral":
         return keys, [local_observation(c) for c in calls]
-    by_episode = defaultdict(list)
-    for c in calls:
-        by_episode[c.episode].append(c)
     steps = {(c.episode, c.stage) for c in calls}  # co-acting agents share one joint step
-    history = {(e, t): joint_history(by_episode[e], t) for e, t in steps}
+    history = {(e, t): joint_history([c for c in calls if c.episode == e], t) for e, t in steps}
     return keys, [history[(c.episode, c.stage)] for c in calls]
 
 
@@ -227,10 +216,9 @@ def outcome_rewards(calls: list[Call]) -> list[float]:
 def call_advantages(calls: list[Call], values: torch.Tensor, gamma: float, lam: float,
                     rewards: list[float] | None = None,
                     cut_returns_zero: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE advantages and returns of every call, (calls,) each. values: (calls,) the critic's
-    value of each call's input; an agent's next value is that of its own next call. rewards:
-    default outcome_rewards(calls). cut_returns_zero (--truncated penalize): a call cut by the
-    length limit returns 0, A = 0 - V(s), as its reward is 0 under GRPO."""
+    """GAE advantages and returns of every call, (calls,) each; an agent's next value is that of
+    its own next call. rewards: default outcome_rewards(calls). cut_returns_zero (--truncated
+    penalize): a call cut by the length limit returns 0, A = 0 - V(s), as under GRPO."""
     rewards = outcome_rewards(calls) if rewards is None else rewards
     seqs = agent_turns(calls)
     index = pad_sequence([torch.tensor(s) for s in seqs], batch_first=True)  # (B, K): call indices
@@ -269,27 +257,21 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """0.5 * mean (V - R)^2, optionally PPO-clipped: (calls,) -> (), and its statistics as 0-d
-    tensors. With clip, V may move at most `clip` from old_values before the loss stops rewarding
-    the move (the max of clipped and unclipped errors, as in PPO2); clip_frac: the share held."""
+    """0.5 * mean (V - R)^2, optionally PPO-clipped (the max of clipped and unclipped errors, as
+    in PPO2: V gains nothing by moving more than `clip` from old_values): (calls,) -> ()."""
     v_loss_unclipped = (values - returns) ** 2  # (calls,)
-    v_loss = v_loss_unclipped
+    v_loss, stats = v_loss_unclipped, {}
     if clip is not None:
         v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)  # (calls,)
         v_loss_clipped = (v_clipped - returns) ** 2  # (calls,)
         v_loss = torch.max(v_loss_unclipped, v_loss_clipped)
-    loss = 0.5 * v_loss.mean()
-    stats = {"value_loss": loss.detach()}
-    if clip is not None:
         stats["clip_frac"] = ((values - old_values).abs() > clip).float().mean().detach()
-    return loss, stats
+    loss = 0.5 * v_loss.mean()
+    return loss, {"value_loss": loss.detach(), **stats}
 
 
 # ----------------------------------------------------------------------------
 # One training step of the critics (train.py calls these three)
-
-
-PREDICT_BATCH = 8  # inputs per forward pass when predicting values
 
 
 @dataclass
@@ -306,8 +288,7 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     """Value every call's input with its critic, then set call.advantage by GAE."""
     keys, texts = critic_inputs(calls, cfg.critic, cfg.critic_per)
     ids = encode(tok, texts, cfg.critic_max_tokens)
-    values = predict_values(model, heads, keys, ids, tok.pad_token_id, PREDICT_BATCH,
-                            procs)  # (calls,)
+    values = predict_values(model, heads, keys, ids, tok.pad_token_id, procs=procs)  # (calls,)
     # --credit own: each call's own reward at its own turn (GAE adds the agent's later rewards to an
     # earlier turn's return); else (None) the outcome on each agent's last turn
     rewards = [c.reward for c in calls] if cfg.credit == "own" else None
@@ -322,8 +303,7 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
 
 def update_critics(state, batch: CriticBatch, pad_id: int, cfg,
                    procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass of every critic over its own rows (shuffled by state.rng), in mini-batches, one
-    step each. `state`: lab/checkpoint.py's TrainState; `cfg`: train.py's Config."""
+    """One pass of every critic over its own rows (shuffled by state.rng)."""
     stats = defaultdict(list)
     for name in state.heads:
         rows = [i for i, k in enumerate(batch.keys) if k == name]
@@ -336,9 +316,8 @@ def update_critics(state, batch: CriticBatch, pad_id: int, cfg,
 
 def update_critic(state, name: str, batch: CriticBatch, order: list[int], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass of critic `name` over the rows `order` of the batch, in cfg.critic_steps batches
-    (at most one per row) whose sizes differ by at most one. A mini-batch whose gradient is not
-    finite is not applied, and counted."""
+    """One pass of critic `name` over the rows `order`, in cfg.critic_steps mini-batches (at most
+    one per row) whose sizes differ by at most one; a non-finite gradient takes no step."""
     model, head, optimizer = state.model, state.heads[name], state.optimizers[name]
     params = optimizer.param_groups[0]["params"]
     device = params[0].device  # the critic's: its head's and its adapter's
@@ -372,8 +351,8 @@ def update_critic(state, name: str, batch: CriticBatch, order: list[int], pad_id
 
 
 def critic_metrics(calls: list[Call], batch: CriticBatch) -> dict[str, float]:
-    """Explained variance of the rollout values; values, returns and advantages per role and per
-    slot; and per role, what a central critic reads that a decentral one does not (`unseen`)."""
+    """Explained variance of the rollout values; values, returns and advantages per role and
+    slot; per role, what a central critic reads that a decentral one does not (`unseen`)."""
     m = {}
     ev = explained_variance(batch.values, batch.returns)
     if ev == ev:  # nan when every return is equal: nothing to explain, nothing logged

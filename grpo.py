@@ -1,42 +1,33 @@
 """GRPO: group-relative advantages and the clipped policy loss.
 
-GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300) drops PPO's critic: sample G answers to
-the same prompt and use each answer's reward relative to its group as the advantage of every token
-of the answer,
+GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300) drops PPO's critic: every token of an
+answer gets the answer's reward relative to the G answers to the same prompt,
 
     A_i = (r_i - mean(r_group)) / (std(r_group) + eps).
 
-The policy loss is PPO's clipped surrogate (Schulman et al. 2017) with "clip-higher"
-(DAPO, Yu et al. 2025, arXiv 2503.14476): separate eps_low and eps_high so that unlikely
-tokens can still grow,
+The policy loss is PPO's clipped surrogate (Schulman et al. 2017) with "clip-higher" (DAPO, Yu et
+al. 2025, arXiv 2503.14476: a separate eps_high, so that unlikely tokens can still grow),
 
     ratio = pi(a|s) / pi_old(a|s)
     loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
 
 GSPO (Zheng et al. 2025, arXiv 2507.18071; --ratio sequence) clips one ratio per sequence, the
-geometric mean of its token ratios, s_i = exp(mean_t (log pi - log pi_old)): it has the unit of
-the reward, and a sequence is clipped or kept whole. Where pi_old is the policy itself (train.py's
---one_step, the default) both ratios are exactly 1.
+geometric mean of its token ratios, s_i = exp(mean_t (log pi - log pi_old)). Where pi_old is the
+policy itself (train.py's --one_step, the default) both ratios are exactly 1.
 
-Multi-agent workflows (Paper A, Zeng et al. 2026, arXiv 2605.24202): the episode's outcome reward
-is broadcast to every call, and one group is one (problem, agent slot, stage): generator0's
-samples of a problem form one group, generator1's another. Grouping by (problem, role) is an option.
+Multi-agent workflows (Paper A, Zeng et al. 2026, arXiv 2605.24202): the episode's outcome is
+broadcast to every call, and a group is one (problem, agent slot, stage), or (problem, role).
 
-Departures: std is the unbiased (Bessel) estimate, as in verl and TRL; a group whose rewards are
-all equal (or that has a single member) gets advantage 0 instead of dividing by ~eps. The KL term
-to the reference policy is off by default, as in the paper; when on it is the k3 estimator
-(Schulman 2020, http://joschu.net/blog/kl-approx.html) against the base model, or, after a
-supervised warm-up, against the warmed-up adapter (`reference_of`).
-
-The update (`policy_update`, the actor-critic's too) is one pass over the calls in mini-batches,
-one optimizer step each (one PPO epoch, as in the paper), with Paper A's mitigations (loss
-weights per role, coherence damping, a KL anchor per role). The sampler rounds differently
-from the trainer, so the tokens come from pi_rollout, not exactly pi_old: --tis_cap weights each
-token's term by min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025).
+Departures: std is unbiased (Bessel), as in verl and TRL; a group without contrast gets advantage
+0. The KL term is off by default, as in the paper; when on it is k3 (Schulman 2020,
+http://joschu.net/blog/kl-approx.html) to the base model, or after a warm-up to the warmed-up
+adapter (`reference_of`). The update (`policy_update`, the actor-critic's too) is one pass of
+mini-batches, one optimizer step each (one PPO epoch), with Paper A's mitigations. The sampler
+rounds differently from the trainer: --tis_cap weights each token's term by
+min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025).
 
 Exercised by: pytest tests/test_grpo.py
 """
-import functools
 import time
 from collections import defaultdict
 from typing import Hashable, NamedTuple
@@ -92,8 +83,7 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str,
     token-mean:           sum over all tokens / number of tokens
     seq-mean-token-mean:  mean over sequences of each sequence's token mean (Paper A's default)
     seq-mean-token-sum:   mean over sequences of each sequence's token sum
-    num_seqs / num_tokens override the denominators, so that micro-batches of one
-    optimizer mini-batch add up to exactly the mini-batch's loss.
+    num_seqs / num_tokens: the mini-batch's denominators, so that its micro-batches add up to it.
     """
     num_seqs = x.shape[0] if num_seqs is None else num_seqs
     if mode == "token-mean":
@@ -110,10 +100,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
                 is_weight: torch.Tensor | None = None,
                 ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate per completion token, (B, T), for `aggregate` to reduce, and its
-    statistics over the completion tokens (0-d tensors). logp, old_logp, mask, is_weight (the
-    optional `tis_weight`): (B, T); advantages: (B,), spread over each sequence's tokens.
-    ratio_level "token" (PPO, GRPO) or "sequence" (GSPO)."""
+    """The clipped surrogate per token, (B, T), for `aggregate` to reduce, and its statistics
+    (0-d tensors). logp, old_logp, mask, is_weight (`tis_weight`): (B, T); advantages: (B,)."""
     adv = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = logp - old_logp  # (B, T)
     token_ratio = torch.exp(log_ratio)
@@ -141,29 +129,26 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """k3 to the reference per token, (B, T) (>= 0, unbiased for KL(pi || ref); Schulman 2020),
-    and its mean over the completion tokens (kl_ref)."""
+    """k3 to the reference per token, (B, T): >= 0, unbiased for KL(pi || ref) (Schulman 2020)."""
     log_ref_ratio = ref_logp - logp  # (B, T)
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
     return kl, {"kl_ref": masked_mean(kl.detach(), mask)}
 
 
 def read_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """0-d tensors as numbers. On a GPU reading one waits for every kernel queued before it, so
-    the update reads them after the backward pass is queued: the GPU is not left idle."""
+    """0-d tensors as numbers: on a GPU a read waits for the queue, so read after the backward."""
     return {k: v.item() for k, v in stats.items()}
 
 
 def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025): min(pi_old / pi_rollout, cap) per token.
-    The weight turns the sampler's expectation into the trainer's; the cap bounds its variance."""
+    """Truncated importance sampling (Yao et al. 2025): min(pi_old / pi_rollout, cap) per token;
+    the cap bounds the weight's variance."""
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # (B, T)
 
 
 def mismatch_stats(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                    mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The mean and max of |log pi_old - log pi_rollout| over the sampled tokens and the k3
-    estimate of KL(pi_rollout || pi_old), 0-d each."""
+    """Mean and max of |log pi_old - log pi_rollout|, and k3 of KL(pi_rollout || pi_old)."""
     gap = old_logp - rollout_logp  # (B, T)
     return {"mismatch_mean": masked_mean(gap.abs(), mask),
             "mismatch_max": gap.abs().masked_fill(~mask.bool(), 0.0).max(),
@@ -179,21 +164,15 @@ def flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 class LossWeight(NamedTuple):
-    """How much one role's calls weigh in a mini-batch's loss (see loss_weight)."""
     scale: float     # multiplies the role's aggregated loss
     num_seqs: int    # denominator of the seq-mean modes
     num_tokens: int  # denominator of token-mean
 
 
 def loss_weight(mb: list[Call], role: str, balance: str) -> LossWeight:
-    """Scale and denominators of one role's loss in a mini-batch.
-
-    none: every call counts alike, so a role's weight is its share of calls or tokens;
-    role: each role's loss is averaged over its own calls, then roles are averaged (the
-          shared-adapter fix for role capture);
-    multiplicity: the loss of a role with N slots in the mini-batch is scaled by 1/N (the
-          isolated-adapter fix for amplification). Under AdamW a constant scale of an adapter's
-          whole loss mostly cancels: it acts through the gradient clip and against other roles.
+    """Scale and denominators of one role's loss in a mini-batch. none: every call alike; role:
+    a mean per role, then over roles (against role capture); multiplicity: 1/N for a role of N
+    slots (against amplification; under AdamW it acts through the clip and against other roles).
     """
     counted = [c for c in mb if c.role == role] if balance == "role" else mb
     scale = 1.0
@@ -207,9 +186,8 @@ def loss_weight(mb: list[Call], role: str, balance: str) -> LossWeight:
 def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float,
                 beta: float = 0.9) -> float:
     """Coherence damping (Paper A): scale the step by 1 - damping * max(0, cos(g, EMA(g))), the
-    factor returned. A gradient that keeps pointing where the recent ones pointed is the signature
-    of amplification; its step is shortened through the learning rate, since AdamW would undo a
-    scaled gradient. `ema` holds EMA(g) across steps."""
+    factor returned, through the learning rate (AdamW would undo a scaled gradient). A gradient
+    that keeps its recent direction is the signature of amplification."""
     g = flat_grad(params)  # (n_params,)
     factor = 1.0
     if "g" in ema:
@@ -229,21 +207,16 @@ def damped_step(optimizer, params: list[torch.Tensor], ema: dict, damping: float
 
 def kl_coefs(cfg) -> dict[str, float]:
     """The KL anchor's weight of every role of the workflow: cfg.kl_coef, overridden per role by
-    cfg.role_kl ("aggregator=0.05,evaluator=0"). Read per micro-batch, parsed once (lru_cache)."""
-    return dict(role_kl_items(cfg.workflow, cfg.kl_coef, cfg.role_kl))
-
-
-@functools.lru_cache(maxsize=None)
-def role_kl_items(workflow: str, kl_coef: float, role_kl: str) -> tuple[tuple[str, float], ...]:
-    coefs = {role: kl_coef for role in ROLES[workflow]}
+    cfg.role_kl ("aggregator=0.05,evaluator=0")."""
+    coefs = {role: cfg.kl_coef for role in ROLES[cfg.workflow]}
     named = set()
-    for item in role_kl.split(",") if role_kl.strip() else []:
+    for item in cfg.role_kl.split(",") if cfg.role_kl.strip() else []:
         role, _, value = item.partition("=")
         role = role.strip()
         if not item.strip():
-            raise ValueError(f"--role_kl {role_kl}: an empty item between commas")
+            raise ValueError(f"--role_kl {cfg.role_kl}: an empty item between commas")
         if role not in coefs:
-            raise ValueError(f"--role_kl: {role!r} is not a role of {workflow} "
+            raise ValueError(f"--role_kl: {role!r} is not a role of {cfg.workflow} "
                              f"({', '.join(coefs)})")
         if role in named:
             raise ValueError(f"--role_kl: {role} is given twice")
@@ -254,7 +227,7 @@ def role_kl_items(workflow: str, kl_coef: float, role_kl: str) -> tuple[tuple[st
             raise ValueError(f"--role_kl: {item!r} is not role=number") from None
         if not 0 <= coefs[role] < float("inf"):  # as --kl_coef: a negative, nan or inf is no anchor
             raise ValueError(f"--role_kl {item.strip()}: must be in [0, inf)")
-    return tuple(coefs.items())
+    return coefs
 
 
 def reference_of(cfg, adapter: str) -> str | None:
@@ -266,15 +239,10 @@ def reference_of(cfg, adapter: str) -> str | None:
 
 def policy_update(state, adapter: str, calls: list[Call], pad_id: int, cfg,
                   procs=ONE_PROCESS) -> dict[str, list[float]]:
-    """One pass over `calls` (shuffled by state.rng) in mini-batches, one optimizer step each.
-
-    `state`: lab/checkpoint.py's TrainState; `cfg`: train.py's Config. Each role's part of a
-    mini-batch is back-propagated with its own loss weight. A call with advantage 0 and no KL term
-    is skipped: its gradient is exactly 0, and it still counts in the denominators. A mini-batch
-    whose gradient norm is not finite takes no step. Under torchrun (`procs`) each process
-    back-propagates its share with the whole mini-batch's denominators, and the gradients are
-    summed before the step.
-    """
+    """One pass over `calls` (shuffled by state.rng) in mini-batches, one optimizer step each
+    (`state`: lab/checkpoint.py's TrainState). A call without signal is skipped (its gradient is
+    0) but counts in the denominators; a non-finite gradient takes no step. Under torchrun each
+    process back-propagates its share, and the gradients are summed before the step."""
     model, optimizer, ema = state.model, state.optimizers[adapter], state.emas.get(adapter)
     kl = kl_coefs(cfg)
     if cfg.damping > 0 and ema is None:
@@ -349,8 +317,8 @@ def overlay(base: torch.Tensor, rows: list[torch.Tensor | None]) -> torch.Tensor
 
 def sampler_record(micro: list[Call],
                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The micro-batch's log-probs under pi_rollout and where there is one (greedy or hand-made
-    calls have none), laid out as its update's (b, T), on the device."""
+    """The micro-batch's log-probs under pi_rollout and where they are known (greedy or
+    hand-made calls have none), laid out (b, T) as in its update."""
     T = max(max(len(c.completion_ids) for c in micro), 1)  # as rollout.pack lays them out
     # (b, T) each
     logp, known = torch.zeros(len(micro), T), torch.zeros(len(micro), T, dtype=torch.bool)
@@ -364,8 +332,8 @@ def sampler_record(micro: list[Call],
 def sampler_gap(old_logp: torch.Tensor, record: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor, tis_cap: float,
                 measure: bool) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """From the sampler's record (None: no gap), the truncated importance weight (None where
-    tis_cap is 0) and, with `measure`, the gap's statistics."""
+    """The truncated importance weight (None where tis_cap is 0) and, with `measure`, the gap's
+    statistics, from the sampler's record (None: no gap)."""
     if record is None:
         return None, {}
     logp, known = record  # (b, T) each
@@ -378,8 +346,8 @@ def micro_loss_backward(model, adapter: str, micro: list[Call], old: dict[int, t
                         pad_id: int, cfg, weight: LossWeight,
                         measure: bool = False) -> dict[str, float]:
     """Forward one micro-batch (calls of one role) under `adapter`, back-propagate its weighted
-    loss, return its statistics. `old`: pi_old of the calls after the first step (old_logprobs).
-    With `measure` (the diagnostics' pass) also the tokens' entropy and the sampler's gap."""
+    loss, return its statistics. `old`: pi_old after the first step (id(call) -> (T_i,)). With
+    `measure` (the diagnostics' pass) also the entropy and the sampler's gap."""
     kl_coef = kl_coefs(cfg).get(micro[0].role, 0.0)
     # to the device before the forward pass is queued: a host-to-device copy waits for the queue
     adv = torch.tensor([c.advantage for c in micro], device=model.device)  # (b,)

@@ -1,23 +1,20 @@
 """What a step measures besides its loss: the papers' signals, in one room.
 
 Every step train.py logs `step_metrics` over the step's calls (no pass of the model). Every
---diag_every steps (it costs about one update, docs/performance.md) it also calls, per adapter and
-before its update, `gradient_signals`: each slot's part of the step's loss back-propagated on its
-own, at the adapter as it stands, with no step taken.
+--diag_every steps (about the cost of an update, docs/performance.md) it also calls, per adapter
+before its update, `gradient_signals`: each slot's part of the loss back-propagated on its own,
+with no step taken.
 
-Gradients (Paper A, Zeng et al. 2026, arXiv 2605.24202). N same-role slots that read the same
-prompt and the same broadcast reward push one adapter in one direction (`amplification`: kappa);
-on a shared adapter a role may take most of the gradient (`gradient_stats`: each role's share)
-and the other roles drift towards its behaviour. The gradient noise is read off two halves of the
-step's problems (`gradient_noise`, McCandlish et al. 2018, arXiv 1812.06162).
+Gradients (Paper A, Zeng et al. 2026, arXiv 2605.24202): N same-role slots reading one prompt and
+one broadcast reward push one adapter one way (`amplification`: kappa); on a shared adapter a role
+may take most of the gradient (`gradient_stats`: grad_share) and the others drift towards it. The
+noise is read off two halves of the problems (`gradient_noise`, McCandlish et al. 2018,
+arXiv 1812.06162). Outputs: per role and slot the reward, length, token share and own answers;
+whether each supervisory role does its job (`role_jobs`); each role's contract adherence and how
+alike the roles' outputs are (role capture shows in outputs before losses). diagnose.py reads them.
 
-Outputs. Per role and per slot the reward, length, calls, token share and the solvers' own
-answers; whether each supervisory role does its job beyond its format (`role_jobs`); which rule
-decided each final answer; each role's contract adherence and how alike the roles' outputs are
-(role capture shows in outputs before it shows in losses). diagnose.py reads them from the logs.
-
-Exercised by: pytest tests/test_grpo.py (the gradient signals, by hand), tests/test_reward.py
-(role_jobs), tests/test_train.py, tests/test_diagnose.py
+Exercised by: pytest tests/test_grpo.py, tests/test_reward.py, tests/test_train.py,
+tests/test_diagnose.py
 """
 from collections import defaultdict
 
@@ -35,9 +32,8 @@ from workflows import adherence, parse_choice, similarity
 
 
 def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
-    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine: kappa is 1 for
-    orthogonal gradients and sqrt(N) for identical ones (the role's step is then sqrt(N) times
-    what N independent slots would give)."""
+    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2) (1 for orthogonal gradients, sqrt(N) for
+    identical ones), and the mean pairwise cosine."""
     g = torch.stack(grads)  # (N, n_params)
     kappa = (g.sum(0).norm() / g.norm(dim=1).square().sum().sqrt()).item()
     unit = g / g.norm(dim=1, keepdim=True)  # (N, n_params)
@@ -49,8 +45,7 @@ def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
 
 def gradient_stats(slot_grads: dict[str, torch.Tensor],
                    role_of: dict[str, str]) -> dict[str, float]:
-    """Per slot and per role gradient norms, kappa and coherence of same-role slots, and each
-    role's share of the roles' summed grad_norm (grad_share)."""
+    """Gradient norms per slot and role, kappa and coherence of same-role slots, grad_share."""
     stats, role_grads = {}, defaultdict(list)
     for slot, g in slot_grads.items():
         stats[f"slot/{slot}/grad_norm"] = g.norm().item()
@@ -69,24 +64,18 @@ def gradient_stats(slot_grads: dict[str, torch.Tensor],
 
 
 def gradient_noise(g0: torch.Tensor, g1: torch.Tensor, n0: int, n1: int) -> float:
-    """The noise's share of the step's squared gradient |g|^2, g = g0 + g1, from the gradients of
-    two halves of the step's problems, n0 and n1 problems each: n0 n1 |g0 / n0 - g1 / n1|^2 / |g|^2.
-
-    With N = n0 + n1 problems whose gradients are independent draws of mean m and covariance C,
-    E|g|^2 = N^2 |m|^2 + N tr C, and E|g0 / n0 - g1 / n1|^2 = (1 / n0 + 1 / n1) tr C, so n0 n1
-    times it is N tr C, the noise's part: about 1 for noise alone, near 0 for signal. (The plain
-    |g0 - g1|^2 of unequal halves, 2 and 1 problems, would read a pure signal as 1/9.)"""
+    """The noise's share of |g|^2, g = g0 + g1, from two halves of n0 and n1 problems:
+    n0 n1 |g0 / n0 - g1 / n1|^2 / |g|^2. For N = n0 + n1 independent problems of mean m and
+    covariance C, E|g|^2 = N^2 |m|^2 + N tr C and n0 n1 E|g0 / n0 - g1 / n1|^2 = N tr C: about 1
+    for noise alone, near 0 for signal."""
     return (n0 * n1 * (g0 / n0 - g1 / n1).norm() ** 2 / (g0 + g1).norm() ** 2).item()
 
 
 def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
                      procs=ONE_PROCESS) -> dict[str, list[float]]:
     """Paper A's signals of the adapter's gradient before its update, from each slot's part of the
-    on-policy loss (weighed as under --one_step) in two halves of the step's problems; also each
-    slot's loss statistics, each role's entropy and sampler gap. No step is taken: the adapter's
-    gradients are left at zero, and the adapter, its optimizer and every random state as they were.
-    Under torchrun the gradients are summed across processes, as in the update. `cfg`: train.py's
-    Config."""
+    on-policy loss in two halves of the problems; each slot's loss statistics, each role's entropy
+    and sampler gap. No step is taken: the gradients are left at zero, every state as it was."""
     params = adapter_parameters(model, adapter)
     stats, slot_grads, halves, role_of = defaultdict(list), {}, [0, 0], {}
     for slot, share in live_groups(calls, kl_coefs(cfg), "slot", procs):
@@ -122,14 +111,11 @@ def gradient_signals(model, adapter: str, calls: list[Call], pad_id: int, cfg,
 
 
 def role_jobs(calls: list) -> dict[str, float]:
-    """Whether each supervisory role does its job, beyond its format (math: needs `own_score`).
-
-    evaluator: verdict_acc, how often its verdict agrees with the verifier, against verdict_base,
-      the same for a constant evaluator that always says Incorrect (the share of wrong solutions);
-    refine/fixed and refine/broken: of the answers judged Incorrect and rewritten, the share the
-      rewrite turned right, and turned wrong;
-    aggregator and synthesizer: skill, the reward of the answer it chose or wrote minus the mean of
-      the candidates it read (0: no better than a random pick)."""
+    """Whether each supervisory role does its job beyond its format (math: needs `own_score`).
+    evaluator: verdict_acc, its verdicts' agreement with the verifier, against verdict_base, an
+    evaluator that always says Incorrect; refine/fixed and refine/broken: the share of rewrites
+    that turned an answer right, and wrong; aggregator and synthesizer: skill, the reward of its
+    answer minus the mean of the candidates it read (0: a random pick)."""
     m, skill = {}, defaultdict(list)
     judged = [(c, read[0].own_score) for c, read in read_by(calls) if c.role == "evaluator"]
     if judged:
@@ -152,9 +138,7 @@ def role_jobs(calls: list) -> dict[str, float]:
 
 
 def step_metrics(calls: list, rewards: list[float], outcomes, n_agents: int) -> dict[str, float]:
-    """A step's figures, from its calls, outcomes and rewards: the mean reward, the share of
-    episodes where a role broke its answer format and of calls the length limit cut, and the
-    outputs' figures of the module docstring."""
+    """A step's figures from its calls, outcomes and rewards (the module docstring's outputs)."""
     m = {"reward/mean": sum(rewards) / len(rewards),
          "contract/fallback_rate": sum(o.info["fallback"] for o in outcomes) / len(outcomes),
          "contract/truncated": sum(c.truncated for c in calls) / len(calls)}

@@ -7,36 +7,28 @@
 
 One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
   1. sample B problems, repeat each G times: B*G episodes;
-  2. run the workflow on every episode (workflows.py); each stage is one
-     batched generation under its role's adapter (rollout.py), every call recorded;
-  3. score the final answers and decide each call's reward (reward.credit_calls):
-     the episode's outcome broadcast to all of its calls (--credit own: each call's
-     own part; --truncated: what a call cut by the length limit earns);
-  4. group-relative advantages per (problem, slot, stage) (grpo.py),
-     or with --algo maac the critics' values and GAE (critic.py);
-  5. old log-probs: the first mini-batch's own, a separate pass for the later ones;
-     every --diag_every steps (default 10: the default run's last) first the diagnostics'
-     pass, which measures each slot's gradient and moves nothing (measure.py);
-  6. update, adapter by adapter (one shared adapter, or one per role type): one
-     optimizer step over all of its calls with a gradient (--one_step, the default);
-     with --no-one_step, as in the paper, one step per mini-batch of a fixed size,
-     so under --sharing isolated a role with three slots takes three times the steps;
-     --balance, --damping and --role_kl are Paper A's mitigations (docs/mechanisms.md);
+  2. run the workflow on every episode (workflows.py), one batched generation per stage under
+     its role's adapter (rollout.py);
+  3. score the final answers and give each call its reward (reward.credit_calls: the outcome
+     broadcast, or with --credit own each call's own part);
+  4. group-relative advantages per (problem, slot, stage) (grpo.py), or with --algo maac the
+     critics' values and GAE (critic.py);
+  5. old log-probs; every --diag_every steps first the diagnostics' gradient pass (measure.py);
+  6. update, adapter by adapter: one optimizer step (--one_step), or as in the paper one per
+     mini-batch (--no-one_step); --balance, --damping and --role_kl are Paper A's mitigations
+     (docs/mechanisms.md);
   7. maac only: one pass of each critic over its inputs (value loss);
-  8. log; evaluate the whole workflow on held-out problems (test, and val where a
-     peak is chosen) every `eval_every` steps; checkpoint.
-Before step 1, step 0: a supervised warm-up (--sft_warmup) teaches every role its
-contract, and the first evaluation.
+  8. log; evaluate on held-out problems every --eval_every steps; checkpoint.
+Step 0: a supervised warm-up (--sft_warmup) teaches every role its contract; the first evaluation.
 
-Several processes (`torchrun --nproc_per_node N train.py ...`, docs/torchrun.md) each roll out
-a block of the problems, then all hold every episode, split each pass and sum its gradients: every
-process takes the step one process would take. The run itself, on disk and on its machine, is one
-object of lab/run.py (`Run`); the loop hands the algorithm's passes its processes (`procs`).
+Under torchrun (docs/torchrun.md) each process rolls out a block of the problems, then all hold
+every episode, split each pass and sum its gradients: each takes the step one process would take.
+lab/run.py's `Run` is the run on disk and on its machine; the loop hands the passes its `procs`.
 
-Departures from the paper (docs/departures.md): the defaults fit a 2-core CPU (an hour on
-one without bf16, the README; a 135M model, 10 steps of 8 x 4 episodes, 48 new tokens, rank 16,
-a learning rate of 5e-4 instead of 2e-5), and one optimizer step per adapter and step, where
-the ratio is 1 and the clip never acts: an on-policy policy gradient with GRPO's baseline.
+Departures from the paper (docs/departures.md): defaults that fit a 2-core CPU (a 135M model,
+10 steps of 8 x 4 episodes, 48 new tokens, rank 16, lr 5e-4 instead of 2e-5), and one optimizer
+step per adapter and step, where the ratio is 1 and the clip never acts: an on-policy policy
+gradient with GRPO's baseline.
 """
 import math
 import random
@@ -54,9 +46,7 @@ from critic import (CRITICS, PER, critic_advantages, critic_key, critic_metrics,
 from decode import decoder_plan
 from grpo import (AGG_MODES, BALANCE, RATIO_LEVELS, has_signal, kl_coefs, policy_update,
                   reference_of, set_advantages)
-# lab/: the run's plumbing, behind the loop: `Run` holds the run on disk and on its machine; the
-# settings' checks; under torchrun `block` splits the held-out problems between the processes and
-# a gather joins what each did (in one process, every problem, and what it is given)
+# lab/: the run's plumbing (under torchrun `block` and the gathers split and join the processes)
 from lab.checkpoint import TrainState, read_best
 from lab.machine import (PROCESSES, block, catch_stop_signals, gather_episodes, gather_lists,
                          gpu_rngs, log, run_main)
@@ -74,15 +64,13 @@ from warmup import contract_replies, supervised_steps, warmup_roles
 from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, boxed_contents, every_prompt,
                        role_of, run_workflow, slots)
 
-# A step in which no call of an adapter has a learning signal takes no optimizer step, and its
-# schedule moves on all the same: torch's warning about that order says nothing here.
+# An adapter without signal in a step takes no optimizer step, and its schedule moves on anyway
 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 EVAL_BATCH = 32  # held-out episodes an evaluation rolls out at once on a CPU (GPU: eval_batch)
 
 
 # ----------------------------------------------------------------------------
-# The settings: every flag, its default and its help (--help, --help-all). lab/settings.py checks
-# them; the algorithm's files read them by field name, and what only they can check is checked below
+# The settings: every flag, its default and its help; lab/settings.py checks them
 
 
 @dataclass
@@ -215,8 +203,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 def check_algorithm_settings(cfg: Config) -> None:
-    """The roles of --role_kl and --sft_roles, which lab/settings.py cannot check: a one-line
-    error before a file or the model is touched."""
+    """The roles of --role_kl and --sft_roles: a one-line error before anything is touched."""
     try:
         kl_coefs(cfg)
         if not cfg.resume:  # a resumed run's warm-up is behind it
@@ -226,13 +213,11 @@ def check_algorithm_settings(cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------------------
-# The model and what RL trains on it: the context checked, the adapters and critics,
-# their optimizers
+# The model, the adapters and critics RL trains on it, their optimizers
 
 
 def load_model(cfg: Config, device: str):
-    """The base model (model.py) with LoRA layers on --lora_targets, no adapter yet (lora.py), and
-    its tokenizer."""
+    """The base model with LoRA layers on --lora_targets (no adapter yet), and its tokenizer."""
     targets = lora_targets(cfg)
     model, tok = load_policy(cfg.model, device, cfg.dtype)
     side = narrowest(model, targets)
@@ -248,8 +233,8 @@ def load_model(cfg: Config, device: str):
 
 
 def longest_prompt(tok, cfg: Config, problems: list) -> int:
-    """Tokens of the workflow's longest prompt around its longest question, its agents' texts
-    left out (those are cut to fit at run time)."""
+    """Tokens of the workflow's longest prompt around its longest question, agents' texts left
+    out (those are cut to fit at run time)."""
     sizes = [len(ids) for ids
              in tok([p.question for p in problems], add_special_tokens=False).input_ids]
     longest = problems[sizes.index(max(sizes))]
@@ -260,8 +245,7 @@ def longest_prompt(tok, cfg: Config, problems: list) -> int:
 
 
 def check_context(model, tok, cfg: Config, problems: list) -> None:
-    """--critic_max_tokens, and --max_new_tokens after the longest prompt of the workflow (its
-    agents' texts left out: those are cut to fit at run time), fit the model's context."""
+    """--critic_max_tokens, and --max_new_tokens after the longest prompt, fit the context."""
     context = context_length(model)
     if context is None:
         return
@@ -278,8 +262,7 @@ def check_context(model, tok, cfg: Config, problems: list) -> None:
 
 
 def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
-    """The adapters RL trains (one shared, or one per role type) and, with --algo maac, the
-    critics: a fresh adapter and value head each."""
+    """The adapters RL trains and, with --algo maac, the critics (adapter and value head)."""
     names = setup_adapters(model, ROLES[cfg.workflow], cfg.sharing)
     if cfg.algo != "maac":
         return names, {}
@@ -292,16 +275,14 @@ def actors_and_critics(model, cfg: Config) -> tuple[list[str], dict]:
 
 
 def make_anchors(model, cfg: Config, names: list[str]) -> None:
-    """The KL anchors of a run with a warm-up and a KL term: a frozen copy of each adapter RL
-    trains, as it stands now (grpo.reference_of names them)."""
+    """A frozen copy of each adapter as it stands now, where grpo.reference_of names one."""
     for name in names:
         if ref := reference_of(cfg, name):
             freeze_copy(model, name, ref)
 
 
 def make_optimizers(model, cfg: Config, names: list[str], heads) -> tuple[dict, dict]:
-    """AdamW and the warmup-cosine schedule for every adapter, and for every critic
-    (its adapter and value head)."""
+    """AdamW and the warmup-cosine schedule for every adapter and critic."""
     optimizers, schedulers = {}, {}
     for name in names + list(heads):
         params = adapter_parameters(model, name) + (list(heads[name].parameters()) if name in heads
@@ -331,8 +312,8 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 
 def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
             procs) -> tuple[dict, tuple]:
-    """One training step, steps 1-7 of this file's docstring. Returns its metrics row and its
-    episodes (calls, outcomes, problems, rewards) for the logs. `procs`: the processes."""
+    """Steps 1-7 of this file's docstring. Returns the metrics row and the episodes (calls,
+    outcomes, problems, rewards) for the logs."""
     t0 = time.time()
     # 1-3. problems, rollout, rewards
     picked = state.rng.sample(range(len(train_set)), cfg.problems_per_step)
@@ -380,8 +361,7 @@ def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
 
 def run_episodes(model, tok, cfg: Config, problems, greedy: bool,
                  label: str = "rollout") -> tuple[Rollout, list, list[float]]:
-    """Run the workflow once per problem; return the recorder, outcomes and rewards.
-    Each finished stage is logged, prefixed by `label`."""
+    """Run the workflow once per problem; each finished stage is logged after `label`."""
     rollout = Rollout(model, tok, cfg.sharing, max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, top_p=cfg.top_p, greedy=greedy,
                       progress=lambda message: log(f"{label} | {message}"))
@@ -399,8 +379,8 @@ def run_episodes(model, tok, cfg: Config, problems, greedy: bool,
 
 def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call],
                     names: list[str], diag: bool, procs) -> dict[str, list[float]]:
-    """Steps 5-6 for each adapter RL trains: with `diag`, the signals of its gradient before it
-    moves (measure.gradient_signals); its update (grpo.policy_update) and its schedule."""
+    """Steps 5-6 for each adapter: with `diag` its gradient's signals first (measure.py); its
+    update (grpo.policy_update) and its schedule."""
     stats, kl = defaultdict(list), kl_coefs(cfg)
     for name in names:
         t_name = time.time()
@@ -423,12 +403,11 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
 
 def without_repeats(m: dict[str, float], cfg: Config) -> dict[str, float]:
     """The step's metrics less those that repeat another key or cannot move in this run: the slot/
-    keys of a role with one slot (its role/ keys hold the same numbers), the ratio's statistics
-    under --one_step, and the critics' clip_frac with --critic_steps 1."""
-    # each slot's role, e.g. voting: generator x 3, aggregator
+    keys of a role with one slot, the ratio's statistics under --one_step, and the critics'
+    clip_frac with --critic_steps 1."""
     roles = [role_of(s) for s in slots(cfg.workflow, cfg.n_agents)]
-    lone = tuple(f"slot/{s}/" for s, r in zip(slots(cfg.workflow, cfg.n_agents), roles)
-                 if roles.count(r) == 1)
+    lone = tuple(f"slot/{s}/" for s in slots(cfg.workflow, cfg.n_agents)
+                 if roles.count(role_of(s)) == 1)
     # grpo.policy_loss's ratio statistics, constant where every ratio is 1
     fixed = ("clip_frac", "approx_kl", "ratio_mean", "chi2") if cfg.one_step else ()
     still = ("critic/clip_frac",) if cfg.critic_steps == 1 else ()  # values yet to move: 0
@@ -437,8 +416,7 @@ def without_repeats(m: dict[str, float], cfg: Config) -> dict[str, float]:
 
 
 def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
-    """The update's statistics, each the plain mean of its entries; time/old_logp and time/diag,
-    parts of time/update, sum the adapters' passes."""
+    """The mean of each statistic; time/old_logp and time/diag sum the adapters' passes."""
     m = {k: sum(v) / len(v) for k, v in stats.items()}
     for part in ("old_logp", "diag"):
         if any(k.startswith(f"time/{part}/") for k in m):
@@ -452,19 +430,16 @@ def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
 
 def eval_batch(free_bytes: int, kv_bytes: int, episode_tokens: int, least: int,
                episodes: int) -> int:
-    """Held-out episodes an evaluation rolls out at once on a GPU: all `episodes` where their keys
-    and values (kv_bytes a token, at most episode_tokens an episode) fit in half the free memory
-    (the other half for the prefill's activations and the logits), else as many as fit, and never
-    fewer than `least`, what a training step rolls out at once anyway."""
+    """Held-out episodes an evaluation rolls out at once on a GPU: as many as their keys and
+    values fit in half the free memory (the rest: the prefill's activations and the logits), at
+    least `least` (a training step's), at most `episodes`."""
     return min(episodes, max(least, free_bytes // 2 // (kv_bytes * episode_tokens)))
 
 
 def eval_batch_here(model, tok, cfg: Config, problems, episodes: int) -> int:
-    """EVAL_BATCH on a CPU, where the fixed-seed recordings were made; on a GPU eval_batch from
-    the device's free memory, the model's bytes of keys and values a token and an episode's widest
-    stage: n_agents rows whose prompt quotes up to two replies (a worker's plan; a refinement's
-    answer and verdict), or one row that quotes n_agents + 1 (the synthesizer's solutions and
-    plan), each with its own reply."""
+    """EVAL_BATCH on a CPU (where the fixed-seed recordings were made); on a GPU eval_batch for
+    an episode's widest stage: n_agents rows quoting up to two replies each, or one row quoting
+    n_agents + 1 (the synthesizer), each with its own reply."""
     if model.device.type != "cuda":
         return EVAL_BATCH
     c, device = model.config, model.device
@@ -480,11 +455,9 @@ def eval_batch_here(model, tok, cfg: Config, problems, episodes: int) -> int:
 
 
 def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[str, float]:
-    """Accuracy of the whole workflow on held-out problems (eval/: the test split; val/: the
-    validation split, where a peak or a checkpoint is chosen), and on the test split what changed
-    besides the answers (docs/runs.md). Greedy, except where --eval_sampling samples (Voting: greedy
-    generators would give one answer three times), each problem --eval_samples times. Sampling
-    draws from a generator of its own, so an evaluation never moves the training's."""
+    """Accuracy of the workflow on held-out problems (eval/: test split, with what changed besides
+    the answers, docs/runs.md; val/: where a peak is chosen). Greedy unless --eval_sampling, on a
+    random state of its own so that an evaluation never moves the training's."""
     sample = evaluation_samples(cfg)
     repeats = cfg.eval_samples if sample else 1
     # under torchrun, a block
@@ -499,9 +472,7 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[st
                                                 greedy=not sample, label=label)
             seen["reward"] += r
             seen["boxed"] += [bool(boxed_contents(o.final)) for o in outcomes]
-            # episode -> the score of its first solving call's own answer (calls come stage by
-            # stage)
-            first = {}
+            first = {}  # episode -> the own score of its first solving call
             for c in rollout.calls:
                 if c.own_score is not None:
                     first.setdefault(c.episode, c.own_score)
@@ -526,22 +497,18 @@ def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[st
 
 
 def evaluations(model, tok, cfg: Config, held_out: dict[str, list]) -> dict[str, float]:
-    """One evaluation point: the test split (eval/...) and, where --val_problems, the val split
-    (val/...)."""
+    """One evaluation point: the test split (eval/...) and, with --val_problems, val/...."""
     return {k: v for prefix, problems in held_out.items()
             for k, v in evaluate(model, tok, cfg, problems, prefix).items()}
 
 
 # ----------------------------------------------------------------------------
-# Step 0: a supervised warm-up (every role learns replies that keep its contract,
-# warmup.contract_replies, so that RL has a contract to keep or to lose), or another run's step 0
+# Step 0: a supervised warm-up on contract-keeping replies (warmup.py), or another run's step 0
 
 
 def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, float]:
-    """--sft_warmup steps of supervised learning on contract-keeping replies, before RL: one
-    sampled rollout on B x G distinct training problems gives the prompts and the verifier's
-    labels (warmup.contract_replies), then warmup.supervised_steps. Returns the step-0 metrics:
-    the loss of the first and last step, and each role's adherence in the rollout."""
+    """One sampled rollout on B x G distinct training problems gives the prompts and the
+    verifier's labels, then --sft_warmup supervised steps. Returns the step-0 metrics."""
     rng = random.Random(cfg.seed + 1)  # its own problems: RL draws the same ones as without warm-up
     # at least a mini-batch's worth
     n = max(cfg.problems_per_step * cfg.group_size, cfg.minibatch_size)
@@ -569,8 +536,8 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
 
 def step_zero(state: TrainState, tok, cfg: Config, train_set: list, held_out: dict,
               run: Run) -> dict:
-    """Step 0 of a new run: another run's step 0 (--start_from), or the warm-up and the first
-    evaluation; then the KL anchors copy the policy RL starts from. Returns its metrics row."""
+    """Another run's step 0 (--start_from), or the warm-up and the first evaluation; then the KL
+    anchors copy the policy RL starts from. Returns its metrics row."""
     names = [n for n in state.optimizers if n not in state.heads]
     if cfg.start_from:
         first = state.load_start(cfg.start_from, cfg.sharing, run.start_config)

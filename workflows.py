@@ -1,27 +1,23 @@
 r"""Multi-agent LLM workflows as plain Python: who speaks, with which prompt, in which order.
 
-A workflow turns a batch of questions into one final text per question by calling LLM "agents"
-in stages. Each agent has a *slot* (generator0, evaluator, worker2, ...) and a *role type*
-(generator, evaluator, worker, ...); slots of one role type share a prompt and, under isolated
-adapters (one per role type), a LoRA adapter. A workflow never touches tensors: it calls
-`generate(role, slots, episodes, chats)` once per stage, and the callback (rollout.py) batches
-every call of that stage into one model call.
+A workflow turns a batch of questions into one final text each by calling LLM "agents" in stages.
+An agent has a *slot* (generator0, evaluator, worker2, ...) and a *role type* (generator,
+evaluator, worker, ...); slots of one role type share a prompt and, under isolated adapters, a
+LoRA adapter. A workflow never touches tensors: it calls `generate(role, slots, episodes, chats)`
+once per stage, and the callback (rollout.py) batches the stage into one model call.
 
 Topologies and role contracts follow Paper A (Zeng et al. 2026, arXiv 2605.24202):
   single        generator                                    final = generator
   eval_opt      generator -> evaluator -> generator -> ...   final = last generator turn
   voting        N generators -> aggregator picks \boxed{k}   final = candidate k
   orch_workers  orchestrator -> N workers -> synthesizer     final = synthesizer
-The evaluator answers \boxed{Correct} / \boxed{Incorrect} and never solves; the orchestrator
-lists strategies and never solves. `adherence` (an output keeps its role's contract) and
-`similarity` (how alike two roles' outputs are) are the signals of role capture (Paper A).
+The evaluator answers \boxed{Correct} / \boxed{Incorrect} and the orchestrator lists strategies;
+neither solves. `adherence` and `similarity` are the signals of role capture (Paper A).
 
-Departures from the paper:
-  - the prompts are this project's own, short enough for a 135M model;
-  - a verdict without \boxed{} falls back to the last word "correct"/"incorrect", else Incorrect;
-  - eval_opt skips the evaluator after the last generator turn (it could change nothing);
-  - texts passed to a later role keep their head and tail, MAX_FEED_CHARS in all;
-  - info["fallback"] flags any broken answer contract (a cheap role-capture signal).
+Departures from the paper: the prompts are this project's own, short enough for a 135M model; a
+verdict without \boxed{} falls back to the last word "correct"/"incorrect", else Incorrect;
+eval_opt skips the evaluator after the last generator turn; texts passed to a later role keep
+their head and tail, MAX_FEED_CHARS in all; info["fallback"] flags a broken answer contract.
 
 Exercised by: pytest tests/test_workflows.py, and
 `python workflows.py voting`: every stage's prompts for one question, from a canned fake model.
@@ -143,9 +139,8 @@ SOLVERS = ("generator", "worker", "synthesizer")  # the roles whose output is a 
 @dataclass
 class Outcome:
     final: str  # the text the reward scores (its last \boxed{} is the answer)
-    # For logs: "fallback" (a role broke its answer contract), all but single "rule" (the parsing
-    # rule that decided the final answer; eval_opt: "none" without a verdict); eval_opt adds
-    # "rounds" and "stopped", voting "choice", orch_workers "strategies" (how many were parsed).
+    # for logs: "fallback" (a broken contract), "rule" (what decided the answer; not in single),
+    # eval_opt "rounds" and "stopped", voting "choice", orch_workers "strategies" (parsed)
     info: dict
 
 
@@ -194,8 +189,7 @@ def numbered(label: str, texts: list[str]) -> str:
 
 
 def stage(generate: GenerateFn, role: str, calls: list[tuple[str, int, Chat]]) -> list[str]:
-    """All (slot, episode, chat) calls of one role type, episode by episode, slots in order, in
-    one generate call."""
+    """All (slot, episode, chat) calls of one role type in one generate call."""
     slot_list, episodes, chats = (list(column) for column in zip(*calls))
     outs = generate(role, slot_list, episodes, chats)
     if len(outs) != len(chats):
@@ -216,9 +210,7 @@ def boxed_contents(text: str) -> list[str]:
     starts = [m.end() - 1 for m in BOXED.finditer(text)]  # positions of the opening '{'
     if not starts:
         return []
-    # one pass with a stack pairs every brace (a scan from each \boxed would be quadratic in a
-    # text of many unclosed boxes)
-    stack, close = [], {}
+    stack, close = [], {}  # one pass pairs every brace: a scan per \boxed would be quadratic
     for m in BRACE.finditer(text, starts[0]):
         if m.group() == "{":
             stack.append(m.start())
@@ -232,8 +224,7 @@ SAID = re.compile(r"\b(not\s+correct|incorrect|correct)\b", re.IGNORECASE)  # "n
 
 
 def parse_verdict(text: str) -> tuple[bool, str]:
-    """(is_correct, rule): rule "boxed", "word" (last standalone word) or "default" (Incorrect).
-    "not correct" reads as Incorrect."""
+    """(is_correct, rule): "boxed", "word" (the last one) or "default" (Incorrect)."""
     for content in reversed(boxed_contents(text)):
         words = SAID.findall(content)
         if words:
@@ -279,9 +270,9 @@ SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
 
 
 def adherence(role: str, text: str, n: int = 3) -> bool | None:
-    r"""Does this output keep its role's contract? None for free-form roles. evaluator: a boxed
-    verdict, no other boxed answer, short; aggregator: a valid \boxed{k}, short; orchestrator:
-    numbered strategies and no boxed answer (it must not solve)."""
+    r"""Does this output keep its role's contract (None for free-form roles)? evaluator: only
+    boxed verdicts, short; aggregator: a valid \boxed{k}, short; orchestrator: numbered
+    strategies and no boxed answer."""
     if role == "evaluator":
         boxed = boxed_contents(text)
         only_verdicts = all(VERDICT.fullmatch(b.strip()) for b in boxed)
@@ -390,8 +381,6 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
     check_name(name)
     if kind not in KINDS:
         raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
-    if n_agents < 1 or max_rounds < 1:
-        raise ValueError(f"need n_agents >= 1 and max_rounds >= 1, got {n_agents}, {max_rounds}")
     if not questions:
         return []
     return WORKFLOWS[name](questions, generate, kind, n_agents, max_rounds)
