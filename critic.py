@@ -1,34 +1,26 @@
 """Multi-agent actor-critic: value heads, centralized and decentralized critics, GAE.
 
-A workflow episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM, arXiv
-2601.21972): every stage is a time step, each agent slot acts at some of them, and the outcome
-(1 correct / 0 wrong) is the reward of each agent's last turn (--credit own: each turn's own).
-A critic V(s) estimates the return before an agent acts; its errors replace GRPO's group means:
+An episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM, arXiv 2601.21972): a
+stage is a time step, and the outcome is the reward of each agent's last turn (--credit own: of
+each turn). A critic's V(s) takes the place of GRPO's group mean:
   CoLLM-CC, central:   one critic "critic" reading the joint history - every agent's prompt and
                        output before step t, then the prompts of step t, in [slot] blocks; one
                        value per (episode, step), shared by the agents acting then.
   CoLLM-DC, decentral: one critic per agent slot ("critic-generator0") or per role type
                        ("critic-generator") that reads only its agent's own prompt at its turn.
-A critic is the frozen base model under its own LoRA adapter plus a ValueHead on the last input
-token; a fresh critic predicts 0 everywhere.
-
-Advantages are GAE (Schulman et al. 2016, arXiv 1506.02438) over each agent's own turns
-t_1 < t_2 < ... < t_K:
+A critic is the frozen base model under its own LoRA adapter plus a ValueHead; a fresh one says 0.
+GAE (Schulman et al. 2016, arXiv 1506.02438) runs over each agent's own turns k = 1..K:
 
     delta_k = r_k + gamma * V(s_{k+1}) - V(s_k)        V(s_{K+1}) = 0 (terminal)
     A_k     = sum_l (gamma * lam)^l * delta_{k+l}
-    R_k     = A_k + V(s_k)                             (the critic's target)
+    R_k     = A_k + V(s_k)                             (the target of the loss 0.5 (V - R)^2)
 
-lam = 0 is the one-step TD target of Paper B's code (OpenMLRL/CoMLRL), lam = 1 Monte Carlo. The
-actor is grpo.policy_loss; the critic minimises 0.5 (V - R)^2.
+lam = 0 is the one-step TD of Paper B's code (OpenMLRL/CoMLRL), lam = 1 Monte Carlo.
+Departures: an agent's next state is its own next turn, and gamma discounts per agent turn; the
+central critic fits the mean return of the agents acting at a joint step, and writes a prompt
+they share once; a long input keeps its last max_tokens tokens.
 
-Departures: an agent's next state is its own next turn, and gamma discounts per agent turn (a
-voting generator's advantage is R - V(s) whatever lam is); the central critic fits the mean return
-of the agents acting at one joint step, and writes identical prompts of a step once, labelled with
-every slot that saw them; a long input keeps its most recent max_tokens tokens.
-
-Exercised by: pytest tests/test_critic.py, and
-python train.py --algo maac --critic central   (or --critic decentral)
+Exercised by: pytest tests/test_critic.py; python train.py --algo maac --critic central
 """
 import re
 from collections import defaultdict
@@ -90,8 +82,7 @@ def critic_values(model: nn.Module, head: ValueHead, adapter: str,
 def predict_values(model: nn.Module, heads: nn.ModuleDict, keys: list[str],
                    id_lists: list[list[int]], pad_id: int, batch_size: int = 8,
                    procs=ONE_PROCESS) -> torch.Tensor:
-    """Values of every input under its own critic, without gradient: (calls,). Identical inputs
-    of one critic (co-acting agents) run once; under torchrun each process values its share."""
+    """Values of every input under its own critic: (calls,). Identical inputs run once."""
     values = torch.zeros(len(keys))
     for key in sorted(set(keys)):
         rows = defaultdict(list)  # input ids -> the positions that share them
@@ -121,8 +112,7 @@ def critic_key(slot: str, role: str, critic: str, per: str = "slot") -> str:
 
 
 def joint_history(episode_calls: list[Call], turn: int) -> str:
-    """The central critic's input at one joint step: all prompts and outputs before `turn`, then
-    the prompts at `turn`, each block labelled with its agent slot(s)."""
+    """The central critic's input: prompts and outputs before `turn`, then the prompts at it."""
     blocks = []
     for t in sorted({c.stage for c in episode_calls if c.stage <= turn}):
         stage = [c for c in episode_calls if c.stage == t]
@@ -182,8 +172,7 @@ def encode(tok, texts: list[str], max_tokens: int) -> list[list[int]]:
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
         gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns of B sequences of turns, padded on the right: (B, K) each. The mask
-    is 1 on each sequence's real turns (a prefix); after the last one V = 0; padding returns 0."""
+    """Advantages and returns of B sequences of turns padded on the right (mask 0): (B, K) each."""
     B, K = rewards.shape
     values = values * mask  # (B, K)
     next_values = torch.cat([values[:, 1:], values.new_zeros(B, 1)], dim=1)  # (B, K): V(s_{k+1})
@@ -247,8 +236,7 @@ def normalize(advantages: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
-    """1 - Var(target - pred) / Var(target): 1 is perfect, 0 is no better than the mean, negative
-    is worse; nan when the targets do not vary (nothing to explain)."""
+    """1 - Var(target - pred) / Var(target); nan when the targets do not vary."""
     var_target = target.var(correction=0)
     if var_target == 0:
         return float("nan")

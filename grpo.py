@@ -1,29 +1,22 @@
 """GRPO: group-relative advantages and the clipped policy loss.
 
 GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300) drops PPO's critic: every token of an
-answer gets the answer's reward relative to the G answers to the same prompt,
+answer gets the answer's reward relative to the G answers to the same prompt, and PPO's clipped
+surrogate (Schulman et al. 2017) with DAPO's clip-higher (Yu et al. 2025, arXiv 2503.14476):
 
-    A_i = (r_i - mean(r_group)) / (std(r_group) + eps).
-
-The policy loss is PPO's clipped surrogate (Schulman et al. 2017) with "clip-higher" (DAPO, Yu et
-al. 2025, arXiv 2503.14476: a separate eps_high, so that unlikely tokens can still grow),
-
+    A_i   = (r_i - mean(r_group)) / (std(r_group) + eps)
     ratio = pi(a|s) / pi_old(a|s)
-    loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
+    loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
 
-GSPO (Zheng et al. 2025, arXiv 2507.18071; --ratio sequence) clips one ratio per sequence, the
-geometric mean of its token ratios, s_i = exp(mean_t (log pi - log pi_old)). Where pi_old is the
-policy itself (train.py's --one_step, the default) both ratios are exactly 1.
-
-Multi-agent workflows (Paper A, Zeng et al. 2026, arXiv 2605.24202): the episode's outcome is
-broadcast to every call, and a group is one (problem, agent slot, stage), or (problem, role).
+GSPO (Zheng et al. 2025, arXiv 2507.18071; --ratio sequence) clips one ratio per sequence,
+exp(mean_t (log pi - log pi_old)). Under train.py's --one_step (the default) every ratio is 1.
+Paper A (Zeng et al. 2026, arXiv 2605.24202): the episode's outcome is broadcast to every call,
+and a group is one (problem, agent slot, stage), or (problem, role).
 
 Departures: std is unbiased (Bessel), as in verl and TRL; a group without contrast gets advantage
-0. The KL term is off by default, as in the paper; when on it is k3 (Schulman 2020,
-http://joschu.net/blog/kl-approx.html) to the base model, or after a warm-up to the warmed-up
-adapter (`reference_of`). The update (`policy_update`, the actor-critic's too) is one pass of
-mini-batches, one optimizer step each (one PPO epoch), with Paper A's mitigations. The sampler
-rounds differently from the trainer: --tis_cap weights each token's term by
+0. The KL term (off, as in the paper) is k3 (Schulman 2020, http://joschu.net/blog/kl-approx.html)
+to the base model or the warmed-up adapter (`reference_of`). `policy_update` (the actor-critic's
+too) is one pass of mini-batches with Paper A's mitigations; --tis_cap weights each token by
 min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025).
 
 Exercised by: pytest tests/test_grpo.py
@@ -141,8 +134,7 @@ def read_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025): min(pi_old / pi_rollout, cap) per token;
-    the cap bounds the weight's variance."""
+    """Truncated importance sampling (Yao et al. 2025): min(pi_old / pi_rollout, cap) per token."""
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()  # (B, T)
 
 
@@ -231,8 +223,7 @@ def kl_coefs(cfg) -> dict[str, float]:
 
 
 def reference_of(cfg, adapter: str) -> str | None:
-    """The adapter a KL term anchors `adapter` to: after a warm-up, a frozen copy of itself,
-    "<adapter>-ref" (train.py makes it); without one, None, the base model."""
+    """The frozen copy "<adapter>-ref" a KL term anchors to after a warm-up; else None (base)."""
     anchored = cfg.sft_warmup > 0 and any(v > 0 for v in kl_coefs(cfg).values())
     return f"{adapter}-ref" if anchored else None
 
@@ -243,10 +234,8 @@ def policy_update(state, adapter: str, calls: list[Call], pad_id: int, cfg,
     (`state`: lab/checkpoint.py's TrainState). A call without signal is skipped (its gradient is
     0) but counts in the denominators; a non-finite gradient takes no step. Under torchrun each
     process back-propagates its share, and the gradients are summed before the step."""
-    model, optimizer, ema = state.model, state.optimizers[adapter], state.emas.get(adapter)
+    model, optimizer, ema = state.model, state.optimizers[adapter], state.emas[adapter]
     kl = kl_coefs(cfg)
-    if cfg.damping > 0 and ema is None:
-        raise ValueError(f"--damping needs state.emas[{adapter!r}], the gradient EMA of its steps")
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)
@@ -299,8 +288,7 @@ def has_signal(call: Call, kl: dict[str, float]) -> bool:
 
 def live_groups(mb: list[Call], kl: dict[str, float], by: str,
                 procs=ONE_PROCESS) -> list[tuple[str, list[Call]]]:
-    """The mini-batch's calls with a gradient, grouped by role or slot: (group, this process's
-    share of the group's calls), every group that has any."""
+    """(group, this process's share of its calls with a gradient) by role or slot."""
     live = [c for c in mb if has_signal(c, kl)]
     return [(group, procs.share([c for c in live if getattr(c, by) == group]))
             for group in sorted({getattr(c, by) for c in live})]

@@ -1,19 +1,17 @@
 """What a step measures besides its loss: the papers' signals, in one room.
 
-Every step train.py logs `step_metrics` over the step's calls (no pass of the model). Every
---diag_every steps (about the cost of an update, docs/performance.md) it also calls, per adapter
-before its update, `gradient_signals`: each slot's part of the loss back-propagated on its own,
-with no step taken.
+Every step train.py logs `step_metrics` (no pass of the model); every --diag_every steps, per
+adapter before its update, also `gradient_signals`: each slot's part of the loss back-propagated
+on its own, no step taken (about an update's cost, docs/performance.md).
 
-Gradients (Paper A, Zeng et al. 2026, arXiv 2605.24202): N same-role slots reading one prompt and
-one broadcast reward push one adapter one way (`amplification`: kappa); on a shared adapter a role
-may take most of the gradient (`gradient_stats`: grad_share) and the others drift towards it. The
-noise is read off two halves of the problems (`gradient_noise`, McCandlish et al. 2018,
-arXiv 1812.06162). Outputs: per role and slot the reward, length, token share and own answers;
-whether each supervisory role does its job (`role_jobs`); each role's contract adherence and how
-alike the roles' outputs are (role capture shows in outputs before losses). diagnose.py reads them.
+Paper A (Zeng et al. 2026, arXiv 2605.24202): same-role slots on one prompt and one reward push an
+adapter one way (`amplification`: kappa); on a shared adapter a role may take most of the gradient
+(`gradient_stats`: grad_share). The gradient noise comes from two halves of the problems
+(`gradient_noise`, McCandlish et al. 2018, arXiv 1812.06162). Outputs: per role and slot the
+reward, length and token share; whether supervisory roles do their job (`role_jobs`); contract
+adherence and how alike the roles' outputs are (role capture shows in outputs before losses).
 
-Exercised by: pytest tests/test_grpo.py, tests/test_reward.py, tests/test_train.py,
+Exercised by: pytest tests/test_grpo.py tests/test_reward.py tests/test_train.py
 tests/test_diagnose.py
 """
 from collections import defaultdict

@@ -5,30 +5,21 @@
     python train.py --algo maac --critic central      # actor-critic (critic.py)
     python train.py --model tiny --steps 2 --out runs/smoke
 
-One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3):
+One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3), `rl_step`:
   1. sample B problems, repeat each G times: B*G episodes;
-  2. run the workflow on every episode (workflows.py), one batched generation per stage under
-     its role's adapter (rollout.py);
-  3. score the final answers and give each call its reward (reward.credit_calls: the outcome
-     broadcast, or with --credit own each call's own part);
-  4. group-relative advantages per (problem, slot, stage) (grpo.py), or with --algo maac the
-     critics' values and GAE (critic.py);
-  5. old log-probs; every --diag_every steps first the diagnostics' gradient pass (measure.py);
-  6. update, adapter by adapter: one optimizer step (--one_step), or as in the paper one per
-     mini-batch (--no-one_step); --balance, --damping and --role_kl are Paper A's mitigations
-     (docs/mechanisms.md);
+  2. run the workflow on every episode (workflows.py), one batched generation a stage (rollout.py);
+  3. score the final answers and give each call its reward (reward.credit_calls);
+  4. advantages: group-relative per (problem, slot, stage) (grpo.py), or GAE (critic.py);
+  5. old log-probs; every --diag_every steps first the diagnostics' pass (measure.py);
+  6. update each adapter: one optimizer step (--one_step), or as in the paper one per mini-batch;
   7. maac only: one pass of each critic over its inputs (value loss);
   8. log; evaluate on held-out problems every --eval_every steps; checkpoint.
 Step 0: a supervised warm-up (--sft_warmup) teaches every role its contract; the first evaluation.
+Under torchrun (docs/torchrun.md) every process takes the step one process would take.
 
-Under torchrun (docs/torchrun.md) each process rolls out a block of the problems, then all hold
-every episode, split each pass and sum its gradients: each takes the step one process would take.
-lab/run.py's `Run` is the run on disk and on its machine; the loop hands the passes its `procs`.
-
-Departures from the paper (docs/departures.md): defaults that fit a 2-core CPU (a 135M model,
-10 steps of 8 x 4 episodes, 48 new tokens, rank 16, lr 5e-4 instead of 2e-5), and one optimizer
-step per adapter and step, where the ratio is 1 and the clip never acts: an on-policy policy
-gradient with GRPO's baseline.
+Departures (docs/departures.md): defaults that fit a 2-core CPU (a 135M model, 10 steps of 8 x 4
+episodes, lr 5e-4 instead of 2e-5), and one optimizer step per adapter and step, where the ratio
+is 1 and the clip never acts: an on-policy policy gradient with GRPO's baseline.
 """
 import math
 import random
@@ -101,15 +92,12 @@ class Config:
     credit: str = arg("final", "each call's reward: final = the episode's answer, broadcast (the "
                       "paper); own = a solver's own answer, an evaluator's verdict (math)", CREDITS)
     truncated: str = arg("penalize", "a call cut by --max_new_tokens: penalize = reward 0, mask = "
-                         "no gradient; both score a cut final answer 0; "
-                         "keep = scored like any other", TRUNCATED)
+                         "no gradient (both score a cut final answer 0), keep = as any", TRUNCATED)
     # optimisation
     lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)",
                     bounds="(0, inf)")
-    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay to --lr_floor",
-                            bounds="[0, inf)")
-    lr_floor: float = arg(0.1, "where the cosine decay ends, as a share of --lr; "
-                          "1 keeps it constant", bounds="[0, 1]")
+    warmup_steps: int = arg(1, "linear warmup steps, then cosine decay", bounds="[0, inf)")
+    lr_floor: float = arg(0.1, "the decay's end, a share of --lr (1: constant)", bounds="[0, 1]")
     sft_warmup: int = arg(6, "supervised steps before RL on replies that keep each role's contract "
                           "(0 = none; README)", bounds="[0, inf)")
     sft_lr: float = arg(1e-3, "AdamW learning rate of the supervised warm-up", bounds="(0, inf)")
@@ -134,8 +122,7 @@ class Config:
     # mitigations of Paper A's failure modes (docs/mechanisms.md)
     balance: str = arg("none", "loss weight per role: role = equal roles (against capture), "
                        "multiplicity = 1/N for N same-role slots (against amplification)", BALANCE)
-    damping: float = arg(0.0, "coherence damping: scale a step by 1 - damping * "
-                         "max(0, cos(g, EMA(g)))", bounds="[0, 1]")
+    damping: float = arg(0.0, "scale a step by 1 - damping*max(0, cos(g, EMA(g)))", bounds="[0, 1]")
     role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
     skip_empty: bool = arg(True, "no optimizer step on a mini-batch whose calls all have "
                            "advantage 0 (AdamW would move on its momentum)")
@@ -148,30 +135,23 @@ class Config:
     gamma: float = arg(1.0, "discount per agent turn", bounds="[0, 1]")
     lam: float = arg(0.95, "GAE lambda: 0 = one-step TD (Paper B's code), 1 = Monte Carlo",
                      bounds="[0, 1]")
-    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics (adapter and value head)",
-                           bounds="(0, inf)")
+    critic_lr: float = arg(5e-4, "AdamW learning rate of the critics", bounds="(0, inf)")
     critic_steps: int = arg(1, "optimizer steps of every critic per training step, its rows split "
-                            "evenly (a central critic takes as many as a decentral one; a critic "
-                            "with fewer rows, one a row)", bounds="[1, inf)")
-    vf_coef: float = arg(1.0, "value-loss coefficient (matters only against grad_clip)",
-                         bounds="[0, inf)")
-    value_clip: float = arg(0.0, "clip each value's move from its rollout value (0 = off)",
-                            bounds="[0, inf)")
+                            "evenly (at most one a row)", bounds="[1, inf)")
+    vf_coef: float = arg(1.0, "value-loss coefficient (acts against grad_clip)", bounds="[0, inf)")
+    value_clip: float = arg(0.0, "clip each value's move (0 = off)", bounds="[0, inf)")
     norm_adv: bool = arg(False, "normalise actor-critic advantages over the batch")
-    critic_max_tokens: int = arg(768, "a critic reads the last N tokens of its input",
-                                 bounds="[1, inf)")
+    critic_max_tokens: int = arg(768, "a critic reads the last N tokens", bounds="[1, inf)")
     # LoRA
     lora_r: int = arg(16, "LoRA rank (paper: 64)", bounds="[1, inf)")
-    lora_alpha: float = arg(32.0, "LoRA alpha; the update is scaled by alpha / r",
-                            bounds="(0, 1e6]")
+    lora_alpha: float = arg(32.0, "LoRA alpha: the update scales by alpha / r", bounds="(0, 1e6]")
     lora_targets: str = arg(",".join(DEFAULT_TARGETS),
                             "comma-separated names of the linear layers to adapt")
     # evaluation, logging, checkpoints
     eval_every: int = arg(0, "evaluate every E steps, and before and after training "
                           "(0: only before and after)", bounds="[0, inf)")
-    diag_every: int = arg(10, "the diagnostics' gradient pass every k steps (measure.py: each "
-                          "slot's gradient, kappa, shares, noise; it costs about an update; "
-                          "0: never)", bounds="[0, inf)")
+    diag_every: int = arg(10, "the diagnostics' gradient pass (measure.py) every k steps, at "
+                          "about an update's cost; 0: never", bounds="[0, inf)")
     eval_problems: int = arg(96, "test problems per evaluation (96: a standard error near 0.05)",
                              bounds="[1, inf)")
     val_problems: int = arg(48, "validation problems per evaluation, where best/ and a peak are "
@@ -233,8 +213,7 @@ def load_model(cfg: Config, device: str):
 
 
 def longest_prompt(tok, cfg: Config, problems: list) -> int:
-    """Tokens of the workflow's longest prompt around its longest question, agents' texts left
-    out (those are cut to fit at run time)."""
+    """Tokens of the longest prompt around the longest question (agents' texts are cut to fit)."""
     sizes = [len(ids) for ids
              in tok([p.question for p in problems], add_special_tokens=False).input_ids]
     longest = problems[sizes.index(max(sizes))]
@@ -312,8 +291,7 @@ def lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
 
 def rl_step(step: int, state: TrainState, tok, cfg: Config, train_set: list,
             procs) -> tuple[dict, tuple]:
-    """Steps 1-7 of this file's docstring. Returns the metrics row and the episodes (calls,
-    outcomes, problems, rewards) for the logs."""
+    """Steps 1-7 above; returns the metrics row and the episodes for the logs."""
     t0 = time.time()
     # 1-3. problems, rollout, rewards
     picked = state.rng.sample(range(len(train_set)), cfg.problems_per_step)
@@ -379,8 +357,7 @@ def run_episodes(model, tok, cfg: Config, problems, greedy: bool,
 
 def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[Call],
                     names: list[str], diag: bool, procs) -> dict[str, list[float]]:
-    """Steps 5-6 for each adapter: with `diag` its gradient's signals first (measure.py); its
-    update (grpo.policy_update) and its schedule."""
+    """Steps 5-6 for each adapter: the diagnostics' pass when due, its update, its schedule."""
     stats, kl = defaultdict(list), kl_coefs(cfg)
     for name in names:
         t_name = time.time()
@@ -402,9 +379,8 @@ def update_adapters(state: TrainState, tok, cfg: Config, step: int, calls: list[
 
 
 def without_repeats(m: dict[str, float], cfg: Config) -> dict[str, float]:
-    """The step's metrics less those that repeat another key or cannot move in this run: the slot/
-    keys of a role with one slot, the ratio's statistics under --one_step, and the critics'
-    clip_frac with --critic_steps 1."""
+    """The step's metrics less those that repeat another key (a lone slot's) or cannot move in
+    this run (the ratio's under --one_step, the critics' clip_frac with --critic_steps 1)."""
     roles = [role_of(s) for s in slots(cfg.workflow, cfg.n_agents)]
     lone = tuple(f"slot/{s}/" for s in slots(cfg.workflow, cfg.n_agents)
                  if roles.count(role_of(s)) == 1)
@@ -430,16 +406,14 @@ def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
 
 def eval_batch(free_bytes: int, kv_bytes: int, episode_tokens: int, least: int,
                episodes: int) -> int:
-    """Held-out episodes an evaluation rolls out at once on a GPU: as many as their keys and
-    values fit in half the free memory (the rest: the prefill's activations and the logits), at
-    least `least` (a training step's), at most `episodes`."""
+    """Held-out episodes a GPU rolls out at once: as many as their keys and values fit in half
+    the free memory (the rest: activations and logits), at least `least`, at most `episodes`."""
     return min(episodes, max(least, free_bytes // 2 // (kv_bytes * episode_tokens)))
 
 
 def eval_batch_here(model, tok, cfg: Config, problems, episodes: int) -> int:
-    """EVAL_BATCH on a CPU (where the fixed-seed recordings were made); on a GPU eval_batch for
-    an episode's widest stage: n_agents rows quoting up to two replies each, or one row quoting
-    n_agents + 1 (the synthesizer), each with its own reply."""
+    """EVAL_BATCH on a CPU (the fixed-seed recordings'); on a GPU eval_batch for the widest stage:
+    n_agents rows quoting two replies each, or one quoting n_agents + 1 (the synthesizer)."""
     if model.device.type != "cuda":
         return EVAL_BATCH
     c, device = model.config, model.device
@@ -536,8 +510,7 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
 
 def step_zero(state: TrainState, tok, cfg: Config, train_set: list, held_out: dict,
               run: Run) -> dict:
-    """Another run's step 0 (--start_from), or the warm-up and the first evaluation; then the KL
-    anchors copy the policy RL starts from. Returns its metrics row."""
+    """Another run's step 0 (--start_from), or the warm-up and the first evaluation; the anchors."""
     names = [n for n in state.optimizers if n not in state.heads]
     if cfg.start_from:
         first = state.load_start(cfg.start_from, cfg.sharing, run.start_config)
@@ -566,8 +539,7 @@ def step_zero(state: TrainState, tok, cfg: Config, train_set: list, held_out: di
 
 
 def main(cfg: Config, typed: set[str] | None = None) -> dict:
-    """Train; `typed`: the flags given on the command line (None: those that differ from their
-    defaults), which --resume checks against the run."""
+    """Train; `typed`: the flags given on the command line (None: those off their defaults)."""
     run = Run(cfg, typed)  # lab/run.py: the settings checked, the processes, threads, problems
     cfg, train_set, held_out = run.cfg, run.train_set, run.held_out  # a resumed run's settings
     check_algorithm_settings(cfg)

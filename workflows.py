@@ -1,26 +1,23 @@
 r"""Multi-agent LLM workflows as plain Python: who speaks, with which prompt, in which order.
 
-A workflow turns a batch of questions into one final text each by calling LLM "agents" in stages.
-An agent has a *slot* (generator0, evaluator, worker2, ...) and a *role type* (generator,
-evaluator, worker, ...); slots of one role type share a prompt and, under isolated adapters, a
-LoRA adapter. A workflow never touches tensors: it calls `generate(role, slots, episodes, chats)`
-once per stage, and the callback (rollout.py) batches the stage into one model call.
-
-Topologies and role contracts follow Paper A (Zeng et al. 2026, arXiv 2605.24202):
+An agent has a *slot* (generator0, evaluator, worker2, ...) and a *role type* (generator, ...);
+slots of one role type share a prompt and, under isolated adapters, a LoRA adapter. A workflow
+never touches tensors: it calls `generate(role, slots, episodes, chats)` once per stage, and the
+callback (rollout.py) batches the stage into one model call. Paper A (Zeng et al. 2026,
+arXiv 2605.24202):
   single        generator                                    final = generator
   eval_opt      generator -> evaluator -> generator -> ...   final = last generator turn
   voting        N generators -> aggregator picks \boxed{k}   final = candidate k
   orch_workers  orchestrator -> N workers -> synthesizer     final = synthesizer
 The evaluator answers \boxed{Correct} / \boxed{Incorrect} and the orchestrator lists strategies;
-neither solves. `adherence` and `similarity` are the signals of role capture (Paper A).
+neither solves. `adherence` and `similarity` are the signals of role capture.
 
-Departures from the paper: the prompts are this project's own, short enough for a 135M model; a
-verdict without \boxed{} falls back to the last word "correct"/"incorrect", else Incorrect;
-eval_opt skips the evaluator after the last generator turn; texts passed to a later role keep
-their head and tail, MAX_FEED_CHARS in all; info["fallback"] flags a broken answer contract.
+Departures: the prompts are this project's own, short enough for a 135M model; a verdict without
+\boxed{} falls back to the last word "correct"/"incorrect", else Incorrect; eval_opt skips the
+evaluator after the last turn; texts fed to a later role keep head and tail (MAX_FEED_CHARS).
 
-Exercised by: pytest tests/test_workflows.py, and
-`python workflows.py voting`: every stage's prompts for one question, from a canned fake model.
+Exercised by: pytest tests/test_workflows.py, and `python workflows.py voting` (every stage's
+prompts for one question, from a canned fake model).
 """
 import re
 import sys
