@@ -49,8 +49,7 @@ class ValueHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(hidden_size, hidden_size)
         self.out = nn.Linear(hidden_size, 1)
-        # A zero output layer makes a fresh critic predict exactly 0 (the first advantages are
-        # plain returns); the dense layer gets gradient once `out` has moved.
+        # a fresh critic predicts exactly 0 (the first advantages are plain returns)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
@@ -167,7 +166,7 @@ def encode(tok, texts: list[str], max_tokens: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------
-# GAE over each agent's turns
+# GAE over each agent's turns, and the critic's loss
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -231,10 +230,6 @@ def normalize(advantages: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (advantages - advantages.mean()) / (advantages.std(correction=0) + eps)
 
 
-# ----------------------------------------------------------------------------
-# The critic's loss
-
-
 def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
     """1 - Var(target - pred) / Var(target); nan when the targets do not vary."""
     var_target = target.var(correction=0)
@@ -277,8 +272,7 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     keys, texts = critic_inputs(calls, cfg.critic, cfg.critic_per)
     ids = encode(tok, texts, cfg.critic_max_tokens)
     values = predict_values(model, heads, keys, ids, tok.pad_token_id, procs=procs)  # (calls,)
-    # --credit own: each call's own reward at its own turn (GAE adds the agent's later rewards to an
-    # earlier turn's return); else (None) the outcome on each agent's last turn
+    # --credit own: each call's own reward at its turn; else (None) the outcome on the last turn
     rewards = [c.reward for c in calls] if cfg.credit == "own" else None
     adv, returns = call_advantages(calls, values, cfg.gamma, cfg.lam, rewards,
                                    cut_returns_zero=cfg.truncated == "penalize")  # (calls,) each

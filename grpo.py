@@ -60,10 +60,8 @@ def group_advantages(rewards: torch.Tensor, keys: list[Hashable],
 
 def set_advantages(calls: list[Call], problem_of: list[int], by: str) -> None:
     """Group-relative advantages on every call, by (problem, slot, stage) or (problem, role)."""
-    if by == "slot":
-        keys = [(problem_of[c.episode], c.slot, c.stage) for c in calls]
-    else:
-        keys = [(problem_of[c.episode], c.role) for c in calls]
+    keys = [(problem_of[c.episode], c.slot, c.stage) if by == "slot"
+            else (problem_of[c.episode], c.role) for c in calls]
     adv = group_advantages(torch.tensor([c.reward for c in calls]), keys)
     for call, a in zip(calls, adv.tolist()):
         call.advantage = a

@@ -29,10 +29,8 @@ from typing import Callable
 Chat = list[dict[str, str]]  # [{"role": "system", ...}, {"role": "user", ...}]
 GenerateFn = Callable[[str, list[str], list[int], list[Chat]], list[str]]
 
-# A rambling agent must not blow up the next agent's prompt (and its token budget).
-MAX_FEED_CHARS = 1500
-# Given to workers when the orchestrator listed fewer strategies than there are workers.
-DEFAULT_STRATEGY = "Solve it directly, step by step."
+MAX_FEED_CHARS = 1500  # a rambling agent must not blow up the next agent's prompt
+DEFAULT_STRATEGY = "Solve it directly, step by step."  # for workers the orchestrator left out
 
 # Prompts keyed by (kind, role type); the generator's "refine" is its eval_opt turn after an
 # Incorrect verdict. string.Template ($question): the braces of \boxed{} need no escaping.
@@ -195,8 +193,7 @@ def stage(generate: GenerateFn, role: str, calls: list[tuple[str, int, Chat]]) -
 
 
 # ---------------------------------------------------------------- parsing role contracts
-# Each parser returns what it read and the rule that read it, so a drift away from the
-# contract (role capture) shows up in the logs.
+# Each parser returns what it read and the rule that read it: a drift shows in the logs.
 
 BOXED = re.compile(r"\\boxed\s*\{")
 BRACE = re.compile(r"[{}]")
@@ -260,7 +257,6 @@ def parse_strategies(text: str, n: int) -> list[str]:
 
 
 # ---------------------------------------------------------------- role-capture signals
-# Role capture (Paper A) shows in outputs before it shows in losses.
 
 SHORT_VERDICT = 300  # characters: "at most two short sentences, then the verdict"
 SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
