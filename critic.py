@@ -1,8 +1,8 @@
 """Multi-agent actor-critic: value heads, centralized and decentralized critics, GAE.
 
 An episode is a Dec-POMDP (Paper B: Liu, Chen, Amiri, Amato 2026, CoLLM, arXiv 2601.21972): a
-stage is a time step, and the outcome is the reward of each agent's last turn (--credit own: of
-each turn). A critic's V(s) takes the place of GRPO's group mean:
+stage is a time step, and the outcome is the reward of each agent's last turn (--credit own:
+each turn's own). A critic's V(s) takes the place of GRPO's group mean:
   CoLLM-CC, central:   one critic "critic" reading the joint history - every agent's prompt and
                        output before step t, then the prompts of step t, in [slot] blocks; one
                        value per (episode, step), shared by the agents acting then.

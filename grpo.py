@@ -1,8 +1,9 @@
 """GRPO: group-relative advantages and the clipped policy loss.
 
-GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300) drops PPO's critic: every token of an
-answer gets the answer's reward relative to the G answers to the same prompt, and PPO's clipped
-surrogate (Schulman et al. 2017) with DAPO's clip-higher (Yu et al. 2025, arXiv 2503.14476):
+GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300) drops PPO's critic: the advantage of
+every token of an answer is the answer's reward relative to the G answers to the same prompt. The
+loss is PPO's clipped surrogate (Schulman et al. 2017) with DAPO's clip-higher (Yu et al. 2025,
+arXiv 2503.14476: a separate eps_high, so that unlikely tokens can still grow):
 
     A_i   = (r_i - mean(r_group)) / (std(r_group) + eps)
     ratio = pi(a|s) / pi_old(a|s)
@@ -16,7 +17,8 @@ and a group is one (problem, agent slot, stage), or (problem, role).
 Departures: std is unbiased (Bessel), as in verl and TRL; a group without contrast gets advantage
 0. The KL term (off, as in the paper) is k3 (Schulman 2020, http://joschu.net/blog/kl-approx.html)
 to the base model or the warmed-up adapter (`reference_of`). `policy_update` (the actor-critic's
-too) is one pass of mini-batches with Paper A's mitigations; --tis_cap weights each token by
+too) is one pass of mini-batches with Paper A's mitigations; the first is on-policy, pi_old of the
+later ones comes from a pass before the first step. --tis_cap weights each token by
 min(pi_old / pi_rollout, C) (truncated importance sampling, Yao et al. 2025).
 
 Exercised by: pytest tests/test_grpo.py

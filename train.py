@@ -92,7 +92,8 @@ class Config:
     credit: str = arg("final", "each call's reward: final = the episode's answer, broadcast (the "
                       "paper); own = a solver's own answer, an evaluator's verdict (math)", CREDITS)
     truncated: str = arg("penalize", "a call cut by --max_new_tokens: penalize = reward 0, mask = "
-                         "no gradient (both score a cut final answer 0), keep = as any", TRUNCATED)
+                         "no gradient; both score a cut final answer 0; "
+                         "keep = scored like any other", TRUNCATED)
     # optimisation
     lr: float = arg(5e-4, "AdamW learning rate (paper: 2e-5 for runs of hundreds of steps)",
                     bounds="(0, inf)")
@@ -122,7 +123,8 @@ class Config:
     # mitigations of Paper A's failure modes (docs/mechanisms.md)
     balance: str = arg("none", "loss weight per role: role = equal roles (against capture), "
                        "multiplicity = 1/N for N same-role slots (against amplification)", BALANCE)
-    damping: float = arg(0.0, "scale a step by 1 - damping*max(0, cos(g, EMA(g)))", bounds="[0, 1]")
+    damping: float = arg(0.0, "coherence damping: scale a step by 1 - damping * "
+                         "max(0, cos(g, EMA(g)))", bounds="[0, 1]")
     role_kl: str = arg("", "KL anchor per role, e.g. 'aggregator=0.05' (the others use --kl_coef)")
     skip_empty: bool = arg(True, "no optimizer step on a mini-batch whose calls all have "
                            "advantage 0 (AdamW would move on its momentum)")
@@ -510,7 +512,7 @@ def warm_up(model, tok, cfg: Config, train_set, names: list[str]) -> dict[str, f
 
 def step_zero(state: TrainState, tok, cfg: Config, train_set: list, held_out: dict,
               run: Run) -> dict:
-    """Another run's step 0 (--start_from), or the warm-up and the first evaluation; the anchors."""
+    """Another run's step 0 (--start_from), or the warm-up and first evaluation; the KL anchors."""
     names = [n for n in state.optimizers if n not in state.heads]
     if cfg.start_from:
         first = state.load_start(cfg.start_from, cfg.sharing, run.start_config)

@@ -218,7 +218,7 @@ SAID = re.compile(r"\b(not\s+correct|incorrect|correct)\b", re.IGNORECASE)  # "n
 
 
 def parse_verdict(text: str) -> tuple[bool, str]:
-    """(is_correct, rule): "boxed", "word" (the last one) or "default" (Incorrect)."""
+    """(is_correct, rule): "boxed", "word" (the last; "not correct" too) or "default" (false)."""
     for content in reversed(boxed_contents(text)):
         words = SAID.findall(content)
         if words:
