@@ -72,8 +72,7 @@ class Config:
                        ("shared", "isolated"))
     algo: str = arg("grpo", "group-relative advantages, or actor-critic with GAE", ("grpo", "maac"))
     model: str = arg("smollm2", "smollm2 (embedded), tiny (random, for tests), or a HF id/path")
-    task: str = arg("arith", "problem set; dapo_math and deepcoder need the Hugging Face hub",
-                    tuple(TASKS))
+    task: str = arg("arith", "problem set (dapo_math and deepcoder need the HF hub)", tuple(TASKS))
     level: int = arg(DEFAULT_LEVEL, "difficulty level of the arith task (1-5)")
     code_workers: int = arg(2, "code tasks: sandboxed programs run in parallel", bounds="[1, inf)")
     code_timeout: float = arg(CODE_TIMEOUT, "code tasks: wall-clock seconds per program (from "
@@ -160,8 +159,7 @@ class Config:
                             "chosen (0: none, and no best checkpoint)", bounds="[0, inf)")
     eval_sampling: str = arg("auto", "evaluation decoding: greedy, sample (at --temperature), or "
                              "auto = sample for voting only", ("auto", "greedy", "sample"))
-    eval_samples: int = arg(1, "samples per held-out problem when evaluation samples",
-                            bounds="[1, inf)")
+    eval_samples: int = arg(1, "samples per problem when evaluation samples", bounds="[1, inf)")
     train_problems: int = arg(256, "size of the training pool", bounds="[1, inf)")
     log_samples: int = arg(2, "episodes per step written to samples.jsonl", bounds="[0, inf)")
     save_every: int = arg(1, "checkpoint every k steps and at the end: "
