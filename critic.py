@@ -107,6 +107,8 @@ def critic_key(slot: str, role: str, critic: str, per: str = "slot") -> str:
         return "critic"
     if critic != "decentral":
         raise ValueError(f"unknown critic {critic!r}; choose one of {CRITICS}")
+    if per not in PER:
+        raise ValueError(f"unknown critic grouping {per!r}; choose one of {PER}")
     return f"critic-{slot if per == 'slot' else role}"
 
 
@@ -138,10 +140,13 @@ def unseen(calls: list[Call]) -> list[float | None]:
     characters) of the lines of its episode's earlier outputs (list markers aside) that its own
     prompt does not quote; None on an episode's first turn. A lower bound: a short line (a bare
     number) may be found in other words."""
+    by_episode = defaultdict(list)
+    for c in calls:
+        by_episode[c.episode].append(c)
     shares = []
     for c in calls:
-        lines = (LIST_MARK.sub("", line).strip() for d in calls
-                 if d.episode == c.episode and d.stage < c.stage for line in d.text.splitlines())
+        lines = (LIST_MARK.sub("", line).strip() for d in by_episode[c.episode] if d.stage < c.stage
+                 for line in d.text.splitlines())
         said = [line for line in lines if line]
         total = sum(map(len, said))
         hidden = sum(len(line) for line in said if line not in c.prompt)
@@ -154,8 +159,11 @@ def critic_inputs(calls: list[Call], critic: str, per: str = "slot") -> tuple[li
     keys = [critic_key(c.slot, c.role, critic, per) for c in calls]
     if critic == "decentral":
         return keys, [local_observation(c) for c in calls]
+    by_episode = defaultdict(list)
+    for c in calls:
+        by_episode[c.episode].append(c)
     steps = {(c.episode, c.stage) for c in calls}  # co-acting agents share one joint step
-    history = {(e, t): joint_history([c for c in calls if c.episode == e], t) for e, t in steps}
+    history = {(e, t): joint_history(by_episode[e], t) for e, t in steps}
     return keys, [history[(c.episode, c.stage)] for c in calls]
 
 

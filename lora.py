@@ -187,6 +187,8 @@ def freeze_copy(model: nn.Module, source: str, name: str) -> None:
 
 def adapter_for(role: str, sharing: str) -> str:
     """Which adapter a role runs under: SP -> "shared", IP -> the role type itself."""
+    if sharing not in ("shared", "isolated"):
+        raise ValueError(f"unknown sharing {sharing!r}; choose shared or isolated")
     return "shared" if sharing == "shared" else role
 
 

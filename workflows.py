@@ -374,6 +374,8 @@ def run_workflow(name: str, questions: list[str], generate: GenerateFn, kind: st
     check_name(name)
     if kind not in KINDS:
         raise ValueError(f"unknown task kind {kind!r}; known: {', '.join(KINDS)}")
+    if n_agents < 1 or max_rounds < 1:
+        raise ValueError(f"need n_agents >= 1 and max_rounds >= 1, got {n_agents}, {max_rounds}")
     if not questions:
         return []
     return WORKFLOWS[name](questions, generate, kind, n_agents, max_rounds)

@@ -19,10 +19,12 @@ from tensorboard.compat.tensorflow_stub.io.gfile import LocalFileSystem
 from conftest import ROOT, directory_state
 from lab import files, settings
 from lab import run as lab_run
-from lora import inject_lora
+from critic import critic_key
+from lora import adapter_for, inject_lora
 from model import tiny_model
 from tasks import Problem
 import train
+from workflows import run_workflow
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TOY = [Problem(f"toy-{i}", f"Question {i}: reply with the number 7.", "7") for i in range(16)]
@@ -639,3 +641,17 @@ def test_a_damaged_samples_log_stops_a_resume_before_either_log_is_cut(finished,
     with pytest.raises(SystemExit, match="samples.jsonl, line 2: not JSON"):
         run(out, resume=True, steps=2)
     assert open(os.path.join(out, "metrics.jsonl"), "rb").read() == log
+
+
+@pytest.mark.parametrize("call, words", [
+    (partial(adapter_for, "generator", "per_role"), "unknown sharing 'per_role'"),
+    (partial(critic_key, "generator_0", "generator", "decentral", "agent"),
+     "unknown critic grouping 'agent'"),
+    (partial(run_workflow, "voting", ["1+1?"], None, "math", n_agents=0), "need n_agents >= 1"),
+    (partial(run_workflow, "eval_opt", ["1+1?"], None, "math", max_rounds=0), "max_rounds >= 1"),
+])
+def test_a_library_caller_s_unknown_setting_is_refused_not_read_as_another(call, words):
+    """Called from a script rather than train.py, no setting falls through to a default branch:
+    an unknown sharing would train isolated adapters, an unknown grouping one critic per role."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        call()
