@@ -4,29 +4,16 @@
     python -m lab.bench --model Qwen/Qwen3-1.7B --device cuda --json bench.json
     python -m lab.bench --model random:qwen3-0.6b --device cuda  # its shape, random weights
 
-Each timed figure is the median of --repeats runs (at least 3 on a GPU, whose first runs pay for
-planning and compiling kernels) after a warm-up on a smaller input, and runs that are compared
-alternate (A B C A B C ...), so a machine that slows down slows all of them. The parts:
-
-  generate   one stage of --problems x 4 generator calls: transformers' `generate` on the base
-             model (LoRA layers taken out) against the rollout (decode.py) with its adapter
-             merged, as training runs it, and with the low-rank path on every token. A fresh
-             adapter is a no-op, so greedy decoding writes the same tokens in all three
-             (checked once); the timed runs sample. rollout / raw is what decode.py gains, net
-             of the rollout's own costs (merging, chat template, tokenizer, records).
-  old logp   the no-grad pass that gives pi_old (the update skips it for its first mini-batch);
-             update: forward + backward of the policy loss, beside the diagnostics' pass
-  step       one step of the default run (train.py in a fresh process), as metrics.jsonl splits it
-  sharing    one Voting rollout, then its update under one shared adapter and one per role type
-  throughput the machine's peak (matmul in fp32, and bf16 where native; a large copy's bandwidth)
-             against tokens/s of a stage by batch size and dtype (on CUDA the CUDA graph's
-             decode beside the CPU's "loop") and positions/s of the update (2 x parameters FLOP
-             a generated token, 4 x a trained position); ms a decoding step against reading
-             the weights once
-
-Memory is the peak over each part: the allocator's on CUDA, the process's resident set on CPU
-(reset between parts through /proc/self/clear_refs where Linux allows). docs/performance.md
-reads the figures.
+Each figure is the median of --repeats runs (at least 3 on a GPU, whose first runs plan and
+compile kernels) after a warm-up on a smaller input; compared runs alternate (A B C A B C ...), so
+a machine that slows down slows all of them. The parts: generate, one stage of --problems x 4
+calls, transformers' `generate` on the base model against the rollout (decode.py) with its
+adapter merged and on the low-rank path (a fresh adapter is a no-op: the same greedy tokens,
+checked once; the timed runs sample); old logp and update, beside the diagnostics' pass; step,
+train.py in a fresh process; sharing, Voting's update under one adapter and one per role type;
+throughput, tokens/s by batch size and dtype and positions/s of the update against the machine's
+matmul peak and copy bandwidth. Memory is each part's peak: the allocator's on CUDA, the resident
+set on CPU (reset through /proc/self/clear_refs). docs/performance.md reads the figures.
 """
 import argparse
 import dataclasses
@@ -38,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -52,7 +38,7 @@ from lab.settings import TASK_TOKENS
 from lora import (LoRALinear, adapter_for, adapter_parameters, add_adapter, inject_lora,
                   merged_adapter)
 from measure import gradient_signals
-from model import cpu_has_bf16, load_policy, resolve_dtype
+from model import cpu_has_bf16, load_policy
 from rollout import Call, Rollout, chat_text, old_logprobs
 from tasks import DEFAULT_LEVEL, load_task
 from train import Config
@@ -60,6 +46,7 @@ from workflows import chat, run_workflow
 
 GPU_REPEATS = 3  # the fewest timed runs of a part on a GPU
 PARTS = ("step", "sharing", "throughput")  # the parts --skip may leave out
+STEP_FLAGS = ["--steps", "1", "--eval_problems", "2", "--val_problems", "0"]  # the step part's
 
 
 # ----------------------------------------------------------------------------
@@ -67,8 +54,7 @@ PARTS = ("step", "sharing", "throughput")  # the parts --skip may leave out
 
 
 def sync(device: str) -> None:
-    """Wait for the kernels queued on a GPU: a clock read before they finish times only their
-    launch."""
+    """A clock read before the GPU's queued kernels finish times only their launch."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
 
@@ -91,9 +77,8 @@ def timed(device: str, fn) -> tuple[float, float, object]:
 
 
 def alternate(device: str, runs: dict, repeats: int, warmups: list) -> dict[str, dict]:
-    """Call each of `warmups` once (the same code on a smaller input), then `repeats` rounds of
-    `runs` (name -> fn) in turn. Returns per name the median seconds, every seconds figure, the
-    largest peak and the last result."""
+    """Each of `warmups` once, then `repeats` rounds of `runs` (name -> fn) in turn: per name the
+    median seconds, every round's seconds, the largest peak and the last result."""
     for fn in warmups:
         fn()
     rounds = [{name: timed(device, fn) for name, fn in runs.items()} for _ in range(repeats)]
@@ -108,8 +93,8 @@ def alternate(device: str, runs: dict, repeats: int, warmups: list) -> dict[str,
 
 
 def race(device: str, parts: dict, args: tuple, warm: tuple, repeats: int) -> tuple[dict, dict]:
-    """Each of `parts` (name -> function) called on `args`, alternating (alternate), after
-    one call on the smaller `warm`: each part's figures, and what it returned."""
+    """`alternate` over `parts` (name -> function) called on `args`, warmed up on `warm`: each
+    part's figures, and what it returned."""
     r = alternate(device, {name: partial(f, *args) for name, f in parts.items()}, repeats,
                   [partial(f, *warm) for f in parts.values()])
     return r, {name: r[name].pop("result") for name in r}
@@ -121,30 +106,24 @@ def ratio(a: dict, b: dict) -> float:
     return statistics.median(x / y for x, y in zip(a["all"], b["all"]))
 
 
-@contextmanager
-def without_lora(model):
-    """The plain base model: every LoRALinear replaced by the nn.Linear it wraps, then put back."""
-    swapped = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
-    for name, layer in swapped:
-        model.set_submodule(name, layer.base)
-    try:
-        yield
-    finally:
-        for name, layer in swapped:
-            model.set_submodule(name, layer)
-
-
 def raw_generate(model, tok, chats: list, cfg: Config, greedy: bool = False) -> torch.Tensor:
-    """transformers' generate on the base model, with the rollout's input and sampling settings:
-    the new tokens (B, T)."""
+    """transformers' generate on the base model (each LoRALinear swapped for the nn.Linear it
+    wraps, then put back), as the rollout prompts and samples."""
     enc = tok([chat_text(tok, c) for c in chats], return_tensors="pt", padding=True,
               add_special_tokens=False).to(model.device)
     torch.manual_seed(cfg.seed)
     sampling = (dict(do_sample=False) if greedy
                 else dict(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0))
-    with torch.no_grad(), without_lora(model):
-        out = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, **sampling,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    swapped = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name, layer in swapped:
+        model.set_submodule(name, layer.base)
+    try:
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, **sampling,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    finally:
+        for name, layer in swapped:
+            model.set_submodule(name, layer)
     return out[:, enc.input_ids.shape[1]:]  # (B, T)
 
 
@@ -159,8 +138,7 @@ def rollout_stage(model, tok, chats: list, cfg: Config, merge: bool = True, gree
 
 
 def generation(model, tok, device: str, chats: list, cfg: Config, repeats: int) -> dict:
-    """One stage three ways (raw, merged, low-rank), alternating; their greedy tokens once; and
-    merging alone."""
+    """One stage three ways (raw, merged, low-rank); their greedy tokens once; merging alone."""
     greedy = raw_generate(model, tok, chats, cfg, greedy=True)
     same = all(  # each rollout's completions are the raw generate's, cut at their first eos
         greedy[i, :len(c.completion_ids)].tolist() == c.completion_ids for merge in (True, False)
@@ -204,18 +182,16 @@ def still_adapter(model, name: str, calls: list[Call], adamw: bool = False):
 
 
 def one_adapter(model, name: str, optimizer) -> TrainState:
-    """The training state one adapter's update reads: its optimizer and a fresh random state."""
+    """The training state that one adapter's update reads."""
     return TrainState(model, {}, {name: optimizer}, {}, random.Random(0), {name: {}})
 
 
 def shared_update(model, optimizer, pad: int, settings: Config, calls: list[Call]) -> dict:
-    """One update of the shared adapter over `calls` (grpo.policy_update)."""
     return policy_update(one_adapter(model, "shared", optimizer), "shared", calls, pad, settings)
 
 
 def update_parts(model, tok, device: str, calls: list[Call], cfg: Config, repeats: int) -> dict:
-    """The old-log-prob pass, one update over `calls` (one mini-batch, on-policy) and the
-    diagnostics' pass over the same calls (measure.gradient_signals)."""
+    """The old-log-prob pass, one on-policy mini-batch's update and the diagnostics' pass."""
     frozen = still_adapter(model, "shared", calls)
     settings = dataclasses.replace(cfg, one_step=False, minibatch_size=len(calls), group_size=1)
     pad = tok.pad_token_id
@@ -230,7 +206,7 @@ def update_parts(model, tok, device: str, calls: list[Call], cfg: Config, repeat
 
 
 def role_updates(model, pad: int, calls: list[Call], optimizers: dict, mode: str, cfg: Config):
-    """Each adapter's diagnostics' pass and update over its calls under `mode` (train.py's)."""
+    """Each adapter's diagnostics' pass and update over its calls under sharing `mode`."""
     for name in sorted({adapter_for(c.role, mode) for c in calls}):
         mine = [c for c in calls if adapter_for(c.role, mode) == name]
         gradient_signals(model, name, mine, pad, cfg)
@@ -238,9 +214,8 @@ def role_updates(model, pad: int, calls: list[Call], optimizers: dict, mode: str
 
 
 def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats: int) -> dict:
-    """Voting's rollout, then its update under one shared adapter and under one adapter per role
-    type, on the same calls. Fresh adapters are no-ops, so isolated adapters would have written
-    the same tokens; the update's work is the same calls with the same advantages."""
+    """Voting's rollout, then its update under one shared adapter and one per role type (fresh
+    adapters are no-ops: isolated ones would have written the same calls)."""
     for name in ("generator", "aggregator"):
         add_adapter(model, name)
     rollout = Rollout(model, tok, "shared", max_new_tokens=cfg.max_new_tokens,
@@ -262,15 +237,17 @@ def sharing(model, tok, device: str, questions: list[str], cfg: Config, repeats:
             "adapters": {"shared": 1, "isolated": len({c.role for c in calls})}}
 
 
-def step_parts(args: argparse.Namespace, threads: int, out: str, flags: list[str]) -> dict:
+def step_parts(args: argparse.Namespace, threads: int) -> dict:
     """One training step of train.py in a fresh process, split as its metrics.jsonl logs it."""
-    cmd = [sys.executable, os.path.join(PROJECT, "train.py"), "--steps", "1", "--model", args.model,
-           "--device", args.device, "--threads", str(threads), "--out", out, "--overwrite", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise SystemExit(f"bench: {' '.join(cmd[1:])} failed: {said}")
-    row = read_jsonl(os.path.join(out, "metrics.jsonl"))[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, os.path.join(PROJECT, "train.py"), *STEP_FLAGS, "--model",
+               args.model, "--device", args.device, "--dtype", args.dtype, "--threads",
+               str(threads), "--out", os.path.join(tmp, "step"), "--overwrite"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise SystemExit(f"bench: {' '.join(cmd[1:])} failed: {said}")
+        row = read_jsonl(os.path.join(tmp, "step", "metrics.jsonl"))[-1]
     return {"rollout": row["time/rollout"], "old_logp": row["time/old_logp"],
             "update": row["time/update"] - row["time/old_logp"],
             "eval": row.get("time/eval", 0.0), "peak_mb": row["mem/peak_mb"]}
@@ -283,8 +260,7 @@ def bench_dtypes(device: str) -> list[str]:
 
 
 def machine_limits(device: str, repeats: int) -> dict:
-    """Peak GFLOP/s of a 2048 x 2048 matrix product in each of bench_dtypes, and GB/s of copying
-    256 MiB (read once, written once)."""
+    """GFLOP/s of a 2048^3 matrix product in each of bench_dtypes; GB/s of copying 256 MiB."""
     out = {}
     for name in bench_dtypes(device):
         dtype = torch.bfloat16 if name == "bf16" else torch.float32
@@ -299,8 +275,7 @@ def machine_limits(device: str, repeats: int) -> dict:
 
 def throughput(args: argparse.Namespace, questions: list[str], cfg: Config,
                batches: list[int]) -> dict:
-    """Tokens/s of one generator stage by batch size and dtype, and positions/s of the update's
-    forward and backward, alternating the dtypes (bench_dtypes)."""
+    """Tokens/s of one generator stage by batch size and dtype; positions/s of the update."""
     device, dtypes, models = args.device, bench_dtypes(args.device), {}
     short = dataclasses.replace(cfg, max_new_tokens=4)
     for d in dtypes:
@@ -437,7 +412,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace, pool_size: int) -> tuple[set[str], list[int]]:
-    """Every flag, before a model loads or a part runs: the parts to skip and the batch sizes."""
+    """Every flag, before a model loads: the parts to skip and the batch sizes."""
     if args.repeats < 1 or not 1 <= args.problems <= pool_size:
         raise SystemExit(f"bench: --repeats must be at least 1 and --problems from 1 to "
                          f"{pool_size} (the training pool), got {args.repeats} and "
@@ -485,7 +460,6 @@ def main(argv: list[str] | None = None) -> dict:
     device, threads = args.device, pick_threads(args.threads, own_load=0.0)
     torch.set_num_threads(threads)
     cfg = Config(model=args.model, max_new_tokens=TASK_TOKENS["math"])  # it times math's stage
-    resolve_dtype(args.dtype, device, args.model)  # a bad --dtype stops before any model loads
     model, tok = load_policy(args.model, device, args.dtype)
     inject_lora(model, cfg.lora_r, cfg.lora_alpha)
     add_adapter(model, "shared")  # fresh: an exact no-op, so every variant writes the same tokens
@@ -503,11 +477,8 @@ def main(argv: list[str] | None = None) -> dict:
     fig["update"] = update_parts(model, tok, device, calls[::2], cfg, args.repeats)
     if "step" not in skip:
         print("bench: one default training step ...", file=sys.stderr)
-        flags = ["--eval_problems", "2", "--val_problems", "0"]
-        fig["step_eval_problems"], fig["step_flags"] = 2, ["--steps", "1", *flags]
-        with tempfile.TemporaryDirectory() as tmp:
-            fig["step"] = step_parts(args, threads, os.path.join(tmp, "step"),
-                                     [*flags, "--dtype", args.dtype])
+        fig["step_eval_problems"], fig["step_flags"] = 2, STEP_FLAGS
+        fig["step"] = step_parts(args, threads)
     if "sharing" not in skip:
         print("bench: Voting, shared vs isolated ...", file=sys.stderr)
         fig["sharing"] = sharing(model, tok, device, [pool[0].question] * 2, cfg, args.repeats)

@@ -1,6 +1,6 @@
-"""A trained run, from its checkpoint: the gradient probe (kappa, coherence and each role's
-gradient share on a fresh batch, without a step; from several sizes, where each crowded role's
-kappa would align), and the trained workflow watched call by call on one question.
+"""A trained run from its checkpoint: the gradient probe (kappa, coherence and gradient shares
+on a fresh batch, no step; from several sizes, where a crowded role's kappa would align), and
+the trained workflow watched call by call on one question.
 
     python diagnose.py --probe runs/a/ckpt              # kappa, coherence, gradient shares
     python diagnose.py --watch runs/a "What is 7 + 5?"  # every call of the trained workflow
@@ -31,8 +31,7 @@ from workflows import ROLES, run_workflow
 
 
 def checkpoint_config(ckpt: str) -> Config:
-    """The config.json of the run that saved checkpoint `ckpt` as train.py's Config (no setting
-    left to a default), checked as a launch checks it; and the run's log readable."""
+    """The config of the run that saved `ckpt`, checked as a launch checks it."""
     if not os.path.exists(os.path.join(ckpt, "state.pt")):
         raise SystemExit(f"{ckpt} is not a checkpoint (no state.pt)")
     run_dir = os.path.dirname(os.path.normpath(ckpt))
@@ -46,7 +45,7 @@ def checkpoint_config(ckpt: str) -> Config:
 
 
 def trained_model(ckpt: str) -> tuple[Config, object, object, list[str]]:
-    """The run's config, its model and tokenizer, and its adapters as saved in checkpoint `ckpt`."""
+    """The run's config, model, tokenizer and adapter names, its adapters loaded from `ckpt`."""
     cfg = checkpoint_config(ckpt)
     model, tok = load_policy(cfg.model, "cuda" if torch.cuda.is_available() else "cpu", cfg.dtype)
     inject_lora(model, cfg.lora_r, cfg.lora_alpha, lora_targets(cfg))
@@ -61,9 +60,9 @@ def trained_model(ckpt: str) -> tuple[Config, object, object, list[str]]:
 
 
 def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[dict[str, float]]:
-    """kappa, coherence and gradient shares of a fresh sampled batch of each size (problems x the
-    run's group), without a step; `credit` replaces the run's, `seed` draws another batch. GRPO's
-    advantages whatever the run's algorithm: the probe asks how the slots' gradients line up."""
+    """kappa, coherence and gradient shares of a fresh batch of each size (problems x the run's
+    group), no step. GRPO's advantages whatever the run's algorithm: the probe asks how the
+    slots' gradients line up."""
     cfg = checkpoint_config(ckpt)  # everything checked before the model loads
     cfg = dataclasses.replace(cfg, credit=credit or cfg.credit)
     if cfg.group_size < 2:  # an --algo maac run may have trained with one
@@ -86,17 +85,15 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
         # samples the run did not train on, the same every time
         torch.manual_seed(cfg.seed + 1 + seed)
         problem_of = [i for i in range(problems) for _ in range(cfg.group_size)]
-        rollout, _, rewards = train.run_episodes(model, tok, cfg,
-                                                 [pool[picked[i]] for i in problem_of],
-                                                 greedy=False)
+        episodes = [pool[picked[i]] for i in problem_of]
+        rollout, _, rewards = train.run_episodes(model, tok, cfg, episodes, greedy=False)
         set_advantages(rollout.calls, problem_of, cfg.adv_group)
         result = {"episodes": len(problem_of), "reward/mean": sum(rewards) / len(rewards)}
         for name in names:
             taught = [c for c in rollout.calls if adapter_for(c.role, cfg.sharing) == name]
             for p in adapter_parameters(model, name):
                 p.requires_grad_(True)
-            # measured, not moved
-            stats = gradient_signals(model, name, taught, tok.pad_token_id, settings)
+            stats = gradient_signals(model, name, taught, tok.pad_token_id, settings)  # no step
             result.update({k: v[0] for k, v in stats.items()
                            if k.endswith(("kappa", "coherence", "grad_share", "/grad_norm"))})
         results.append(result)
@@ -104,9 +101,8 @@ def probe(ckpt: str, sizes: list[int], credit: str = "", seed: int = 0) -> list[
 
 
 def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
-    """Run a trained workflow on one question and print every call: stage, slot, adapter,
-    prompt (as the model saw it, chat template included) and output. `run`: a run directory (its
-    newest checkpoint) or a checkpoint in one, RUN/best. Returns the final text."""
+    """Print every call of the trained workflow on one question (prompts as the model read
+    them); `run`: a run directory (its newest checkpoint) or a checkpoint, RUN/best."""
     ckpt = run if os.path.exists(os.path.join(run, "state.pt")) else os.path.join(run, "ckpt")
     cfg, model, tok, _ = trained_model(ckpt)
     torch.manual_seed(seed)
@@ -121,10 +117,9 @@ def watch(run: str, question: str, sample: bool = False, seed: int = 0) -> str:
     for call in rollout.calls:
         print(f"\n=== stage {call.stage + 1}: {call.slot} "
               f"(adapter {adapter_for(call.role, cfg.sharing)})")
-        print(f"--- prompt:\n{call.prompt}")
-        print(f"--- output:\n{call.text}")
+        print(f"--- prompt:\n{call.prompt}\n--- output:\n{call.text}")
     print(f"\n=== final answer:\n{outcome.final}\n=== info: {outcome.info}")
-    if rollout.prompts_cut:  # (the prompts above are as the model read them)
+    if rollout.prompts_cut:
         print(f"=== {rollout.prompts_cut} prompt(s) longer than the model's context left room "
               "for were cut to their head and tail: the question, or the texts before it, lost "
               "their middle")
@@ -157,9 +152,8 @@ def episodes_to_align(results: list[dict[str, float]], role: str, n_slots: int,
 
 def write_probe(results: list[dict[str, float]], run_dir: str, slots: dict[str, int],
                 frac: float) -> None:
-    """Print the probe's figures by batch size and where each crowded role's kappa (`slots`: the
-    role's slot count) would reach frac sqrt(N); save both in RUN/probe.json (JSON has no
-    infinity: "never", and null where nothing was measured)."""
+    """Print the probe's figures by size and where each crowded role's kappa (`slots`: its slot
+    count) would reach frac sqrt(N); save both in RUN/probe.json (infinity as "never")."""
     align = {role: episodes_to_align(results, role, n, frac) for role, n in slots.items()
              if n > 1 and len(results) > 1}
     for k in dict.fromkeys(k for r in results for k in r):  # every key, in the order first seen
