@@ -6,14 +6,9 @@
 
 Each figure is the median of --repeats runs (at least 3 on a GPU, whose first runs plan and
 compile kernels) after a warm-up on a smaller input; compared runs alternate (A B C A B C ...), so
-a machine that slows down slows all of them. The parts: generate, one stage of --problems x 4
-calls, transformers' `generate` on the base model against the rollout (decode.py) with its
-adapter merged and on the low-rank path (a fresh adapter is a no-op: the same greedy tokens,
-checked once; the timed runs sample); old logp and update, beside the diagnostics' pass; step,
-train.py in a fresh process; sharing, Voting's update under one adapter and one per role type;
-throughput, tokens/s by batch size and dtype and positions/s of the update against the machine's
-matmul peak and copy bandwidth. Memory is each part's peak: the allocator's on CUDA, the resident
-set on CPU (reset through /proc/self/clear_refs). docs/performance.md reads the figures.
+a machine that slows down slows all of them. Memory is each part's peak: the allocator's on CUDA,
+the resident set on CPU. The parts are the functions below (generation, update_parts, step_parts,
+sharing, throughput); docs/performance.md reads their figures.
 """
 import argparse
 import dataclasses
@@ -138,7 +133,8 @@ def rollout_stage(model, tok, chats: list, cfg: Config, merge: bool = True, gree
 
 
 def generation(model, tok, device: str, chats: list, cfg: Config, repeats: int) -> dict:
-    """One stage three ways (raw, merged, low-rank); their greedy tokens once; merging alone."""
+    """One stage three ways (raw, merged, low-rank) and merging alone. A fresh adapter is a no-op:
+    greedy decoding writes the same tokens in all three (checked once); the timed runs sample."""
     greedy = raw_generate(model, tok, chats, cfg, greedy=True)
     same = all(  # each rollout's completions are the raw generate's, cut at their first eos
         greedy[i, :len(c.completion_ids)].tolist() == c.completion_ids for merge in (True, False)
@@ -405,8 +401,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="base weights of the first parts: "
                    "auto, fp32 or bf16 (as train.py's --dtype; the throughput part measures both)")
     p.add_argument("--batches", default="16,32,64", help="batch sizes of the throughput part")
-    p.add_argument("--skip", default="", help="comma-separated parts to leave out: step, sharing, "
-                   "throughput")
+    p.add_argument("--skip", default="",
+                   help=f"comma-separated parts to leave out: {', '.join(PARTS)}")
     p.add_argument("--json", default="", help="also write every figure to this file")
     return p
 
