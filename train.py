@@ -11,7 +11,8 @@ One training step (Paper A, Zeng et al. 2026, arXiv 2605.24202, Sec. 3), `rl_ste
   3. score the final answers and give each call its reward (reward.credit_calls);
   4. advantages: group-relative per (problem, slot, stage) (grpo.py), or GAE (critic.py);
   5. old log-probs; every --diag_every steps first the diagnostics' pass (measure.py);
-  6. update each adapter: one optimizer step (--one_step), or as in the paper one per mini-batch;
+  6. update each adapter: one optimizer step (--one_step), or as in the paper one per mini-batch,
+     where an isolated role of three slots takes three times the steps (docs/mechanisms.md);
   7. maac only: one pass of each critic over its inputs (value loss);
   8. log; evaluate on held-out problems every --eval_every steps; checkpoint.
 Step 0: a supervised warm-up (--sft_warmup) teaches every role its contract; the first evaluation.

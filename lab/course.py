@@ -138,6 +138,8 @@ def body_range(lines: list[str], fn: ast.FunctionDef) -> tuple[int, int, str]:
     """Lines [start, end) (0-based) of the body after the docstring, with the comments and blank
     lines above its first statement; and the body's indentation."""
     has_doc = ast.get_docstring(fn, clean=False) is not None
+    if len(fn.body) <= has_doc or fn.body[0].lineno == fn.lineno:
+        raise ValueError(f"{fn.name}: no body to replace, or a body on the def line")
     start = fn.body[has_doc].lineno - 1
     floor = fn.body[0].end_lineno if has_doc else fn.lineno  # the docstring's or header's end
     while start > floor and lines[start - 1].strip()[:1] in ("", "#"):
@@ -149,9 +151,13 @@ def stub(source: str, names: list[str], number: int) -> str:
     lines = source.splitlines(keepends=True)
     tree = ast.parse(source)
     ranges = sorted(((body_range(lines, find_function(tree, n)), n) for n in names), reverse=True)
+    limit = len(lines)
     for (start, end, indent), name in ranges:  # bottom up: the line numbers above stay right
+        if end > limit:  # an instructor's table naming a function and one nested in it
+            raise ValueError(f"{name} overlaps another stubbed function")
         lines[start:end] = [f'{indent}raise NotImplementedError('
                             f'"assignment {number}: write {name}")\n']
+        limit = start
     return "".join(lines)
 
 

@@ -104,6 +104,18 @@ PRIVATE = [".git/HEAD", ".venv/bin/python", "runs/a/metrics.jsonl", "gpu/h100.lo
            "hw1/lora.py"]  # what no student copy holds
 
 
+@pytest.mark.parametrize("source, names, words", [
+    ("def f(x):\n    def g():\n        return 1\n    return g()\n", ["f", "f.g"],
+     "f overlaps another stubbed function"),
+    ("def f(x): return x\n", ["f"], "f: no body to replace, or a body on the def line"),
+])
+def test_stub_refuses_a_table_it_would_turn_into_broken_code(source, names, words):
+    """An instructor's new assignment that names a function inside another, or a one-line def,
+    is refused rather than written out as a stub that does not parse."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        course.stub(source, names, 9)
+
+
 def test_a_copy_leaves_out_history_environments_runs_secrets_caches_and_other_copies(tmp_path):
     """A project without git: the tree less its history, environments, runs (runs/ and any
     directory holding a run's config.json and metrics.jsonl), the GPU checks' gpu/, .env files,
