@@ -40,8 +40,8 @@ from grpo import (AGG_MODES, BALANCE, RATIO_LEVELS, has_signal, kl_coefs, policy
                   reference_of, set_advantages)
 # lab/: the run's plumbing (under torchrun `block` and the gathers split and join the processes)
 from lab.checkpoint import TrainState, read_best
-from lab.machine import (PROCESSES, block, catch_stop_signals, gather_episodes, gather_lists,
-                         gpu_rngs, log, run_main)
+from lab.machine import (PROCESSES, block, catch_stop_signals, fitting_batch, gather_episodes,
+                         gather_lists, gpu_rngs, log, run_main)
 from lab.run import Run, estimate_minutes, evaluation_samples
 from lab.settings import arg, lora_targets, parse_flags, typed_flags
 from lora import (DEFAULT_TARGETS, adapter_for, adapter_parameters, freeze_copy, inject_lora,
@@ -58,7 +58,7 @@ from workflows import (ROLES, SOLVERS, WORKFLOWS, adherence, boxed_contents, eve
 
 # An adapter without signal in a step takes no optimizer step, and its schedule moves on anyway
 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-EVAL_BATCH = 32  # held-out episodes an evaluation rolls out at once on a CPU (GPU: eval_batch)
+EVAL_BATCH = 32  # held-out episodes an evaluation rolls out at once on a CPU (GPU: as fit)
 
 
 # ----------------------------------------------------------------------------
@@ -405,28 +405,14 @@ def update_means(stats: dict[str, list[float]]) -> dict[str, float]:
 # Evaluation on held-out problems
 
 
-def eval_batch(free_bytes: int, kv_bytes: int, episode_tokens: int, least: int,
-               episodes: int) -> int:
-    """Held-out episodes a GPU rolls out at once: as many as their keys and values fit in half
-    the free memory (the rest: activations and logits), at least `least`, at most `episodes`."""
-    return min(episodes, max(least, free_bytes // 2 // (kv_bytes * episode_tokens)))
-
-
 def eval_batch_here(model, tok, cfg: Config, problems, episodes: int) -> int:
-    """EVAL_BATCH on a CPU (the fixed-seed recordings'); on a GPU eval_batch for the widest stage:
-    n_agents rows quoting two replies each, or one quoting n_agents + 1 (the synthesizer)."""
+    """EVAL_BATCH on a CPU (the fixed-seed recordings'); on a GPU as many as fit (lab/machine.py)
+    of the widest stage: n_agents rows quoting two replies each, or one quoting n_agents + 1."""
     if model.device.type != "cuda":
         return EVAL_BATCH
-    c, device = model.config, model.device
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_bytes = 2 * c.num_hidden_layers * heads * head_dim * model.dtype.itemsize  # keys, values
-    P = longest_prompt(tok, cfg, problems)
-    N, T = cfg.n_agents, cfg.max_new_tokens
-    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-            - torch.cuda.memory_allocated(device))  # torch's own cache is free to it too
-    return eval_batch(free, kv_bytes, max(N * (P + 3 * T), P + (N + 2) * T),
-                      cfg.problems_per_step * cfg.group_size, episodes)
+    P, N, T = longest_prompt(tok, cfg, problems), cfg.n_agents, cfg.max_new_tokens
+    return fitting_batch(model, max(N * (P + 3 * T), P + (N + 2) * T),
+                         cfg.problems_per_step * cfg.group_size, episodes)
 
 
 def evaluate(model, tok, cfg: Config, problems, prefix: str = "eval") -> dict[str, float]:

@@ -194,6 +194,25 @@ def peak_memory_mb(device: str) -> float:
         return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
 
 
+def eval_batch(free_bytes: int, kv_bytes: int, episode_tokens: int, least: int,
+               episodes: int) -> int:
+    """Episodes rolled out at once: as many as their keys and values fit in half the free memory
+    (the rest: activations and logits), at least `least`, at most `episodes`."""
+    return min(episodes, max(least, free_bytes // 2 // (kv_bytes * episode_tokens)))
+
+
+def fitting_batch(model, episode_tokens: int, least: int, episodes: int) -> int:
+    """eval_batch on the model's GPU: its bytes of keys and values a token, the memory free to
+    torch (its own cache included), at most `episode_tokens` an episode."""
+    c, device = model.config, model.device
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_bytes = 2 * c.num_hidden_layers * heads * head_dim * model.dtype.itemsize  # keys, values
+    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
+    return eval_batch(free, kv_bytes, episode_tokens, least, episodes)
+
+
 def gpu_rngs(device: torch.device) -> list:
     """The devices whose random state torch.random.fork_rng sets aside besides the CPU's."""
     return [device] if device.type == "cuda" else []

@@ -1349,14 +1349,14 @@ def test_the_orchestrators_warm_up_plans_vary_from_episode_to_episode():
 
 
 def test_an_evaluation_fills_a_gpu_and_rolls_out_32_at_once_on_a_cpu(tiny, monkeypatch):
-    """eval_batch by hand: 16 GiB free, half of it for keys and values of 128 KiB a token,
+    """lab/machine.eval_batch by hand: 16 GiB free, half of it for keys and values of 128 KiB a token,
     1,024 tokens an episode (128 MiB): 64 episodes at once; never fewer than a training step's
     256, never more than the 50 there are. On a GPU (faked) the README recipe's Qwen3-0.6B shape
     takes 112 KiB a token in bf16, and Voting's widest stage is its 3 generators' rows, each
     room for a prompt, two quoted replies and its own of 1,024 tokens."""
-    assert train.eval_batch(2**34, 2**17, 2**10, 32, 500) == 64
-    assert train.eval_batch(2**34, 2**17, 2**10, 256, 500) == 256
-    assert train.eval_batch(2**34, 2**17, 2**10, 32, 50) == 50
+    assert machine.eval_batch(2**34, 2**17, 2**10, 32, 500) == 64
+    assert machine.eval_batch(2**34, 2**17, 2**10, 256, 500) == 256
+    assert machine.eval_batch(2**34, 2**17, 2**10, 32, 50) == 50
     model, tok = tiny
     problems = load_task("arith", "test", 20, 2, 0)
     cfg = train.Config(model="tiny", workflow="voting", max_new_tokens=1024,
@@ -1366,7 +1366,7 @@ def test_an_evaluation_fills_a_gpu_and_rolls_out_32_at_once_on_a_cpu(tiny, monke
     gpu = type("GPU", (), {"device": torch.device("cuda"), "dtype": torch.bfloat16,
                            "config": random_config("qwen3-0.6b", tok)})()
     seen = []
-    monkeypatch.setattr(train, "eval_batch", lambda *a: seen.append(a) or 7)
+    monkeypatch.setattr(machine, "eval_batch", lambda *a: seen.append(a) or 7)
     for free in (2**30, 2**40):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free: (f, 2 * f))
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2**20)
