@@ -49,7 +49,8 @@ class ValueHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(hidden_size, hidden_size)
         self.out = nn.Linear(hidden_size, 1)
-        # a fresh critic predicts exactly 0 (the first advantages are plain returns)
+        # a fresh critic predicts exactly 0 (the first advantages are plain returns); `dense`
+        # gets gradient once `out` has moved
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
@@ -113,7 +114,8 @@ def critic_key(slot: str, role: str, critic: str, per: str = "slot") -> str:
 
 
 def joint_history(episode_calls: list[Call], turn: int) -> str:
-    """The central critic's input: prompts and outputs before `turn`, then the prompts at it."""
+    """The central critic's input at one joint step: all prompts and outputs before `turn`, then
+    the prompts at `turn`, each block labelled with its agent slot(s)."""
     blocks = []
     for t in sorted({c.stage for c in episode_calls if c.stage <= turn}):
         stage = [c for c in episode_calls if c.stage == t]
@@ -179,7 +181,8 @@ def encode(tok, texts: list[str], max_tokens: int) -> list[list[int]]:
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
         gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns of B sequences of turns padded on the right (mask 0): (B, K) each."""
+    """Advantages and returns of B sequences of turns, padded on the right: (B, K) each. The mask
+    is 1 on each sequence's real turns (a prefix); after the last one V = 0; padding returns 0."""
     B, K = rewards.shape
     values = values * mask  # (B, K)
     next_values = torch.cat([values[:, 1:], values.new_zeros(B, 1)], dim=1)  # (B, K): V(s_{k+1})
@@ -248,8 +251,9 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """0.5 * mean (V - R)^2, optionally PPO-clipped (the max of clipped and unclipped errors, as
-    in PPO2: V gains nothing by moving more than `clip` from old_values): (calls,) -> ()."""
+    """0.5 * mean (V - R)^2, optionally PPO-clipped: (calls,) -> (), and its statistics as 0-d
+    tensors. With clip, V may move at most `clip` from old_values before the loss stops rewarding
+    the move (the max of clipped and unclipped errors, as in PPO2); clip_frac: the share held."""
     v_loss_unclipped = (values - returns) ** 2  # (calls,)
     v_loss, stats = v_loss_unclipped, {}
     if clip is not None:

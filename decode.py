@@ -1,15 +1,27 @@
 """Decoding: the token loop of one workflow stage, on a CPU and on a GPU.
 
 Both decoders take left-padded prompts ids/attn (B, P) and return the new tokens (B, T), pad
-after each row's first end token, with their log pi_rollout (B, T) (None when greedy). Positions
-count real tokens only; each distinct prompt (a GRPO group's) is prefilled once for its rows.
+after each row's eos, with log pi_rollout of each (B, T) (None when greedy). A row's eos is the
+first of the end tokens it is given (`end_tokens`). Positions count real tokens only, so a
+left-padded row is positioned as it would be alone, and each distinct prompt (a GRPO group's
+samples share one) is prefilled once, its cache rows copied to every row that asked for it.
 
-- `decode` (the CPU's): a cache that grows by one column a token; finished rows leave the batch.
+- `decode` (the CPU's): a cache that grows by one column a token, and rows that leave the
+  batch once they wrote their eos. Every operation is a host call, which a CPU pays little for.
 - `graph_decode` (CUDA's): a static cache kept from stage to stage, one decoding step
-  (`StaticStep`) captured as a CUDA graph per (rows, columns) bucket and replayed per token, as
-  nano-vllm's model runner and gpt-fast's `decode_one_token` do: one launch instead of about a
-  thousand. The step writes a decoder layer out by hand, so it serves STATIC_FAMILIES only, after
-  a check against the model's forward pass (`static_refusal`); other models go to `decode`.
+  (`StaticStep`) captured as a CUDA graph per (rows, columns) bucket and replayed per token, so
+  a step costs one launch instead of about a thousand (30 layers x some 30 kernels) and reads
+  the columns its rows have written, rounded up to a length bucket, not the stage's whole
+  length. The host asks which rows are done every CHECK_EVERY tokens only. As nano-vllm's model
+  runner (graphs per batch-size bucket, one pool) and gpt-fast's `decode_one_token` do; the
+  length buckets stand in for their attention over each row's own length.
+
+`StaticStep` writes a decoder layer out by hand, and a family whose layer differs would decode
+other tokens without an error or fail inside the step. So it serves the families it is written
+and tested for (STATIC_FAMILIES), and checks itself once per model, dtype and device against
+the model's own forward pass. Every other model, a rotary table that changes with the length,
+and a stage longer than a sliding window go to `decode`: the rollout asks `static_refusal`
+which decoder to run, and `graph_decode` refuses such a model rather than decode it wrong.
 
 Exercised by: pytest tests/test_decode.py, tests/test_rollout.py
 """
@@ -29,13 +41,19 @@ CHECK_EVERY = 8  # tokens between the GPU decoder's questions "which rows are do
 COLUMNS = 256
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 
-# The model types whose decoder layer `StaticStep` writes out, each tested on a tiny random model
-# (Gemma, Granite, SmolLM3, OLMo2, Phi3 differ: scaled embeddings, multipliers, other norms).
+# The model types whose decoder layer `StaticStep` writes out, Llama 3 and YaRN rotary scaling
+# included, each tested on a tiny random model: Llama's (Mistral's is the same; Qwen2's biases on
+# q, k and v are in its projections; Qwen3 normalises each head's query and key). Gemma, Gemma2,
+# Granite, SmolLM3, OLMo2 and Phi3 differ in ways the step does not write (scaled embeddings,
+# multipliers, layers without rotary, other norms, fused weights).
 STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PROBE_TOKENS = 8  # the prompt length of the static step's check against the model's forward
-# The checked step's logits' distance from the forward pass's, as a fraction of their range: on a
-# CPU, rounding gives under 1e-6 in fp32 and up to 0.015 in bf16, a layer the step does not write
-# 0.36 to 3.8. A failed check costs speed (the plain loop, with a warning), never tokens.
+# How far the checked step's logits may stand from the forward pass's, as a fraction of their
+# range. Rounding alone, measured on a CPU: under 1e-6 in fp32; in bf16 0.007 (a random
+# Qwen3-0.6B), 0.011 (SmolLM2-135M), 0.015 (the tiny test models). A layer the step does not
+# write, in the tiny test models: 0.36 (SmolLM3's layers without rotary, rotated), 3.8
+# (Granite's multipliers ignored). A GPU's bf16 kernels round otherwise, not yet measured: a
+# check that fails there costs speed (the plain loop, with a warning), never tokens.
 FP32_TOLERANCE, HALF_TOLERANCE = 1e-4, 5e-2
 CHECKED = weakref.WeakKeyDictionary()  # model -> {(dtype, device): static_refusal's check}
 

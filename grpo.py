@@ -76,7 +76,8 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str,
     token-mean:           sum over all tokens / number of tokens
     seq-mean-token-mean:  mean over sequences of each sequence's token mean (Paper A's default)
     seq-mean-token-sum:   mean over sequences of each sequence's token sum
-    num_seqs / num_tokens: the mini-batch's denominators, so that its micro-batches add up to it.
+    num_seqs / num_tokens override the denominators, so that micro-batches of one
+    optimizer mini-batch add up to exactly the mini-batch's loss.
     """
     num_seqs = x.shape[0] if num_seqs is None else num_seqs
     if mode == "token-mean":
@@ -93,8 +94,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 mask: torch.Tensor, eps_low: float = 0.2, eps_high: float = 0.28,
                 is_weight: torch.Tensor | None = None,
                 ratio_level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped surrogate per token, (B, T), for `aggregate` to reduce, and its statistics
-    (0-d tensors). logp, old_logp, mask, is_weight (`tis_weight`): (B, T); advantages: (B,)."""
+    """The clipped surrogate per completion token, (B, T), for `aggregate` to reduce, and its
+    statistics over the completion tokens (0-d tensors). logp, old_logp, mask, is_weight (the
+    optional `tis_weight`): (B, T); advantages: (B,), spread over each sequence's tokens.
+    ratio_level "token" (PPO, GRPO) or "sequence" (GSPO)."""
     adv = advantages.unsqueeze(-1)  # (B, 1)
     log_ratio = logp - old_logp  # (B, T)
     token_ratio = torch.exp(log_ratio)
@@ -122,7 +125,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor,
                mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """k3 to the reference per token, (B, T): >= 0, unbiased for KL(pi || ref) (Schulman 2020)."""
+    """k3 to the reference per token, (B, T) (>= 0, unbiased for KL(pi || ref); Schulman 2020),
+    and its mean over the completion tokens (kl_ref)."""
     log_ref_ratio = ref_logp - logp  # (B, T)
     kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
     return kl, {"kl_ref": masked_mean(kl.detach(), mask)}
@@ -162,9 +166,14 @@ class LossWeight(NamedTuple):
 
 
 def loss_weight(mb: list[Call], role: str, balance: str) -> LossWeight:
-    """Scale and denominators of one role's loss in a mini-batch. none: every call alike; role:
-    a mean per role, then over roles (against role capture); multiplicity: 1/N for a role of N
-    slots (against amplification; under AdamW it acts through the clip and against other roles).
+    """Scale and denominators of one role's loss in a mini-batch.
+
+    none: every call counts alike, so a role's weight is its share of calls or tokens;
+    role: each role's loss is averaged over its own calls, then roles are averaged (the
+          shared-adapter fix for role capture);
+    multiplicity: the loss of a role with N slots in the mini-batch is scaled by 1/N (the
+          isolated-adapter fix for amplification). Under AdamW a constant scale of an adapter's
+          whole loss mostly cancels: it acts through the gradient clip and against other roles.
     """
     counted = [c for c in mb if c.role == role] if balance == "role" else mb
     scale = 1.0
@@ -234,8 +243,10 @@ def policy_update(state, adapter: str, calls: list[Call], pad_id: int, cfg,
     (`state`: lab/checkpoint.py's TrainState). A call without signal is skipped (its gradient is
     0) but counts in the denominators; a non-finite gradient takes no step. Under torchrun each
     process back-propagates its share, and the gradients are summed before the step."""
-    model, optimizer, ema = state.model, state.optimizers[adapter], state.emas[adapter]
+    model, optimizer, ema = state.model, state.optimizers[adapter], state.emas.get(adapter)
     kl = kl_coefs(cfg)
+    if cfg.damping > 0 and ema is None:
+        raise ValueError(f"--damping needs state.emas[{adapter!r}], the gradient EMA of its steps")
     params = adapter_parameters(model, adapter)
     theta_before = torch.cat([p.detach().reshape(-1) for p in params])  # (n_params,)
     stats = defaultdict(list)

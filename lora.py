@@ -89,14 +89,15 @@ def inject_lora(model: nn.Module, r: int = 64, alpha: float = 32.0,
     """Freeze the model and wrap every nn.Linear whose name ends in a target."""
     for p in model.parameters():
         p.requires_grad_(False)
-    wrapped, found = [], set()
+    wrapped = []
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child_name in targets:
                 layer = LoRALinear(child, r, alpha)
                 setattr(parent, child_name, layer)
                 wrapped.append(layer)
-                found.add(child_name)
+    found = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+             if isinstance(m, LoRALinear)}
     if missing := [t for t in targets if t not in found]:
         raise ValueError(f"no linear layer named {', '.join(missing)} in the model")
     return wrapped
@@ -143,8 +144,10 @@ def use_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
 
 @contextmanager
 def merged_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
-    """Run a block (no gradients) under adapter `name` folded into the base weights in place:
-    use_adapter's function up to rounding, at the base model's cost, with one more copy of W."""
+    """Run a block (no gradients) under adapter `name` folded into the base weights in place
+    (`LoRALinear.merge`): use_adapter(model, name)'s function up to float rounding, at the base
+    model's cost per token. One extra copy of the base weights is kept while the block runs and
+    written back, bit for bit, after it."""
     if name is not None and name not in adapter_names(model):
         raise KeyError(f"unknown adapter {name!r}; have {adapter_names(model)}")
     layers = [] if name is None else lora_layers(model)  # None: the base model, nothing to merge

@@ -30,8 +30,9 @@ from workflows import adherence, parse_choice, similarity
 
 
 def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
-    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2) (1 for orthogonal gradients, sqrt(N) for
-    identical ones), and the mean pairwise cosine."""
+    """kappa = |sum_i g_i| / sqrt(sum_i |g_i|^2), and the mean pairwise cosine: kappa is 1 for
+    orthogonal gradients and sqrt(N) for identical ones (the role's step is then sqrt(N) times
+    what N independent slots would give)."""
     g = torch.stack(grads)  # (N, n_params)
     kappa = (g.sum(0).norm() / g.norm(dim=1).square().sum().sqrt()).item()
     unit = g / g.norm(dim=1, keepdim=True)  # (N, n_params)
@@ -43,7 +44,8 @@ def amplification(grads: list[torch.Tensor]) -> tuple[float, float]:
 
 def gradient_stats(slot_grads: dict[str, torch.Tensor],
                    role_of: dict[str, str]) -> dict[str, float]:
-    """Gradient norms per slot and role, kappa and coherence of same-role slots, grad_share."""
+    """Per slot and per role gradient norms, kappa and coherence of same-role slots, and each
+    role's share of the roles' summed grad_norm (grad_share)."""
     stats, role_grads = {}, defaultdict(list)
     for slot, g in slot_grads.items():
         stats[f"slot/{slot}/grad_norm"] = g.norm().item()

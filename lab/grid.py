@@ -64,21 +64,25 @@ def cell_flags(shared: list[str], own: list[str], train_flags: list[str]) -> lis
 
 
 def flag_groups(argv: list[str]) -> list[tuple[str, list[str]]]:
-    """Each flag with its value: ("lr", ["--lr", "0.1"]), ("lr", ["--lr=0.1"]), ("one_step",
-    ["--no-one_step"]). train.py takes no positional argument: a token after a flag is its
-    value."""
-    groups = []
-    for token in argv:
-        if token.startswith("--"):
-            groups.append((flag_name(token), [token]))
-        elif groups:
-            groups[-1][1].append(token)
+    """A train.py command line's flags, each with its value: ("lr", ["--lr", "0.1"]),
+    ("lr", ["--lr=0.1"]), ("one_step", ["--no-one_step"]); a token that is no flag's is left
+    out. Config's bool fields take no value."""
+    switches = {f.name for f in dataclasses.fields(Config) if f.type is bool}
+    groups, i = [], 0
+    while i < len(argv):
+        if not argv[i].startswith("--"):
+            i += 1
+            continue
+        name = flag_name(argv[i])
+        width = 1 if "=" in argv[i] or name in switches else 2
+        groups.append((name, argv[i:i + width]))
+        i += width
     return groups
 
 
 # ----------------------------------------------------------------------------
-# The demos: each mechanism made to happen on the embedded model, next to its mitigations.
-# docs/mechanisms.md gives each demo's settings, the sweeps that found them and what they show.
+# The demos: each mechanism made to happen on the embedded model, next to its mitigations
+# The settings were found by the sweeps in docs/mechanisms.md.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +96,13 @@ class Demo:
                                       # (train.py --start_from); () = each cell warms up itself
 
 
-# Voting from one supervised warm-up per seed, then 5 RL steps at a learning rate where the
-# aggregator's contract breaks in some cells and not in others. --no-one_step: the paper's steps.
+# The first two demos train Voting from one start per seed: a short supervised warm-up under a
+# shared adapter gives the aggregator its contract and keeps the generators solving; every cell
+# goes on from it (copied into each role's adapter in the isolated cells), so the cells differ
+# only in how RL updates the adapters: 5 RL steps at a learning rate (1.5e-3) where the
+# aggregator's contract breaks in some cells and not in others. Neither shows its mechanism at
+# this scale; docs/mechanisms.md gives the seeds, the sweeps and what it would take.
+# --no-one_step: the paper's mini-batch steps: more steps for a role with more slots
 DEMO_FLAGS = ("--workflow", "voting", "--sft_warmup", "4", "--lr", "1.5e-3",
               "--problems_per_step", "2", "--max_new_tokens", "32", "--steps", "5",
               "--eval_every", "0", "--eval_problems", "16", "--no-one_step")
@@ -110,8 +119,10 @@ DEMOS = {
          "isolated": ("--sharing", "isolated"),
          "shared-balance_role": ("--sharing", "shared", "--balance", "role")},
         ("shared",), ("adherence", "generator share"), start=("--sharing", "shared")),
-    # The optimizer channel: an AdamW step per 4 calls at a constant learning rate, against one
-    # step a training step, and against a single agent given as many calls and steps.
+    # The optimizer channel: at a constant learning rate over 12 steps, the isolated generators'
+    # adapter takes an AdamW step per 4 of their calls (6 a step: 8 episodes x 3 slots; the
+    # aggregator's 2), against the same adapters with one step a training step, and against a
+    # single agent given as many calls and steps (6 problems x 4 episodes, 6 mini-batches).
     "optimizer": Demo(
         "gradient amplification",
         ("--workflow", "voting", "--sft_warmup", "4", "--problems_per_step", "2",
@@ -122,8 +133,10 @@ DEMOS = {
          "isolated-one_step": ("--sharing", "isolated", "--one_step"),
          "single": ("--workflow", "single", "--problems_per_step", "6", "--no-one_step")},
         ("isolated",), ("accuracy", "update norm"), start=("--sharing", "shared")),
-    # Capture as a dose: the generators' share of a shared adapter's steps raised on purpose
-    # (per call, per token, per token over more steps), and the strongest with a KL anchor.
+    # Capture as a dose: one shared adapter, the generators' share of its steps raised on purpose -
+    # each call weighing the same (the default), each token (a generator's reply of 20-30 tokens
+    # outweighs a verdict of 5), each token over an AdamW step per 4 calls - at a constant learning
+    # rate over 10 steps, and the strongest dose with a KL anchor on the aggregator's warm-up.
     "capture_dose": Demo(
         "role capture",
         ("--workflow", "voting", "--sharing", "shared", "--sft_warmup", "4",
@@ -137,8 +150,11 @@ DEMOS = {
                                       "--role_kl", "aggregator=0.5")},
         ("per-token", "per-token-steps"), ("adherence", "generator share"),
         start=("--sharing", "shared")),
-    # Paper B in miniature: GRPO's group baseline against a central and a decentral critic on
-    # Orch-Workers, whose workers see less than a central critic reads (critic.unseen).
+    # Paper B in miniature: an Orch-Workers worker is shown one strategy, not the plan or the other
+    # workers' (critic.unseen: 0.46-0.66 of what was said before it), so the central critic reads
+    # what a decentral one cannot: GRPO's group baseline against the two critics, at the main
+    # table's recipe on 4 problems a step. `--level 4` after the demo's name gives the sparse
+    # reward (two-digit sums and differences, one-digit products). No detector is asked.
     "critics": Demo(
         "",
         ("--workflow", "orch_workers", "--problems_per_step", "4", "--steps", "8",
@@ -146,7 +162,8 @@ DEMOS = {
         {"grpo": (), "central": ("--algo", "maac", "--critic", "central"),
          "decentral": ("--algo", "maac", "--critic", "decentral")},
         (), ("accuracy", "explained variance", "gradient noise"), start=("--algo", "grpo")),
-    # The default run over seeds, its gain split at the generator's first answers (gain_table).
+    # The default run over seeds: its gain, split into the generator's first answers and what the
+    # rest of the workflow (the evaluator and its refines) adds (gain_table).
     "default": Demo("", (), {"default": ()}, (), ("accuracy",)),
 }
 

@@ -10,6 +10,7 @@ Exercised by: pytest tests/test_train.py, tests/test_distributed.py, tests/test_
 import ctypes
 import os
 import re
+import resource
 import signal
 import sys
 from collections import defaultdict
@@ -170,8 +171,11 @@ PROCESSES = SimpleNamespace(share=share_of, sum=sum_across, sum_grads=sum_gradie
 
 def running_threads() -> int:
     """Threads running or runnable on the machine right now, this one included."""
-    with open("/proc/loadavg") as f:
-        return int(f.read().split()[3].split("/")[0])
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return 1 << 30  # unknown: the load average alone decides
 
 
 def pick_threads(requested: int, own_load: float) -> int:
@@ -190,8 +194,11 @@ def peak_memory_mb(device: str) -> float:
     would carry over the parent's peak to a child, as lab/bench.py starts them)."""
     if device.startswith("cuda"):
         return torch.cuda.max_memory_allocated(device) / 2**20
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024  # KiB
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def eval_batch(free_bytes: int, kv_bytes: int, episode_tokens: int, least: int,

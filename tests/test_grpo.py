@@ -522,3 +522,16 @@ def test_the_clip_acts_only_after_the_first_mini_batch_step(tiny, one_step):
     clipped = stats["role/generator/clip_frac"]
     assert (max(clipped) > 0) == (not one_step), clipped
     assert one_step == all(r == pytest.approx(1.0) for r in stats["role/generator/ratio_mean"])
+
+
+def test_damping_without_the_adapters_gradient_ema_is_refused_in_one_line(tiny):
+    """A script's training state that holds no gradient EMA for the adapter: --damping says what
+    it needs before any pass; without damping the update needs none."""
+    model, tok = tiny
+    calls = sampled_calls(tiny, 2)
+    sgd = torch.optim.SGD(adapter_parameters(model, "generator"), lr=0.0)
+    state = train_state(model, {"generator": sgd})
+    state.emas.clear()
+    with pytest.raises(ValueError, match=r"--damping needs state.emas\['generator'\]"):
+        policy_update(state, "generator", calls, tok.pad_token_id, update_config(damping=0.5))
+    assert policy_update(state, "generator", calls, tok.pad_token_id, update_config())

@@ -279,3 +279,11 @@ def test_merged_bf16_base_differs_by_no_more_than_bf16_rounding(tiny):
     W = layer.base.weight
     D = (layer.merged_weight("shared").float() - W.float()).to(torch.bfloat16)
     assert not torch.equal((W + D) - D, W)
+
+
+def test_a_second_injection_wraps_nothing_and_finds_every_target(tiny):
+    """inject_lora on a model that holds its LoRA layers already: no layer wrapped twice, and no
+    target reported missing."""
+    model, _ = tiny
+    first = inject_lora(model, r=4, alpha=8)
+    assert first and inject_lora(model, r=4, alpha=8) == []

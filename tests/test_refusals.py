@@ -22,7 +22,7 @@ from lab import run as lab_run
 from critic import critic_key
 from lora import adapter_for, inject_lora
 from model import tiny_model
-from tasks import Problem
+from tasks import Problem, facts, humaneval_problems
 import train
 from workflows import run_workflow
 
@@ -649,9 +649,12 @@ def test_a_damaged_samples_log_stops_a_resume_before_either_log_is_cut(finished,
      "unknown critic grouping 'agent'"),
     (partial(run_workflow, "voting", ["1+1?"], None, "math", n_agents=0), "need n_agents >= 1"),
     (partial(run_workflow, "eval_opt", ["1+1?"], None, "math", max_rounds=0), "max_rounds >= 1"),
+    (partial(humaneval_problems, "validation", 5), "split must be one of train, val, test"),
+    (partial(facts, 1, "tst"), "split must be one of train, val, test"),
 ])
 def test_a_library_caller_s_unknown_setting_is_refused_not_read_as_another(call, words):
     """Called from a script rather than train.py, no setting falls through to a default branch:
-    an unknown sharing would train isolated adapters, an unknown grouping one critic per role."""
+    an unknown sharing would train isolated adapters, an unknown grouping one critic per role, an
+    unknown split return no problems."""
     with pytest.raises(ValueError, match=re.escape(words)):
         call()

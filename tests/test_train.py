@@ -1349,11 +1349,11 @@ def test_the_orchestrators_warm_up_plans_vary_from_episode_to_episode():
 
 
 def test_an_evaluation_fills_a_gpu_and_rolls_out_32_at_once_on_a_cpu(tiny, monkeypatch):
-    """lab/machine.eval_batch by hand: 16 GiB free, half of it for keys and values of 128 KiB a token,
-    1,024 tokens an episode (128 MiB): 64 episodes at once; never fewer than a training step's
-    256, never more than the 50 there are. On a GPU (faked) the README recipe's Qwen3-0.6B shape
-    takes 112 KiB a token in bf16, and Voting's widest stage is its 3 generators' rows, each
-    room for a prompt, two quoted replies and its own of 1,024 tokens."""
+    """machine.eval_batch by hand: 16 GiB free, half of it for keys and values of 128 KiB a token,
+    1,024 tokens an episode (128 MiB): 64 episodes at once; never fewer than a training step's 256,
+    never more than the 50 there are. On a GPU (faked) the README recipe's Qwen3-0.6B shape takes
+    112 KiB a token in bf16, and Voting's widest stage is its 3 generators' rows, each room for a
+    prompt, two quoted replies and its own of 1,024 tokens."""
     assert machine.eval_batch(2**34, 2**17, 2**10, 32, 500) == 64
     assert machine.eval_batch(2**34, 2**17, 2**10, 256, 500) == 256
     assert machine.eval_batch(2**34, 2**17, 2**10, 32, 50) == 50
