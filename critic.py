@@ -284,7 +284,8 @@ def critic_advantages(model: nn.Module, tok, heads: nn.ModuleDict, calls: list[C
     keys, texts = critic_inputs(calls, cfg.critic, cfg.critic_per)
     ids = encode(tok, texts, cfg.critic_max_tokens)
     values = predict_values(model, heads, keys, ids, tok.pad_token_id, procs=procs)  # (calls,)
-    # --credit own: each call's own reward at its turn; else (None) the outcome on the last turn
+    # --credit own: each call's own reward at its turn (GAE adds the agent's later rewards to an
+    # earlier turn's return); else (None) the outcome on each agent's last turn
     rewards = [c.reward for c in calls] if cfg.credit == "own" else None
     adv, returns = call_advantages(calls, values, cfg.gamma, cfg.lam, rewards,
                                    cut_returns_zero=cfg.truncated == "penalize")  # (calls,) each
