@@ -1,6 +1,6 @@
 r"""Running untrusted generated code: the isolation layers, and the test harness inside them.
 
-The code reward (reward.py) runs the last python block of a completion against every test of a
+The code reward (verifier.py) runs the last python block of a completion against every test of a
 problem: "assert" (a HumanEval `check`), "stdio" (stdin -> stdout, one fresh process per test) or
 "call" (fn(*input) == output). run_code() gives a verdict; it never raises. The layers, strongest
 first (docs/tasks.md#the-sandbox); sandbox() finds, once per process, the strongest combination

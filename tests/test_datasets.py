@@ -10,8 +10,10 @@ import time
 import datasets  # noqa: F401
 import pytest
 
-from reward import math_reward, run_code, score
+from reward import score
+from sandbox import run_code
 from tasks import TASKS, dapo_problem, deepcoder_problem, humaneval_problems, load_task
+from verifier import math_reward
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

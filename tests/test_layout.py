@@ -8,8 +8,8 @@ from conftest import ROOT
 # A file may import only files of a lower layer (README, "The files"), named as imported.
 LAYERS = {"lora": 0, "workflows": 0, "sandbox": 0, "lab.machine": 0, "tasks": 0, "model": 0,
           "decode": 0, "lab.harness": 0,
-          "rollout": 1, "reward": 1, "lab.files": 1,
-          "grpo": 2, "critic": 2, "warmup": 2, "lab.checkpoint": 2,
+          "rollout": 1, "verifier": 1, "lab.files": 1,
+          "reward": 2, "grpo": 2, "critic": 2, "warmup": 2, "lab.checkpoint": 2,
           "measure": 3, "lab.settings": 3,
           "lab.run": 4,
           "train": 5,

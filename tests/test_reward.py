@@ -1,4 +1,4 @@
-"""Tests for reward.py and tasks.py: the math verifier on a table of hand-written cases, and the
+"""Tests for verifier.py, reward.py and tasks.py: the math verifier on a table of hand-written cases, and the
 arith task generator; measure.py's figures of a step's calls, by hand."""
 import random
 import re
@@ -10,8 +10,9 @@ import pytest
 import sympy  # noqa: F401
 
 from measure import role_jobs, step_metrics
-from reward import credit_calls, cut_finals, extract_answer, math_equal, math_reward
+from reward import credit_calls, cut_finals
 from tasks import LEVELS, NAMES, OBJECTS, SPLITS, Problem, arith_problems, load_task
+from verifier import extract_answer, math_equal, math_reward
 from workflows import Outcome
 
 HUGE = "blah 7 " * 30_000 + "\\boxed{42}"  # about 210k chars, answer at the very end

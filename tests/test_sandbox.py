@@ -16,10 +16,11 @@ import time
 import pytest
 
 from conftest import ROOT as ROOT_DIR
-from reward import code_reward, extract_code, score, score_batch
+from reward import score, score_batch
 from lab.harness import DEPTH, decode, encode
 from sandbox import _same_output, _same_value, harness_source, run_code, sandbox
 from tasks import Problem
+from verifier import code_reward, extract_code
 
 TIMEOUT = 2.0  # per program; hostile programs that must be killed take this long
 SLACK = 2.0  # start-up and clean-up on a busy 2-core machine
