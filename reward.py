@@ -1,8 +1,9 @@
 """The rewards of one step: each episode's final text scored by its verifier (verifier.py:
 math by value, code in the sandbox), then, in one place (`credit_calls`), what every call of the
-workflow is paid.
+workflow is paid: by default the episode's outcome, broadcast to all its calls (Paper A, Zeng et
+al. 2026, arXiv 2605.24202, Sec. 3).
 
-    pytest tests/test_reward.py tests/test_train.py
+    pytest tests/test_reward.py tests/test_sandbox.py tests/test_train.py
 """
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
